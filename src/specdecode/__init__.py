@@ -1,0 +1,51 @@
+"""specdecode: lossless speculative decoding for Hugging Face causal language models.
+
+Quick start::
+
+    import specdecode
+    gen = specdecode.load("smollm2-135m", drafter="pld")
+    result = gen.generate("Summarise: ...", chat=True, max_new_tokens=128)
+    print(result.text, result.stats.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.generator import GenerationResult, SpeculativeGenerator, StreamEvent
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def load(
+    model: str = DEFAULT_MODEL,
+    drafter: str = "pld",
+    *,
+    num_draft_tokens: int = 5,
+    max_new_tokens: int = 128,
+    **drafter_options,
+) -> SpeculativeGenerator:
+    """Load ``model`` (registry short name, local directory, .gguf file or hub id) with a drafter.
+
+    ``drafter_options`` go to the drafter, e.g. ``draft_model="qwen2.5-coder-0.5b"`` for
+    ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.
+    """
+    from specdecode.drafters import drafter_class
+    from specdecode.models.loading import load_model
+
+    drafter_class(drafter)  # fail on an unknown drafter before spending time loading the model
+    target = load_model(model)
+    defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
+    return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
+
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "GenerationConfig",
+    "GenerationResult",
+    "SamplingParams",
+    "SpecDecodeError",
+    "SpeculativeGenerator",
+    "StreamEvent",
+    "load",
+]

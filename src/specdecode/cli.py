@@ -1,0 +1,181 @@
+"""Command line: ``specdecode generate | demo | models``.
+
+Names here are a contract (the benchmark and outside checks call them): keep flags and JSON fields.
+User mistakes print one line ``specdecode: error: ...`` and exit 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _parse_option(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise SpecDecodeError(f"--drafter-option takes KEY=VALUE, got {text!r}")
+    value: object = raw
+    for convert in (int, float):
+        try:
+            value = convert(raw)
+            break
+        except ValueError:
+            continue
+    return key.replace("-", "_"), value
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    parser.add_argument("--drafter", default="pld", help="drafting method (see `specdecode drafters`)")
+    parser.add_argument("--draft-model", help="draft model for --drafter draft-model")
+    parser.add_argument(
+        "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+        help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
+    )
+    parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="K", help="tokens drafted per step")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    parser.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def _generation_config(args: argparse.Namespace):
+    from specdecode.config import GenerationConfig, SamplingParams
+
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        num_draft_tokens=args.num_draft_tokens,
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _build_generator(args: argparse.Namespace, drafter: str, defaults):
+    from specdecode.drafters import drafter_class
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import load_model
+
+    drafter_class(drafter)  # unknown drafter: fail before the (slow) model load
+    options = dict(_parse_option(o) for o in args.drafter_option)
+    if args.draft_model is not None:
+        options["draft_model"] = args.draft_model
+    target = load_model(args.model)
+    return SpeculativeGenerator.build(target, drafter, defaults, **options)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise SpecDecodeError("prompt is empty")
+    generator = _build_generator(args, args.drafter, _generation_config(args))
+    if args.json:
+        result = generator.generate(prompt, chat=args.chat)
+        print(json.dumps(result.to_json()))
+        return 0
+    result = None
+    for event in generator.stream_events(prompt, chat=args.chat):
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+        result = event.result or result
+    print()
+    print(f"[{args.drafter}] {result.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+DEMO_PROMPT_INSTRUCTION = "Add a one-line comment above each function in this code and repeat the code:\n\n"
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The README's main job: same prompt, plain decoding vs speculative decoding, same output."""
+    import inspect
+    import textwrap
+
+    import specdecode.config as example_source
+
+    prompt = DEMO_PROMPT_INSTRUCTION + textwrap.dedent(inspect.getsource(example_source.SamplingParams))
+    defaults = _generation_config(args)
+    speculative = _build_generator(args, args.drafter, defaults)
+    plain = type(speculative).build(speculative.target, "none", defaults)
+    plain.generate(prompt, chat=True, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
+    base = plain.generate(prompt, chat=True)
+    fast = speculative.generate(prompt, chat=True)
+    print(fast.text)
+    print("-" * 60)
+    print(f"plain decoding        : {base.stats.summary()}")
+    print(f"{args.drafter:<22}: {fast.stats.summary()}")
+    same = "identical" if base.token_ids == fast.token_ids else "DIFFERENT"
+    speedup = fast.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else float("nan")
+    print(f"speedup {speedup:.2f}x over plain decoding on {args.model}; output {same} to plain decoding")
+    return 0 if base.token_ids == fast.token_ids or not defaults.sampling.greedy else 1
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from specdecode.models import registry
+
+    statuses = registry.list_models()
+    if args.json:
+        print(json.dumps([{**vars(s)} for s in statuses]))
+    else:
+        print(registry.format_model_table(statuses))
+    return 0
+
+
+def cmd_drafters(args: argparse.Namespace) -> int:
+    from specdecode.drafters import available_drafters, drafter_class
+
+    for name in available_drafters():
+        doc = (drafter_class(name).__doc__ or sys.modules[drafter_class(name).__module__].__doc__ or "").strip()
+        print(f"{name:<14} {doc.splitlines()[0] if doc else ''}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text from a prompt")
+    generate.add_argument("prompt", help="the prompt text, or - to read it from standard input")
+    _add_generation_flags(generate)
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    generate.set_defaults(run=cmd_generate)
+
+    demo = commands.add_parser("demo", help="plain vs speculative decoding on one prompt, with the speedup")
+    _add_generation_flags(demo)
+    demo.set_defaults(run=cmd_demo)
+
+    models = commands.add_parser("models", help="list the offline model registry and what is cached")
+    models.add_argument("--json", action="store_true")
+    models.set_defaults(run=cmd_models)
+
+    drafters = commands.add_parser("drafters", help="list registered drafters")
+    drafters.set_defaults(run=cmd_drafters)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Callable[[argparse.Namespace], int] = args.run
+    try:
+        return run(args)
+    except SpecDecodeError as exc:
+        print(f"specdecode: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Configuration dataclasses, validated once at the edge so the engine can trust them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdecode.errors import SpecDecodeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen.  ``temperature == 0`` means greedy decoding.
+
+    The same parameters shape both the target's and the drafter's distributions, so that the draft
+    proposes from (an approximation of) the very distribution the verifier accepts against.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise SpecDecodeError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise SpecDecodeError(f"top-k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise SpecDecodeError(f"top-p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """One request: how many tokens, when to stop, how to sample, how far to draft."""
+
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 5
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise SpecDecodeError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
+            raise SpecDecodeError(
+                f"num-draft-tokens must be an integer >= 0, got {self.num_draft_tokens!r}"
+            )
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise SpecDecodeError("stop strings must be non-empty strings")

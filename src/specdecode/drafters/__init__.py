@@ -1,0 +1,69 @@
+"""Drafter registry.  Every module in this package is imported on first use, so a new drafter is
+one new file with a ``@register_drafter("name")`` class — nothing else changes."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from typing import TYPE_CHECKING, Any
+
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.errors import SpecDecodeError, UnknownDrafterError
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
+
+_REGISTRY: dict[str, type[Drafter]] = {}
+_DISCOVERED = False
+
+
+def register_drafter(name: str):
+    """Class decorator: make a drafter available under ``name``."""
+
+    def decorate(cls: type[Drafter]) -> type[Drafter]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"drafter name {name!r} registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    for module in pkgutil.iter_modules(__path__):
+        if module.name != "base":
+            importlib.import_module(f"{__name__}.{module.name}")
+    _DISCOVERED = True
+
+
+def available_drafters() -> list[str]:
+    _discover()
+    return sorted(_REGISTRY)
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    _discover()
+    if name not in _REGISTRY:
+        raise UnknownDrafterError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
+    return _REGISTRY[name]
+
+
+def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
+    """Build drafter ``name`` for ``target``.  Options that are None are treated as not given;
+    an option the drafter does not take is an error, not silently ignored."""
+    cls = drafter_class(name)
+    given = {key: value for key, value in options.items() if value is not None}
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "target"}
+    unknown = sorted(set(given) - accepted)
+    if unknown:
+        pretty = ", ".join(opt.replace("_", "-") for opt in unknown)
+        raise SpecDecodeError(f"drafter {name!r} does not take option(s): {pretty}")
+    return cls(target, **given)
+
+
+__all__ = ["Draft", "Drafter", "available_drafters", "create_drafter", "drafter_class", "register_drafter"]

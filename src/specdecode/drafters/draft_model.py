@@ -1,0 +1,75 @@
+"""An independent small model with the target's vocabulary drafts autoregressively.
+
+It keeps its own KV cache.  Instead of being told what was rejected, it re-synchronises on every
+``propose``: the cache is cut back to the longest prefix it shares with the accepted context and
+only the missing tokens are fed — so rollback is exact whatever the verifier decided.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import register_drafter
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
+from specdecode.verify.logits import sample, sampling_probs
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@register_drafter("draft-model")
+class DraftModelDrafter(Drafter):
+    provides_probs = True
+
+    def __init__(self, target: LoadedModel, draft_model: str | LoadedModel | None = None) -> None:
+        super().__init__(target)
+        if draft_model is None:
+            raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
+        self.draft = draft_model if isinstance(draft_model, LoadedModel) else load_model(draft_model)
+        check_same_vocabulary(target, self.draft)
+        self.cache = self.draft.backend.new_cache()
+        self.cached_tokens: list[int] = []
+        self.sampling = SamplingParams()
+        self.generator = torch.Generator()
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.sampling = sampling
+        self.generator = torch.Generator()
+        # A different stream from the verifier's, but reproducible from the same seed.
+        self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 1)
+
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        if self.sampling.greedy:
+            return int(logits.argmax()), None
+        probs = sampling_probs(logits, self.sampling)
+        return sample(probs, self.generator), probs
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        backend = self.draft.backend
+        max_tokens = min(max_tokens, backend.max_context - len(context))
+        if max_tokens <= 0:
+            return Draft(tokens=[])
+        keep = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
+        self.cache.crop(keep)
+        self.cached_tokens = list(context)
+        pending = torch.tensor(context[keep:], dtype=torch.long)
+        tokens: list[int] = []
+        prob_rows: list[torch.Tensor] = []
+        for _ in range(max_tokens):
+            logits = backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+            token, probs = self._choose(logits)
+            tokens.append(token)
+            if probs is not None:
+                prob_rows.append(probs)
+            pending = torch.tensor([token], dtype=torch.long)
+        # The last drafted token was never fed to the draft model, so the cache ends one before it.
+        self.cached_tokens.extend(tokens[:-1])
+        return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None)

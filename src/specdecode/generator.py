@@ -1,0 +1,193 @@
+"""The user-facing object: text in, text out, with speculative decoding underneath.
+
+Handles what the engine should not care about: prompt validation, chat templates, incremental
+detokenisation for streaming, and stop strings (held back while they might still be completing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from specdecode.config import GenerationConfig
+from specdecode.drafters import create_drafter
+from specdecode.drafters.base import Drafter
+from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel
+from specdecode.stats import GenerationStats
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated tokens only
+    prompt_tokens: int
+    finish_reason: str  # "length", "eos" or "stop"
+    stats: GenerationStats
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "stats": self.stats.to_json(),
+        }
+
+
+@dataclass
+class StreamEvent:
+    text: str  # newly released text (may be empty while a stop string could still complete)
+    token_ids: list[int]  # tokens accepted in this step
+    result: GenerationResult | None = None  # set on the last event only
+
+
+_PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos"}
+_SAMPLING_NAMES = {"temperature", "top_k", "top_p", "seed"}
+
+
+class SpeculativeGenerator:
+    """A target model plus a drafter.  Drafter state persists across calls (it may learn)."""
+
+    def __init__(self, target: LoadedModel, drafter: Drafter, defaults: GenerationConfig | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.defaults = defaults or GenerationConfig()
+
+    @classmethod
+    def build(
+        cls, target: LoadedModel, drafter: str = "pld", defaults: GenerationConfig | None = None, **drafter_options
+    ) -> SpeculativeGenerator:
+        return cls(target, create_drafter(drafter, target, **drafter_options), defaults)
+
+    # -- prompt handling -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Text, chat messages or token ids → validated token ids."""
+        tokenizer = self.target.tokenizer
+        if isinstance(prompt, str):
+            if not prompt:
+                raise SpecDecodeError("prompt is empty")
+            if chat:
+                ids = self._apply_chat_template([{"role": "user", "content": prompt}])
+            else:
+                ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        elif prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self._apply_chat_template(list(prompt))
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and 0 <= t < self.target.backend.vocab_size for t in ids):
+                raise SpecDecodeError(f"prompt token ids must be integers in [0, {self.target.backend.vocab_size})")
+        if not ids:
+            raise SpecDecodeError("prompt is empty (it has no tokens)")
+        limit = self.target.backend.max_context
+        if len(ids) >= limit:
+            raise SpecDecodeError(
+                f"prompt is {len(ids)} tokens, but model {self.target.name!r} has a context of {limit} tokens "
+                "(the prompt must leave room for at least one new token)"
+            )
+        return ids
+
+    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpecDecodeError(f"model {self.target.name!r} has no chat template; use a plain prompt (no --chat)")
+        for message in messages:
+            role_ok = message.get("role") in {"system", "user", "assistant"}
+            if not role_ok or not isinstance(message.get("content"), str):
+                raise SpecDecodeError("chat messages need a role (system, user or assistant) and string content")
+        if not any(m["content"] for m in messages):
+            raise SpecDecodeError("prompt is empty")
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def config_for(self, **params) -> GenerationConfig:
+        """Defaults overridden by the given (non-None) parameters, validated."""
+        unknown = set(params) - _PARAM_NAMES - _SAMPLING_NAMES
+        if unknown:
+            raise SpecDecodeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
+        given = {k: v for k, v in params.items() if v is not None}
+        if "stop" in given:
+            given["stop"] = (given["stop"],) if isinstance(given["stop"], str) else tuple(given["stop"])
+        sampling = dataclasses.replace(
+            self.defaults.sampling, **{k: v for k, v in given.items() if k in _SAMPLING_NAMES}
+        )
+        return dataclasses.replace(
+            self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES}
+        )
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        ids = set(self.target.backend.eos_token_ids)
+        if self.target.tokenizer.eos_token_id is not None:
+            ids.add(int(self.target.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    # -- generation ------------------------------------------------------------------------------
+    def stream_events(self, prompt: Prompt, *, chat: bool = False, **params) -> Iterator[StreamEvent]:
+        config = self.config_for(**params)
+        prompt_ids = self.encode_prompt(prompt, chat=chat)
+        outcome = DecodeOutcome()
+        generated: list[int] = []
+        released = 0
+        holdback = max((len(s) for s in config.stop), default=1) - 1
+        finish_reason = None
+        text = ""
+        for new_tokens in speculative_decode(
+            self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome
+        ):
+            generated.extend(new_tokens)
+            text = self._decode(generated)
+            cut = _find_stop(text, config.stop, max(0, released - holdback))
+            if cut is not None:
+                text = text[:cut]
+                generated = self._trim_to_stop(generated, config.stop)
+                finish_reason = "stop"
+                yield StreamEvent(text=text[released:], token_ids=new_tokens)
+                released = len(text)
+                break
+            safe = len(text) - holdback
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                safe = min(safe, len(text) - 1)
+            piece = text[released:safe] if safe > released else ""
+            released = max(released, safe)
+            yield StreamEvent(text=piece, token_ids=new_tokens)
+        result = GenerationResult(
+            text=text,
+            token_ids=generated,
+            prompt_tokens=len(prompt_ids),
+            finish_reason=finish_reason or outcome.finish_reason,
+            stats=outcome.stats,
+        )
+        yield StreamEvent(text=text[released:], token_ids=[], result=result)
+
+    def stream(self, prompt: Prompt, *, chat: bool = False, **params) -> Iterator[str]:
+        """Yield text as soon as it is verified."""
+        for event in self.stream_events(prompt, chat=chat, **params):
+            if event.text:
+                yield event.text
+
+    def generate(self, prompt: Prompt, *, chat: bool = False, **params) -> GenerationResult:
+        for event in self.stream_events(prompt, chat=chat, **params):
+            if event.result is not None:
+                return event.result
+        raise AssertionError("stream_events always ends with a result")
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.target.tokenizer.decode(
+            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def _trim_to_stop(self, token_ids: list[int], stops: tuple[str, ...]) -> list[int]:
+        """The shortest prefix of ``token_ids`` whose text already contains a stop string."""
+        while len(token_ids) > 1 and _find_stop(self._decode(token_ids[:-1]), stops, 0) is not None:
+            token_ids = token_ids[:-1]
+        return token_ids
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None

@@ -1,0 +1,70 @@
+"""Resolve a model name to a loaded backend + tokenizer.
+
+Accepted names, tried in order: a short name from the offline registry (``specdecode models``), a
+local directory saved by transformers, a local ``.gguf`` file, and a Hugging Face hub id (the normal
+path for users with a network; it fails with a clear message on machines without one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from specdecode.errors import UnknownModelError, VocabularyMismatchError
+from specdecode.models import registry
+from specdecode.models.base import CausalLM
+from specdecode.models.hf import HFCausalLM
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    backend: CausalLM
+    tokenizer: PreTrainedTokenizerBase
+
+
+def _from_pretrained_args(name: str) -> tuple[str, dict]:
+    if registry.is_registered(name):
+        return str(registry.ensure_model(name)), {}
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path), {}
+    if path.exists() or name.startswith((".", "/", "~")) or name.endswith(".gguf"):
+        raise UnknownModelError(f"model path {name!r} is neither a transformers model directory nor a .gguf file")
+    return name, {}
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``name`` (see module doc) in ``dtype`` on the CPU."""
+    if not isinstance(name, str) or not name.strip():
+        raise UnknownModelError("model name must be a non-empty string")
+    source, extra = _from_pretrained_args(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
+    except (OSError, ValueError) as exc:
+        known = ", ".join(registry.model_names())
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UnknownModelError(
+            f"cannot load model {name!r}: not a registered short name ({known}), not a local model "
+            f"directory or .gguf file, and loading it as a hub id failed: {first_line}"
+        ) from exc
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft model whose tokenizer maps text to different ids than the target's."""
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise VocabularyMismatchError(
+            f"vocabulary mismatch: draft model {draft.name!r} ({type(draft.tokenizer).__name__}, "
+            f"{len(draft.tokenizer)} tokens) does not share the tokenizer of target {target.name!r} "
+            f"({type(target.tokenizer).__name__}, {len(target.tokenizer)} tokens); "
+            "choose a draft model with the same vocabulary"
+        )

@@ -1,0 +1,77 @@
+"""Per-generation statistics: what was drafted, what was accepted, where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    new_tokens: int = 0
+    steps: int = 0  # target verification forwards (the prompt prefill is not a step)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens the target kept
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: how often drafted
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: how often kept
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            if i < accepted:
+                self.accepted_at[i] += 1
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens produced per target forward: accepted draft tokens plus the target's own token."""
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s)
+
+    def to_json(self) -> dict:
+        return {
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "wall_s": round(self.wall_s, 4),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "prefill_s": round(self.prefill_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "verify_s": round(self.verify_s, 4),
+            "other_s": round(self.other_s, 4),
+        }
+
+    def summary(self) -> str:
+        return (
+            f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
+            f"{self.steps} steps, mean accepted tokens {self.mean_accepted_tokens:.2f}, "
+            f"acceptance rate {self.acceptance_rate:.1%}; time: prefill {self.prefill_s:.2f} s, "
+            f"draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s, other {self.other_s:.2f} s"
+        )

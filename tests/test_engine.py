@@ -1,0 +1,149 @@
+"""End-to-end behaviour of the decode loop on tiny models: lossless greedy output for every drafter,
+rollback, stopping, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.drafters import available_drafters, create_drafter
+from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.generator import SpeculativeGenerator
+
+PROMPTS = [
+    [5, 17, 22, 9, 30, 41],
+    [12, 13, 14, 12, 13, 14, 12, 13],  # repetitive: prompt lookup finds matches
+    [7],
+]
+
+
+def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
+    model = loaded.backend.model
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def run(target, drafter, prompt, **config) -> tuple[list[int], DecodeOutcome]:
+    outcome = DecodeOutcome()
+    tokens = [t for chunk in speculative_decode(
+        target.backend, drafter, prompt, GenerationConfig(ignore_eos=True, **config), outcome=outcome
+    ) for t in chunk]
+    return tokens, outcome
+
+
+def drafters_under_test(target, draft):
+    """Every registered drafter; those that need a second model get the tiny draft model."""
+    options = {"draft-model": {"draft_model": draft}}
+    return {name: create_drafter(name, target, **options.get(name, {})) for name in available_drafters()}
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_output_equals_plain_and_transformers_for_every_drafter(tiny_target, tiny_draft, k):
+    for prompt in PROMPTS:
+        expected = hf_greedy(tiny_target, prompt, 64)
+        for name, drafter in drafters_under_test(tiny_target, tiny_draft).items():
+            tokens, outcome = run(tiny_target, drafter, prompt, max_new_tokens=64, num_draft_tokens=k)
+            assert tokens == expected, f"drafter {name} (k={k}) diverged from plain greedy decoding"
+            assert outcome.stats.new_tokens == 64
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_target):
+    k = 4
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target)
+    tokens, outcome = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=10 * (k + 1), num_draft_tokens=k)
+    assert outcome.stats.mean_accepted_tokens == k + 1
+    assert outcome.stats.acceptance_rate == 1.0
+    assert outcome.stats.acceptance_by_position == [1.0] * k
+    assert outcome.stats.steps == 10
+    assert tokens == hf_greedy(tiny_target, PROMPTS[0], 10 * (k + 1))
+
+
+def test_plain_decoding_takes_one_step_per_token(tiny_target):
+    tokens, outcome = run(tiny_target, create_drafter("none", tiny_target), PROMPTS[0], max_new_tokens=20)
+    assert outcome.stats.steps == 20 and outcome.stats.mean_accepted_tokens == 1.0
+    assert outcome.stats.acceptance_rate == 0.0
+
+
+def test_kv_cache_rollback_matches_a_fresh_forward(tiny_target):
+    backend = tiny_target.backend
+    ids = torch.tensor([3, 9, 27, 81 % 96, 50, 51, 52, 53, 54])
+    fresh = backend.forward(ids, backend.new_cache()).logits
+    cache = backend.new_cache()
+    backend.forward(ids[:5], cache)
+    backend.forward(torch.tensor([60, 61, 62]), cache)  # a rejected draft
+    cache.crop(5)
+    assert cache.length == 5
+    resumed = backend.forward(ids[5:], cache).logits
+    torch.testing.assert_close(resumed, fresh[5:], rtol=1e-5, atol=1e-5)
+
+
+def test_tree_mask_forward_matches_separate_branches(tiny_target):
+    backend = tiny_target.backend
+    prefix = torch.tensor([4, 8, 15, 16])
+    cache = backend.new_cache()
+    backend.forward(prefix, cache)
+    # Two branches after the prefix: [23, 42] and [33]; positions by depth.
+    tree = backend.forward(
+        torch.tensor([23, 42, 33]), cache,
+        positions=torch.tensor([4, 5, 4]),
+        tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool),
+    ).logits
+    chain = backend.forward(torch.tensor([4, 8, 15, 16, 23, 42]), backend.new_cache()).logits
+    other = backend.forward(torch.tensor([4, 8, 15, 16, 33]), backend.new_cache()).logits
+    torch.testing.assert_close(tree[:2], chain[4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree[2], other[4], rtol=1e-5, atol=1e-5)
+
+
+def test_eos_stops_generation(tiny_target):
+    plain = hf_greedy(tiny_target, PROMPTS[0], 30)
+    eos = plain[7]
+    outcome = DecodeOutcome()
+    chunks = list(speculative_decode(
+        tiny_target.backend, create_drafter("pld", tiny_target), PROMPTS[0],
+        GenerationConfig(max_new_tokens=30), eos_ids=frozenset({eos}), outcome=outcome,
+    ))
+    tokens = [t for c in chunks for t in c]
+    assert tokens == plain[: plain.index(eos) + 1]
+    assert outcome.finish_reason == "eos"
+
+
+def test_context_limit_ends_generation_cleanly(tiny_target):
+    prompt = list(range(3, 90)) * 2 + list(range(3, 70))  # 241 tokens of a 256-token context
+    tokens, outcome = run(tiny_target, create_drafter("pld", tiny_target), prompt, max_new_tokens=100)
+    assert len(prompt) + len(tokens) == tiny_target.backend.max_context
+    assert outcome.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(tiny_target, tiny_draft):
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=123)
+    first, _ = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=40, num_draft_tokens=3, sampling=sampling)
+    second, _ = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=40, num_draft_tokens=3, sampling=sampling)
+    assert first == second
+
+
+def test_stream_concatenates_to_generate_and_stop_strings_cut(tiny_target):
+    generator = SpeculativeGenerator.build(tiny_target, "pld")
+    prompt = "w1 w2 w3 w4 w1 w2 w3"
+    full = generator.generate(prompt, max_new_tokens=40, ignore_eos=True)
+    assert "".join(generator.stream(prompt, max_new_tokens=40, ignore_eos=True)) == full.text
+    words = full.text.split()
+    stop = " ".join(words[10:12])
+    cut = generator.generate(prompt, max_new_tokens=40, ignore_eos=True, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert "".join(generator.stream(prompt, max_new_tokens=40, ignore_eos=True, stop=[stop])) == cut.text
+    assert stop in generator._decode(cut.token_ids) and stop not in generator._decode(cut.token_ids[:-1])
+
+
+def test_chat_template_is_applied(tiny_target):
+    generator = SpeculativeGenerator.build(tiny_target, "none")
+    ids = generator.encode_prompt("w5 w6", chat=True)
+    assert ids == tiny_target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "w5 w6"}], add_generation_prompt=True, tokenize=True
+    )
