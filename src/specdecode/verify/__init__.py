@@ -1,0 +1,1 @@
+"""Verifiers: decide which drafted tokens the target keeps."""

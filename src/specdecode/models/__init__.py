@@ -1,0 +1,1 @@
+"""Model backends, loading, and the offline registry of bundled models."""
