@@ -87,3 +87,16 @@ def tiny_draft(tiny_dirs) -> LoadedModel:
 
 def wrap(model, tokenizer, name: str = "tiny") -> LoadedModel:
     return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_for_tiny_models(request):
+    """Tiny tensors run many times faster on one thread than on two that fight over two shared cores;
+    real-model tests keep the default thread count, as users would."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

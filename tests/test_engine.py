@@ -95,8 +95,8 @@ def test_tree_mask_forward_matches_separate_branches(tiny_target):
     ).logits
     chain = backend.forward(torch.tensor([4, 8, 15, 16, 23, 42]), backend.new_cache()).logits
     other = backend.forward(torch.tensor([4, 8, 15, 16, 33]), backend.new_cache()).logits
-    torch.testing.assert_close(tree[:2], chain[4:], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(tree[2], other[4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree[:2], chain[4:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tree[2], other[4], rtol=1e-4, atol=1e-4)
 
 
 def test_eos_stops_generation(tiny_target):

@@ -253,7 +253,10 @@ def test_unexpected_file_and_bad_manifest_are_detected(fake: Fake, monkeypatch: 
     with pytest.raises(CorruptModelError, match="built from a GGUF with SHA-256"):
         registry.ensure_model("tiny", progress=False)
     monkeypatch.setattr(registry, "MODELS", (spec(),))
-    for text in ("[]", '{"files": {"config.json": {}}, "source_sha256": "x"}', "{trunc"):
+    malformed_files = json.dumps(
+        {"files": {"config.json": {}}, "source_sha256": "x", "conversion": registry.CONVERSION_VERSION}
+    )
+    for text in ("[]", malformed_files, "{trunc"):
         (path / "manifest.json").write_text(text)
         with pytest.raises(CorruptModelError, match="no readable"):
             registry.ensure_model("tiny", progress=False)
@@ -360,3 +363,15 @@ def test_real_smollm2_converts_and_loads() -> None:
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+
+
+def test_cache_from_an_older_converter_is_rebuilt(fake: Fake) -> None:
+    path = registry.ensure_model("tiny", progress=False)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["conversion"] = registry.CONVERSION_VERSION - 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    builds = len(fake.converted)
+    assert registry.ensure_model("tiny", progress=False) == path
+    rebuilt = json.loads((path / "manifest.json").read_text())
+    assert rebuilt["conversion"] == registry.CONVERSION_VERSION
+    assert len(fake.converted) == builds + 1

@@ -40,6 +40,8 @@ from specdecode.errors import CorruptModelError, SpecDecodeError, UnknownModelEr
 
 _CHUNK = 1 << 20
 _MANIFEST = "manifest.json"
+# Bump when the conversion itself changes: caches built by an older converter are rebuilt on load.
+CONVERSION_VERSION = 2
 _STAMPS = "verified.json"
 
 
@@ -215,13 +217,25 @@ def ensure_model(name: str, progress: bool = True) -> Path:
     spec = _spec(name)
     model_dir = _model_dir(name)
     hf_dir = model_dir / "hf"
-    if not hf_dir.exists():
+    if not _is_current(hf_dir):
         model_dir.mkdir(parents=True, exist_ok=True)
         with _locked(model_dir / ".lock"):
-            if not hf_dir.exists():  # another process may have built it while we waited
+            if not _is_current(hf_dir):  # another process may have built it while we waited
+                shutil.rmtree(hf_dir, ignore_errors=True)
                 _build(spec, model_dir, progress)
     _verify(spec, model_dir, progress)
     return hf_dir
+
+
+def _is_current(hf_dir: Path) -> bool:
+    """Built, and by this version of the converter (an older conversion is rebuilt, not reported)."""
+    if not hf_dir.exists():
+        return False
+    try:
+        manifest = json.loads((hf_dir / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return True  # present but unreadable: _verify reports it as corrupt
+    return not isinstance(manifest, dict) or manifest.get("conversion", 1) == CONVERSION_VERSION
 
 
 @contextlib.contextmanager
@@ -248,7 +262,13 @@ def _build(spec: ModelSpec, model_dir: Path, progress: bool) -> None:
         _convert(gguf, out)
         hashes = _hash_tree(out, progress)
         files = {rel: {"size": (out / rel).stat().st_size, "sha256": digest} for rel, digest in hashes.items()}
-        manifest = {"name": spec.name, "source": spec.filename, "source_sha256": spec.sha256, "files": files}
+        manifest = {
+            "name": spec.name,
+            "source": spec.filename,
+            "source_sha256": spec.sha256,
+            "conversion": CONVERSION_VERSION,
+            "files": files,
+        }
         (out / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         out.rename(model_dir / "hf")
         # The files were hashed a moment ago, so the first _verify need not hash them again.
@@ -333,11 +353,43 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _apply_gguf_special_tokens(tokenizer, gguf)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # legacy_format=False: tokenizer.json holds the whole tokenizer; the "slow" files would be a copy of
     # the entire GGUF renamed tokenizer.model (transformers records the GGUF as the vocab file).
     tokenizer.save_pretrained(out_dir, legacy_format=False)
     model.save_pretrained(out_dir, safe_serialization=True)  # writes generation_config.json (eos ids) too
+
+
+_GGUF_SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _apply_gguf_special_tokens(tokenizer, gguf: Path) -> None:
+    """Take special tokens and ``add_bos_token`` from the GGUF's own metadata.
+
+    transformers 4.57's GGUF tokenizer conversion gets them wrong for some files (SmolLM2 comes out
+    with ``eos_token = <|im_start|>`` and a BOS prepended to every prompt, which the GGUF says not to).
+    """
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def scalar(key: str):
+        field = fields.get(key)
+        return field.parts[field.data[0]][0].item() if field is not None and field.data else None
+
+    for attribute, key in _GGUF_SPECIAL_TOKENS.items():
+        token_id = scalar(key)
+        if token_id is not None and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(int(token_id)))
+    add_bos = scalar("tokenizer.ggml.add_bos_token")
+    if add_bos is not None and hasattr(tokenizer, "add_bos_token"):
+        tokenizer.add_bos_token = bool(add_bos)
 
 
 def _sha256(path: Path, bar: tqdm) -> str:
