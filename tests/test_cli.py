@@ -1,0 +1,154 @@
+"""The CLI contract: flags, the --json object, and one clear line (exit 2, no traceback) for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdecode.cli import main
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # an unknown name must fail fast, not wait on a network
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_contract(capsys, tiny_dirs):
+    code, out, err = run_cli(
+        capsys, "generate", "w1 w2 w3 w1 w2", "--model", str(tiny_dirs["target"]), "--drafter", "pld",
+        "--num-draft-tokens", "3", "--max-new-tokens", "12", "--ignore-eos", "--json",
+    )
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result) >= {"text", "token_ids", "stats"}
+    stats_fields = {"new_tokens", "steps", "mean_accepted_tokens", "acceptance_rate", "tokens_per_s", "wall_s"}
+    assert set(result["stats"]) >= stats_fields
+    assert len(result["token_ids"]) == result["stats"]["new_tokens"] == 12
+
+
+def test_generate_streams_text_and_prints_stats(capsys, tiny_dirs):
+    code, out, err = run_cli(
+        capsys, "generate", "w5 w6", "--model", str(tiny_dirs["target"]), "--drafter", "none",
+        "--max-new-tokens", "5", "--chat", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--seed", "1",
+    )
+    assert code == 0, err
+    assert out.strip() and "tok/s" in err
+
+
+def test_draft_model_flag(capsys, tiny_dirs):
+    code, out, err = run_cli(
+        capsys, "generate", "w1 w2", "--model", str(tiny_dirs["target"]), "--drafter", "draft-model",
+        "--draft-model", str(tiny_dirs["draft"]), "--max-new-tokens", "8", "--ignore-eos", "--json",
+    )
+    assert code == 0, err
+    assert json.loads(out)["stats"]["new_tokens"] == 8
+
+
+BAD_INPUTS = {
+    "empty prompt": (["generate", ""], "prompt is empty"),
+    "max-new-tokens 0": (["generate", "w1", "--max-new-tokens", "0"], "max-new-tokens must be a positive"),
+    "max-new-tokens negative": (["generate", "w1", "--max-new-tokens", "-3"], "max-new-tokens must be a positive"),
+    "temperature < 0": (["generate", "w1", "--temperature", "-0.5"], "temperature must be >= 0"),
+    "top-p 0": (["generate", "w1", "--top-p", "0"], "top-p must be in (0, 1]"),
+    "top-p > 1": (["generate", "w1", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+    "top-k < 0": (["generate", "w1", "--top-k", "-1"], "top-k must be an integer >= 0"),
+    "num-draft-tokens < 0": (["generate", "w1", "--num-draft-tokens", "-2"], "num-draft-tokens must be"),
+    "unknown drafter": (["generate", "w1", "--drafter", "telepathy"], "unknown drafter 'telepathy'"),
+    "unknown model": (["generate", "w1", "--model", "no-such-org/no-such-model"], "cannot load model"),
+    "missing model path": (["generate", "w1", "--model", "./no/such/dir"], "neither a transformers model directory"),
+    "draft-model without --draft-model": (["generate", "w1", "--drafter", "draft-model"], "needs --draft-model"),
+    "option a drafter does not take": (["generate", "w1", "--draft-model", "x"], "does not take option(s)"),
+    "bad pld option": (["generate", "w1", "--drafter-option", "max_ngram=0"], "n-gram sizes"),
+    "malformed drafter option": (["generate", "w1", "--drafter-option", "oops"], "KEY=VALUE"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_input_gives_one_clear_line(capsys, tiny_dirs, case):
+    argv, message = BAD_INPUTS[case]
+    if "--model" not in argv:
+        argv = [*argv, "--model", str(tiny_dirs["target"])]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert err.startswith("specdecode: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_prompt_longer_than_context(capsys, tiny_dirs):
+    code, _, err = run_cli(capsys, "generate", " ".join(["w1"] * 400), "--model", str(tiny_dirs["target"]))
+    assert code == 2 and "has a context of 256 tokens" in err
+
+
+def test_vocabulary_mismatch_names_both_tokenizers(capsys, tiny_dirs):
+    code, _, err = run_cli(
+        capsys, "generate", "w1", "--model", str(tiny_dirs["target"]), "--drafter", "draft-model",
+        "--draft-model", str(tiny_dirs["other-vocab"]),
+    )
+    assert code == 2 and "vocabulary mismatch" in err
+    assert str(tiny_dirs["other-vocab"]) in err and str(tiny_dirs["target"]) in err
+
+
+def test_corrupted_cached_model_is_refused(capsys, tmp_path, monkeypatch, tiny_dirs):
+    """A registered model whose cached checkpoint was altered after conversion: clear error, no load."""
+    import shutil
+
+    from specdecode.models import registry
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry, "_build", lambda spec, model_dir, progress: _fake_build(model_dir, tiny_dirs))
+    assert registry.ensure_model("smollm2-135m", progress=False).is_dir()
+    weights = next((tmp_path / "models" / "smollm2-135m" / "hf").glob("*.safetensors"))
+    with open(weights, "r+b") as handle:
+        handle.seek(100)
+        handle.write(b"\x00\xff\x00\xff")
+    code, _, err = run_cli(capsys, "generate", "hello", "--model", "smollm2-135m")
+    last_line = err.strip().splitlines()[-1]  # above it: the verification progress bar
+    assert code == 2 and last_line.startswith("specdecode: error: ") and "SHA-256" in last_line
+    assert "Traceback" not in err
+    shutil.rmtree(tmp_path / "models")
+
+
+def _fake_build(model_dir, tiny_dirs):
+    """Stand-in for download + conversion: copy a tiny checkpoint and write its manifest like a real build."""
+    import shutil
+
+    from specdecode.models import registry
+
+    out = model_dir / "hf"
+    shutil.copytree(tiny_dirs["target"], out)
+    files = {}
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        import hashlib
+
+        files[path.relative_to(out).as_posix()] = {
+            "size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()
+        }
+    spec = next(s for s in registry.MODELS if s.name == "smollm2-135m")
+    manifest = {"name": spec.name, "source": spec.filename, "source_sha256": spec.sha256,
+                "conversion": registry.CONVERSION_VERSION, "files": files}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_models_and_drafters_listing(capsys):
+    code, out, _ = run_cli(capsys, "models")
+    assert code == 0 and "smollm2-135m" in out and "qwen2.5-coder-1.5b" in out
+    code, out, _ = run_cli(capsys, "drafters")
+    assert code == 0 and {"none", "pld", "draft-model"} <= {line.split()[0] for line in out.splitlines()}
+
+
+def test_real_process_exit_code_and_no_traceback():
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdecode.cli", "generate", "hi", "--top-p", "2"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": src},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "specdecode: error: top-p must be in (0, 1], got 2.0"

@@ -1,0 +1,61 @@
+"""Lossless greedy decoding on the real bundled default model (SmolLM2-135M-Instruct, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.loading import load_model
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Repeat this list exactly, then add two more fruits: apple, banana, cherry, date, elderberry, fig.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    "    return fibonacci(n - 1) + fibonacci(n - 2)\n\nRewrite this function iteratively, keeping the docstring.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def transformers_greedy(loaded, prompt_ids: list[int]) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = loaded.backend.model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+        eos_token_id=[], pad_token_id=loaded.tokenizer.pad_token_id,
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_greedy_output_identical_to_plain_and_transformers(smollm2):
+    plain = SpeculativeGenerator.build(smollm2, "none")
+    lookup = SpeculativeGenerator.build(smollm2, "pld")
+    for prompt in PROMPTS:
+        prompt_ids = plain.encode_prompt(prompt, chat=True)
+        expected = transformers_greedy(smollm2, prompt_ids)
+        ours_plain = plain.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        ours_pld = lookup.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=6)
+        assert ours_plain.token_ids == expected
+        assert ours_pld.token_ids == expected
+        assert ours_pld.stats.steps <= ours_plain.stats.steps
+
+
+def test_draft_model_identical_and_self_draft_accepts_all(smollm2):
+    k = 3
+    generator = SpeculativeGenerator.build(smollm2, "draft-model", draft_model=smollm2)
+    result = generator.generate(PROMPTS[0], chat=True, max_new_tokens=8 * (k + 1), ignore_eos=True, num_draft_tokens=k)
+    prompt_ids = generator.encode_prompt(PROMPTS[0], chat=True)
+    assert result.stats.mean_accepted_tokens == k + 1
+    assert result.token_ids == transformers_greedy(smollm2, prompt_ids)[: 8 * (k + 1)]
+
+
+def test_chat_output_stops_at_end_of_turn(smollm2):
+    result = SpeculativeGenerator.build(smollm2, "pld").generate("Say hello.", chat=True, max_new_tokens=64)
+    assert result.finish_reason == "eos" and result.text.strip()
+    assert result.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
