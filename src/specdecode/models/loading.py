@@ -7,8 +7,12 @@ path for users with a network; it fails with a clear message on machines without
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -39,21 +43,52 @@ def _from_pretrained_args(name: str) -> tuple[str, dict]:
     return name, {}
 
 
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """A quick TCP check, so that a typo on an offline machine fails in seconds, not after a minute of
+    download retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}:
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _tokenizer_args(source: str) -> dict:
+    """transformers 4.57.6 warns of a broken "Mistral regex" for every local checkpoint it saved itself;
+    for a model that is not a Mistral we say explicitly that no fix applies, which silences it."""
+    config = Path(source) / "config.json"
+    if config.is_file() and "mistral" not in json.loads(config.read_text()).get("model_type", ""):
+        return {"fix_mistral_regex": False}
+    return {}
+
+
+def _unknown_model(name: str, reason: str) -> UnknownModelError:
+    known = ", ".join(registry.model_names())
+    return UnknownModelError(
+        f"cannot load model {name!r}: not a registered short name ({known}), not a local model "
+        f"directory or .gguf file, and as a hub id: {reason}"
+    )
+
+
 def load_model(name: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load ``name`` (see module doc) in ``dtype`` on the CPU."""
     if not isinstance(name, str) or not name.strip():
         raise UnknownModelError("model name must be a non-empty string")
     source, extra = _from_pretrained_args(name)
+    is_hub_id = source == name and not extra and not Path(source).exists()
+    if is_hub_id and not _hub_reachable():
+        extra = {"local_files_only": True}  # a model downloaded earlier still loads offline
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(source, **extra, **_tokenizer_args(source))
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     except (OSError, ValueError) as exc:
-        known = ", ".join(registry.model_names())
+        if extra.get("local_files_only"):
+            raise _unknown_model(name, "not in the local Hugging Face cache, and the hub is not reachable") from exc
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UnknownModelError(
-            f"cannot load model {name!r}: not a registered short name ({known}), not a local model "
-            f"directory or .gguf file, and loading it as a hub id failed: {first_line}"
-        ) from exc
+        raise _unknown_model(name, f"loading failed: {first_line}") from exc
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
