@@ -147,3 +147,35 @@ def test_chat_template_is_applied(tiny_target):
     assert ids == tiny_target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "w5 w6"}], add_generation_prompt=True, tokenize=True
     )
+
+
+def _tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+    ))
+
+
+def _tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # A sliding window far shorter than the generation: rollback must still be exact.
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256, initializer_range=0.3,
+    ))
+
+
+@pytest.mark.parametrize("build", [_tiny_qwen2, _tiny_gemma3], ids=["qwen2", "gemma3-sliding-window"])
+def test_greedy_equality_on_other_architectures(build):
+    from conftest import wrap
+
+    torch.manual_seed(0)
+    loaded = wrap(build().eval(), tokenizer=None)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    expected = hf_greedy(loaded, prompt, 60)
+    for name in ("none", "pld"):
+        tokens, _ = run(loaded, create_drafter(name, loaded), prompt, max_new_tokens=60, num_draft_tokens=4)
+        assert tokens == expected, name
