@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import TINY_VOCAB
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import available_drafters, create_drafter
-from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.engine import DecodeOutcome, ancestor_mask, speculative_decode
 from specdecode.generator import SpeculativeGenerator
 
 PROMPTS = [
@@ -179,3 +181,46 @@ def test_greedy_equality_on_other_architectures(build):
     for name in ("none", "pld"):
         tokens, _ = run(loaded, create_drafter(name, loaded), prompt, max_new_tokens=60, num_draft_tokens=4)
         assert tokens == expected, name
+
+
+class OracleTreeDrafter(Drafter):
+    """Knows the plain greedy continuation and hides it in a tree among wrong branches, sometimes
+    behind a wrong sibling, sometimes cut short — so greedy tree verification and cache compaction
+    must find and keep exactly the right path."""
+
+    def __init__(self, target, truth: list[int], prompt_len: int) -> None:
+        super().__init__(target)
+        self.truth, self.prompt_len, self.step = truth, prompt_len, 0
+
+    def propose(self, context, max_tokens) -> Draft:
+        done = len(context) - self.prompt_len
+        right = self.truth[done : done + max_tokens]
+        self.step += 1
+        wrong = [(t + 1) % TINY_VOCAB for t in right]
+        if self.step % 3 == 0:  # right branch first, wrong sibling subtree after it
+            tokens, parents = right + wrong[:2], [*range(-1, len(right) - 1), -1, len(right)]
+        else:  # wrong sibling first; the right branch is one token short
+            keep = max(1, len(right) - 1)
+            tokens = wrong[:1] + right[:keep]
+            parents = [-1, -1, *range(1, keep)]
+        return Draft(tokens=tokens, parents=parents)
+
+
+def test_greedy_tree_verification_and_cache_compaction(tiny_target):
+    prompt = PROMPTS[0]
+    expected = hf_greedy(tiny_target, prompt, 48)
+    drafter = OracleTreeDrafter(tiny_target, expected, len(prompt))
+    tokens, outcome = run(tiny_target, drafter, prompt, max_new_tokens=48, num_draft_tokens=4)
+    assert tokens == expected
+    assert outcome.stats.mean_accepted_tokens > 3.0  # the right branch was found behind wrong siblings
+
+
+def test_draft_limits_keep_a_valid_tree():
+    draft = Draft(tokens=[10, 11, 12, 13, 14], parents=[-1, 0, 1, -1, 3])
+    limited = draft.limited(max_nodes=10, max_depth=1)
+    assert limited.tokens == [10, 13] and limited.parents == [-1, -1]
+    assert draft.limited(max_nodes=4, max_depth=2).parents == [-1, 0, -1, 2]
+    assert draft.limited(max_nodes=3, max_depth=2).tokens == [10, 11, 13]
+    assert ancestor_mask(Draft(tokens=[1, 2, 3], parents=[-1, 0, -1])).int().tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1],
+    ]

@@ -15,12 +15,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import specdecode.engine
+import specdecode.verify.sampling
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters.base import Draft, Drafter
 from specdecode.engine import speculative_decode
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache
-from specdecode.verify.base import Verdict
 from specdecode.verify.logits import sample, sampling_probs
 from specdecode.verify.sampling import verify_speculative_sampling
 
@@ -35,27 +34,34 @@ def chi2_pvalue(observed: np.ndarray, probs) -> float:
     return float(chisquare(observed, expected / expected.sum() * observed.sum()).pvalue)
 
 
-def broken_verify(target_probs, draft_tokens, draft_probs, generator) -> Verdict:
-    """Forgets to subtract the draft distribution from the residual: biased towards draft tokens."""
-    for i, token in enumerate(draft_tokens):
-        p, q = target_probs[i], draft_probs[i] if draft_probs is not None else None
-        q_token = float(q[token]) if q is not None else 1.0
-        if float(torch.rand((), generator=generator)) * q_token < float(p[token]):
-            continue
-        return Verdict(i, sample(p, generator))
-    return Verdict(len(draft_tokens), sample(target_probs[len(draft_tokens)], generator))
+def break_verifier(monkeypatch) -> None:
+    """The classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
+    monkeypatch.setattr(specdecode.verify.sampling, "_residual", lambda p, q, token: p)
 
 
-def first_token_counts(verify, p: torch.Tensor, q: torch.Tensor | None, draws: int) -> np.ndarray:
-    """Distribution of the first emitted token of a one-token draft, drawn from q (or fixed)."""
+def first_token_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, siblings: int = 1,
+                       replacement: bool = True) -> np.ndarray:
+    """Distribution of the first emitted token when ``siblings`` alternatives are drafted at the root:
+    drawn from q with or without replacement, or (q None) fixed distinct tokens."""
     generator = torch.Generator().manual_seed(0)
-    target = torch.stack([p, p])
+    target = p.expand(siblings + 1, -1)
     counts = np.zeros(len(p))
-    drafts = torch.multinomial(q if q is not None else p, draws, replacement=True, generator=generator).tolist()
-    for drafted in drafts:
-        fixed = q is None
-        verdict = verify(target, [drafted], None if fixed else q.view(1, -1), generator)
-        counts[drafted if verdict.num_accepted else verdict.next_token] += 1
+    for _ in range(draws):
+        if q is None:
+            tokens, rows = list(range(siblings)), None
+        else:
+            tokens, rows, remaining = [], [], q.clone()
+            for _ in range(siblings):
+                drawn_from = remaining / remaining.sum()
+                token = sample(drawn_from, generator)
+                tokens.append(token)
+                rows.append(drawn_from)
+                if not replacement:
+                    remaining[token] = 0.0
+            rows = torch.stack(rows)
+        draft = Draft(tokens=tokens, probs=rows, parents=[-1] * siblings)
+        verdict = verify_speculative_sampling(target, draft, generator)
+        counts[tokens[verdict.path[0]] if verdict.path else verdict.next_token] += 1
     return counts
 
 
@@ -64,16 +70,29 @@ def random_dist(v: int, seed: int, sharpness: float = 1.5) -> torch.Tensor:
     return torch.softmax(sharpness * torch.randn(v, generator=g), -1)
 
 
-@pytest.mark.parametrize("point_mass", [False, True])
-def test_verifier_reproduces_target_distribution(point_mass):
+PROPOSALS = {
+    "chain-sampled": dict(siblings=1, point_mass=False, replacement=True),
+    "chain-point-mass": dict(siblings=1, point_mass=True, replacement=True),
+    "tree-iid-siblings": dict(siblings=3, point_mass=False, replacement=True),
+    "tree-without-replacement": dict(siblings=3, point_mass=False, replacement=False),
+    "tree-point-mass-siblings": dict(siblings=3, point_mass=True, replacement=True),
+}
+
+
+@pytest.mark.parametrize("case", list(PROPOSALS))
+def test_verifier_reproduces_target_distribution(case):
+    spec = PROPOSALS[case]
     p, q = random_dist(6, 1), random_dist(6, 2)
-    counts = first_token_counts(verify_speculative_sampling, p, None if point_mass else q, DRAWS)
+    counts = first_token_counts(p, None if spec["point_mass"] else q, DRAWS, spec["siblings"], spec["replacement"])
     assert chi2_pvalue(counts, p.numpy()) > PASS_P
 
 
-def test_broken_verifier_fails_the_same_test():
+@pytest.mark.parametrize("case", ["chain-sampled", "tree-without-replacement", "tree-point-mass-siblings"])
+def test_broken_verifier_fails_the_same_test(case, monkeypatch):
+    break_verifier(monkeypatch)
+    spec = PROPOSALS[case]
     p, q = random_dist(6, 1), random_dist(6, 2)
-    counts = first_token_counts(broken_verify, p, q, DRAWS)
+    counts = first_token_counts(p, None if spec["point_mass"] else q, DRAWS, spec["siblings"], spec["replacement"])
     assert chi2_pvalue(counts, p.numpy()) < FAIL_P
 
 
@@ -92,6 +111,9 @@ class ListCache(KVCache):
 
     def crop(self, length: int) -> None:
         del self.tokens[length:]
+
+    def _gather(self, start: int, offsets: list[int]) -> None:
+        self.tokens[start:] = [self.tokens[start + offset] for offset in offsets]
 
 
 class BigramLM(CausalLM):
@@ -113,30 +135,42 @@ class BigramLM(CausalLM):
 class BigramDrafter(Drafter):
     """Samples from a *different* bigram table and reports the probabilities it used."""
 
-    def __init__(self, table: torch.Tensor, with_probs: bool) -> None:
+    def __init__(self, table: torch.Tensor, with_probs: bool, branches: int = 1) -> None:
         super().__init__(target=None)
-        self.table, self.with_probs = table, with_probs
+        self.table, self.with_probs, self.branches = table, with_probs, branches
         self.generator = torch.Generator().manual_seed(7)
 
     def start(self, prompt_ids, sampling) -> None:
         self.sampling = sampling
 
     def propose(self, context, max_tokens) -> Draft:
-        tokens, rows, last = [], [], context[-1]
-        for _ in range(max_tokens):
-            q = sampling_probs(self.table[last], self.sampling)
-            last = sample(q, self.generator)
-            tokens.append(last)
-            rows.append(q)
-        return Draft(tokens, torch.stack(rows) if self.with_probs and rows else None)
+        """``branches`` > 1: that many root alternatives drawn without replacement, each continued
+        by a sampled chain — a tree that exercises multi-draft verification and cache compaction."""
+        tokens, rows, parents = [], [], []
+        q_root = sampling_probs(self.table[context[-1]], self.sampling)
+        remaining = q_root.clone()
+        for _ in range(min(self.branches, int((q_root > 0).sum()))):
+            drawn_from = remaining / remaining.sum()
+            last = sample(drawn_from, self.generator)
+            remaining[last] = 0.0
+            tokens.append(last), rows.append(drawn_from), parents.append(-1)
+            for _ in range(max_tokens - 1):
+                q = sampling_probs(self.table[last], self.sampling)
+                last = sample(q, self.generator)
+                parents.append(len(tokens) - 1)
+                tokens.append(last), rows.append(q)
+        probs = torch.stack(rows) if self.with_probs and rows else None
+        return Draft(tokens, probs, parents if self.branches > 1 else None)
 
 
-def transition_counts(sampling: SamplingParams, with_probs: bool, tokens_wanted: int) -> tuple[np.ndarray, np.ndarray]:
+def transition_counts(
+    sampling: SamplingParams, with_probs: bool, tokens_wanted: int, branches: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Counts [position-in-step, previous token, next token] over many generated tokens."""
     g = torch.Generator().manual_seed(3)
     target_table = 2.0 * torch.randn(V, V, generator=g)
     draft_table = target_table + 1.5 * torch.randn(V, V, generator=g)
-    model, drafter = BigramLM(target_table), BigramDrafter(draft_table, with_probs)
+    model, drafter = BigramLM(target_table), BigramDrafter(draft_table, with_probs, branches)
     counts = np.zeros((4, V, V))
     produced, run = 0, 0
     while produced < tokens_wanted:
@@ -191,8 +225,16 @@ def test_engine_with_point_mass_drafter_is_lossless():
     assert min(pvalues) > PASS_P / len(pvalues), pvalues
 
 
+@pytest.mark.parametrize("with_probs", [True, False], ids=["sampled-tree", "point-mass-tree"])
+def test_engine_tree_drafts_are_lossless(with_probs):
+    sampling = SamplingParams(temperature=0.9, top_k=4)
+    counts, expected = transition_counts(sampling, with_probs=with_probs, tokens_wanted=DRAWS, branches=3)
+    pvalues = chain_pvalues(counts, expected)
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues
+
+
 def test_engine_with_broken_verifier_fails(monkeypatch):
-    monkeypatch.setattr(specdecode.engine, "verify_speculative_sampling", broken_verify)
+    break_verifier(monkeypatch)
     counts, expected = transition_counts(SamplingParams(temperature=1.0), with_probs=True, tokens_wanted=DRAWS // 4)
     assert min(chain_pvalues(counts, expected)) < FAIL_P
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.config import GenerationConfig
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Draft, Drafter, StepFeedback
 from specdecode.models.base import CausalLM
 from specdecode.stats import GenerationStats
 from specdecode.verify.greedy import verify_greedy
@@ -65,28 +65,28 @@ def speculative_decode(
 
     context = list(prompt_ids)
     while stats.new_tokens < config.max_new_tokens and len(context) < target.max_context:
-        # Every draft token costs a cache slot and the target adds one token of its own per step.
-        room = min(config.max_new_tokens - stats.new_tokens - 1, target.max_context - len(context))
-        budget = min(config.num_draft_tokens, room)
+        # A step adds at most depth + 1 tokens, and every draft node needs a cache slot.
+        max_depth = min(config.num_draft_tokens, config.max_new_tokens - stats.new_tokens - 1)
+        max_nodes = target.max_context - len(context)
 
         tick = time.perf_counter()
-        draft = drafter.propose(context, budget) if budget > 0 else Draft(tokens=[])
-        tokens = draft.tokens[:budget]
-        draft_probs = draft.probs[: len(tokens)] if draft.probs is not None else None
+        draft = drafter.propose(context, max_depth) if max_depth > 0 else Draft(tokens=[])
+        draft = draft.limited(max_nodes, max_depth)
         tock = time.perf_counter()
         stats.draft_s += tock - tick
 
-        logits = target.forward(torch.tensor([context[-1], *tokens], dtype=torch.long), cache).logits
+        logits = _verification_forward(target, cache, context, draft)
         if sampling.greedy:
-            verdict = verify_greedy(logits, tokens)
+            verdict = verify_greedy(logits, draft)
         else:
-            target_probs = sampling_probs(logits, sampling)
-            verdict = verify_speculative_sampling(target_probs, tokens, draft_probs, generator)
-        cache.crop(len(context) + verdict.num_accepted)
+            verdict = verify_speculative_sampling(sampling_probs(logits, sampling), draft, generator)
+        # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
+        cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
         stats.verify_s += time.perf_counter() - tock
-        stats.record_step(len(tokens), verdict.num_accepted)
+        stats.record_step(draft, verdict.num_accepted)
 
-        new_tokens = [*tokens[: verdict.num_accepted], verdict.next_token]
+        accepted = [draft.tokens[node] for node in verdict.path]
+        new_tokens = [*accepted, verdict.next_token]
         new_tokens = new_tokens[: config.max_new_tokens - stats.new_tokens]
         eos_at = next((i for i, tok in enumerate(new_tokens) if tok in stop_ids), None)
         if eos_at is not None:
@@ -94,7 +94,7 @@ def speculative_decode(
         context.extend(new_tokens)
         stats.new_tokens += len(new_tokens)
         tick = time.perf_counter()
-        drafter.observe(context, verdict.num_accepted)
+        drafter.observe(context, StepFeedback(draft=draft, path=verdict.path, target_logits=logits))
         stats.draft_s += time.perf_counter() - tick
         stats.wall_s = time.perf_counter() - started
         yield new_tokens
@@ -102,3 +102,28 @@ def speculative_decode(
             outcome.finish_reason = "eos"
             return
     stats.wall_s = time.perf_counter() - started
+
+
+def _verification_forward(target: CausalLM, cache, context: list[int], draft: Draft) -> torch.Tensor:
+    """One target forward over the last context token followed by the draft; [nodes + 1, vocab] logits.
+
+    A chain needs nothing but the causal mask.  A tree gets depth-based positions and a mask that lets
+    each node see only the context, itself and its ancestors."""
+    tokens = torch.tensor([context[-1], *draft.tokens], dtype=torch.long)
+    if draft.is_chain:
+        return target.forward(tokens, cache).logits
+    base = len(context) - 1
+    positions = torch.tensor([base, *(base + d for d in draft.depths())], dtype=torch.long)
+    return target.forward(tokens, cache, positions=positions, tree_mask=ancestor_mask(draft)).logits
+
+
+def ancestor_mask(draft: Draft) -> torch.Tensor:
+    """[nodes + 1, nodes + 1] bool; entry (i, j): row i may attend to row j (row 0 = last context token)."""
+    n = len(draft.tokens)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True  # everyone sees the last context token (and, via the cache, the rest)
+    for node, parent in enumerate(draft.parent_list):
+        row = node + 1
+        mask[row] = mask[parent + 1]
+        mask[row, row] = True
+    return mask

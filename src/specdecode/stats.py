@@ -4,28 +4,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.drafters.base import Draft
+
 
 @dataclass
 class GenerationStats:
     new_tokens: int = 0
     steps: int = 0  # target verification forwards (the prompt prefill is not a step)
-    drafted_tokens: int = 0
+    drafted_tokens: int = 0  # draft nodes sent to verification (a tree counts all its nodes)
     accepted_tokens: int = 0  # draft tokens the target kept
-    drafted_at: list[int] = field(default_factory=list)  # per draft position: how often drafted
-    accepted_at: list[int] = field(default_factory=list)  # per draft position: how often kept
+    drafted_at: list[int] = field(default_factory=list)  # per draft depth: steps that drafted that deep
+    accepted_at: list[int] = field(default_factory=list)  # per draft depth: steps that accepted that deep
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     wall_s: float = 0.0
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, draft: Draft, accepted: int) -> None:
+        """Count a verification step; positions are depths, so a tree counts once per level it reaches."""
         self.steps += 1
-        self.drafted_tokens += drafted
+        self.drafted_tokens += len(draft.tokens)
         self.accepted_tokens += accepted
-        while len(self.drafted_at) < drafted:
+        depth = max(draft.depths(), default=0)
+        while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
-        for i in range(drafted):
+        for i in range(depth):
             self.drafted_at[i] += 1
             if i < accepted:
                 self.accepted_at[i] += 1

@@ -23,19 +23,83 @@ if TYPE_CHECKING:
 
 @dataclass
 class Draft:
-    """Proposed continuation of the context.
+    """Proposed continuation of the context: a chain, or a tree of alternatives.
 
-    tokens: the proposed token ids, in order (may be empty: "no idea, decode one token normally").
-    probs: [len(tokens), vocab] distribution each token was sampled from, or None if the proposal
-        is deterministic (a point mass on each token).
+    tokens: the proposed token ids (may be empty: "no idea, decode one token normally").
+    parents: for a tree, ``parents[i]`` is the index of node i's parent in ``tokens`` or -1 when node
+        i directly follows the context; parents come before their children, and siblings are listed
+        in the order they were drawn.  None means a chain (``parents[i] == i - 1``).
+    probs: [len(tokens), vocab]; row i is the distribution token i was drawn from, *given its earlier
+        siblings* (sampling with replacement: the parent's draft distribution; without replacement:
+        that distribution with earlier siblings removed).  None means every token is a deterministic
+        proposal (a point mass).  Lossless sampling needs these to be the true drawing distributions.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
             raise ValueError(f"draft has {len(self.tokens)} tokens but {self.probs.shape[0]} prob rows")
+        if self.parents is not None:
+            if len(self.parents) != len(self.tokens):
+                raise ValueError("a draft tree needs one parent per token")
+            if any(not -1 <= parent < i for i, parent in enumerate(self.parents)):
+                raise ValueError("draft tree parents must come before their children")
+
+    @property
+    def parent_list(self) -> list[int]:
+        """Parents of every node, chains included."""
+        return self.parents if self.parents is not None else list(range(-1, len(self.tokens) - 1))
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def depths(self) -> list[int]:
+        """Depth of every node; children of the context have depth 1."""
+        depth: list[int] = []
+        for parent in self.parent_list:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    def limited(self, max_nodes: int, max_depth: int) -> Draft:
+        """At most ``max_nodes`` nodes, none deeper than ``max_depth``; earlier nodes win."""
+        depths = self.depths()
+        kept = [i for i in range(len(self.tokens)) if depths[i] <= max_depth][: max(0, max_nodes)]
+        if len(kept) == len(self.tokens):
+            return self
+        if self.parents is None:  # a chain: depth order is list order
+            return Draft(self.tokens[: len(kept)], self.probs[: len(kept)] if self.probs is not None else None)
+        new_index = {old: new for new, old in enumerate(kept)}
+        return Draft(
+            tokens=[self.tokens[i] for i in kept],
+            probs=self.probs[kept] if self.probs is not None else None,
+            parents=[new_index.get(self.parents[i], -1) if self.parents[i] >= 0 else -1 for i in kept],
+        )
+
+
+@dataclass
+class StepFeedback:
+    """What one verification step revealed, for drafters that learn from the target.
+
+    target_logits: [nodes + 1, vocab] raw target logits; row 0 follows the last context token, row
+        ``i + 1`` follows draft node i (e.g. Token Recycling reads their top-k).
+    """
+
+    draft: Draft
+    path: tuple[int, ...]
+    target_logits: torch.Tensor
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def accepted_rows(self) -> list[int]:
+        """Logit rows along the accepted path: the context row, then each accepted node's row."""
+        return [0, *(node + 1 for node in self.path)]
 
 
 class Drafter(ABC):
@@ -60,5 +124,5 @@ class Drafter(ABC):
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         """Propose up to ``max_tokens`` tokens that follow ``context``."""
 
-    def observe(self, context: list[int], num_accepted: int) -> None:  # noqa: B027
-        """Verification kept ``num_accepted`` of the proposed tokens; ``context`` is now extended."""
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:  # noqa: B027
+        """Verification is done: ``context`` now ends with the accepted tokens and the target's own."""

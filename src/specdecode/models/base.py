@@ -39,6 +39,17 @@ class KVCache(ABC):
     def crop(self, length: int) -> None:
         """Forget every position at or after ``length`` (rollback after rejected drafts)."""
 
+    def keep(self, start: int, offsets: list[int]) -> None:
+        """Keep positions ``start + offsets`` (ascending) after ``start`` and drop the rest: compacts a
+        verified token tree to its accepted path.  A contiguous prefix is a plain crop."""
+        if offsets == list(range(len(offsets))):
+            self.crop(start + len(offsets))
+        else:
+            self._gather(start, offsets)
+
+    def _gather(self, start: int, offsets: list[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot compact a token tree")
+
 
 class CausalLM(ABC):
     """A causal language model backend for one sequence at a time."""

@@ -23,6 +23,12 @@ class HFCache(KVCache):
         if length < self.length:
             self.inner.crop(length)
 
+    def _gather(self, start: int, offsets: list[int]) -> None:
+        index = torch.tensor(offsets, dtype=torch.long) + start
+        for layer in self.inner.layers:
+            layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys.index_select(-2, index)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :start, :], layer.values.index_select(-2, index)], dim=-2)
+
 
 def _config_max_context(config) -> int:
     for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):

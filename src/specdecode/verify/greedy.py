@@ -1,19 +1,24 @@
-"""Greedy verification: keep draft tokens while they equal the target's argmax."""
+"""Greedy verification: follow the target's argmax down the draft tree while a child matches it."""
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.verify.base import Verdict
+from specdecode.drafters.base import Draft
+from specdecode.verify.base import Verdict, children_by_row
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdict:
-    """target_logits: [k+1, vocab]; row i is the target's prediction after draft token i-1
-    (row 0 after the context).  Output equals plain greedy decoding by construction."""
+def verify_greedy(target_logits: torch.Tensor, draft: Draft) -> Verdict:
+    """target_logits: [nodes + 1, vocab]; row 0 predicts what follows the context, row i + 1 what
+    follows node i.  The result equals plain greedy decoding by construction."""
     choices = target_logits.argmax(dim=-1).tolist()
-    accepted = 0
-    for drafted, chosen in zip(draft_tokens, choices):
-        if drafted != chosen:
-            break
-        accepted += 1
-    return Verdict(num_accepted=accepted, next_token=choices[accepted])
+    children = children_by_row(draft)
+    path: list[int] = []
+    row = 0
+    while True:
+        chosen = choices[row]
+        match = next((c for c in children[row] if draft.tokens[c] == chosen), None)
+        if match is None:
+            return Verdict(path=tuple(path), next_token=chosen)
+        path.append(match)
+        row = match + 1

@@ -1,45 +1,60 @@
-"""Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+"""Lossless speculative sampling for chains and trees.
 
-Draft token x_i ~ q_i is kept with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection
-the replacement is drawn from the residual norm(max(p_i - q_i, 0)); if all k survive, a bonus
-token is drawn from p_{k+1}.  The emitted tokens are then distributed exactly as if sampled from
-the target p one by one, whatever q is.  A deterministic drafter is the point mass q = δ(x_i):
-the token is kept with probability p_i(x_i) and the residual is p_i with x_i removed.
+Chain (Leviathan et al. 2023; Chen et al. 2023): draft token x ~ q is kept with probability
+min(1, p(x) / q(x)); at the first rejection the replacement is drawn from the residual
+norm(max(p - q, 0)); if every token survives, a bonus token is drawn from the next p.
+
+Tree (multi-draft, as in SpecInfer / SpecTr and Recursive Speculative Decoding): at a node, its
+children are tried in the order they were drawn.  Child j, drawn from q_j given its earlier siblings,
+is kept with probability min(1, p_j(x_j) / q_j(x_j)); on rejection the target distribution becomes
+the residual p_{j+1} = norm(max(p_j - q_j, 0)) and the next sibling is tried; if all are rejected the
+token is drawn from the last residual.  For i.i.d. siblings q_j = q; for siblings drawn without
+replacement q_j is q with earlier siblings removed; for deterministic proposals q_j is the point
+mass on x_j (the residual is then p_j with x_j removed).  In every case the emitted token follows p
+exactly, and a chain is simply a tree with one child per node.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdecode.verify.base import Verdict
+from specdecode.drafters.base import Draft
+from specdecode.verify.base import Verdict, children_by_row
 from specdecode.verify.logits import sample
 
 
+def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    if q is None:
+        residual = p.clone()
+        residual[token] = 0.0
+    else:
+        residual = torch.clamp(p - q, min=0.0)
+    total = float(residual.sum())
+    # Zero mass means p <= q everywhere, i.e. p == q: rejection then has probability 0 and is reached
+    # only through rounding; p itself is the exact limit.
+    return residual / total if total > 0.0 else p
+
+
 def verify_speculative_sampling(
-    target_probs: torch.Tensor,
-    draft_tokens: list[int],
-    draft_probs: torch.Tensor | None,
-    generator: torch.Generator | None,
+    target_probs: torch.Tensor, draft: Draft, generator: torch.Generator | None
 ) -> Verdict:
-    """target_probs: [k+1, vocab] processed target distributions; draft_probs: [k, vocab] or None."""
-    for i, token in enumerate(draft_tokens):
-        p = target_probs[i]
-        if draft_probs is None:
-            q_token = 1.0
-            residual = p.clone()
-            residual[token] = 0.0
-        else:
-            q = draft_probs[i]
-            q_token = float(q[token])
-            residual = torch.clamp(p - q, min=0.0)
-        p_token = float(p[token])
-        u = float(torch.rand((), generator=generator))
-        if q_token > 0 and u * q_token < p_token:  # u < p/q without dividing by zero
-            continue
-        total = float(residual.sum())
-        if total <= 0.0:
-            # p <= q everywhere means p == q: a rejection then has probability 0, so this branch is
-            # reached only through rounding; sampling p itself is the exact limit.
-            residual = p
-        return Verdict(num_accepted=i, next_token=sample(residual, generator))
-    return Verdict(num_accepted=len(draft_tokens), next_token=sample(target_probs[len(draft_tokens)], generator))
+    """target_probs: [nodes + 1, vocab] processed target distributions in the verification row layout."""
+    children = children_by_row(draft)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_probs[row]
+        accepted = None
+        for child in children[row]:
+            token = draft.tokens[child]
+            q = draft.probs[child] if draft.probs is not None else None
+            q_token = float(q[token]) if q is not None else 1.0
+            u = float(torch.rand((), generator=generator))
+            if q_token > 0 and u * q_token < float(p[token]):  # u < p/q without dividing by zero
+                accepted = child
+                break
+            p = _residual(p, q, token)
+        if accepted is None:
+            return Verdict(path=tuple(path), next_token=sample(p, generator))
+        path.append(accepted)
+        row = accepted + 1
