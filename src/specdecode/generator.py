@@ -51,7 +51,8 @@ _SAMPLING_NAMES = {"temperature", "top_k", "top_p", "seed"}
 
 
 class SpeculativeGenerator:
-    """A target model plus a drafter.  Drafter state persists across calls (it may learn)."""
+    """A target model plus a drafter.  Drafter state persists across calls, so drafters that learn from
+    earlier outputs make a session of related requests faster; ``reset_drafter()`` forgets it."""
 
     def __init__(self, target: LoadedModel, drafter: Drafter, defaults: GenerationConfig | None = None) -> None:
         self.target = target
@@ -63,6 +64,9 @@ class SpeculativeGenerator:
         cls, target: LoadedModel, drafter: str = "pld", defaults: GenerationConfig | None = None, **drafter_options
     ) -> SpeculativeGenerator:
         return cls(target, create_drafter(drafter, target, **drafter_options), defaults)
+
+    def reset_drafter(self) -> None:
+        self.drafter.reset()
 
     # -- prompt handling -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:

@@ -118,7 +118,7 @@ class Drafter(ABC):
         self.target = target
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:  # noqa: B027
-        """A new request begins.  Default: nothing to reset."""
+        """A new request begins.  State learned from earlier requests is kept (see ``reset``)."""
 
     @abstractmethod
     def propose(self, context: list[int], max_tokens: int) -> Draft:
@@ -126,3 +126,6 @@ class Drafter(ABC):
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:  # noqa: B027
         """Verification is done: ``context`` now ends with the accepted tokens and the target's own."""
+
+    def reset(self) -> None:  # noqa: B027
+        """Forget everything learned across requests (drafters that keep history must bound it)."""
