@@ -44,7 +44,7 @@ def drafters_under_test(target, draft):
     return {name: create_drafter(name, target, **options.get(name, {})) for name in available_drafters()}
 
 
-@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("k", [1, 3, 6, "auto", "heuristic"])
 def test_greedy_output_equals_plain_and_transformers_for_every_drafter(tiny_target, tiny_draft, k):
     for prompt in PROMPTS:
         expected = hf_greedy(tiny_target, prompt, 64)

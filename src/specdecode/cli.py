@@ -30,6 +30,10 @@ def _parse_option(text: str) -> tuple[str, object]:
     return key.replace("-", "_"), value
 
 
+def _draft_tokens(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
     parser.add_argument("--drafter", default="pld", help="drafting method (see `specdecode drafters`)")
@@ -38,7 +42,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
         help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
     )
-    parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="K", help="tokens drafted per step")
+    parser.add_argument(
+        "--num-draft-tokens", type=_draft_tokens, default=5, metavar="K",
+        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule)",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)

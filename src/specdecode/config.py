@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.draft_length import make_policy
 from specdecode.errors import SpecDecodeError
 
 
@@ -38,7 +39,7 @@ class GenerationConfig:
     """One request: how many tokens, when to stop, how to sample, how far to draft."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int = 5
+    num_draft_tokens: int | str = 5  # K, "auto" (cost model) or "heuristic" (transformers' schedule)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -46,9 +47,6 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise SpecDecodeError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 0:
-            raise SpecDecodeError(
-                f"num-draft-tokens must be an integer >= 0, got {self.num_draft_tokens!r}"
-            )
+        make_policy(self.num_draft_tokens)  # validates
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty strings")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.config import GenerationConfig
+from specdecode.draft_length import DraftLengthPolicy, StepObservation, make_policy
 from specdecode.drafters.base import Draft, Drafter, StepFeedback
 from specdecode.models.base import CausalLM
 from specdecode.stats import GenerationStats
@@ -48,9 +49,14 @@ def speculative_decode(
     config: GenerationConfig,
     eos_ids: frozenset[int] = frozenset(),
     outcome: DecodeOutcome | None = None,
+    draft_length: DraftLengthPolicy | None = None,
 ) -> Iterator[list[int]]:
-    """Yield the tokens accepted at each step (never empty) until EOS, max tokens or a full context."""
+    """Yield the tokens accepted at each step (never empty) until EOS, max tokens or a full context.
+
+    ``draft_length`` decides the depth of each draft (default: from ``config.num_draft_tokens``); pass
+    one policy object across requests to let an adaptive policy keep what it learned."""
     outcome = outcome if outcome is not None else DecodeOutcome()
+    draft_length = draft_length if draft_length is not None else make_policy(config.num_draft_tokens)
     stats = outcome.stats
     sampling = config.sampling
     generator = make_generator(sampling.seed)
@@ -66,7 +72,8 @@ def speculative_decode(
     context = list(prompt_ids)
     while stats.new_tokens < config.max_new_tokens and len(context) < target.max_context:
         # A step adds at most depth + 1 tokens, and every draft node needs a cache slot.
-        max_depth = min(config.num_draft_tokens, config.max_new_tokens - stats.new_tokens - 1)
+        room = config.max_new_tokens - stats.new_tokens - 1
+        max_depth = draft_length.next_length(room) if room > 0 else 0
         max_nodes = target.max_context - len(context)
 
         tick = time.perf_counter()
@@ -82,8 +89,13 @@ def speculative_decode(
             verdict = verify_speculative_sampling(sampling_probs(logits, sampling), draft, generator)
         # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
         cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
-        stats.verify_s += time.perf_counter() - tock
+        verify_s = time.perf_counter() - tock
+        stats.verify_s += verify_s
         stats.record_step(draft, verdict.num_accepted)
+        draft_length.observe(StepObservation(
+            depth=max(draft.depths(), default=0), nodes=len(draft.tokens), accepted=verdict.num_accepted,
+            draft_s=tock - tick, verify_s=verify_s,
+        ))
 
         accepted = [draft.tokens[node] for node in verdict.path]
         new_tokens = [*accepted, verdict.next_token]

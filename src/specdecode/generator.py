@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from specdecode.config import GenerationConfig
+from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
@@ -58,6 +59,8 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.defaults = defaults or GenerationConfig()
+        # Adaptive draft-length policies keep what they learned (costs, acceptance) across requests.
+        self._adaptive_policies: dict[str, DraftLengthPolicy] = {}
 
     @classmethod
     def build(
@@ -67,6 +70,12 @@ class SpeculativeGenerator:
 
     def reset_drafter(self) -> None:
         self.drafter.reset()
+        self._adaptive_policies.clear()
+
+    def _draft_length_policy(self, spec: int | str) -> DraftLengthPolicy:
+        if isinstance(spec, int):
+            return make_policy(spec)
+        return self._adaptive_policies.setdefault(spec, make_policy(spec))
 
     # -- prompt handling -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -140,8 +149,9 @@ class SpeculativeGenerator:
         holdback = max((len(s) for s in config.stop), default=1) - 1
         finish_reason = None
         text = ""
+        policy = self._draft_length_policy(config.num_draft_tokens)
         for new_tokens in speculative_decode(
-            self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome
+            self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome, policy
         ):
             generated.extend(new_tokens)
             text = self._decode(generated)
