@@ -1,0 +1,104 @@
+"""How a backend's forward time grows with the number of new tokens: the cost curve of verification.
+
+Speculation with k drafted tokens replaces k+1 one-token forwards by one (k+1)-token forward, so its
+speed-up is bounded by ``(k+1) * t(1) / t(k+1)``.  This measures ``t(n)`` for n = 1..max_new on top of
+a realistic KV cache, with logits for every row (verification reads all of them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specdecode.models.base import CausalLM, KVCache
+
+_SEED = 0
+
+
+@dataclass
+class ForwardCost:
+    """Median forward time in ms per number of new tokens (keys "1".."max_new")."""
+
+    model: str
+    t_ms: dict[str, float]
+    ratio_8_1: float
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "t_ms": {n: round(t, 3) for n, t in self.t_ms.items()},
+            "ratio_8_1": round(self.ratio_8_1, 3),
+        }
+
+
+def _prefilled(backend: CausalLM, context_tokens: int, max_new: int) -> tuple[KVCache, torch.Tensor]:
+    """A cache holding ``context_tokens`` tokens, plus ``max_new`` tokens to run on top of it.
+
+    Token values do not change the cost of a dense forward, so fixed pseudo-random ids stand in for text.
+    """
+    if context_tokens < 1 or max_new < 1:
+        raise ValueError("context_tokens and max_new must be at least 1")
+    if context_tokens + max_new > backend.max_context:
+        raise ValueError(
+            f"context_tokens + max_new = {context_tokens + max_new} exceeds the model's context "
+            f"of {backend.max_context} tokens"
+        )
+    generator = torch.Generator().manual_seed(_SEED)
+    ids = torch.randint(0, backend.vocab_size, (context_tokens + max_new,), generator=generator)
+    cache = backend.new_cache()
+    backend.forward(ids[:context_tokens], cache, logits_rows=slice(-1, None))
+    return cache, ids[context_tokens:]
+
+
+def measure_forward_cost(
+    backend: CausalLM, context_tokens: int = 256, max_new: int = 16, repeats: int = 5, warmup: int = 2
+) -> ForwardCost:
+    """Median time of a forward over n = 1..max_new new tokens after ``context_tokens`` cached ones.
+
+    Rounds go over every n in turn (rather than all repeats of one n, then the next) so that a burst of
+    load from other processes spreads over the whole curve instead of distorting one point.
+    """
+    if max_new < 8:
+        raise ValueError("max_new must be at least 8 to report the 8-token / 1-token ratio")
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be at least 1 and warmup at least 0")
+    cache, new = _prefilled(backend, context_tokens, max_new)
+    samples: dict[int, list[float]] = {n: [] for n in range(1, max_new + 1)}
+    for round_index in range(warmup + repeats):
+        for n in samples:
+            start = time.perf_counter()
+            backend.forward(new[:n], cache)
+            elapsed = time.perf_counter() - start
+            cache.crop(context_tokens)
+            if round_index >= warmup:
+                samples[n].append(elapsed * 1e3)
+    t_ms = {str(n): statistics.median(times) for n, times in samples.items()}
+    return ForwardCost(model=backend.name, t_ms=t_ms, ratio_8_1=t_ms["8"] / t_ms["1"])
+
+
+def format_curve(cost: ForwardCost) -> str:
+    """A terminal table: tokens, ms, cost relative to one token, and ms per token."""
+    t1 = cost.t_ms["1"]
+    lines = [f"forward cost of {cost.model}", f"{'tokens':>6}  {'ms':>9}  {'x t(1)':>7}  {'ms/token':>8}"]
+    for n, t in cost.t_ms.items():
+        lines.append(f"{n:>6}  {t:9.2f}  {t / t1:7.2f}  {t / int(n):8.2f}")
+    lines.append(f"ratio t(8)/t(1): {cost.ratio_8_1:.2f}")
+    return "\n".join(lines)
+
+
+def profile_forward(backend: CausalLM, n_new: int, context_tokens: int, repeats: int = 3, row_limit: int = 15) -> str:
+    """Per-operator CPU profile of ``repeats`` forwards over ``n_new`` tokens, sorted by self CPU time."""
+    cache, new = _prefilled(backend, context_tokens, n_new)
+    backend.forward(new, cache)  # warm-up: first-call allocations and kernel selection
+    cache.crop(context_tokens)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            backend.forward(new, cache)
+            cache.crop(context_tokens)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+    header = f"{backend.name}: {repeats} forwards of {n_new} new tokens after {context_tokens} cached"
+    return f"{header}\n{table}"

@@ -1,0 +1,168 @@
+"""The oneDNN-prepacked CPU fast path must be a numerically faithful, in-place swap of ``nn.Linear``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from specdecode.models.fastpath import (
+    FastPathReport,
+    PackedLinear,
+    apply_cpu_fast_path,
+    fast_path_supported,
+    remove_cpu_fast_path,
+)
+from specdecode.models.hf import HFCausalLM
+
+pytestmark = pytest.mark.skipif(not fast_path_supported(), reason="torch build without oneDNN linear ops")
+
+SIZES = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.3,  # peaky logits: greedy choices are far from numerical ties
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def llama(tied: bool) -> nn.Module:
+    return LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=tied))
+
+
+def qwen2() -> nn.Module:  # q/k/v projections carry biases
+    return Qwen2ForCausalLM(Qwen2Config(**SIZES, tie_word_embeddings=False))
+
+
+def gemma3() -> nn.Module:  # tied, scaled embedding, sliding-window layers
+    return Gemma3ForCausalLM(Gemma3TextConfig(**SIZES, head_dim=16, sliding_window=8))
+
+
+BUILDERS = {
+    "llama": lambda: llama(tied=False),
+    "llama-tied": lambda: llama(tied=True),
+    "qwen2": qwen2,
+    "gemma3": gemma3,
+}
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return BUILDERS[kind]().eval()
+
+
+def fast_copy(model: nn.Module) -> tuple[nn.Module, FastPathReport]:
+    fast = copy.deepcopy(model)
+    return fast, apply_cpu_fast_path(fast)
+
+
+def prompt(length: int = 20) -> torch.Tensor:
+    return torch.randint(3, SIZES["vocab_size"], (1, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_logits_match_unmodified_model(kind):
+    model = build(kind)
+    fast, report = fast_copy(model)
+    with torch.inference_mode():
+        expected = model(prompt()).logits
+        got = fast(prompt()).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert not any(type(m) is nn.Linear for m in fast.modules())
+    assert len(report.replaced) == sum(type(m) is nn.Linear for m in model.modules())
+    assert not report.skipped
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_greedy_generate_unchanged(kind):
+    model = build(kind)
+    fast, _ = fast_copy(model)
+    args = dict(max_new_tokens=12, do_sample=False, pad_token_id=2)
+    with torch.inference_mode():
+        assert torch.equal(fast.generate(prompt(8), **args), model.generate(prompt(8), **args))
+
+
+def test_cached_backend_forward_matches_full_forward():
+    """Incremental forwards through ``HFCausalLM`` (cache, several rows, crop) see the same numbers."""
+    model = build("qwen2")
+    apply_cpu_fast_path(model)
+    backend = HFCausalLM(model, "tiny")
+    tokens = prompt(16)[0]
+    full = backend.forward(tokens, backend.new_cache()).logits
+    cache = backend.new_cache()
+    backend.forward(tokens[:10], cache)
+    backend.forward(tokens[10:13], cache)
+    cache.crop(10)
+    tail = backend.forward(tokens[10:], cache).logits
+    torch.testing.assert_close(tail, full[10:], atol=1e-4, rtol=1e-4)
+
+
+def test_deterministic_for_same_rows():
+    model = build("llama")
+    apply_cpu_fast_path(model)
+    with torch.inference_mode():
+        assert torch.equal(model(prompt()).logits, model(prompt()).logits)
+
+
+@pytest.mark.parametrize("kind", ["llama-tied", "gemma3"])
+def test_tied_embeddings_stay_tied_and_usable(kind):
+    model = build(kind)
+    fast, report = fast_copy(model)
+    assert report.tied == ["lm_head"]
+    head, embedding = fast.get_output_embeddings(), fast.get_input_embeddings()
+    assert isinstance(head, PackedLinear)
+    assert head.weight is embedding.weight
+    assert "lm_head.weight" in fast.state_dict()
+    torch.testing.assert_close(embedding(prompt()), model.get_input_embeddings()(prompt()))
+    assert HFCausalLM(fast, "tiny").vocab_size == SIZES["vocab_size"]
+
+
+def test_untied_head_exposes_shape_without_dense_copy():
+    model = build("llama")
+    dense_params = sum(p.numel() for p in model.parameters())
+    apply_cpu_fast_path(model)
+    head = model.get_output_embeddings()
+    assert tuple(head.weight.shape) == (SIZES["vocab_size"], SIZES["hidden_size"])
+    assert head.weight.is_mkldnn
+    linear_params = sum(m.packed.numel() for m in model.modules() if isinstance(m, PackedLinear))
+    assert sum(p.numel() for p in model.parameters()) == dense_params - linear_params
+    assert HFCausalLM(model, "tiny").vocab_size == SIZES["vocab_size"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_remove_restores_original_weights_and_outputs(kind):
+    model = build(kind)
+    fast, report = fast_copy(model)
+    assert remove_cpu_fast_path(fast) == len(report.replaced)
+    assert not any(isinstance(m, PackedLinear) for m in fast.modules())
+    original = model.state_dict()
+    for key, value in fast.state_dict().items():
+        assert torch.equal(value, original[key]), key
+    if kind == "gemma3":  # tied: the restored head shares the embedding again
+        assert fast.get_output_embeddings().weight is fast.get_input_embeddings().weight
+    with torch.inference_mode():
+        assert torch.equal(fast(prompt()).logits, model(prompt()).logits)
+
+
+def test_non_fp32_layers_are_skipped():
+    model = build("llama").to(torch.bfloat16)
+    report = apply_cpu_fast_path(model)
+    assert not report.replaced
+    assert set(report.skipped.values()) == {"dtype torch.bfloat16"}
+    assert "skipped" in report.summary()

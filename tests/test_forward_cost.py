@@ -1,0 +1,79 @@
+"""The forward-cost benchmark reports the agreed JSON shape and leaves the backend usable (no timing checks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdecode.bench.forward_cost import ForwardCost, format_curve, measure_forward_cost, profile_forward
+from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
+from specdecode.models.hf import HFCausalLM
+
+
+@pytest.fixture(scope="module")
+def backend() -> HFCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    return HFCausalLM(LlamaForCausalLM(config), "tiny-llama")
+
+
+def test_json_has_exactly_the_agreed_keys(backend):
+    cost = measure_forward_cost(backend, context_tokens=32, repeats=1, warmup=0)
+    data = json.loads(json.dumps(cost.to_json()))
+    assert set(data) == {"model", "t_ms", "ratio_8_1"}
+    assert data["model"] == "tiny-llama"
+    assert list(data["t_ms"]) == [str(n) for n in range(1, 17)]
+    assert all(isinstance(t, float) and t > 0 for t in data["t_ms"].values())
+    assert isinstance(data["ratio_8_1"], float) and data["ratio_8_1"] > 0
+    assert cost.ratio_8_1 == pytest.approx(cost.t_ms["8"] / cost.t_ms["1"])
+
+
+@pytest.mark.skipif(not fast_path_supported(), reason="torch build without oneDNN linear ops")
+def test_runs_on_the_fast_path():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = LlamaForCausalLM(config)
+    apply_cpu_fast_path(model)
+    cost = measure_forward_cost(HFCausalLM(model, "fast"), context_tokens=8, max_new=8, repeats=2, warmup=1)
+    assert list(cost.t_ms) == [str(n) for n in range(1, 9)]
+    assert cost.ratio_8_1 > 0
+
+
+def test_format_curve_lists_every_point():
+    cost = ForwardCost(model="m", t_ms={str(n): 10.0 + n for n in range(1, 17)}, ratio_8_1=18 / 11)
+    text = format_curve(cost)
+    assert "m" in text.splitlines()[0]
+    assert len(text.splitlines()) == 16 + 3
+    assert "1.64" in text.splitlines()[-1]
+
+
+def test_rejects_impossible_requests(backend):
+    with pytest.raises(ValueError, match="context"):
+        measure_forward_cost(backend, context_tokens=120, max_new=16)
+    with pytest.raises(ValueError, match="8"):
+        measure_forward_cost(backend, context_tokens=8, max_new=4)
+
+
+def test_profile_is_a_table_of_operators(backend):
+    text = profile_forward(backend, n_new=4, context_tokens=16)
+    assert "tiny-llama" in text.splitlines()[0]
+    assert "Self CPU" in text
+    assert "aten::" in text
