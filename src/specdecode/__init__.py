@@ -21,20 +21,22 @@ def load(
     model: str = DEFAULT_MODEL,
     drafter: str = "pld",
     *,
-    num_draft_tokens: int = 5,
+    num_draft_tokens: int | str = 5,
     max_new_tokens: int = 128,
+    fast_path: bool | None = None,
     **drafter_options,
 ) -> SpeculativeGenerator:
     """Load ``model`` (registry short name, local directory, .gguf file or hub id) with a drafter.
 
     ``drafter_options`` go to the drafter, e.g. ``draft_model="qwen2.5-coder-0.5b"`` for
-    ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.
+    ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.  ``fast_path`` (default on
+    where supported) prepacks linear layers for fast multi-token verification on CPUs.
     """
     from specdecode.drafters import drafter_class
     from specdecode.models.loading import load_model
 
     drafter_class(drafter)  # fail on an unknown drafter before spending time loading the model
-    target = load_model(model)
+    target = load_model(model, fast_path=fast_path)
     defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
     return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
 

@@ -54,6 +54,10 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument(
+        "--no-fast-path", action="store_true",
+        help="keep transformers' default linear kernels (the fast CPU path is on by default)",
+    )
 
 
 def _generation_config(args: argparse.Namespace):
@@ -69,15 +73,19 @@ def _generation_config(args: argparse.Namespace):
 
 
 def _build_generator(args: argparse.Namespace, drafter: str, defaults):
-    from specdecode.drafters import drafter_class
+    from specdecode.drafters import check_drafter_options
     from specdecode.generator import SpeculativeGenerator
     from specdecode.models.loading import load_model
 
-    drafter_class(drafter)  # unknown drafter: fail before the (slow) model load
     options = dict(_parse_option(o) for o in args.drafter_option)
-    if args.draft_model is not None:
-        options["draft_model"] = args.draft_model
-    target = load_model(args.model)
+    options["draft_model"] = args.draft_model
+    options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
+    fast_path = False if args.no_fast_path else None
+    target = load_model(args.model, fast_path=fast_path)
+    if isinstance(options.get("draft_model"), str) and options["draft_model"] != args.model:
+        options["draft_model"] = load_model(options["draft_model"], fast_path=fast_path)
+    elif options.get("draft_model") == args.model:
+        options["draft_model"] = target  # a model drafting for itself: load it once
     return SpeculativeGenerator.build(target, drafter, defaults, **options)
 
 

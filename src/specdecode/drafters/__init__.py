@@ -53,9 +53,9 @@ def drafter_class(name: str) -> type[Drafter]:
     return _REGISTRY[name]
 
 
-def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
-    """Build drafter ``name`` for ``target``.  Options that are None are treated as not given;
-    an option the drafter does not take is an error, not silently ignored."""
+def check_drafter_options(name: str, **options: Any) -> dict[str, Any]:
+    """The given (non-None) options, after checking that drafter ``name`` exists and takes them all:
+    an option it does not take is an error, not silently ignored.  Cheap: call it before loading models."""
     cls = drafter_class(name)
     given = {key: value for key, value in options.items() if value is not None}
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "target"}
@@ -63,7 +63,20 @@ def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
     if unknown:
         pretty = ", ".join(opt.replace("_", "-") for opt in unknown)
         raise SpecDecodeError(f"drafter {name!r} does not take option(s): {pretty}")
-    return cls(target, **given)
+    return given
 
 
-__all__ = ["Draft", "Drafter", "available_drafters", "create_drafter", "drafter_class", "register_drafter"]
+def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
+    """Build drafter ``name`` for ``target`` (options as in :func:`check_drafter_options`)."""
+    return drafter_class(name)(target, **check_drafter_options(name, **options))
+
+
+__all__ = [
+    "Draft",
+    "Drafter",
+    "available_drafters",
+    "check_drafter_options",
+    "create_drafter",
+    "drafter_class",
+    "register_drafter",
+]

@@ -113,6 +113,8 @@ class Drafter(ABC):
     name: ClassVar[str]
     #: True if the drafter can use a draft distribution (sampling mode benefits from ``Draft.probs``).
     provides_probs: ClassVar[bool] = False
+    #: True if the drafter cannot be built before something is trained for the target (e.g. an adapter).
+    needs_training: ClassVar[bool] = False
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target
