@@ -11,9 +11,9 @@ import json
 import sys
 from collections.abc import Callable
 
+from specdecode.bench.cli import add_bench_command
 from specdecode.errors import SpecDecodeError
-
-DEFAULT_MODEL = "smollm2-135m"
+from specdecode.models.registry import DEFAULT_MODEL
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     drafters = commands.add_parser("drafters", help="list registered drafters")
     drafters.set_defaults(run=cmd_drafters)
+
+    add_bench_command(commands)
     return parser
 
 

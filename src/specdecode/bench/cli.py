@@ -1,0 +1,106 @@
+"""``specdecode bench`` (the Spec-Bench-style benchmark) and ``specdecode bench forward-cost``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.registry import DEFAULT_MODEL
+
+
+def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``bench`` and its optional sub-command ``forward-cost`` to the top-level parser."""
+    from specdecode.bench.runner import SUITES
+
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark drafting methods against plain decoding and transformers on real prompts",
+        description="Every flag left out takes the suite's value. Results go to --out "
+        "(results.json, results.md, *.png); a rerun skips what that directory already holds.",
+    )
+    bench.add_argument("--suite", choices=sorted(SUITES), default="quick",
+                       help="quick: smollm2-135m, minutes; full: qwen2.5-coder-1.5b + 0.5b draft, hours")
+    bench.add_argument("--model", help="target model: registry short name, local dir or .gguf")
+    bench.add_argument("--methods", help="comma-separated drafter specs, e.g. none,pld:k=6,draft-model:M:k=4")
+    bench.add_argument("--tasks", help="comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit)")
+    bench.add_argument("--prompts-per-task", type=int, metavar="N")
+    bench.add_argument("--max-new-tokens", type=int, metavar="N")
+    bench.add_argument("--repeats", type=int, metavar="N", help="timed runs per prompt (the median is reported)")
+    bench.add_argument("--seed", type=int, help="seed of the prompt selection (default 0)")
+    bench.add_argument("--out", help="output directory (default bench-out/<suite>)")
+    bench.add_argument("--no-peers", dest="peers", action="store_false", default=None,
+                       help="skip transformers generate()")
+    bench.add_argument("--threads", type=int, help="torch threads (default: number of cores)")
+    bench.add_argument("--draft-lengths", metavar="K,K,...",
+                       help="draft lengths to sweep for every drafting method on the sweep tasks ('none': no sweep)")
+    bench.add_argument("--sweep-tasks", help="comma-separated tasks for the draft-length sweep")
+    bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    bench.set_defaults(run=run_bench)
+
+    commands = bench.add_subparsers(dest="bench_command", required=False, metavar="{forward-cost}")
+    cost = commands.add_parser(
+        "forward-cost", help="time one forward over 1..N new tokens: the cost curve of verification"
+    )
+    # SUPPRESS: ``bench --model M forward-cost`` keeps the M given before the sub-command.
+    cost.add_argument("--model", default=argparse.SUPPRESS, help=f"default {DEFAULT_MODEL}")
+    cost.add_argument("--context-tokens", type=int, default=256, metavar="N", help="cached tokens before the forward")
+    cost.add_argument("--max-new", type=int, default=16, metavar="N", help="largest number of new tokens (>= 8)")
+    cost.add_argument("--repeats", type=int, default=argparse.SUPPRESS, metavar="N", help="default 5")
+    cost.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="torch threads (default: torch's)")
+    cost.add_argument("--json", action="store_true", help="print one JSON object")
+    cost.add_argument("--profile", action="store_true",
+                      help="also print per-operator profiles of 1- and 8-token forwards")
+    cost.set_defaults(run=run_forward_cost)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.runner import resolve_settings, run_benchmark
+
+    settings = resolve_settings(
+        args.suite,
+        model=args.model,
+        methods=args.methods,
+        tasks=args.tasks,
+        prompts_per_task=args.prompts_per_task,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        seed=args.seed,
+        out=args.out,
+        peers=args.peers,
+        threads=args.threads,
+        draft_lengths=args.draft_lengths,
+        sweep_tasks=args.sweep_tasks,
+    )
+    started = time.perf_counter()
+    run_benchmark(settings, progress=args.progress)
+    report = settings.out / "results.md"
+    print(report.read_text())
+    print(f"[bench] wrote {settings.out}/ (results.json, results.md, plots) in "
+          f"{(time.perf_counter() - started) / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+def run_forward_cost(args: argparse.Namespace) -> int:
+    import torch
+
+    from specdecode.bench.forward_cost import format_curve, measure_forward_cost, profile_forward
+    from specdecode.models.loading import load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SpecDecodeError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    backend = load_model(args.model or DEFAULT_MODEL).backend
+    try:
+        cost = measure_forward_cost(backend, context_tokens=args.context_tokens, max_new=args.max_new,
+                                    repeats=args.repeats or 5)
+    except ValueError as exc:  # bad sizes: a user mistake, one line
+        raise SpecDecodeError(str(exc)) from exc
+    print(json.dumps(cost.to_json()) if args.json else format_curve(cost))
+    if args.profile:
+        for n_new in (1, 8):
+            print(profile_forward(backend, n_new, args.context_tokens), file=sys.stderr if args.json else sys.stdout)
+    return 0

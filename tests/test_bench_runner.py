@@ -1,0 +1,282 @@
+"""The benchmark harness on tiny models: method specs, metric arithmetic, equality, resume, report, CLI parsing.
+
+Timings are never asserted; only what the harness computes from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from specdecode.bench import report, runner
+from specdecode.bench.cli import add_bench_command
+from specdecode.bench.report import acceptance, build_cells, equal_pct, median_wall_s, tokens_per_s
+from specdecode.bench.runner import MethodSpec, parse_method, parse_methods, resolve_settings, run_benchmark
+from specdecode.bench.tasks import Prompt, Task
+from specdecode.errors import SpecDecodeError, UnknownDrafterError
+
+# --------------------------------------------------------------------------------------------------------
+# Method specs
+
+
+def test_method_spec_syntax():
+    assert parse_method("none") == MethodSpec("none")
+    pld = parse_method("pld:k=6:max_ngram=4")
+    assert (pld.drafter, pld.k, dict(pld.options), pld.spec) == ("pld", 6, {"max_ngram": 4}, "pld:k=6:max_ngram=4")
+    dm = parse_method("draft-model:qwen2.5-coder-0.5b:k=4")
+    assert (dm.draft_model, dm.k) == ("qwen2.5-coder-0.5b", 4)
+    assert parse_method("pld:max-ngram=4:k=6") == pld  # same configuration, other spelling
+    assert pld.option("min_ngram") == 1  # the drafter's own default
+    assert pld.with_k(2).spec == "pld:k=2:max_ngram=4"
+    assert dm.with_k(8).spec == "draft-model:qwen2.5-coder-0.5b:k=8"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("pld:k=0", "positive integer"),
+        ("pld:k=two", "positive integer"),
+        ("pld:max_ngram", "OPTION=VALUE"),
+        ("pld:k=3:k=4", "twice"),
+        ("draft-model", "needs a draft model"),
+        (":k=3", "no drafter name"),
+    ],
+)
+def test_method_spec_errors_are_one_line(text, message):
+    with pytest.raises(SpecDecodeError, match=message) as info:
+        parse_method(text)
+    assert "\n" not in str(info.value)
+
+
+def test_method_list_errors():
+    with pytest.raises(UnknownDrafterError):
+        parse_methods("none,nonsense")
+    with pytest.raises(SpecDecodeError, match="twice"):
+        parse_methods("none,pld,pld")
+    with pytest.raises(SpecDecodeError, match="empty"):
+        parse_methods(" , ")
+
+
+def test_settings_from_suite_and_overrides(tmp_path):
+    quick = resolve_settings("quick")
+    assert quick.model == "smollm2-135m" and [m.spec for m in quick.methods] == ["none", "pld"]
+    assert str(quick.out) == "bench-out/quick" and quick.sweep_tasks == ("edit",)
+    custom = resolve_settings("quick", tasks="mt-bench,rag", draft_lengths="2,4", out=str(tmp_path))
+    assert custom.tasks == ("mt-bench", "rag") and custom.sweep_tasks == ("rag",)  # the grounded one
+    assert resolve_settings("quick", draft_lengths="none").sweep_tasks == ()
+    assert [spec.name for spec in runner.peer_specs(resolve_settings("full"))] == ["hf-plain", "hf-pld", "hf-assisted"]
+    assert runner.peer_specs(resolve_settings("quick", peers=False)) == []
+    bad_settings = [
+        ({"tasks": "nope"}, "unknown benchmark task"),
+        ({"repeats": 0}, "positive integer"),
+        ({"draft_lengths": "1,x"}, "comma-separated"),
+        ({"tasks": "edit", "sweep_tasks": "rag"}, "not among"),
+    ]
+    for bad, message in bad_settings:
+        with pytest.raises(SpecDecodeError, match=message):
+            resolve_settings("quick", **bad)
+    with pytest.raises(SpecDecodeError, match="unknown suite"):
+        resolve_settings("huge")
+
+
+def test_sweep_variants_reuse_listed_methods():
+    settings = resolve_settings("quick", methods="none,pld:k=4", draft_lengths="2,4")
+    assert {spec: base.spec for spec, (_, base) in runner.sweep_methods(settings).items()} == {
+        "pld:k=2": "pld:k=4", "pld:k=4": "pld:k=4"
+    }
+
+
+# --------------------------------------------------------------------------------------------------------
+# Metric arithmetic on hand-made records
+
+
+def _record(tokens, walls, steps=0, drafted_at=(), accepted_at=()):
+    return {"token_ids": tokens, "new_tokens": len(tokens), "wall_s": list(walls), "repeats_identical": True,
+            "steps": steps, "drafted_tokens": sum(drafted_at), "accepted_tokens": sum(accepted_at),
+            "drafted_at": list(drafted_at), "accepted_at": list(accepted_at)}
+
+
+def test_time_is_the_median_and_tokens_per_s_pools_prompts():
+    a = _record([1] * 10, [1.0, 9.0, 2.0])  # median 2.0: an outlier repeat does not count
+    b = _record([1] * 30, [3.0, 3.0])
+    assert median_wall_s(a) == 2.0
+    assert tokens_per_s([a, b]) == pytest.approx(40 / 5.0)
+    assert tokens_per_s([]) == 0.0
+
+
+def test_acceptance_pools_raw_counts():
+    # prompt 1: 4 steps, drafted 4x at position 1 (3 kept) and 2x at position 2 (1 kept)
+    # prompt 2: 2 steps, drafted 2x at position 1 (0 kept)
+    pooled = acceptance([_record([1], [1], 4, (4, 2), (3, 1)), _record([1], [1], 2, (2,), (0,))])
+    assert pooled.mean_accepted_tokens == pytest.approx((4 + 6) / 6)
+    assert pooled.acceptance_rate == pytest.approx(4 / 8)
+    assert pooled.by_position == pytest.approx([3 / 6, 1 / 2])
+    assert acceptance([_record([1], [1], 5)]).mean_accepted_tokens == 1.0  # plain decoding
+
+
+def test_equality_percentage():
+    ours = {"p1": _record([1, 2, 3], [1]), "p2": _record([4, 5], [1]), "p3": _record([7], [1])}
+    plain = {"p1": _record([1, 2, 3], [1]), "p2": _record([4, 6], [1])}
+    assert equal_pct(ours, plain) == 50.0  # only prompts measured by both count
+    assert equal_pct(ours, {}) is None
+
+
+def _synthetic_results():
+    """Plain at 10 tok/s, pld at 25 tok/s (equal on 1 of 2 prompts), transformers plain at 20 tok/s."""
+    task = Task("edit", "edit", [Prompt("e/1", "x", True), Prompt("e/2", "y", True)])
+    runs = {
+        "none": {"edit": {"e/1": _record([1] * 10, [1.0], 10), "e/2": _record([2] * 10, [1.0], 10)}},
+        "pld": {"edit": {"e/1": _record([1] * 10, [0.4], 4, (4,), (4,)), "e/2": _record([3] * 10, [0.4], 4)}},
+        "hf-plain": {"edit": {"e/1": _record([1] * 10, [0.5]), "e/2": _record([2] * 10, [0.5])}},
+    }
+    settings = {"suite": "quick", "model": "m", "methods": ["none", "pld"], "baseline": "none",
+                "peers": {"hf-plain": {"matches": "none"}}, "sweep": {}, "sweep_tasks": [], "seed": 0,
+                "prompts_per_task": 2, "max_new_tokens": 10, "repeats": 1}
+    return {"settings": settings, "runs": runs}, [task]
+
+
+def test_cells_speedup_equality_and_peer_ratio():
+    results, tasks = _synthetic_results()
+    cells = {(c.method, c.task): c for c in build_cells(results, tasks)}
+    assert set(cells) == {(m, "edit") for m in ("none", "pld", "hf-plain")}  # no "all" for a single task
+    assert cells["none", "edit"].speedup == 1.0
+    assert cells["pld", "edit"].speedup == pytest.approx(2.5)
+    assert cells["pld", "edit"].equal_to_plain_pct == 50.0
+    assert cells["pld", "edit"].mean_accepted_tokens == pytest.approx((4 + 8) / 8)
+    peer = cells["hf-plain", "edit"]
+    assert (peer.kind, peer.matches, peer.mean_accepted_tokens) == ("peer", "none", None)
+    assert peer.ours_over_theirs == pytest.approx(10 / 20)
+    assert peer.equal_to_ours_pct == 100.0
+    text = report.markdown(results, list(cells.values()))
+    assert "**we are slower**" in text and "Output differs" in text and "| all |" not in text
+    assert "2.50x over plain decoding (goal >= 2x: met)" in text
+
+
+# --------------------------------------------------------------------------------------------------------
+# End to end on tiny models
+
+MAX_NEW = 10
+
+
+def _tiny_tasks(n: int = 2) -> list[Task]:
+    words = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3 here w7 w8 w9 w7 w8"
+    return [
+        Task("edit", "edit", [Prompt(f"edit/{i}", f"{words} w{10 + i} w{20 + i}", True) for i in range(n)]),
+        Task("mt-bench", "chat", [Prompt(f"mt/{i}", f"user w{30 + i} w31 w32 stop", False) for i in range(n)]),
+    ]
+
+
+def _settings(tiny_dirs, out, **overrides):
+    values = {
+        "model": str(tiny_dirs["target"]),
+        "methods": f"none,pld:k=3,draft-model:{tiny_dirs['draft']}:k=2",
+        "tasks": "edit,mt-bench",
+        "prompts_per_task": 2,
+        "max_new_tokens": MAX_NEW,
+        "repeats": 2,
+        "threads": 1,
+        "draft_lengths": "1,3",
+        "out": str(out),
+    } | overrides
+    return resolve_settings("quick", **values)
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    settings = _settings(tiny_dirs, out)
+    return settings, run_benchmark(settings, tasks=_tiny_tasks(), progress=False)
+
+
+def test_end_to_end_results(finished):
+    settings, results = finished
+    dm = f"draft-model:{settings.methods[2].draft_model}"
+    main = ["none", "pld:k=3", f"{dm}:k=2", "hf-plain", "hf-pld", "hf-assisted"]
+    variants = ["pld:k=1", f"{dm}:k=1", f"{dm}:k=3"]  # pld:k=3 doubles as the sweep's k=3
+    assert sorted(results["runs"]) == sorted(main + variants)
+    for name in main + variants:
+        tasks = ["edit"] if name in variants else ["edit", "mt-bench"]  # variants run on the sweep task only
+        assert sorted(results["runs"][name]) == sorted(tasks)
+        for record in results["runs"][name]["edit"].values():
+            assert record["new_tokens"] == MAX_NEW and len(record["wall_s"]) == 2
+    assert results["settings"]["peers"]["hf-pld"] == {"matches": "pld:k=3", "prompt_lookup_num_tokens": 3,
+                                                      "max_matching_ngram_size": 3}
+    assert results["environment"]["threads"] == 1 and results["environment"]["torch"]
+    assert [p["id"] for p in results["prompts"]["edit"]] == ["edit/0", "edit/1"]
+    # Greedy speculative decoding is lossless, and transformers computes the same argmax.
+    for cell in results["cells"]:
+        assert cell["equal_to_plain_pct"] == 100.0, cell
+        assert cell["kind"] != "peer" or cell["equal_to_ours_pct"] == 100.0
+    pld = next(c for c in results["cells"] if c["method"] == "pld:k=3" and c["task"] == "edit")
+    assert pld["mean_accepted_tokens"] >= 1.0 and len(pld["acceptance_by_position"]) <= 3
+
+
+def test_end_to_end_files(finished):
+    settings, results = finished
+    on_disk = json.loads((settings.out / "results.json").read_text())
+    assert on_disk["cells"] == results["cells"] and on_disk["schema_version"] == runner.SCHEMA_VERSION
+    text = (settings.out / "results.md").read_text()
+    assert "## Against transformers" in text and "## Draft length" in text
+    for png in ("speedup.png", "draft_length.png"):
+        assert (settings.out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_skips_finished_work(finished, monkeypatch, tmp_path):
+    settings, results = finished
+    out = tmp_path / "resume"
+    out.mkdir()
+    partial = json.loads((settings.out / "results.json").read_text())
+    del partial["runs"]["pld:k=3"]["mt-bench"]["mt/1"]  # as if interrupted before the last prompt
+    (out / "results.json").write_text(json.dumps(partial))
+
+    measured = []
+    real_run_prompt = runner.run_prompt
+
+    def spy(contestants, *args, **kwargs):
+        measured.append([c.name for c in contestants])
+        return real_run_prompt(contestants, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_prompt", spy)
+    resumed = run_benchmark(_settings(settings_dirs(settings), out), tasks=_tiny_tasks(), progress=False)
+    assert measured == [["pld:k=3"]]
+    assert resumed["runs"]["none"] == results["runs"]["none"]  # untouched
+
+    measured.clear()
+    monkeypatch.setattr(runner, "load_model", lambda name: pytest.fail("nothing to measure: no model load"))
+    run_benchmark(_settings(settings_dirs(settings), out), tasks=_tiny_tasks(), progress=False)
+    assert measured == []
+
+
+def settings_dirs(settings):
+    """The tiny model dirs a finished run used (so a test can rebuild the same settings)."""
+    return {"target": settings.model, "draft": settings.methods[2].draft_model}
+
+
+def test_resume_refuses_another_configuration(finished, tmp_path):
+    settings, _ = finished
+    other = _settings(settings_dirs(settings), settings.out, max_new_tokens=MAX_NEW + 1)
+    with pytest.raises(SpecDecodeError, match="another configuration"):
+        run_benchmark(other, tasks=_tiny_tasks(), progress=False)
+
+
+def test_prompt_too_long_for_context(tiny_dirs, tmp_path):
+    settings = _settings(tiny_dirs, tmp_path, methods="none", max_new_tokens=250, draft_lengths="none",
+                         peers=False, repeats=1)
+    with pytest.raises(SpecDecodeError, match="exceeds the 256-token context"):
+        run_benchmark(settings, tasks=_tiny_tasks(1), progress=False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# CLI parsing
+
+
+def test_bench_and_forward_cost_both_parse():
+    parser = argparse.ArgumentParser(prog="specdecode")
+    add_bench_command(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "--suite", "full", "--methods", "none,pld:k=6", "--no-peers"])
+    assert (args.run.__name__, args.suite, args.methods, args.peers, args.bench_command) == (
+        "run_bench", "full", "none,pld:k=6", False, None)
+    args = parser.parse_args(["bench", "forward-cost", "--model", "m", "--json", "--profile"])
+    assert (args.run.__name__, args.model, args.json, args.profile) == ("run_forward_cost", "m", True, True)
