@@ -280,3 +280,13 @@ def test_bench_and_forward_cost_both_parse():
         "run_bench", "full", "none,pld:k=6", False, None)
     args = parser.parse_args(["bench", "forward-cost", "--model", "m", "--json", "--profile"])
     assert (args.run.__name__, args.model, args.json, args.profile) == ("run_forward_cost", "m", True, True)
+
+
+def test_adaptive_draft_length_methods():
+    method = runner.parse_method("pld:k=auto")
+    assert method.k == "auto"
+    settings = resolve_settings("quick", methods="none,pld:k=auto,pld:k=4", draft_lengths="2")
+    assert runner.peer_specs(settings)[1].config["prompt_lookup_num_tokens"] == 4
+    assert "pld:k=auto" not in {variant.spec for variant, _ in runner.sweep_methods(settings).values()}
+    with pytest.raises(SpecDecodeError, match="auto or heuristic"):
+        runner.parse_method("pld:k=fast")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from specdecode.bench.cli import add_bench_command
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.train.cli import add_train_command
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -177,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     drafters.set_defaults(run=cmd_drafters)
 
     add_bench_command(commands)
+    add_train_command(commands)
     return parser
 
 

@@ -51,7 +51,7 @@ class MethodSpec:
     equality, so two spellings of the same configuration compare equal."""
 
     drafter: str
-    k: int = DEFAULT_K
+    k: int | str = DEFAULT_K  # an integer, or an adaptive policy (ADAPTIVE_K)
     options: tuple[tuple[str, Any], ...] = ()
     spec: str = field(default="", compare=False)
 
@@ -85,6 +85,9 @@ def _convert(raw: str) -> Any:
     return raw
 
 
+ADAPTIVE_K = ("auto", "heuristic")
+
+
 def parse_method(text: str) -> MethodSpec:
     """``pld:k=6:max_ngram=4``, ``draft-model:qwen2.5-coder-0.5b:k=4`` → :class:`MethodSpec`."""
     spec = text.strip()
@@ -105,9 +108,11 @@ def parse_method(text: str) -> MethodSpec:
         if key in options or (key == "k" and k != DEFAULT_K):
             raise SpecDecodeError(f"method {spec!r} sets {key!r} twice")
         if key == "k":
-            k = _convert(raw)
-            if not isinstance(k, int) or k < 1:
-                raise SpecDecodeError(f"method {spec!r}: k (draft length) must be a positive integer, got {raw!r}")
+            k = raw if raw in ADAPTIVE_K else _convert(raw)
+            if not (k in ADAPTIVE_K or (isinstance(k, int) and k >= 1)):
+                raise SpecDecodeError(
+                    f"method {spec!r}: k (draft length) must be a positive integer, auto or heuristic, got {raw!r}"
+                )
         else:
             options[key] = _convert(raw)
     if name == "draft-model" and "draft_model" not in options:
@@ -270,7 +275,8 @@ def sweep_methods(settings: BenchSettings) -> dict[str, tuple[MethodSpec, Method
     for method in settings.methods:
         if method.drafter == "none":
             continue
-        for k in sorted({*settings.draft_lengths, method.k}) if settings.draft_lengths else ():
+        own_k = {method.k} if isinstance(method.k, int) else set()  # an adaptive method is not a point on the curve
+        for k in sorted({*settings.draft_lengths, *own_k}) if settings.draft_lengths else ():
             variant = method.with_k(k)
             variant = listed.get(variant, variant)
             variants[variant.spec] = (variant, method)
@@ -295,7 +301,8 @@ def peer_specs(settings: BenchSettings) -> list[PeerSpec]:
     ``draft-model`` method — each only when that method is benchmarked."""
     if not settings.peers:
         return []
-    first = {name: next((m for m in settings.methods if m.drafter == name), None)
+    # Peers take a fixed draft length: match the first method of each kind that has one.
+    first = {name: next((m for m in settings.methods if m.drafter == name and isinstance(m.k, int)), None)
              for name in ("none", "pld", "draft-model")}
     specs = []
     if first["none"] is not None:

@@ -1,0 +1,128 @@
+"""Early-exit self-drafting (DEL): the target's first L layers + its own head, with L and the draft length
+chosen every step from acceptance measured online.
+
+After Zarch et al. 2024, "DEL: Context-Aware Dynamic Exit Layer for Efficient Self-Speculative
+Decoding".  For every candidate exit we keep a discounted count of accepted / examined draft tokens
+(an estimate of the per-token acceptance α_L, starting from the prior L/N) and pick the exit and
+draft length k maximising expected tokens per unit cost,
+``(1 + α + … + α^k) / (k · c_L + 1 + v · k)`` where ``c_L`` is a draft token's cost at exit L (see
+:class:`~specdecode.drafters._self_draft.CostModel`) and ``v`` the extra cost of verifying a token.
+An optimism bonus that shrinks with an exit's evidence keeps unexplored exits in play; k = 0 (plain
+decoding) is chosen when no exit pays.  Drafting also stops at the first token whose probability is
+below ``threshold``.  Statistics persist across requests (``reset`` forgets them).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import register_drafter
+from specdecode.drafters._self_draft import CostModel, SelfDraftCache, expected_tokens, require_layer_backend, tail
+from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel
+
+DEFAULT_EXIT_FRACTIONS = (0.2, 0.3, 0.4, 0.5)
+
+
+@dataclass
+class ExitStats:
+    """Discounted evidence about one exit layer's per-token acceptance."""
+
+    prior: float
+    accepted: float = 0.0
+    examined: float = 0.0
+
+    def acceptance(self, prior_weight: float) -> float:
+        return (self.accepted + prior_weight * self.prior) / (self.examined + prior_weight)
+
+    def update(self, accepted: int, examined: int, discount: float) -> None:
+        self.accepted = discount * self.accepted + accepted
+        self.examined = discount * self.examined + examined
+
+
+def parse_exits(exits: str | int | None, num_layers: int) -> list[int]:
+    """``"4,6,8"`` or one int → sorted exit layers; None → fractions of the depth."""
+    if exits is None:
+        layers = {min(num_layers - 1, max(1, round(f * num_layers))) for f in DEFAULT_EXIT_FRACTIONS}
+        return sorted(layers) if num_layers > 1 else [1]
+    try:
+        layers = {int(part) for part in str(exits).split(",") if part.strip()}
+    except ValueError as exc:
+        raise SpecDecodeError(f"early-exit: exits must be comma-separated layer counts, got {exits!r}") from exc
+    if not layers or any(not 1 <= layer <= num_layers for layer in layers):
+        raise SpecDecodeError(f"early-exit: exit layers must be in 1..{num_layers}, got {exits!r}")
+    return sorted(layers)
+
+
+@register_drafter("early-exit")
+class EarlyExitDrafter(Drafter):
+    """Early exit (DEL): the target's first L layers draft; L and the draft length adapt per step."""
+
+    provides_probs = True
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        exits: str | int | None = None,
+        threshold: float = 0.4,
+        verify_token_cost: float = 0.15,
+        explore: float = 0.3,
+        discount: float = 0.98,
+        prior_weight: float = 2.0,
+    ) -> None:
+        super().__init__(target)
+        backend = require_layer_backend(target.backend, "early-exit")
+        if not 0.0 <= threshold < 1.0:
+            raise SpecDecodeError(f"early-exit: threshold must be in [0, 1), got {threshold!r}")
+        self.exits = parse_exits(exits, backend.num_layers)
+        self.skips = {layer: tail(layer, backend.num_layers) for layer in self.exits}
+        self.threshold = threshold
+        self.explore = explore
+        self.discount = discount
+        self.prior_weight = prior_weight
+        self.costs = CostModel.of(backend, verify_token_cost)
+        self.state = SelfDraftCache(backend)
+        self.stats: dict[int, ExitStats] = {}
+        self.steps = 0
+        self.used: int | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.stats = {layer: ExitStats(prior=layer / self.costs.num_layers) for layer in self.exits}
+        self.steps = 0
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.state.start(sampling)
+        # Prefill once at the deepest exit: every shallower exit can reuse those entries.
+        self.state.warm(prompt_ids, self.skips[self.exits[-1]])
+
+    def plan(self, max_tokens: int) -> tuple[int, int]:
+        """(exit layer, draft length) with the best optimistic expected tokens per cost; length 0 = no draft."""
+        best, best_rate = (self.exits[0], 0), 1.0  # plain decoding: one token per unit cost
+        for layer, stats in self.stats.items():
+            bonus = self.explore * math.sqrt(math.log(self.steps + 2) / (stats.examined + 1))
+            alpha = min(0.99, stats.acceptance(self.prior_weight) + bonus)
+            per_token = self.costs.draft_token(layer)
+            for k in range(1, max_tokens + 1):
+                rate = expected_tokens(alpha, k) / self.costs.step(k, per_token)
+                if rate > best_rate:
+                    best, best_rate = (layer, k), rate
+        return best
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        self.steps += 1
+        layer, k = self.plan(max_tokens)
+        self.used = layer if k else None
+        if not k:
+            return Draft(tokens=[])
+        skipped = self.skips[layer]
+        return self.state.draft(context, k, skipped, self.state.skipping(skipped), self.threshold)
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        drafted = len(feedback.draft.tokens)
+        if self.used is not None and drafted:
+            accepted = feedback.num_accepted
+            self.stats[self.used].update(accepted, min(drafted, accepted + 1), self.discount)

@@ -1,0 +1,142 @@
+"""Kangaroo self-drafting: the target's first L layers plus a small trained adapter, then the target's own
+final norm and LM head.
+
+After Liu et al. 2024, "Kangaroo: Lossless Self-Speculative Decoding via Double Early Exiting".  The
+adapter is a residual MLP block on the exit layer's hidden state (attention-free, so it needs no cache
+of its own), trained by ``specdecode train kangaroo`` to match the full model's next-token distribution
+(:mod:`specdecode.train.kangaroo`).  Its output projection starts at zero, so an untrained adapter is
+exactly the plain early exit.  Drafting stops at the first token whose probability is below
+``threshold`` (Kangaroo's second early exit).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from specdecode.config import SamplingParams
+from specdecode.drafters import register_drafter
+from specdecode.drafters._self_draft import SelfDraftCache, require_layer_backend, tail
+from specdecode.drafters.base import Draft, Drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.models import registry
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.loading import LoadedModel
+
+ADAPTER_FILE = "kangaroo-adapter.pt"
+_FORMAT = 1
+
+
+class KangarooAdapter(nn.Module):
+    """``h + W_down · silu(W_up · rmsnorm(h))`` on the exit layer's residual stream."""
+
+    def __init__(self, exit_layer: int, hidden_size: int, inner_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.exit_layer = exit_layer
+        self.norm = nn.RMSNorm(hidden_size, eps=eps)
+        self.up = nn.Linear(hidden_size, inner_size)
+        self.down = nn.Linear(inner_size, hidden_size)
+        nn.init.zeros_(self.down.weight)
+        nn.init.zeros_(self.down.bias)
+
+    @classmethod
+    def for_backend(cls, backend: HFCausalLM, exit_layer: int, inner_size: int | None = None) -> KangarooAdapter:
+        hidden = int(backend.config.hidden_size)
+        return cls(exit_layer, hidden, inner_size or hidden).to(backend.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.down(nn.functional.silu(self.up(self.norm(hidden))))
+
+    def save(self, path: Path, backend: HFCausalLM) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "format": _FORMAT,
+            "model": backend.name,
+            "num_layers": backend.num_layers,
+            "exit_layer": self.exit_layer,
+            "hidden_size": self.up.in_features,
+            "inner_size": self.up.out_features,
+            "state_dict": {k: v.detach().cpu() for k, v in self.state_dict().items()},
+        }
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(payload, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, backend: HFCausalLM) -> KangarooAdapter:
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+            adapter = cls(int(payload["exit_layer"]), int(payload["hidden_size"]), int(payload["inner_size"]))
+            adapter.load_state_dict(payload["state_dict"])
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
+            raise SpecDecodeError(f"cannot read kangaroo adapter {path}: {exc}") from exc
+        if payload["num_layers"] != backend.num_layers or payload["hidden_size"] != backend.config.hidden_size:
+            raise SpecDecodeError(
+                f"kangaroo adapter {path} was trained for {payload['model']!r} "
+                f"({payload['num_layers']} layers, d={payload['hidden_size']}), not for {backend.name!r}"
+            )
+        return adapter.to(backend.dtype).eval()
+
+
+def default_adapter_path(model_name: str) -> Path | None:
+    """Where ``specdecode train kangaroo`` saves by default: next to the cached checkpoint of a registry
+    model, inside a local model directory, beside a ``.gguf`` file; None for other models (hub ids)."""
+    if registry.is_registered(model_name):
+        return registry.ensure_model(model_name, progress=False).parent / ADAPTER_FILE
+    path = Path(model_name).expanduser()
+    if path.is_dir():
+        return path / ADAPTER_FILE
+    if path.is_file() and path.suffix == ".gguf":
+        return path.with_name(f"{path.stem}.{ADAPTER_FILE}")
+    return None
+
+
+@register_drafter("kangaroo")
+class KangarooDrafter(Drafter):
+    """Kangaroo: the target's first layers + a trained adapter draft; stops when unsure (needs training)."""
+
+    provides_probs = True
+    #: Cannot be built with default options until ``specdecode train kangaroo`` has run for the model.
+    needs_training: ClassVar[bool] = True
+
+    def __init__(
+        self, target: LoadedModel, adapter: str | KangarooAdapter | None = None, threshold: float = 0.5
+    ) -> None:
+        super().__init__(target)
+        backend = require_layer_backend(target.backend, "kangaroo")
+        if not 0.0 <= threshold < 1.0:
+            raise SpecDecodeError(f"kangaroo: threshold must be in [0, 1), got {threshold!r}")
+        self.adapter = adapter if isinstance(adapter, KangarooAdapter) else self._load(target, adapter)
+        self.adapter.eval()
+        self.backend = backend
+        self.threshold = threshold
+        self.skipped = tail(self.adapter.exit_layer, backend.num_layers)
+        self.state = SelfDraftCache(backend)
+        self._no_rows = torch.empty(0, dtype=torch.long)
+
+    @staticmethod
+    def _load(target: LoadedModel, adapter: str | None) -> KangarooAdapter:
+        path = Path(adapter).expanduser() if adapter else default_adapter_path(target.name)
+        if path is None or not path.is_file():
+            where = f" (looked for {path})" if path else ""
+            raise SpecDecodeError(
+                f"drafter 'kangaroo' needs an adapter trained for {target.name!r}{where}: run "
+                f"`specdecode train kangaroo --model {target.name}` first, or pass --drafter-option adapter=PATH"
+            )
+        return KangarooAdapter.load(path, target.backend)
+
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        self.state.start(sampling)
+
+    @torch.inference_mode()
+    def _logits(self, pending: torch.Tensor) -> torch.Tensor:
+        out = self.backend.forward(
+            pending, self.state.cache, exit_layer=self.adapter.exit_layer, output_hidden=True, logits_rows=self._no_rows
+        )
+        return self.backend.exit_logits(self.adapter(out.hidden[-1:]))[0]
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        return self.state.draft(context, max_tokens, self.skipped, self._logits, self.threshold)

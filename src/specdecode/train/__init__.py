@@ -1,0 +1,1 @@
+"""Training of drafter weights on the target's own outputs (``specdecode train ...``)."""

@@ -1,0 +1,205 @@
+"""Self-speculation: the backend's layer-skip / early-exit hook, the cache it leaves behind, and the three
+self-drafters (layer-skip, early-exit, kangaroo) decoding exactly like the target alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama, wrap
+from specdecode.config import SamplingParams
+from specdecode.drafters import create_drafter
+from specdecode.drafters._self_draft import reusable, tail
+from specdecode.drafters.kangaroo import KangarooAdapter
+from specdecode.drafters.layer_skip import initial_skip_set
+from specdecode.errors import SpecDecodeError
+from test_engine import _tiny_gemma3, _tiny_qwen2, hf_greedy, run
+
+IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
+
+
+def _tiny_llama():
+    return tiny_llama(0, layers=3)
+
+
+BUILDERS = [_tiny_llama, _tiny_qwen2, _tiny_gemma3]
+BUILD_IDS = ["llama", "qwen2", "gemma3-sliding-window"]
+
+
+@pytest.fixture(scope="module", params=BUILDERS, ids=BUILD_IDS)
+def loaded(request):
+    torch.manual_seed(0)
+    return wrap(request.param().eval(), tokenizer=None)
+
+
+def self_drafters(loaded) -> dict:
+    backend = loaded.backend
+    return {
+        "layer-skip": create_drafter("layer-skip", loaded, trial_steps=2),
+        "early-exit": create_drafter("early-exit", loaded, explore=1.0),
+        "kangaroo": create_drafter("kangaroo", loaded, adapter=KangarooAdapter.for_backend(backend, 1), threshold=0.0),
+    }
+
+
+def test_skipping_nothing_or_exiting_last_is_the_normal_forward(loaded):
+    backend = loaded.backend
+    full = backend.forward(IDS, backend.new_cache()).logits
+    assert torch.equal(backend.forward(IDS, backend.new_cache(), skip_layers=frozenset()).logits, full)
+    assert torch.equal(backend.forward(IDS, backend.new_cache(), exit_layer=backend.num_layers).logits, full)
+    out = backend.forward(IDS, backend.new_cache(), exit_layer=backend.num_layers, output_hidden=True)
+    torch.testing.assert_close(backend.exit_logits(out.hidden), full, rtol=1e-5, atol=1e-5)
+
+
+def test_early_exit_equals_a_truncated_model(loaded):
+    """Exit after layer L = the same weights with only L layers (embedding scaling, final norm and Gemma's
+    logit softcapping included)."""
+    model = loaded.backend.model
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if hasattr(model.config, "final_logit_softcapping"):
+        model.config.final_logit_softcapping = 2.0  # exercise the softcap on both sides
+    try:
+        fields = {**model.config.to_dict(), "num_hidden_layers": 1}
+        if "layer_types" in fields:
+            fields["layer_types"] = fields["layer_types"][:1]
+        config = model.config.__class__(**fields)
+        shallow = wrap(type(model)(config).eval(), None).backend
+        shallow.model.load_state_dict(model.state_dict(), strict=False)
+        expected = shallow.forward(IDS, shallow.new_cache()).logits
+        backend = loaded.backend
+        got = backend.forward(IDS, backend.new_cache(), exit_layer=1).logits
+        hidden = backend.forward(IDS, backend.new_cache(), exit_layer=1, output_hidden=True).hidden
+        exited = backend.exit_logits(hidden)
+    finally:
+        if hasattr(model.config, "final_logit_softcapping"):
+            model.config.final_logit_softcapping = softcap
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(exited, expected, rtol=1e-5, atol=1e-5)
+    if hasattr(model.config, "final_logit_softcapping"):
+        assert got.abs().max() <= 2.0
+
+
+def test_skipped_layers_keep_cache_lengths_equal_and_verification_exact(loaded):
+    backend = loaded.backend
+    full = backend.forward(IDS, backend.new_cache()).logits
+    cache = backend.new_cache()
+    backend.forward(IDS[:6], cache)
+    backend.forward(IDS[6:9], cache, skip_layers=frozenset({0}))  # a draft, layer 0 skipped
+    backend.forward(IDS[9:10], cache, exit_layer=1)  # and one more, early exit
+    assert {layer.keys.shape[-2] for layer in cache.inner.layers} == {10} and cache.length == 10
+    cache.crop(6)  # rollback before verification, as a drafter's cache does
+    torch.testing.assert_close(backend.forward(IDS[6:], cache).logits, full[6:], rtol=1e-4, atol=1e-4)
+
+
+def test_early_exit_cache_entries_are_exact_below_the_exit(loaded):
+    """Keys/values of layers below the exit are the full model's, so the exit's cache can be reused."""
+    backend = loaded.backend
+    shallow, deep = backend.new_cache(), backend.new_cache()
+    backend.forward(IDS, shallow, exit_layer=1)
+    backend.forward(IDS, deep)
+    torch.testing.assert_close(shallow.inner.layers[0].keys, deep.inner.layers[0].keys, rtol=1e-6, atol=1e-6)
+    assert not shallow.inner.layers[-1].keys.any()  # placeholders above the exit
+
+
+def test_cache_reuse_rule():
+    n = 6
+    assert reusable(tail(4, n), tail(3, n), n)  # deeper entries serve a shallower exit
+    assert not reusable(tail(3, n), tail(4, n), n)
+    assert reusable(frozenset({2}), frozenset({2, 5}), n)  # agree on every layer up to the last run (4)
+    assert not reusable(frozenset({2}), frozenset({3}), n)
+    assert initial_skip_set(30, 0.4) and 0 not in initial_skip_set(30, 0.4) and 29 not in initial_skip_set(30, 0.4)
+
+
+def test_bad_layer_arguments_are_rejected(loaded):
+    backend = loaded.backend
+    with pytest.raises(ValueError):
+        backend.forward(IDS, backend.new_cache(), exit_layer=0)
+    with pytest.raises(ValueError):
+        backend.forward(IDS, backend.new_cache(), skip_layers=frozenset({backend.num_layers}))
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_equals_plain_decoding(loaded, k):
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12]
+    expected = hf_greedy(loaded, prompt, 30)
+    for name, drafter in self_drafters(loaded).items():
+        for _ in range(2):  # a second request reuses state learned in the first
+            tokens, _ = run(loaded, drafter, prompt, max_new_tokens=30, num_draft_tokens=k)
+            assert tokens == expected, f"{name} (k={k}) diverged from plain greedy decoding"
+
+
+def test_layer_skip_search_tries_masks_and_keeps_a_best(tiny_target):
+    drafter = create_drafter("layer-skip", tiny_target, trial_steps=1, search_trials=3, skip_ratio=0.5)
+    first = drafter.best
+    tried = set()
+    for prompt in ([5, 17, 22, 9], [12, 13, 14, 12, 13]):
+        for _ in range(8):
+            tried.add(drafter.active)
+            run(tiny_target, drafter, prompt, max_new_tokens=2, num_draft_tokens=2)
+    assert drafter.trials_left == 0 and drafter.best_score is not None
+    assert len(tried) >= 2
+    drafter.reset()
+    assert drafter.best == first and drafter.trials_left == 3
+
+
+def test_early_exit_prefers_exits_that_get_accepted(tiny_target):
+    drafter = create_drafter("early-exit", tiny_target, exits="1,2", explore=0.0)
+    drafter.stats[1].update(accepted=0, examined=50, discount=1.0)
+    drafter.stats[2].update(accepted=50, examined=52, discount=1.0)
+    layer, k = drafter.plan(5)
+    assert layer == 2 and k >= 1
+    drafter.stats[2].update(accepted=0, examined=500, discount=1.0)
+    assert drafter.plan(5)[1] == 0  # nothing pays: decode plainly
+
+
+def test_sampled_drafts_carry_their_distributions(tiny_target):
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=3)
+    drafters = self_drafters(tiny_target)
+    for stats in drafters["early-exit"].stats.values():
+        stats.update(accepted=100, examined=100, discount=1.0)  # make drafting pay
+    for name, drafter in drafters.items():
+        drafter.start([5, 6, 7], sampling)
+        draft = drafter.propose([5, 6, 7], 3)
+        assert draft.probs is not None and draft.probs.shape == (len(draft.tokens), tiny_target.backend.vocab_size)
+        torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
+        assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
+        outputs = []
+        for _ in range(2):  # the same seed and the same learned state give the same output
+            drafter.reset()
+            tokens, _ = run(tiny_target, drafter, [5, 6, 7], max_new_tokens=20, num_draft_tokens=3, sampling=sampling)
+            outputs.append(tokens)
+        assert outputs[0] == outputs[1], name
+
+
+def test_kangaroo_without_adapter_names_the_train_command(tiny_target, tmp_path):
+    with pytest.raises(SpecDecodeError, match="specdecode train kangaroo --model"):
+        create_drafter("kangaroo", tiny_target)
+    with pytest.raises(SpecDecodeError, match="adapter"):
+        create_drafter("kangaroo", tiny_target, adapter=str(tmp_path / "missing.pt"))
+
+
+def test_kangaroo_adapter_round_trips_and_checks_the_model(tiny_target, tiny_draft, tmp_path):
+    adapter = KangarooAdapter.for_backend(tiny_target.backend, 2)
+    torch.nn.init.normal_(adapter.down.weight)
+    path = tmp_path / "a.pt"
+    adapter.save(path, tiny_target.backend)
+    loaded = create_drafter("kangaroo", tiny_target, adapter=str(path)).adapter
+    h = torch.randn(3, tiny_target.backend.config.hidden_size)
+    torch.testing.assert_close(loaded(h), adapter(h))
+    with pytest.raises(SpecDecodeError, match="trained for"):
+        create_drafter("kangaroo", tiny_draft, adapter=str(path))  # 1 layer, not 3
+
+
+@pytest.mark.real_model
+def test_self_drafters_are_lossless_on_smollm2():
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import load_model
+
+    target = load_model("smollm2-135m")
+    prompt = "Explain in a few sentences why the sky is blue."
+    plain = SpeculativeGenerator.build(target, "none").generate(prompt, chat=True, max_new_tokens=48)
+    for name in ("layer-skip", "early-exit"):
+        result = SpeculativeGenerator.build(target, name).generate(prompt, chat=True, max_new_tokens=48)
+        assert result.token_ids == plain.token_ids, name
+    adapter = KangarooAdapter.for_backend(target.backend, 6)
+    kangaroo = SpeculativeGenerator.build(target, "kangaroo", adapter=adapter)
+    assert kangaroo.generate(prompt, chat=True, max_new_tokens=48).token_ids == plain.token_ids
