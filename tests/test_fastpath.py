@@ -166,3 +166,17 @@ def test_non_fp32_layers_are_skipped():
     assert not report.replaced
     assert set(report.skipped.values()) == {"dtype torch.bfloat16"}
     assert "skipped" in report.summary()
+
+
+def test_gradients_flow_through_packed_layers_to_their_inputs():
+    """Training an adapter *under* a packed layer (kangaroo) needs correct input gradients."""
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(16, 8)
+    packed = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    packed[0].load_state_dict(dense.state_dict())
+    apply_cpu_fast_path(packed)
+    x1 = torch.randn(3, 16, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    dense(x1).square().sum().backward()
+    packed(x2).square().sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)

@@ -59,6 +59,11 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight if tied else self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and x.requires_grad:
+            # The oneDNN op has no autograd kernel: training something *through* this layer (e.g. a
+            # draft adapter under the LM head) takes the dense path so gradients are right.
+            dense = self.weight if self.tied else self.packed.to_dense()
+            return nn.functional.linear(x, dense.detach(), None if self.bias is None else self.bias.detach())
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
