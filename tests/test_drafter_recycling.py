@@ -1,0 +1,96 @@
+"""Token Recycling: lossless greedy output, an adjacency matrix fed by every verified row, a bounded
+state that persists across requests and makes a repeated request faster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.drafters import create_drafter
+from specdecode.drafters.base import Draft, StepFeedback
+from specdecode.drafters.recycling import parse_template
+from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
+from test_engine import PROMPTS, hf_greedy, run
+
+
+def test_template_levels_are_handed_out_best_first():
+    assert parse_template("3,3,2", "t") == [(-1, 0), (-1, 1), (-1, 2), (0, 0), (0, 1), (1, 0), (3, 0), (3, 1)]
+    assert parse_template(2, "t") == [(-1, 0), (-1, 1)]
+    for bad in ("", "2,0", "a,b", -1):
+        with pytest.raises(SpecDecodeError, match="template"):
+            parse_template(bad, "t")
+    shape = parse_template("4,3,3,2,2,1", "t")
+    for node, (parent, rank) in enumerate(shape):
+        assert parent < node
+        earlier_ranks = [r for p, r in shape[:node] if p == parent]
+        assert earlier_ranks == list(range(rank)), "siblings must have ranks 0, 1, ... in list order"
+
+
+@pytest.mark.parametrize("options", [{}, {"template": "1,1,1,1,1,1"}, {"template": "5,2,2,1", "max_nodes": 6}])
+def test_greedy_output_equals_plain_decoding(tiny_target, options):
+    drafter = create_drafter("recycling", tiny_target, **options)
+    for prompt in [*PROMPTS, PROMPTS[0]]:  # the last request runs on state learned from the others
+        tokens, outcome = run(tiny_target, drafter, prompt, max_new_tokens=48, num_draft_tokens=4)
+        assert tokens == hf_greedy(tiny_target, prompt, 48), options
+        assert outcome.stats.drafted_tokens <= outcome.stats.steps * options.get("max_nodes", 16)
+
+
+def test_every_verified_row_is_recycled(tiny_target):
+    drafter = create_drafter("recycling", tiny_target, template="2,1")
+    drafter.start([7, 8], sampling=None)
+    logits = torch.randn(4, 96, generator=torch.Generator().manual_seed(0))
+    draft = Draft(tokens=[10, 11, 12], parents=[-1, -1, 0])
+    drafter.observe([7, 8, 10, 5], StepFeedback(draft=draft, path=(0,), target_logits=logits))
+    top2 = torch.topk(logits, 2, dim=-1).indices.tolist()
+    # Row 0 follows the context's last token; rows 2 and 3 belong to the rejected node 11 and the
+    # unverified-by-path node 12 — recycled all the same.
+    assert [drafter.successors(t).tolist() for t in (8, 10, 11, 12)] == top2
+    assert drafter.successors(5).tolist() == []  # the target's own token has no row yet
+    proposal = drafter.propose([7, 8, 10, 5, 8], max_tokens=3)
+    assert proposal.tokens[:2] == top2[0] and proposal.parents[:2] == [-1, -1]
+
+
+def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_target):
+    generator = SpeculativeGenerator.build(tiny_target, "recycling")
+    prompt = PROMPTS[0]
+    first = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    again = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    assert again.token_ids == first.token_ids
+    assert again.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens
+    generator.reset_drafter()
+    assert generator.drafter.state_bytes == 0
+    fresh = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
+
+
+@pytest.mark.parametrize(("vocab", "template"), [(262_144, "8,4,2"), (32_000, "8")])
+def test_state_stays_within_its_documented_bound(vocab, template):
+    drafter = create_drafter("recycling", None, template=template)
+    drafter.start([1], sampling=None)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.rand(17, vocab, generator=generator)  # which rows get written is all that matters
+    seen = set()
+    for _ in range(60):
+        heads = torch.randint(vocab, (16,), generator=generator).tolist()
+        seen.update(heads)
+        drafter.observe([heads[-1]], StepFeedback(Draft(heads, parents=[-1] * 16), (), logits))
+    k = 8
+    assert drafter.state_bytes <= 4 * vocab * (k + 1)  # the documented worst case
+    assert drafter.state_bytes <= 4 * vocab + 2 * 4 * k * (len(seen) + 1)  # rows only for tokens seen
+    if vocab == 32_000:
+        assert drafter.state_bytes < 2 << 20  # the paper's configuration stays under 2 MB
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_output_is_identical():
+    from specdecode.models.loading import load_model
+    from test_real_smollm2 import PROMPTS as REAL_PROMPTS
+
+    smollm2 = load_model("smollm2-135m")
+    plain = SpeculativeGenerator.build(smollm2, "none")
+    recycling = SpeculativeGenerator.build(smollm2, "recycling")
+    expected = plain.generate(REAL_PROMPTS[0], chat=True, max_new_tokens=48, ignore_eos=True)
+    ours = recycling.generate(REAL_PROMPTS[0], chat=True, max_new_tokens=48, ignore_eos=True)
+    assert ours.token_ids == expected.token_ids
+    assert ours.stats.steps < expected.stats.steps

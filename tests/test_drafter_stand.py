@@ -1,0 +1,152 @@
+"""STAND-style stochastic n-gram drafting: lossless greedy output, exact sampling through the real engine
+(chi-square, with a broken variant that must fail), bounded state, learning across requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specdecode.drafters.stand
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.drafters import create_drafter
+from specdecode.drafters.base import Draft, StepFeedback
+from specdecode.engine import speculative_decode
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.base import ForwardOutput
+from specdecode.verify.logits import sampling_probs
+from test_engine import PROMPTS, hf_greedy, run
+from test_sampling_lossless import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues
+
+
+@pytest.mark.parametrize("options", [{}, {"template": "1,1,1,1,1", "min_ngram": 2}, {"topk": 2, "max_entries": 40}])
+def test_greedy_output_equals_plain_decoding(tiny_target, options):
+    drafter = create_drafter("stand", tiny_target, **options)
+    for prompt in [*PROMPTS, PROMPTS[0]]:  # the last request runs on state learned from the others
+        tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=48, num_draft_tokens=4)
+        assert tokens == hf_greedy(tiny_target, prompt, 48), options
+    assert drafter.num_entries <= options.get("max_entries", 32768)
+
+
+def test_sampled_siblings_are_distinct_and_rows_drop_earlier_siblings(tiny_target):
+    drafter = create_drafter("stand", tiny_target, template="4,2,1", topk=6)
+    tokens, _ = run(tiny_target, drafter, PROMPTS[1], max_new_tokens=40, num_draft_tokens=3)
+    drafter.start(PROMPTS[1], SamplingParams(temperature=1.0, seed=0))
+    # Every generated token but the last was verified with its context, so the table knows what follows.
+    draft = drafter.propose([*PROMPTS[1], *tokens[:-1]], max_tokens=3)
+    assert draft.probs is not None and draft.parent_list[:4] == [-1] * 4  # four sampled root alternatives
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
+    for parent in set(draft.parent_list):
+        siblings = [i for i, p in enumerate(draft.parent_list) if p == parent]
+        assert len({draft.tokens[i] for i in siblings}) == len(siblings)
+        for j, node in enumerate(siblings):
+            earlier = [draft.tokens[i] for i in siblings[:j]]
+            assert draft.probs[node, earlier].sum() == 0 and draft.probs[node, draft.tokens[node]] > 0
+            if j:  # the same distribution, renormalised after removing the earlier draws
+                rest = draft.probs[siblings[0]].clone()
+                rest[earlier] = 0
+                torch.testing.assert_close(draft.probs[node], rest / rest.sum())
+
+
+class ParityBigramLM(BigramLM):
+    """The next token depends on the current token *and* on the parity of its position — which an
+    n-gram key cannot see, so the drafter's distributions stay wrong (a mix of both tables) and many
+    drafts are rejected: the chi-square test then has the power to catch a wrong probability row."""
+
+    def forward(self, tokens, cache, positions=None, **_) -> ForwardOutput:
+        if positions is None:
+            positions = torch.arange(cache.length, cache.length + len(tokens))
+        cache.tokens.extend(tokens.tolist())
+        return ForwardOutput(logits=self.table[positions % 2, tokens])
+
+
+def parity_transition_counts(sampling: SamplingParams, tokens_wanted: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Counts [parity of the previous token's position, position in step, previous token, next token]
+    from one stand drafter kept across many seeded requests; the exact rows; mean accepted tokens."""
+    table = 2.0 * torch.randn(2, V, V, generator=torch.Generator().manual_seed(3))
+    model = ParityBigramLM(table)
+    drafter = create_drafter("stand", None, template="3,2,1", topk=3, max_ngram=2)
+    counts = np.zeros((2, 4, V, V))
+    produced = steps = seed = 0
+    while produced < tokens_wanted:
+        config = GenerationConfig(
+            max_new_tokens=1000, num_draft_tokens=3,
+            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed),
+        )
+        sequence = [0]
+        for chunk in speculative_decode(model, drafter, sequence[:], config):
+            for step_position, token in enumerate(chunk):
+                counts[(len(sequence) - 1) % 2, step_position, sequence[-1], token] += 1
+                sequence.append(token)
+            produced += len(chunk)
+            steps += 1
+        seed += 1
+    return counts, sampling_probs(table, sampling).numpy(), produced / steps
+
+
+def parity_pvalues(sampling: SamplingParams, tokens_wanted: int) -> list[float]:
+    counts, expected, mean_accepted = parity_transition_counts(sampling, tokens_wanted)
+    assert 1.5 < mean_accepted < 3.5  # drafts are often rejected: wrong rows would show
+    return [p for parity in range(2) for p in chain_pvalues(counts[parity], expected[parity])]
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=4)
+
+
+def test_sampling_through_the_engine_is_lossless():
+    pvalues = parity_pvalues(SAMPLING, DRAWS)
+    assert len(pvalues) >= 16
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues  # Bonferroni over the strata
+
+
+def test_rows_that_keep_earlier_siblings_fail_the_same_test(monkeypatch):
+    """The classic tree bug: every sibling reports the parent's full distribution, although it was
+    drawn without replacement."""
+    monkeypatch.setattr(
+        specdecode.drafters.stand, "without_earlier", lambda q, order: np.repeat(q[None] / q.sum(), len(order), 0)
+    )
+    assert min(parity_pvalues(SAMPLING, DRAWS // 4)) < FAIL_P
+
+
+def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_target):
+    generator = SpeculativeGenerator.build(tiny_target, "stand")
+    prompt = PROMPTS[0]
+    first = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    again = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    assert again.token_ids == first.token_ids
+    assert again.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens
+    generator.reset_drafter()
+    assert generator.drafter.num_entries == 0
+    fresh = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
+    assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
+
+
+def test_table_is_bounded_and_evicts_the_stalest_entries():
+    drafter = create_drafter("stand", None, topk=4, max_ngram=2, max_entries=100)
+    drafter.start([1, 2], SamplingParams())
+    generator = torch.Generator().manual_seed(0)
+    vocab = 1000
+    logits = torch.randn(9, vocab, generator=generator)
+    for _ in range(50):
+        heads = torch.randint(vocab, (8,), generator=generator).tolist()
+        drafter.observe([*heads[-2:]], StepFeedback(Draft(heads), (), logits))
+    assert drafter.num_entries == 100
+    assert drafter.array_bytes <= 100 * 4 * (4 + 4)
+    # The newest entries survive: the last step's chain gave its (2-gram and 1-gram) keys.
+    assert drafter.lookup(tuple(heads[-2:])) is not None
+    drafter.reset()
+    assert drafter.num_entries == 0 and drafter.lookup(tuple(heads[-2:])) is None
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_output_is_identical():
+    from specdecode.models.loading import load_model
+    from test_real_smollm2 import PROMPTS as REAL_PROMPTS
+
+    smollm2 = load_model("smollm2-135m")
+    plain = SpeculativeGenerator.build(smollm2, "none")
+    stand = SpeculativeGenerator.build(smollm2, "stand")
+    expected = plain.generate(REAL_PROMPTS[0], chat=True, max_new_tokens=48, ignore_eos=True)
+    ours = stand.generate(REAL_PROMPTS[0], chat=True, max_new_tokens=48, ignore_eos=True)
+    assert ours.token_ids == expected.token_ids
+    assert ours.stats.steps < expected.stats.steps
