@@ -33,7 +33,9 @@ def lookup_continuation(context: list[int] | np.ndarray, ngram: int, max_tokens:
 
 @register_drafter("pld")
 class PromptLookupDrafter(Drafter):
-    """Tries n-gram sizes from ``max_ngram`` down to ``min_ngram``; longer matches are more reliable."""
+    """Prompt lookup: copies what followed the last n tokens earlier in prompt + output (min_ngram..max_ngram).
+
+    Tries n-gram sizes from ``max_ngram`` down to ``min_ngram``; longer matches are more reliable."""
 
     def __init__(self, target: LoadedModel, min_ngram: int = 1, max_ngram: int = 3) -> None:
         super().__init__(target)
