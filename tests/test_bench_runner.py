@@ -290,3 +290,13 @@ def test_adaptive_draft_length_methods():
     assert "pld:k=auto" not in {variant.spec for variant, _ in runner.sweep_methods(settings).values()}
     with pytest.raises(SpecDecodeError, match="auto or heuristic"):
         runner.parse_method("pld:k=fast")
+
+
+def test_repeats_of_a_learning_drafter_start_cold(tiny_target):
+    """A repeat must not profit from the previous repeat of the same prompt (drafter state is reset)."""
+    contestant = runner._ours(tiny_target, runner.parse_method("suffix"), {})
+    prompt = [5, 17, 22, 9, 30, 41]
+    first = contestant.run(prompt, 24)
+    second = contestant.run(prompt, 24)
+    assert first.token_ids == second.token_ids
+    assert second.stats.steps == first.stats.steps

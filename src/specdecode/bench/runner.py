@@ -338,6 +338,9 @@ def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel
     generator = SpeculativeGenerator.build(target, method.drafter, **options)
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> Measurement:
+        # Every measured run starts from a fresh drafter: otherwise a drafter that learns across requests
+        # (suffix, cacheback, recycling, stand, ...) would copy the previous repeat of the same prompt.
+        generator.reset_drafter()
         start = time.perf_counter()
         result = generator.generate(prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=method.k,
                                     ignore_eos=True)
