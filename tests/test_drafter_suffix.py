@@ -187,24 +187,3 @@ def test_a_repeated_request_is_accepted_further(tiny_target):
 def test_bad_options_are_user_errors(options):
     with pytest.raises(SpecDecodeError, match="suffix option"):
         drafter(**options)
-
-
-@pytest.mark.real_model
-def test_real_model_greedy_equality_on_a_grounded_prompt():
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
-    from test_real_smollm2 import transformers_greedy
-
-    smollm2 = load_model("smollm2-135m")
-    generator = SpeculativeGenerator.build(smollm2, "suffix")
-    result = generator.generate(GROUNDED_PROMPT, chat=True, max_new_tokens=48, ignore_eos=True, num_draft_tokens=5)
-    expected = transformers_greedy(smollm2, generator.encode_prompt(GROUNDED_PROMPT, chat=True))[:48]
-    assert result.token_ids == expected
-    assert result.stats.steps < 40  # the copied lines of the file are drafted and accepted
-
-
-GROUNDED_PROMPT = (
-    "Here is a config file:\n\nserver:\n  host: 0.0.0.0\n  port: 8080\n  workers: 4\n"
-    "logging:\n  level: info\n  file: /var/log/app.log\n\n"
-    "Change the port to 9090 and print the whole updated file."
-)

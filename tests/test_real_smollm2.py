@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdecode.drafters import available_drafters, drafter_class
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import load_model
 
@@ -17,6 +18,16 @@ PROMPTS = [
     "    return fibonacci(n - 1) + fibonacci(n - 2)\n\nRewrite this function iteratively, keeping the docstring.",
 ]
 NEW_TOKENS = 64
+GROUNDED_PROMPT = (
+    "Here is a config file:\n\nserver:\n  host: 0.0.0.0\n  port: 8080\n  workers: 4\n"
+    "logging:\n  level: info\n  file: /var/log/app.log\n\n"
+    "Change the port to 9090 and print the whole updated file."
+)
+# Every drafter that works without a second model or training (those have tests of their own).
+MODEL_FREE = [
+    name for name in available_drafters()
+    if name not in {"none", "draft-model"} and not drafter_class(name).needs_training
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +70,25 @@ def test_chat_output_stops_at_end_of_turn(smollm2):
     result = SpeculativeGenerator.build(smollm2, "pld").generate("Say hello.", chat=True, max_new_tokens=64)
     assert result.finish_reason == "eos" and result.text.strip()
     assert result.token_ids[-1] == smollm2.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """transformers' greedy continuation of each prompt, computed once for all drafters."""
+    done: dict[tuple[int, ...], list[int]] = {}
+
+    def continuation(prompt_ids: list[int]) -> list[int]:
+        if tuple(prompt_ids) not in done:
+            done[tuple(prompt_ids)] = transformers_greedy(smollm2, prompt_ids)
+        return done[tuple(prompt_ids)]
+
+    return continuation
+
+
+@pytest.mark.parametrize("name", MODEL_FREE)
+def test_every_drafter_is_lossless_on_a_grounded_and_a_chat_prompt(smollm2, reference, name):
+    generator = SpeculativeGenerator.build(smollm2, name)
+    for prompt in (GROUNDED_PROMPT, PROMPTS[0]):
+        expected = reference(generator.encode_prompt(prompt, chat=True))[:48]
+        result = generator.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True)
+        assert result.token_ids == expected, name
