@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from conftest import TINY_CONTEXT, tiny_llama
 from specdecode.bench.forward_cost import ForwardCost, format_curve, measure_forward_cost, profile_forward
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
@@ -15,17 +14,7 @@ from specdecode.models.hf import HFCausalLM
 
 @pytest.fixture(scope="module")
 def backend() -> HFCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return HFCausalLM(LlamaForCausalLM(config), "tiny-llama")
+    return HFCausalLM(tiny_llama(seed=0), "tiny-llama")
 
 
 def test_json_has_exactly_the_agreed_keys(backend):
@@ -41,16 +30,7 @@ def test_json_has_exactly_the_agreed_keys(backend):
 
 @pytest.mark.skipif(not fast_path_supported(), reason="torch build without oneDNN linear ops")
 def test_runs_on_the_fast_path():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(seed=0, layers=1)
     apply_cpu_fast_path(model)
     cost = measure_forward_cost(HFCausalLM(model, "fast"), context_tokens=8, max_new=8, repeats=2, warmup=1)
     assert list(cost.t_ms) == [str(n) for n in range(1, 9)]
@@ -67,7 +47,7 @@ def test_format_curve_lists_every_point():
 
 def test_rejects_impossible_requests(backend):
     with pytest.raises(ValueError, match="context"):
-        measure_forward_cost(backend, context_tokens=120, max_new=16)
+        measure_forward_cost(backend, context_tokens=TINY_CONTEXT - 8, max_new=16)
     with pytest.raises(ValueError, match="8"):
         measure_forward_cost(backend, context_tokens=8, max_new=4)
 
