@@ -10,7 +10,6 @@ from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Draft, StepFeedback
 from specdecode.drafters.recycling import parse_template
 from specdecode.errors import SpecDecodeError
-from specdecode.generator import SpeculativeGenerator
 from test_engine import PROMPTS, hf_greedy, run
 
 
@@ -49,19 +48,6 @@ def test_every_verified_row_is_recycled(tiny_target):
     assert drafter.successors(5).tolist() == []  # the target's own token has no row yet
     proposal = drafter.propose([7, 8, 10, 5, 8], max_tokens=3)
     assert proposal.tokens[:2] == top2[0] and proposal.parents[:2] == [-1, -1]
-
-
-def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_target):
-    generator = SpeculativeGenerator.build(tiny_target, "recycling")
-    prompt = PROMPTS[0]
-    first = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
-    again = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
-    assert again.token_ids == first.token_ids
-    assert again.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens
-    generator.reset_drafter()
-    assert generator.drafter.state_bytes == 0
-    fresh = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
-    assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
 
 
 @pytest.mark.parametrize(("vocab", "template"), [(262_144, "8,4,2"), (32_000, "8")])

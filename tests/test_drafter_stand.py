@@ -12,7 +12,6 @@ from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Draft, StepFeedback
 from specdecode.engine import speculative_decode
-from specdecode.generator import SpeculativeGenerator
 from specdecode.models.base import ForwardOutput
 from specdecode.verify.logits import sampling_probs
 from test_engine import PROMPTS, hf_greedy, run
@@ -106,19 +105,6 @@ def test_rows_that_keep_earlier_siblings_fail_the_same_test(monkeypatch):
         specdecode.drafters.stand, "without_earlier", lambda q, order: np.repeat(q[None] / q.sum(), len(order), 0)
     )
     assert min(parity_pvalues(SAMPLING, DRAWS // 4)) < FAIL_P
-
-
-def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_target):
-    generator = SpeculativeGenerator.build(tiny_target, "stand")
-    prompt = PROMPTS[0]
-    first = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
-    again = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
-    assert again.token_ids == first.token_ids
-    assert again.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens
-    generator.reset_drafter()
-    assert generator.drafter.num_entries == 0
-    fresh = generator.generate(prompt, max_new_tokens=64, ignore_eos=True, num_draft_tokens=4)
-    assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
 
 
 def test_table_is_bounded_and_evicts_the_stalest_entries():

@@ -169,17 +169,6 @@ def test_greedy_output_equals_plain_decoding(tiny_target, options):
                 assert tokens == expected
 
 
-def test_a_repeated_request_is_accepted_further(tiny_target):
-    suffix = create_drafter("suffix", tiny_target)
-    first = run(tiny_target, suffix, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
-    second = run(tiny_target, suffix, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
-    assert first[0] == second[0]
-    assert second[1].stats.mean_accepted_tokens > first[1].stats.mean_accepted_tokens + 2
-    suffix.reset()
-    again = run(tiny_target, suffix, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
-    assert again[1].stats.mean_accepted_tokens == first[1].stats.mean_accepted_tokens
-
-
 @pytest.mark.parametrize("options", [
     {"max_nodes": 0}, {"tree_depth": 1}, {"spec_factor": 0}, {"spec_factor": "x"}, {"min_prob": 0},
     {"min_prob": 1.5}, {"global_tokens": -1}, {"max_nodes": 2.5},

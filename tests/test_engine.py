@@ -229,3 +229,27 @@ def test_draft_limits_keep_a_valid_tree():
     assert ancestor_mask(Draft(tokens=[1, 2, 3], parents=[-1, 0, -1])).int().tolist() == [
         [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1],
     ]
+
+
+# Drafters that learn across requests: (least gain in mean accepted tokens on a repeat, size of their state).
+LEARNERS = {
+    "suffix": (2.0, None),
+    "cacheback": (2.0, None),
+    "recycling": (0.0, lambda drafter: drafter.state_bytes),
+    "stand": (0.0, lambda drafter: drafter.num_entries),
+}
+
+
+@pytest.mark.parametrize("name", list(LEARNERS))
+def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_target, name):
+    margin, state_size = LEARNERS[name]
+    drafter = create_drafter(name, tiny_target)
+    first_tokens, first = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
+    again_tokens, again = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
+    assert again_tokens == first_tokens
+    assert again.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens + margin
+    drafter.reset()
+    if state_size is not None:
+        assert state_size(drafter) == 0
+    _, fresh = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
+    assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
