@@ -91,11 +91,12 @@ def speculative_decode(
         cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
         verify_s = time.perf_counter() - tock
         stats.verify_s += verify_s
-        stats.record_step(draft, verdict.num_accepted)
-        draft_length.observe(StepObservation(
+        step = StepObservation(
             depth=max(draft.depths(), default=0), nodes=len(draft.tokens), accepted=verdict.num_accepted,
             draft_s=tock - tick, verify_s=verify_s,
-        ))
+        )
+        stats.record_step(step)
+        draft_length.observe(step)
 
         accepted = [draft.tokens[node] for node in verdict.path]
         new_tokens = [*accepted, verdict.next_token]

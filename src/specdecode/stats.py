@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdecode.drafters.base import Draft
+from specdecode.draft_length import StepObservation
 
 
 @dataclass
@@ -20,12 +20,12 @@ class GenerationStats:
     verify_s: float = 0.0
     wall_s: float = 0.0
 
-    def record_step(self, draft: Draft, accepted: int) -> None:
+    def record_step(self, step: StepObservation) -> None:
         """Count a verification step; positions are depths, so a tree counts once per level it reaches."""
         self.steps += 1
-        self.drafted_tokens += len(draft.tokens)
-        self.accepted_tokens += accepted
-        depth = max(draft.depths(), default=0)
+        self.drafted_tokens += step.nodes
+        self.accepted_tokens += step.accepted
+        depth, accepted = step.depth, step.accepted
         while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)
