@@ -32,10 +32,11 @@ def load(
     ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.  ``fast_path`` (default on
     where supported) prepacks linear layers for fast multi-token verification on CPUs.
     """
-    from specdecode.drafters import drafter_class
+    from specdecode.drafters import check_drafter_options
     from specdecode.models.loading import load_model
 
-    drafter_class(drafter)  # fail on an unknown drafter before spending time loading the model
+    # An unknown drafter or an option it does not take fails before the (slow) model load, as in the CLI.
+    check_drafter_options(drafter, **drafter_options)
     target = load_model(model, fast_path=fast_path)
     defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
     return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
