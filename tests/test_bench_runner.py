@@ -232,13 +232,13 @@ def test_resume_skips_finished_work(finished, monkeypatch, tmp_path):
     (out / "results.json").write_text(json.dumps(partial))
 
     measured = []
-    real_run_prompt = runner.run_prompt
+    real_run_group = runner.run_group
 
     def spy(contestants, *args, **kwargs):
         measured.append([c.name for c in contestants])
-        return real_run_prompt(contestants, *args, **kwargs)
+        return real_run_group(contestants, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "run_prompt", spy)
+    monkeypatch.setattr(runner, "run_group", spy)
     resumed = run_benchmark(_settings(settings_dirs(settings), out), tasks=_tiny_tasks(), progress=False)
     assert measured == [["pld:k=3"]]
     assert resumed["runs"]["none"] == results["runs"]["none"]  # untouched
@@ -276,8 +276,9 @@ def test_bench_and_forward_cost_both_parse():
     parser = argparse.ArgumentParser(prog="specdecode")
     add_bench_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "--suite", "full", "--methods", "none,pld:k=6", "--no-peers"])
-    assert (args.run.__name__, args.suite, args.methods, args.peers, args.bench_command) == (
-        "run_bench", "full", "none,pld:k=6", False, None)
+    assert (args.run.__name__, args.suite, args.methods, args.peers, args.bench_command, args.drafter_state) == (
+        "run_bench", "full", "none,pld:k=6", False, None, None)
+    assert parser.parse_args(["bench", "--drafter-state", "task"]).drafter_state == "task"
     args = parser.parse_args(["bench", "forward-cost", "--model", "m", "--json", "--profile"])
     assert (args.run.__name__, args.model, args.json, args.profile) == ("run_forward_cost", "m", True, True)
 
@@ -292,11 +293,114 @@ def test_adaptive_draft_length_methods():
         runner.parse_method("pld:k=fast")
 
 
+def _spied_suffix(tiny_target):
+    """Our ``suffix`` contestant, and the steps of every run it makes, in order."""
+    contestant = runner._ours(tiny_target, runner.parse_method("suffix"), {})
+    steps: list[int] = []
+    real_run = contestant.run
+
+    def run(prompt_ids, max_new_tokens):
+        measured = real_run(prompt_ids, max_new_tokens)
+        steps.append(measured.stats.steps)
+        return measured
+
+    contestant.run = run
+    return contestant, steps
+
+
 def test_repeats_of_a_learning_drafter_start_cold(tiny_target):
     """A repeat must not profit from the previous repeat of the same prompt (drafter state is reset)."""
-    contestant = runner._ours(tiny_target, runner.parse_method("suffix"), {})
+    contestant, steps = _spied_suffix(tiny_target)
+    records = runner.run_group([contestant], [[5, 17, 22, 9, 30, 41]], 24, repeats=2)
+    assert records["suffix"][0]["repeats_identical"] and steps[0] == steps[1]
+
+
+def test_a_session_keeps_drafter_state_and_each_repeat_resets_it(tiny_target):
+    """Within a group the drafter learns (the second, identical request copies the first one's output);
+    every repeat of the group starts from a fresh drafter, so repeats measure the same thing."""
+    contestant, steps = _spied_suffix(tiny_target)
     prompt = [5, 17, 22, 9, 30, 41]
-    first = contestant.run(prompt, 24)
-    second = contestant.run(prompt, 24)
-    assert first.token_ids == second.token_ids
-    assert second.stats.steps == first.stats.steps
+    records = runner.run_group([contestant], [prompt, prompt], 32, repeats=2)
+    first, second = records["suffix"]
+    assert first["token_ids"] == second["token_ids"] and first["repeats_identical"] and second["repeats_identical"]
+    assert steps[1] < steps[0]  # warm: the earlier output is drafted
+    assert steps[2:] == steps[:2]  # the second repeat starts cold again
+    assert len(first["wall_s"]) == len(second["wall_s"]) == 2
+
+
+def _session_tasks() -> list[Task]:
+    words = "w1 w2 w3 w4 w5 w6 w7 w8 here w9"
+    requests = [Prompt(f"multi-edit/s#{i}", f"{words} {extra}", True, words, "multi-edit/s")
+                for i, extra in enumerate(("w40", "w40 w41", "w40 w41 w42"), start=1)]
+    return [Task("multi-edit", "edit", requests), _tiny_tasks(2)[1]]
+
+
+def test_session_task_end_to_end_and_resume(tiny_dirs, tmp_path, monkeypatch):
+    settings = _settings(tiny_dirs, tmp_path, methods="none,suffix", tasks="multi-edit,mt-bench", repeats=1,
+                         draft_lengths="none")
+    assert settings.tasks[0] == "multi-edit" and settings.fingerprint["drafter_state"] == "request"
+    calls = []
+    real_run_group = runner.run_group
+
+    def spy(contestants, group, *args, **kwargs):
+        calls.append(([c.name for c in contestants], len(group)))
+        return real_run_group(contestants, group, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_group", spy)
+    results = run_benchmark(settings, tasks=_session_tasks(), progress=False)
+    # One group for the session (3 requests in order), one per ordinary prompt; the peer runs them too.
+    assert calls == [(["none", "suffix", "hf-plain"], 3), (["none", "suffix", "hf-plain"], 1),
+                     (["none", "suffix", "hf-plain"], 1)]
+    assert sorted(results["runs"]["suffix"]["multi-edit"]) == [f"multi-edit/s#{i}" for i in (1, 2, 3)]
+    assert [p.get("session") for p in results["prompts"]["multi-edit"]] == ["multi-edit/s"] * 3
+    for cell in results["cells"]:
+        assert cell["equal_to_plain_pct"] == 100.0, cell
+    assert "Drafter state: reset before every prompt" in (tmp_path / "results.md").read_text()
+
+    # Resume: a session missing one request is measured again whole, for that contestant only.
+    partial = json.loads((tmp_path / "results.json").read_text())
+    del partial["runs"]["suffix"]["multi-edit"]["multi-edit/s#2"]
+    (tmp_path / "results.json").write_text(json.dumps(partial))
+    calls.clear()
+    resumed = run_benchmark(settings, tasks=_session_tasks(), progress=False)
+    assert calls == [(["suffix"], 3)]
+    assert sorted(resumed["runs"]["suffix"]["multi-edit"]) == [f"multi-edit/s#{i}" for i in (1, 2, 3)]
+    assert resumed["runs"]["none"] == results["runs"]["none"]
+
+
+def test_drafter_state_task_groups_a_whole_task(tmp_path):
+    settings = resolve_settings("quick", drafter_state="task", out=str(tmp_path))
+    assert settings.fingerprint["drafter_state"] == "task"
+    tasks = _tiny_tasks(3)
+    assert [len(g) for g in runner.groups(settings, tasks[0])] == [3]
+    assert [len(g) for g in runner.groups(resolve_settings("quick"), tasks[0])] == [1, 1, 1]
+    assert [len(g) for g in runner.groups(resolve_settings("quick"), _session_tasks()[0])] == [3]
+    with pytest.raises(SpecDecodeError, match="drafter state"):
+        resolve_settings("quick", drafter_state="forever")
+
+
+def test_schema_1_results_still_resume(finished, tmp_path, monkeypatch):
+    """A results file written before drafter_state existed is read as drafter_state "request"."""
+    settings, results = finished
+    old = json.loads((settings.out / "results.json").read_text())
+    old["schema_version"] = 1
+    del old["fingerprint"]["drafter_state"]
+    (tmp_path / "results.json").write_text(json.dumps(old))
+    monkeypatch.setattr(runner, "load_model", lambda name: pytest.fail("nothing to measure: no model load"))
+    resumed = run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
+    assert resumed["schema_version"] == runner.SCHEMA_VERSION and resumed["runs"] == results["runs"]
+
+
+def test_model_free_goals_are_reported_not_asserted():
+    def cell(method, task, tokens_per_s, accepted):
+        return report.CellResult("m", method, "ours", task, 1, 96, 1.0, tokens_per_s, None, 100.0, True, accepted)
+
+    cells = [cell("pld", "edit", 100.0, 4.8), cell("suffix:k=16", "edit", 140.0, 9.0),
+             cell("pld", "summarize", 30.0, 1.4), cell("suffix:k=16", "summarize", 31.0, 1.5),
+             cell("pld", "mt-bench", 70.0, 2.6), cell("recycling", "mt-bench", 60.0, 2.7)]
+    lines = report._model_free_goal_lines(cells)
+    assert lines == [
+        "- `suffix:k=16` on edit: 1.40x the tokens/s of `pld` (goal >= 1.3x: met).",
+        "- `suffix:k=16` on summarize: 1.03x the tokens/s of `pld` (goal >= 1.3x: **not met**).",
+        "- `recycling` on mt-bench: 2.70 mean accepted tokens vs 2.60 for `pld` (goal: above: met).",
+    ]

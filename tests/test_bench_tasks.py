@@ -10,6 +10,8 @@ from specdecode.bench import tasks
 from specdecode.bench.tasks import (
     GROUNDED_TASKS,
     MAX_GROUNDED_CHARS,
+    MULTI_EDIT_STEPS,
+    SESSION_TASKS,
     TASK_NAMES,
     Prompt,
     _select,
@@ -24,7 +26,8 @@ WHEEL_TASKS = ("mt-bench", "humaneval", "champ", "sharegpt")
 
 
 def _ids(task) -> list[str]:
-    return [p.id for p in task.prompts]
+    """The ids of the task's selection units: prompts, or a session task's sessions."""
+    return [group[0].session or group[0].id for group in task.sessions()]
 
 
 def test_task_names():
@@ -45,15 +48,31 @@ def test_grounded_subsets_are_seeded(name):
 @pytest.mark.parametrize("name", GROUNDED_TASKS)
 def test_grounded_prompts_contain_their_document(name):
     task = load_task(name, 30, seed=3)
-    assert len(task.prompts) == 30
+    assert len(task.sessions()) == 30
     for prompt in task.prompts:
         assert prompt.grounded
         assert prompt.id.startswith(f"{name}/")
         assert len(prompt.document) > 200
         assert prompt.document in prompt.text
         assert len(prompt.text) <= MAX_GROUNDED_CHARS
-        if name in ("rag", "edit"):
+        if name in ("rag", "edit", "multi-edit"):
             ast.parse(prompt.document)  # real, complete Python source
+
+
+def test_multi_edit_sessions_are_fixed_and_cumulative():
+    task = load_task("multi-edit", 2, seed=0)
+    assert [p.id for p in task.prompts] == [p.id for p in load_task("multi-edit", 2, seed=0).prompts]
+    assert task.name in SESSION_TASKS and len(task.prompts) == 2 * len(MULTI_EDIT_STEPS)
+    for session in task.sessions():
+        name = session[0].session
+        assert [p.id for p in session] == [f"{name}#{i}" for i in range(1, len(MULTI_EDIT_STEPS) + 1)]
+        assert len({p.document for p in session}) == 1
+        # Each request asks for everything the previous one asked for, and one edit more.
+        asked = [p.text.split("```python")[0] for p in session]
+        for before, after in zip(asked, asked[1:]):
+            instructions = before.split(" Change nothing else")[0]
+            assert after.startswith(instructions) and len(after) > len(before)
+    assert [len(g) for g in load_task("edit", 3).sessions()] == [1, 1, 1]  # ordinary prompts stand alone
 
 
 def test_grounded_tasks_balance_their_kinds():

@@ -29,7 +29,8 @@ def test_generate_json_contract(capsys, tiny_dirs):
     assert code == 0, err
     result = json.loads(out)
     assert set(result) >= {"text", "token_ids", "stats"}
-    stats_fields = {"new_tokens", "steps", "mean_accepted_tokens", "acceptance_rate", "tokens_per_s", "wall_s"}
+    stats_fields = {"new_tokens", "steps", "mean_accepted_tokens", "acceptance_rate", "tokens_per_s", "wall_s",
+                    "forward_s", "overhead_fraction"}
     assert set(result["stats"]) >= stats_fields
     assert len(result["token_ids"]) == result["stats"]["new_tokens"] == 12
 
@@ -40,7 +41,7 @@ def test_generate_streams_text_and_prints_stats(capsys, tiny_dirs):
         "--max-new-tokens", "5", "--chat", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--seed", "1",
     )
     assert code == 0, err
-    assert out.strip() and "tok/s" in err
+    assert out.strip() and "tok/s" in err and "engine overhead" in err
 
 
 def test_draft_model_flag(capsys, tiny_dirs):

@@ -1,24 +1,36 @@
-"""Draft-length policies: pure-function behaviour of the schedule and the cost model."""
+"""Draft-length policies: pure-function behaviour of the schedule, the cost model and its stop rule."""
 
 from __future__ import annotations
 
 import pytest
 
-from specdecode.draft_length import CostModelLength, FixedLength, HeuristicLength, StepObservation, make_policy
+from specdecode.draft_length import (
+    CostModelLength,
+    FixedLength,
+    HeuristicLength,
+    StepObservation,
+    _LinearFit,
+    linear_curve,
+    make_policy,
+)
 from specdecode.errors import SpecDecodeError
 
 
-def feed(policy, steps: int, *, accept_rate: float, cost, depth: int = 8, draft_s: float = 0.0) -> None:
-    """Deterministic observations: verification of width w costs ``cost(w)`` seconds (every width is
-    measured once up front), and each draft position is accepted in about ``accept_rate`` of steps."""
-    for width in range(1, depth + 2):
-        policy.observe(StepObservation(depth=0, nodes=width - 1, accepted=0, draft_s=0.0, verify_s=cost(width)))
+def curve(per_input: float, widths: int = 16) -> tuple[float, ...]:
+    """Relative cost t(w) / t(1) of a forward that grows by ``per_input`` of t(1) per extra input."""
+    return tuple(1.0 + per_input * (w - 1) for w in range(1, widths + 1))
+
+
+def feed(policy, steps: int, *, accept_rate: float, depth: int = 8, draft_s: float = 0.0, one_input_s: float = 0.1,
+         overhead_s: float = 0.0) -> None:
+    """Deterministic observations: verification costs ``one_input_s`` times the policy's curve, and each
+    draft position is accepted in about ``accept_rate`` of steps."""
     for step in range(steps):
         accepted = 0
         while accepted < depth and ((step * 7 + accepted * 13) % 100) / 100 < accept_rate:
             accepted += 1
         policy.observe(StepObservation(depth=depth, nodes=depth, accepted=accepted, draft_s=draft_s,
-                                       verify_s=cost(depth + 1)))
+                                       verify_s=one_input_s * policy.relative_cost(depth + 1), overhead_s=overhead_s))
 
 
 def test_fixed_and_limit():
@@ -37,38 +49,116 @@ def test_heuristic_schedule_like_transformers():
 
 
 def test_cost_model_drafts_deep_when_verification_is_cheap_and_acceptance_high():
-    policy = CostModelLength()
-    feed(policy, 60, accept_rate=0.9, cost=lambda w: 0.1 + 0.001 * w)
+    policy = CostModelLength(curve=curve(0.01))
+    feed(policy, 60, accept_rate=0.9)
     assert policy.next_length(12) >= 8
 
 
 def test_cost_model_drafts_shallow_when_wide_forwards_are_expensive():
-    cheap, steep = CostModelLength(), CostModelLength()
-    feed(cheap, 60, accept_rate=0.7, cost=lambda w: 0.1 + 0.002 * w)
-    feed(steep, 60, accept_rate=0.7, cost=lambda w: 0.1 + 0.05 * w)
+    cheap, steep = CostModelLength(curve=curve(0.02)), CostModelLength(curve=curve(0.5))
+    feed(cheap, 60, accept_rate=0.7)
+    feed(steep, 60, accept_rate=0.7)
     assert steep.next_length(12) < cheap.next_length(12)
 
 
+def test_expected_rate_is_tokens_over_seconds():
+    policy = CostModelLength(curve=(1.0, 1.5, 2.0), prior_acceptance=0.5)
+    # Before any timing, seconds are in units of a one-input forward: (1 + 0.5 + 0.25) / 2.0.
+    assert policy.expected_rate(2) == pytest.approx(1.75 / 2.0)
+    assert policy.relative_cost(5) == pytest.approx(3.0)  # extrapolated along the curve's slope
+
+
+def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape():
+    policy = CostModelLength(curve=curve(0.05))
+    for _ in range(30):  # only width 1 is ever seen, at twice the quiet speed
+        policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0, verify_s=0.2))
+    assert policy.verify_seconds(1) == pytest.approx(0.2)
+    assert policy.verify_seconds(9) == pytest.approx(0.2 * 1.4)
+
+
 def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
-    policy = CostModelLength(probe_every=4)
-    feed(policy, 80, accept_rate=0.0, cost=lambda w: 0.1 + 0.03 * w, depth=2)
+    policy = CostModelLength(curve=curve(0.3), probe_every=4)
+    feed(policy, 80, accept_rate=0.0, depth=2)
     lengths = [policy.next_length(12) for _ in range(8)]
     assert lengths.count(0) == 6 and lengths.count(1) == 2
 
 
 def test_cost_model_counts_a_slow_drafter():
-    free, slow = CostModelLength(), CostModelLength()
-    feed(free, 60, accept_rate=0.7, cost=lambda w: 0.1 + 0.01 * w, draft_s=0.0)
-    feed(slow, 60, accept_rate=0.7, cost=lambda w: 0.1 + 0.01 * w, draft_s=8 * 0.08)
+    free, slow = CostModelLength(curve=curve(0.1)), CostModelLength(curve=curve(0.1))
+    feed(free, 60, accept_rate=0.7, draft_s=0.0)
+    feed(slow, 60, accept_rate=0.7, draft_s=8 * 0.08)
     assert slow.next_length(12) < free.next_length(12)
 
 
-def test_verify_cost_interpolates_between_measured_widths():
-    policy = CostModelLength()
-    for width, seconds in [(1, 1.0), (5, 3.0)]:
-        policy.observe(StepObservation(depth=width - 1, nodes=width - 1, accepted=0, draft_s=0, verify_s=seconds))
-    assert policy._verify_seconds(3) == pytest.approx(2.0, rel=0.05)
-    assert policy._verify_seconds(9) == pytest.approx(5.0, rel=0.05)
+def test_overhead_per_step_favours_deeper_drafts():
+    """A fixed cost per step (observe, bookkeeping) is paid whatever k, so it makes each step's tokens worth more."""
+    lean, heavy = CostModelLength(curve=curve(0.3)), CostModelLength(curve=curve(0.3))
+    feed(lean, 60, accept_rate=0.6, overhead_s=0.0)
+    feed(heavy, 60, accept_rate=0.6, overhead_s=0.5)
+    assert heavy.next_length(12) > lean.next_length(12)
+
+
+def test_draft_cost_separates_a_fixed_part_from_a_part_per_token():
+    fit = _LinearFit()
+    for depth in (1, 4, 8, 2, 6) * 4:
+        fit.add(depth, 0.002 + 0.01 * depth)
+    fixed, per_token = fit.coefficients()
+    assert fixed == pytest.approx(0.002) and per_token == pytest.approx(0.01)
+    constant = _LinearFit()
+    for _ in range(5):
+        constant.add(4, 0.02)  # depth never varied: all of it counts per token (the cautious reading)
+    assert constant.coefficients() == pytest.approx((0.0, 0.005))
+
+
+def test_linear_curve_is_the_guess_before_measuring():
+    assert linear_curve(1.7)[7] == pytest.approx(1.7)
+    assert make_policy("auto").curve == pytest.approx(linear_curve(1.3))
+    assert make_policy("auto", [2.0, 3.0]).curve == (1.0, 1.5)  # normalised to one input
+
+
+# -- the SpecDec++-style stop rule ----------------------------------------------------------------
+
+def confident_policy(rate: float = 2.0) -> CostModelLength:
+    """Forward of w inputs costs 1 + 0.05 (w - 1) seconds; tokens per second achieved so far = ``rate``."""
+    policy = CostModelLength(curve=curve(0.05))
+    policy.observe(StepObservation(depth=0, nodes=0, accepted=rate - 1.0, draft_s=0.0, verify_s=1.0))
+    assert policy.achieved_rate() == pytest.approx(rate)
+    return policy
+
+
+def test_keep_length_stops_where_predicted_survival_no_longer_pays_for_the_width():
+    policy = confident_policy(rate=2.0)  # a token is worth verifying while P(prefix accepted) >= 2 * 0.05
+    # Bins are taken at their centres before evidence: 0.95 -> 0.95, 0.35 -> 0.35, 0.15 -> 0.15.
+    assert policy.keep_length([0.95, 0.95, 0.35, 0.35]) == 4  # survival .95, .90, .32, .11: all >= .1
+    assert policy.keep_length([0.95, 0.35, 0.35, 0.35]) == 3  # .95, .33, .12, .04
+    assert policy.keep_length([0.05]) == 0
+    assert policy.keep_length([]) == 0
+
+
+def test_should_stop_also_charges_the_draft_cost_of_the_next_token():
+    policy = confident_policy(rate=2.0)
+    assert not policy.should_stop([0.95, 0.35])  # survival .33 > 2 * (0.05 + 0)
+    for depth in (1, 3, 5, 2):  # a drafter costing 0.2 s per token
+        policy.draft_cost.add(depth, 0.2 * depth)
+    assert policy.should_stop([0.95, 0.35])  # .33 < 2 * (0.05 + 0.2)
+    assert not policy.should_stop([])
+
+
+def test_confidences_are_calibrated_online():
+    policy = confident_policy(rate=2.0)
+    before = policy.calibrated(0.95)
+    for _ in range(20):  # the drafter says 0.95, but its first token is always rejected
+        policy.observe(StepObservation(depth=3, nodes=3, accepted=0, draft_s=0.0, verify_s=1.1,
+                                       confidence=(0.95, 0.95, 0.95)))
+    assert policy.calibrated(0.95) < 0.2 < before
+    assert policy.keep_length([0.95, 0.95]) < 2
+    assert policy.uses_confidence and policy.next_length(7) == 7  # depth is now the stop rule's call
+
+
+def test_fixed_and_heuristic_never_stop_a_drafter():
+    for policy in (FixedLength(4), HeuristicLength()):
+        assert not policy.should_stop([0.01])
+        assert policy.keep_length([0.01, 0.01]) == 2
 
 
 @pytest.mark.parametrize("bad", [-1, "fast", 2.5, None])

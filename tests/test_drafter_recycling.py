@@ -46,8 +46,21 @@ def test_every_verified_row_is_recycled(tiny_target):
     # unverified-by-path node 12 — recycled all the same.
     assert [drafter.successors(t).tolist() for t in (8, 10, 11, 12)] == top2
     assert drafter.successors(5).tolist() == []  # the target's own token has no row yet
+    # The matrix's top-1 after 8 comes first; then what followed 8 earlier in this context (10).
     proposal = drafter.propose([7, 8, 10, 5, 8], max_tokens=3)
-    assert proposal.tokens[:2] == top2[0] and proposal.parents[:2] == [-1, -1]
+    expected = list(dict.fromkeys([top2[0][0], 10, top2[0][1]]))[:2]
+    assert proposal.tokens[:2] == expected and proposal.parents[:2] == [-1, -1]
+
+
+def test_context_successors_let_a_cold_request_copy(tiny_target):
+    """With an empty matrix, a repeated span of the context is drafted as a chain: each node takes what
+    followed its last two tokens earlier (copying), so the draft follows the earlier occurrence."""
+    drafter = create_drafter("recycling", tiny_target, template="2,1,1,1")
+    context = [11, 12, 13, 14, 15, 16, 30, 11, 12]
+    drafter.start(context, sampling=None)
+    draft = drafter.propose(context, max_tokens=4)
+    assert draft.tokens == [13, 14, 15, 16] and draft.is_chain
+    assert drafter.candidates(12, 13) == [14]  # the pair's successor; no matrix row yet
 
 
 @pytest.mark.parametrize(("vocab", "template"), [(262_144, "8,4,2"), (32_000, "8")])

@@ -101,8 +101,9 @@ def started(prompt: list[int], **options):
 
 def test_proposes_what_followed_the_earlier_occurrence_deeper_for_longer_matches():
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 40, 41, 1, 2, 3, 4]
-    draft = started(prompt).propose(prompt, 8)
+    draft = started(prompt, spec_factor=1).propose(prompt, 16)
     assert draft.tokens == [5, 6, 7, 8] and draft.is_chain  # a 4-token match: speculate 4 deep (spec_factor 1)
+    assert started(prompt).propose(prompt, 16).tokens == [5, 6, 7, 8, 9, 40, 41, 1]  # 8 deep by default
     assert started(prompt, spec_factor=0.5).propose(prompt, 8).tokens == [5, 6]
     assert started(prompt).propose(prompt, 2).tokens == [5, 6]  # the engine's depth limit wins
     assert started([1, 2, 3]).propose([1, 2, 3], 5).tokens == []  # nothing occurred before
@@ -117,7 +118,7 @@ def test_tree_branches_by_frequency_with_distinct_siblings():
     for node in range(-1, len(draft.tokens)):
         children = [draft.tokens[i] for i, parent in enumerate(draft.parent_list) if parent == node]
         assert len(children) == len(set(children))
-    assert max(draft.depths()) <= 3 and len(draft.tokens) <= 8
+    assert max(draft.depths()) <= 3 and len(draft.tokens) <= 16
     # A stricter threshold drops the rare branches.
     assert started(prompt, spec_factor=2.0, min_prob=0.5).propose(prompt, 3).parent_list.count(-1) == 1
 
@@ -154,7 +155,7 @@ def test_earlier_outputs_are_proposed_in_later_requests():
     suffix = drafter()
     feed(suffix, [1, 2], [10, 11, 12, 13, 14, 15, 16, 17])
     suffix.start([3, 4], SamplingParams())
-    assert suffix.propose([3, 4, 10, 11, 12], 5).tokens == [13, 14, 15]
+    assert suffix.propose([3, 4, 10, 11, 12], 5).tokens == [13, 14, 15, 16, 17]
     assert drafter(global_tokens=0).propose([3, 4, 10, 11, 12], 5).tokens == []
 
 
@@ -176,3 +177,23 @@ def test_greedy_output_equals_plain_decoding(tiny_target, options):
 def test_bad_options_are_user_errors(options):
     with pytest.raises(SpecDecodeError, match="suffix option"):
         drafter(**options)
+
+
+@pytest.mark.real_model
+def test_deep_drafts_and_a_warm_session_stay_lossless_on_the_real_model():
+    """K = 16 (how the benchmark runs ``suffix``), and a session where the second request drafts from the
+    first one's output: token for token what plain decoding gives."""
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import load_model
+
+    target = load_model("smollm2-135m")
+    plain = SpeculativeGenerator.build(target, "none")
+    suffix = SpeculativeGenerator.build(target, "suffix")
+    source = "def area(w, h):\n    total = w * h\n    return total\n"
+    requests = [f"Rename `w` to `width`.\n\n```python\n{source}```",
+                f"Rename `w` to `width`. Add type hints.\n\n```python\n{source}```"]
+    for prompt in requests:
+        expected = plain.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True).token_ids
+        result = suffix.generate(prompt, chat=True, max_new_tokens=48, num_draft_tokens=16, ignore_eos=True)
+        assert result.token_ids == expected
+    assert result.stats.mean_accepted_tokens > 1.5

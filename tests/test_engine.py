@@ -253,3 +253,74 @@ def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_targe
         assert state_size(drafter) == 0
     _, fresh = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
     assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
+
+
+def test_draft_confidence_is_optional_checked_and_kept_by_limits():
+    assert Draft(tokens=[1, 2]).confidence is None
+    with pytest.raises(ValueError, match="confidence"):
+        Draft(tokens=[1, 2], confidence=[0.5])
+    assert Draft(tokens=[1, 2, 3], confidence=[0.9, 0.8, 0.7]).limited(10, 2).confidence == [0.9, 0.8]
+    tree = Draft(tokens=[10, 11, 12], parents=[-1, 0, -1], confidence=[0.9, 0.5, 0.1])
+    assert tree.limited(max_nodes=10, max_depth=1).confidence == [0.9, 0.1]
+
+
+def test_draft_model_reports_confidence_and_obeys_the_stop_rule(tiny_target, tiny_draft):
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    drafter.start(PROMPTS[0], SamplingParams())
+    full = drafter.propose(PROMPTS[0], 6)
+    assert len(full.confidence) == 6 and all(0.0 < c <= 1.0 for c in full.confidence)
+    drafter.stop_rule = lambda confidences: len(confidences) >= 2
+    assert drafter.propose(PROMPTS[0], 6).tokens == full.tokens[:2]
+
+
+class ConfidentOracle(Drafter):
+    """Knows the greedy continuation; proposes two right tokens, then wrong ones it says it doubts."""
+
+    name = "confident-oracle"
+
+    def __init__(self, target, expected: list[int], prompt_len: int) -> None:
+        super().__init__(target)
+        self.expected, self.prompt_len = expected, prompt_len
+
+    def propose(self, context, max_tokens):
+        right = self.expected[len(context) - self.prompt_len:][:2]
+        tokens = (right + [0] * max_tokens)[:max_tokens]
+        return Draft(tokens=tokens, confidence=[0.95] * len(right) + [0.01] * (len(tokens) - len(right)))
+
+
+def test_auto_trims_doubted_tokens_before_verification_and_stays_lossless(tiny_target):
+    expected = hf_greedy(tiny_target, PROMPTS[0], 30)
+    drafter = ConfidentOracle(tiny_target, expected, len(PROMPTS[0]))
+    tokens, outcome = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=30, num_draft_tokens="auto")
+    assert tokens == expected
+    stats = outcome.stats
+    assert stats.drafted_tokens == stats.accepted_tokens  # the doubted tails were never sent to the target
+    assert stats.mean_accepted_tokens > 2.5
+
+
+def test_stats_split_wall_time_into_forwards_drafting_and_engine_overhead(tiny_target):
+    _, outcome = run(tiny_target, create_drafter("pld", tiny_target), PROMPTS[1], max_new_tokens=20)
+    stats = outcome.stats
+    assert 0.0 < stats.forward_s <= stats.prefill_s + stats.verify_s
+    assert stats.overhead_s == pytest.approx(stats.wall_s - stats.forward_s - stats.draft_s, abs=1e-9)
+    assert 0.0 <= stats.overhead_fraction < 1.0
+    data = stats.to_json()
+    assert {"forward_s", "overhead_s", "overhead_fraction", "other_s", "verify_s"} <= set(data)
+    assert "engine overhead" in stats.summary()
+
+
+def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(tiny_target):
+    from specdecode.bench.forward_cost import relative_cost_curve
+    from specdecode.draft_length import CostModelLength
+
+    generator = SpeculativeGenerator.build(tiny_target, "pld")
+    plain = generator.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, num_draft_tokens=0)
+    auto = generator.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, num_draft_tokens="auto")
+    assert auto.token_ids == plain.token_ids
+    policy = generator._adaptive_policies["auto"]
+    assert isinstance(policy, CostModelLength)
+    measured = relative_cost_curve(tiny_target.backend)
+    assert policy.curve == pytest.approx(measured)
+    generator.reset_drafter()
+    generator.generate(PROMPTS[1], max_new_tokens=4, num_draft_tokens="auto")
+    assert relative_cost_curve(tiny_target.backend) is measured  # measured once per loaded model

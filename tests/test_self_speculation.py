@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_llama, wrap
 from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
-from specdecode.drafters._self_draft import reusable, tail
+from specdecode.drafters._self_draft import DraftHead, reusable, tail
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.drafters.layer_skip import initial_skip_set
 from specdecode.errors import SpecDecodeError
@@ -32,12 +32,13 @@ def loaded(request):
     return wrap(request.param().eval(), tokenizer=None)
 
 
-def self_drafters(loaded) -> dict:
+def self_drafters(loaded, draft_vocab: int = 0) -> dict:
     backend = loaded.backend
+    adapter = KangarooAdapter.for_backend(backend, 1)
     return {
-        "layer-skip": create_drafter("layer-skip", loaded, trial_steps=2),
-        "early-exit": create_drafter("early-exit", loaded, explore=1.0),
-        "kangaroo": create_drafter("kangaroo", loaded, adapter=KangarooAdapter.for_backend(backend, 1), threshold=0.0),
+        "layer-skip": create_drafter("layer-skip", loaded, trial_steps=2, draft_vocab=draft_vocab),
+        "early-exit": create_drafter("early-exit", loaded, explore=1.0, draft_vocab=draft_vocab),
+        "kangaroo": create_drafter("kangaroo", loaded, adapter=adapter, threshold=0.0, draft_vocab=draft_vocab),
     }
 
 
@@ -78,14 +79,15 @@ def test_early_exit_equals_a_truncated_model(loaded):
         assert got.abs().max() <= 2.0
 
 
-def test_skipped_layers_keep_cache_lengths_equal_and_verification_exact(loaded):
+def test_skipped_layers_write_nothing_and_verification_stays_exact(loaded):
     backend = loaded.backend
     full = backend.forward(IDS, backend.new_cache()).logits
     cache = backend.new_cache()
     backend.forward(IDS[:6], cache)
-    backend.forward(IDS[6:9], cache, skip_layers=frozenset({0}))  # a draft, layer 0 skipped
+    backend.forward(IDS[6:9], cache, skip_layers=frozenset({1}))  # a draft, layer 1 skipped
     backend.forward(IDS[9:10], cache, exit_layer=1)  # and one more, early exit
-    assert {layer.keys.shape[-2] for layer in cache.inner.layers} == {10} and cache.length == 10
+    lengths = [layer.keys.shape[-2] for layer in cache.inner.layers]
+    assert lengths[:2] == [10, 6] and all(n == 9 for n in lengths[2:]) and cache.length == 10
     cache.crop(6)  # rollback before verification, as a drafter's cache does
     torch.testing.assert_close(backend.forward(IDS[6:], cache).logits, full[6:], rtol=1e-4, atol=1e-4)
 
@@ -97,7 +99,7 @@ def test_early_exit_cache_entries_are_exact_below_the_exit(loaded):
     backend.forward(IDS, shallow, exit_layer=1)
     backend.forward(IDS, deep)
     torch.testing.assert_close(shallow.inner.layers[0].keys, deep.inner.layers[0].keys, rtol=1e-6, atol=1e-6)
-    assert not shallow.inner.layers[-1].keys.any()  # placeholders above the exit
+    assert len(shallow.inner.layers) == 1  # layers above the exit never ran
 
 
 def test_cache_reuse_rule():
@@ -115,13 +117,16 @@ def test_bad_layer_arguments_are_rejected(loaded):
         backend.forward(IDS, backend.new_cache(), exit_layer=0)
     with pytest.raises(ValueError):
         backend.forward(IDS, backend.new_cache(), skip_layers=frozenset({backend.num_layers}))
+    with pytest.raises(ValueError):  # the cache length and the mask are read from layer 0
+        backend.forward(IDS, backend.new_cache(), skip_layers=frozenset({0}))
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_greedy_output_equals_plain_decoding(loaded, k):
+@pytest.mark.parametrize(("k", "draft_vocab"), [(1, 0), (4, 0), (4, 24)])
+def test_greedy_output_equals_plain_decoding(loaded, k, draft_vocab):
+    """Also with a draft head restricted to 24 ids + the prompt's: drafts miss more, output stays exact."""
     prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 8, 9, 10, 11, 12]
     expected = hf_greedy(loaded, prompt, 30)
-    for name, drafter in self_drafters(loaded).items():
+    for name, drafter in self_drafters(loaded, draft_vocab).items():
         for _ in range(2):  # a second request reuses state learned in the first
             tokens, _ = run(loaded, drafter, prompt, max_new_tokens=30, num_draft_tokens=k)
             assert tokens == expected, f"{name} (k={k}) diverged from plain greedy decoding"
@@ -170,6 +175,29 @@ def test_sampled_drafts_carry_their_distributions(tiny_target):
         assert outputs[0] == outputs[1], name
 
 
+def test_restricted_draft_head_matches_the_full_head_on_its_rows(tiny_target):
+    backend = tiny_target.backend
+    head = DraftHead(backend, 16)
+    head.start([40, 3, 40, 70])
+    assert head.ids.tolist() == [*range(16), 40, 70]
+    hidden = torch.randn(2, backend.config.hidden_size)
+    full = backend.exit_logits(hidden)
+    torch.testing.assert_close(backend.exit_logits(hidden, head), full[:, head.ids], rtol=1e-4, atol=1e-4)
+    expanded = head.full_vocab(full[0, head.ids])
+    assert torch.isinf(expanded).sum() == backend.vocab_size - 18 and head.token(17) == 70
+
+
+def test_sampled_drafts_from_a_restricted_head_are_zero_outside_it(tiny_target):
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    drafter = create_drafter("layer-skip", tiny_target, draft_vocab=10, threshold=0.0)
+    drafter.start([50, 51], sampling)
+    draft = drafter.propose([50, 51], 3)
+    allowed = torch.zeros(tiny_target.backend.vocab_size, dtype=torch.bool)
+    allowed[[*range(10), 50, 51]] = True
+    assert draft.probs is not None and not draft.probs[:, ~allowed].any()
+    torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
+
+
 def test_kangaroo_without_adapter_names_the_train_command(tiny_target, tmp_path):
     with pytest.raises(SpecDecodeError, match="specdecode train kangaroo --model"):
         create_drafter("kangaroo", tiny_target)
@@ -180,11 +208,15 @@ def test_kangaroo_without_adapter_names_the_train_command(tiny_target, tmp_path)
 def test_kangaroo_adapter_round_trips_and_checks_the_model(tiny_target, tiny_draft, tmp_path):
     adapter = KangarooAdapter.for_backend(tiny_target.backend, 2)
     torch.nn.init.normal_(adapter.down.weight)
+    adapter.vocab = torch.tensor([0, 3, 9])  # the tokens seen in training: the draft head's base set
     path = tmp_path / "a.pt"
     adapter.save(path, tiny_target.backend)
-    loaded = create_drafter("kangaroo", tiny_target, adapter=str(path)).adapter
+    drafter = create_drafter("kangaroo", tiny_target, adapter=str(path))
+    loaded = drafter.adapter
     h = torch.randn(3, tiny_target.backend.config.hidden_size)
     torch.testing.assert_close(loaded(h), adapter(h))
+    drafter.start([5, 3], SamplingParams())
+    assert drafter.state.head.ids.tolist() == [0, 3, 5, 9]
     with pytest.raises(SpecDecodeError, match="trained for"):
         create_drafter("kangaroo", tiny_draft, adapter=str(path))  # 1 layer, not 3
 

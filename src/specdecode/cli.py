@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from specdecode.bench.cli import add_bench_command
+from specdecode.config import GenerationConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.train.cli import add_train_command
@@ -44,8 +45,9 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
     )
     parser.add_argument(
-        "--num-draft-tokens", type=_draft_tokens, default=5, metavar="K",
-        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule)",
+        "--num-draft-tokens", type=_draft_tokens, default=GenerationConfig().num_draft_tokens, metavar="K",
+        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
+        "default %(default)s",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -39,7 +39,9 @@ class GenerationConfig:
     """One request: how many tokens, when to stop, how to sample, how far to draft."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int | str = 5  # K, "auto" (cost model) or "heuristic" (transformers' schedule)
+    # K, "auto" (cost model) or "heuristic" (transformers' schedule).  The one place the default lives
+    # (the CLI and the benchmark's default K read it): set it to "auto" to make the cost model the default.
+    num_draft_tokens: int | str = 5
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False

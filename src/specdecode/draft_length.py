@@ -7,13 +7,15 @@ costs 2-3x one token, so drafting deep only pays while the drafter is being acce
 * ``HeuristicLength`` — transformers' assisted-generation schedule: +2 after a fully accepted draft,
   -1 otherwise;
 * ``CostModelLength`` (``--num-draft-tokens auto``) — picks the depth that maximises expected tokens
-  per second, from online estimates of per-position acceptance, of the verification forward's cost as a
-  function of its width, and of the drafter's own cost per token.
+  per second, from the verification forward's cost as a function of its width (measured once per
+  model), online estimates of per-position acceptance and of the drafter's own cost; drafters that
+  report per-token confidences get a SpecDec++-style stop threshold derived from the same costs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
@@ -28,6 +30,8 @@ class StepObservation:
     accepted: int
     draft_s: float
     verify_s: float
+    overhead_s: float = 0.0  # the rest of the step: the drafter's observe, bookkeeping, the consumer
+    confidence: tuple[float, ...] | None = None  # a chain drafter's confidence per token, if it gives one
 
 
 class DraftLengthPolicy(ABC):
@@ -37,6 +41,14 @@ class DraftLengthPolicy(ABC):
 
     def observe(self, step: StepObservation) -> None:  # noqa: B027
         """Learn from the step just verified.  Default: nothing to learn."""
+
+    def should_stop(self, confidences: Sequence[float]) -> bool:
+        """A drafter that knows its confidence per token asks after each one whether to stop drafting."""
+        return False
+
+    def keep_length(self, confidences: Sequence[float]) -> int:
+        """How many leading tokens of a chain with these confidences are worth verifying."""
+        return len(confidences)
 
 
 @dataclass
@@ -77,52 +89,120 @@ class _RunningMean:
 
 
 @dataclass
-class CostModelLength(DraftLengthPolicy):
-    """Maximise E[tokens per step] / E[seconds per step] over the depth k.
+class _LinearFit:
+    """Decayed least squares of y = fixed + per_unit * x with both coefficients >= 0.
 
-    E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j with a_j the acceptance rate of position j given that
-    j-1 was accepted; seconds(k) = verify(k + 1 inputs) + k * draft cost per token.  Verification cost
-    is learned per input width and interpolated linearly between widths seen so far (a prior ratio of
-    ``prior_ratio_8_1`` between 8 and 1 inputs stands in for widths not yet measured).  When drafting
-    looks useless the policy still probes depth 1 every ``probe_every`` steps, so it notices when the
-    text turns repetitive again.
+    A drafter's cost per step is partly fixed (prompt lookup scans the context once whatever the depth)
+    and partly per token (a draft model runs once per token); this separates the two.  While x has
+    not varied yet, everything is attributed to the per-unit slope (the cautious reading)."""
+
+    decay: float = 0.98
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = self.n * d + 1.0, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.n == 0.0:
+            return 0.0, 0.0
+        det = self.n * self.sxx - self.sx * self.sx
+        if det <= 1e-9 * max(self.n * self.sxx, 1e-12):
+            return 0.0, self.sy / self.sx if self.sx > 0 else 0.0
+        slope = (self.n * self.sxy - self.sx * self.sy) / det
+        fixed = (self.sy - slope * self.sx) / self.n
+        if slope < 0.0:
+            return max(self.sy / self.n, 0.0), 0.0
+        if fixed < 0.0:
+            return 0.0, self.sxy / self.sxx
+        return fixed, slope
+
+    def __call__(self, x: float) -> float:
+        fixed, slope = self.coefficients()
+        return fixed + slope * x
+
+
+def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
+    """A relative cost curve t(w) / t(1) growing linearly to ``ratio_8_1`` at w = 8 (a stand-in before
+    anything is measured)."""
+    return tuple(1.0 + (w - 1) * (ratio_8_1 - 1.0) / 7.0 for w in range(1, widths + 1))
+
+
+_CALIBRATION_BINS = 10
+
+
+def _calibration_prior() -> list[_RunningMean]:
+    """Before any evidence a confidence c is taken at its word: acceptance c (bin centres)."""
+    return [_RunningMean((i + 0.5) / _CALIBRATION_BINS, weight=2.0) for i in range(_CALIBRATION_BINS)]
+
+
+@dataclass
+class CostModelLength(DraftLengthPolicy):
+    """Choose the depth k that maximises E[tokens per step] / E[seconds per step].
+
+    E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j, with a_j the online acceptance rate of position j
+    given that j-1 was accepted (a running mean per position, for this drafter).  seconds(k) =
+    overhead + draft(k) + scale * curve[k + 1]: ``curve`` is the verification cost relative to one
+    input, *measured once per loaded model* (see :func:`specdecode.bench.forward_cost.relative_cost_curve`);
+    only one number, ``scale`` (seconds of a one-input forward), is learned online, so a noisy step
+    under CPU contention cannot make one width look expensive.  Draft cost is a fixed part plus a part
+    per token, fitted online; ``overhead`` is the rest of a step (the drafter's ``observe``,
+    bookkeeping, the consumer), the same for every k.
+
+    Drafters that report a per-token confidence (``Draft.confidence``, e.g. the draft model's
+    probability of its own token) get a SpecDec++-style stop rule: confidences are calibrated online
+    into acceptance probabilities, their running product predicts the chance that the whole prefix is
+    accepted, and drafting stops once that chance no longer pays for the extra width — i.e. below
+    ``rate * (marginal verification + draft seconds)``, with ``rate`` the tokens per second achieved so far.
+    When drafting looks useless the policy still probes depth 1 every ``probe_every`` steps.
     """
 
     maximum: int = 12
     prior_acceptance: float = 0.6
-    prior_ratio_8_1: float = 2.5
+    curve: tuple[float, ...] = field(default_factory=lambda: linear_curve(1.3))
     probe_every: int = 8
     acceptance: list[_RunningMean] = field(default_factory=list)
-    verify_cost: dict[int, _RunningMean] = field(default_factory=dict)
-    draft_cost_per_token: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
+    scale: _RunningMean | None = None
+    draft_cost: _LinearFit = field(default_factory=_LinearFit)
+    overhead: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
+    calibration: list[_RunningMean] = field(default_factory=lambda: _calibration_prior())
+    uses_confidence: bool = False
+    achieved_tokens: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
+    achieved_seconds: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
 
+    def __post_init__(self) -> None:
+        if not self.curve or self.curve[0] <= 0:
+            raise ValueError("a cost curve needs a positive cost for one input")
+        self.curve = tuple(c / self.curve[0] for c in self.curve)
+
+    # -- the cost model --------------------------------------------------------------------------
     def _acceptance(self, position: int) -> float:
         if position < len(self.acceptance):
             return self.acceptance[position].value
         return self.acceptance[-1].value if self.acceptance else self.prior_acceptance
 
-    def _prior_shape(self, width: int) -> float:
-        """Cost of a forward over ``width`` inputs relative to one input, before any measurement."""
-        return 1.0 + (width - 1) * (self.prior_ratio_8_1 - 1.0) / 7.0
+    def relative_cost(self, width: int) -> float:
+        """Verification cost of ``width`` inputs relative to one; linear extrapolation past the curve."""
+        curve = self.curve
+        if width <= len(curve):
+            return curve[max(width, 1) - 1]
+        slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
+        return curve[-1] + slope * (width - len(curve))
 
-    def _verify_seconds(self, width: int) -> float:
-        cost = self.verify_cost
-        if width in cost:
-            return cost[width].value
-        if not cost:
-            return self._prior_shape(width)
-        seen = sorted(cost)
-        below = max((w for w in seen if w < width), default=None)
-        above = min((w for w in seen if w > width), default=None)
-        if below is not None and above is not None:
-            lo, hi = cost[below].value, cost[above].value
-            return lo + (hi - lo) * (width - below) / (above - below)
-        anchor = below if below is not None else above
-        if len(seen) >= 2:  # extrapolate the measured slope
-            slope = (cost[seen[-1]].value - cost[seen[0]].value) / (seen[-1] - seen[0])
-            return max(cost[anchor].value + slope * (width - anchor), 1e-9)
-        return cost[anchor].value * self._prior_shape(width) / self._prior_shape(anchor)
+    def verify_seconds(self, width: int) -> float:
+        """Expected seconds of a verification forward over ``width`` inputs (in units of one input
+        until a step has been timed)."""
+        return (self.scale.value if self.scale else 1.0) * self.relative_cost(width)
+
+    def step_seconds(self, k: int) -> float:
+        draft = self.draft_cost(k) if k > 0 else 0.0
+        return self.overhead.value + draft + self.verify_seconds(k + 1)
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second (in the cost model's units) when drafting k deep."""
@@ -130,11 +210,20 @@ class CostModelLength(DraftLengthPolicy):
         for position in range(k):
             survive *= self._acceptance(position)
             tokens += survive
-        seconds = self._verify_seconds(k + 1) + k * self.draft_cost_per_token.value
-        return tokens / seconds
+        return tokens / self.step_seconds(k)
 
+    def achieved_rate(self) -> float:
+        """Tokens per second over recent steps, or the model's best guess before any step."""
+        if self.achieved_seconds.value > 0:
+            return self.achieved_tokens.value / self.achieved_seconds.value
+        return max(self.expected_rate(k) for k in range(self.maximum + 1))
+
+    # -- decisions -------------------------------------------------------------------------------
     def next_length(self, limit: int) -> int:
-        best = max(range(min(self.maximum, limit) + 1), key=self.expected_rate)
+        cap = min(self.maximum, limit)
+        if self.uses_confidence:  # the stop rule decides how deep, step by step
+            return cap
+        best = max(range(cap + 1), key=self.expected_rate)
         if best == 0 and limit > 0:
             self.steps_without_drafting += 1
             if self.steps_without_drafting % self.probe_every == 0:
@@ -143,26 +232,70 @@ class CostModelLength(DraftLengthPolicy):
             self.steps_without_drafting = 0
         return best
 
+    def calibrated(self, confidence: float) -> float:
+        """Online acceptance rate of tokens the drafter gave this confidence."""
+        return self.calibration[self._bin(confidence)].value
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(max(int(confidence * _CALIBRATION_BINS), 0), _CALIBRATION_BINS - 1)
+
+    def _survival(self, confidences: Sequence[float]) -> list[float]:
+        survival, chance = [], 1.0
+        for confidence in confidences:
+            chance *= self.calibrated(confidence)
+            survival.append(chance)
+        return survival
+
+    def should_stop(self, confidences: Sequence[float]) -> bool:
+        n = len(confidences)
+        if n == 0:
+            return False
+        survival = self._survival(confidences)[-1]
+        extra = self.draft_cost(n + 1) - self.draft_cost(n) + self.verify_seconds(n + 2) - self.verify_seconds(n + 1)
+        return survival < self.achieved_rate() * extra
+
+    def keep_length(self, confidences: Sequence[float]) -> int:
+        rate = self.achieved_rate()
+        for depth, survival in enumerate(self._survival(confidences), start=1):
+            if survival < rate * (self.verify_seconds(depth + 1) - self.verify_seconds(depth)):
+                return depth - 1
+        return len(confidences)
+
+    # -- learning --------------------------------------------------------------------------------
     def observe(self, step: StepObservation) -> None:
         width = step.nodes + 1
-        self.verify_cost.setdefault(width, _RunningMean(step.verify_s, weight=0.0)).add(step.verify_s)
+        one_input = step.verify_s / self.relative_cost(width)
+        if self.scale is None:
+            self.scale = _RunningMean(one_input, weight=1.0, decay=0.9)
+        else:
+            self.scale.add(one_input)
+        self.overhead.add(step.overhead_s)
         if step.depth:
-            self.draft_cost_per_token.add(step.draft_s / step.depth)
+            self.draft_cost.add(step.depth, step.draft_s)
+        self.achieved_tokens.add(step.accepted + 1.0)
+        self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s)
         # Position j was tried iff the draft reached depth j and every earlier position was accepted.
         for position in range(min(step.depth, step.accepted + 1)):
             while len(self.acceptance) <= position:
                 self.acceptance.append(_RunningMean(self._acceptance(len(self.acceptance)), weight=2.0))
             self.acceptance[position].add(1.0 if position < step.accepted else 0.0)
+        if step.confidence is not None:
+            self.uses_confidence = True
+            for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
+                self.calibration[self._bin(confidence)].add(1.0 if position < step.accepted else 0.0)
 
 
-def make_policy(spec: int | str) -> DraftLengthPolicy:
-    """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers')."""
+def make_policy(spec: int | str, curve: Sequence[float] | None = None) -> DraftLengthPolicy:
+    """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
+
+    ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 0:
             raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
         return FixedLength(spec)
     if spec == "auto":
-        return CostModelLength()
+        return CostModelLength(curve=tuple(curve)) if curve else CostModelLength()
     if spec == "heuristic":
         return HeuristicLength()
     raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")

@@ -64,12 +64,14 @@ def speculative_decode(
     started = time.perf_counter()
 
     drafter.start(list(prompt_ids), sampling)
+    drafter.stop_rule = draft_length.should_stop
     cache = target.new_cache()
     if len(prompt_ids) > 1:
         target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
-    stats.prefill_s = time.perf_counter() - started
+    stats.prefill_s = stats.forward_s = time.perf_counter() - started
 
     context = list(prompt_ids)
+    step_end = time.perf_counter()
     while stats.new_tokens < config.max_new_tokens and len(context) < target.max_context:
         # A step adds at most depth + 1 tokens, and every draft node needs a cache slot.
         room = config.max_new_tokens - stats.new_tokens - 1
@@ -78,11 +80,17 @@ def speculative_decode(
 
         tick = time.perf_counter()
         draft = drafter.propose(context, max_depth) if max_depth > 0 else Draft(tokens=[])
+        chain = draft.is_chain
+        if draft.confidence is not None and chain:
+            max_depth = min(max_depth, draft_length.keep_length(draft.confidence))
         draft = draft.limited(max_nodes, max_depth)
         tock = time.perf_counter()
         stats.draft_s += tock - tick
 
-        logits = _verification_forward(target, cache, context, draft)
+        inputs = _verification_inputs(context, draft, chain)
+        forward_start = time.perf_counter()
+        logits = target.forward(*inputs, cache).logits if chain else _tree_forward(target, cache, *inputs)
+        stats.forward_s += time.perf_counter() - forward_start
         if sampling.greedy:
             verdict = verify_greedy(logits, draft)
         else:
@@ -91,9 +99,11 @@ def speculative_decode(
         cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
         verify_s = time.perf_counter() - tock
         stats.verify_s += verify_s
+        nodes = len(draft.tokens)
         step = StepObservation(
-            depth=max(draft.depths(), default=0), nodes=len(draft.tokens), accepted=verdict.num_accepted,
-            draft_s=tock - tick, verify_s=verify_s,
+            depth=nodes if chain else max(draft.depths(), default=0), nodes=nodes, accepted=verdict.num_accepted,
+            draft_s=tock - tick, verify_s=verify_s, overhead_s=tick - step_end,
+            confidence=tuple(draft.confidence) if chain and draft.confidence is not None else None,
         )
         stats.record_step(step)
         draft_length.observe(step)
@@ -106,9 +116,9 @@ def speculative_decode(
             new_tokens = new_tokens[: eos_at + 1]
         context.extend(new_tokens)
         stats.new_tokens += len(new_tokens)
-        tick = time.perf_counter()
+        step_end = time.perf_counter()
         drafter.observe(context, StepFeedback(draft=draft, path=verdict.path, target_logits=logits))
-        stats.draft_s += time.perf_counter() - tick
+        stats.draft_s += time.perf_counter() - step_end
         stats.wall_s = time.perf_counter() - started
         yield new_tokens
         if eos_at is not None:
@@ -117,17 +127,23 @@ def speculative_decode(
     stats.wall_s = time.perf_counter() - started
 
 
-def _verification_forward(target: CausalLM, cache, context: list[int], draft: Draft) -> torch.Tensor:
-    """One target forward over the last context token followed by the draft; [nodes + 1, vocab] logits.
+def _verification_inputs(context: list[int], draft: Draft, chain: bool) -> tuple[torch.Tensor, ...]:
+    """The inputs of one target forward over the last context token followed by the draft.
 
-    A chain needs nothing but the causal mask.  A tree gets depth-based positions and a mask that lets
-    each node see only the context, itself and its ancestors."""
+    A chain needs nothing but the tokens (the causal mask does the rest).  A tree also gets depth-based
+    positions and a mask that lets each node see only the context, itself and its ancestors."""
     tokens = torch.tensor([context[-1], *draft.tokens], dtype=torch.long)
-    if draft.is_chain:
-        return target.forward(tokens, cache).logits
+    if chain:
+        return (tokens,)
     base = len(context) - 1
     positions = torch.tensor([base, *(base + d for d in draft.depths())], dtype=torch.long)
-    return target.forward(tokens, cache, positions=positions, tree_mask=ancestor_mask(draft)).logits
+    return tokens, positions, ancestor_mask(draft)
+
+
+def _tree_forward(target: CausalLM, cache, tokens: torch.Tensor, positions: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """[nodes + 1, vocab] logits of a token tree."""
+    return target.forward(tokens, cache, positions=positions, tree_mask=mask).logits
 
 
 def ancestor_mask(draft: Draft) -> torch.Tensor:

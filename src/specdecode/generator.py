@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from specdecode.bench.forward_cost import relative_cost_curve
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
@@ -75,7 +76,12 @@ class SpeculativeGenerator:
     def _draft_length_policy(self, spec: int | str) -> DraftLengthPolicy:
         if isinstance(spec, int):
             return make_policy(spec)
-        return self._adaptive_policies.setdefault(spec, make_policy(spec))
+        if spec not in self._adaptive_policies:
+            # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
+            # on first use, a second or so, and cached per loaded model: reset_drafter keeps it).
+            curve = relative_cost_curve(self.target.backend) if spec == "auto" else None
+            self._adaptive_policies[spec] = make_policy(spec, curve)
+        return self._adaptive_policies[spec]
 
     # -- prompt handling -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:

@@ -18,6 +18,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
     wall_s: float = 0.0
 
     def record_step(self, step: StepObservation) -> None:
@@ -55,6 +56,16 @@ class GenerationStats:
     def other_s(self) -> float:
         return max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s)
 
+    @property
+    def overhead_s(self) -> float:
+        """The engine's own time: everything but target forwards and the drafter (verification logic,
+        cache compaction, the draft-length policy, streaming/detokenisation between steps)."""
+        return max(0.0, self.wall_s - self.forward_s - self.draft_s)
+
+    @property
+    def overhead_fraction(self) -> float:
+        return self.overhead_s / self.wall_s if self.wall_s > 0 else 0.0
+
     def to_json(self) -> dict:
         return {
             "new_tokens": self.new_tokens,
@@ -70,6 +81,9 @@ class GenerationStats:
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "other_s": round(self.other_s, 4),
+            "forward_s": round(self.forward_s, 4),
+            "overhead_s": round(self.overhead_s, 4),
+            "overhead_fraction": round(self.overhead_fraction, 4),
         }
 
     def summary(self) -> str:
@@ -77,5 +91,6 @@ class GenerationStats:
             f"{self.new_tokens} tokens in {self.wall_s:.2f} s ({self.tokens_per_s:.1f} tok/s), "
             f"{self.steps} steps, mean accepted tokens {self.mean_accepted_tokens:.2f}, "
             f"acceptance rate {self.acceptance_rate:.1%}; time: prefill {self.prefill_s:.2f} s, "
-            f"draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s, other {self.other_s:.2f} s"
+            f"draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s, other {self.other_s:.2f} s; "
+            f"target forwards {self.forward_s:.2f} s, engine overhead {self.overhead_fraction:.1%}"
         )

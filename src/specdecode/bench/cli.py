@@ -25,8 +25,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
                        help="quick: smollm2-135m, minutes; full: qwen2.5-coder-1.5b + 0.5b draft, hours")
     bench.add_argument("--model", help="target model: registry short name, local dir or .gguf")
     bench.add_argument("--methods", help="comma-separated drafter specs, e.g. none,pld:k=6,draft-model:M:k=4")
-    bench.add_argument("--tasks", help="comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit)")
-    bench.add_argument("--prompts-per-task", type=int, metavar="N")
+    bench.add_argument("--tasks", help="comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit,"
+                       "multi-edit); multi-edit is a session: related requests in a row, timed as a whole")
+    bench.add_argument("--prompts-per-task", type=int, metavar="N", help="prompts per task (sessions, for multi-edit)")
     bench.add_argument("--max-new-tokens", type=int, metavar="N")
     bench.add_argument("--repeats", type=int, metavar="N", help="timed runs per prompt (the median is reported)")
     bench.add_argument("--seed", type=int, help="seed of the prompt selection (default 0)")
@@ -37,6 +38,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--draft-lengths", metavar="K,K,...",
                        help="draft lengths to sweep for every drafting method on the sweep tasks ('none': no sweep)")
     bench.add_argument("--sweep-tasks", help="comma-separated tasks for the draft-length sweep")
+    bench.add_argument("--drafter-state", choices=("request", "task"),
+                       help="request (default): our drafters start cold on every prompt (a multi-edit session "
+                       "still keeps its state from request to request); task: reset once per task and keep "
+                       "what they learn across its prompts in order (warm drafters)")
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
@@ -73,6 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
         threads=args.threads,
         draft_lengths=args.draft_lengths,
         sweep_tasks=args.sweep_tasks,
+        drafter_state=args.drafter_state,
     )
     started = time.perf_counter()
     run_benchmark(settings, progress=args.progress)

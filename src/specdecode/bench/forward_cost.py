@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -78,6 +79,44 @@ def measure_forward_cost(
                 samples[n].append(elapsed * 1e3)
     t_ms = {str(n): statistics.median(times) for n, times in samples.items()}
     return ForwardCost(model=backend.name, t_ms=t_ms, ratio_8_1=t_ms["8"] / t_ms["1"])
+
+
+_CURVES: WeakKeyDictionary[CausalLM, tuple[float, ...]] = WeakKeyDictionary()
+
+
+def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -> tuple[float, ...] | None:
+    """``t(w) / t(1)`` for w = 1..widths, measured once per loaded backend and then cached.
+
+    The draft-length cost model needs the *shape* of the verification cost (its scale it learns online),
+    and a quick measurement (``(repeats + 1) * widths`` forwards, interleaved over widths) beats a guess.
+    It takes the fastest of the repeats, not the median (other processes only ever add time), and then
+    fits a straight line ``t(w) = a + b (w - 1)`` through all widths: on a shared CPU single points can be
+    off by several times, and one bad point would otherwise make one width look prohibitive.
+    None if the model's context is too short to measure on."""
+    if backend in _CURVES:
+        return _CURVES[backend]
+    context_tokens = min(128, backend.max_context - widths)
+    if context_tokens < 1:
+        return None
+    cache, new = _prefilled(backend, context_tokens, widths)
+    fastest = [float("inf")] * widths
+    for round_index in range(repeats + 1):  # round 0 warms up
+        for w in range(1, widths + 1):
+            start = time.perf_counter()
+            backend.forward(new[:w], cache)
+            elapsed = time.perf_counter() - start
+            cache.crop(context_tokens)
+            if round_index:
+                fastest[w - 1] = min(fastest[w - 1], elapsed)
+    xs = range(widths)
+    mean_x, mean_t = statistics.fmean(xs), statistics.fmean(fastest)
+    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, fastest)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = max(slope, 0.0)
+    intercept = mean_t - slope * mean_x
+    if intercept <= 0:  # a degenerate fit (pathological timings): fall back to the flat curve's mean
+        intercept, slope = mean_t, 0.0
+    _CURVES[backend] = tuple(1.0 + slope * x / intercept for x in xs)
+    return _CURVES[backend]
 
 
 def format_curve(cost: ForwardCost) -> str:

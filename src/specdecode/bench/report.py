@@ -195,7 +195,15 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
         f"{s['max_new_tokens']} new tokens per prompt (greedy, EOS ignored), median of {s['repeats']} "
         f"interleaved repeat(s) after a warm-up, chat template {'on' if results.get('chat_template') else 'off'}; "
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
+        _DRAFTER_STATE[s.get("drafter_state", "request")],
     ]
+
+
+_DRAFTER_STATE = {
+    "request": "- Drafter state: reset before every prompt (cold), except within a session task (`multi-edit`), "
+               "whose requests run in order on one drafter, reset before each repeat of the session.",
+    "task": "- Drafter state: reset once per task and repeat; kept across the task's prompts in order (warm).",
+}
 
 
 def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
@@ -285,6 +293,7 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
         verdict = "met" if c.speedup is not None and c.speedup >= 2 else "**not met**"
         lines.append(f"- `{c.method}` on grounded task {c.task}: {_fmt(c.speedup, '.2f', 'x')} over plain "
                      f"decoding (goal >= 2x: {verdict}).")
+    lines += _model_free_goal_lines(cells)
     slower = [c for c in cells if c.kind == "peer" and c.ours_over_theirs is not None and c.ours_over_theirs < 1]
     compared = [c for c in cells if c.kind == "peer" and c.ours_over_theirs is not None]
     if compared and not slower:
@@ -300,6 +309,32 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
         if not c.repeats_identical:
             lines.append(f"- **Repeats disagree**: `{c.method}` on {c.task} generated different tokens across repeats.")
     return lines or ["- Nothing to compare (no plain baseline or peers in this run)."]
+
+
+def _model_free_goal_lines(cells: Sequence[CellResult]) -> list[str]:
+    """Issue 4's goals: ``suffix`` >= 1.3x the tokens/s of ``pld`` on grounded tasks; ``recycling`` above
+    ``pld`` in mean accepted tokens on mt-bench.  Every ``suffix`` / ``recycling`` method is compared with
+    the first listed ``pld`` method."""
+    ours = [c for c in cells if c.kind == "ours"]
+    pld: dict[str, CellResult] = {}
+    for c in ours:
+        if c.method.split(":")[0] == "pld":
+            pld.setdefault(c.task, c)
+    lines = []
+    for c in ours:
+        drafter = c.method.split(":")[0]
+        if drafter == "suffix" and c.task in GROUNDED_TASKS and c.task in pld:
+            over = ratio(c.tokens_per_s, pld[c.task].tokens_per_s)
+            verdict = "met" if over is not None and over >= 1.3 else "**not met**"
+            lines.append(f"- `{c.method}` on {c.task}: {_fmt(over, '.2f', 'x')} the tokens/s of "
+                         f"`{pld[c.task].method}` (goal >= 1.3x: {verdict}).")
+        if drafter == "recycling" and c.task == "mt-bench" and c.task in pld:
+            reference = pld[c.task]
+            above = (c.mean_accepted_tokens or 0) > (reference.mean_accepted_tokens or 0)
+            lines.append(f"- `{c.method}` on mt-bench: {_fmt(c.mean_accepted_tokens)} mean accepted tokens vs "
+                         f"{_fmt(reference.mean_accepted_tokens)} for `{reference.method}` "
+                         f"(goal: above: {'met' if above else '**not met**'}).")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
 """Run the benchmark: our drafting methods and transformers' ``generate()`` on the same prompts, in one run.
 
-The unit of work is one prompt: every contestant (each of our methods, each transformers peer) decodes it
-``repeats`` times, interleaved and in a rotating order, so a burst of load from other processes slows all
-of them alike instead of one cell.  Raw measurements are saved after every prompt; a rerun skips what is
-already measured (resume), and the aggregation into cells (``report.py``) only ever reads the raw data.
+The unit of work is a *group* of prompts that run in order on one drafter: one prompt (the default), one
+session of a session task (``multi-edit``), or with ``drafter_state="task"`` all of a task's prompts.
+Every contestant (each of our methods, each transformers peer) decodes the group ``repeats`` times,
+interleaved and in a rotating order, so a burst of load from other processes slows all of them alike
+instead of one cell.  Our drafter is reset at the start of every repeat of a group and keeps what it
+learns within the group — so drafters that learn across requests are measured cold on single prompts
+and warm within a session.  Raw measurements are saved per prompt after every group; a rerun skips what
+is already measured (resume), and the aggregation into cells (``report.py``) only ever reads the raw data.
 
 Timing is end to end around one call that takes token ids and returns token ids (ours: ``generate()``,
 which also detokenises as it streams; theirs: ``model.generate()``).  Every call is greedy with
@@ -36,10 +40,15 @@ from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.stats import GenerationStats
 
-SCHEMA_VERSION = 1
+# 2: ``drafter_state`` joined the fingerprint (a version-1 file is read as drafter_state "request").
+SCHEMA_VERSION = 2
 RESULTS_FILE = "results.json"
 DEFAULT_K = GenerationConfig().num_draft_tokens
 WARMUP_TOKENS = 8
+#: How long our drafters keep what they learn: "request" — reset before every prompt (a session task's
+#: session still runs on one drafter); "task" — reset once per task, kept across its prompts in order
+#: (the setting of the Token Recycling paper).
+DRAFTER_STATES = ("request", "task")
 
 # --------------------------------------------------------------------------------------------------------
 # Methods: ``NAME`` or ``NAME:OPTION=VALUE[:OPTION=VALUE...]``
@@ -162,7 +171,8 @@ class Suite:
 
 SUITES: dict[str, Suite] = {
     # Sized for under 10 minutes on an idle 2-core CPU: smollm2 decodes ~12 tokens/s plainly, so each of the
-    # ~60 timed runs takes 4-9 s.  --prompts-per-task 3 covers each task better at about 3x the time.
+    # ~85 timed runs (multi-edit's session adds 3 requests x 4 contestants x 2 repeats) takes 4-9 s.
+    # --prompts-per-task 3 covers each task better at about 3x the time.
     "quick": Suite(
         model="smollm2-135m",
         methods="none,pld",
@@ -202,6 +212,7 @@ class BenchSettings:
     draft_lengths: tuple[int, ...]
     sweep_tasks: tuple[str, ...]
     out: Path
+    drafter_state: str = "request"
 
     def __post_init__(self) -> None:
         for label, value in (("prompts per task", self.prompts_per_task), ("max-new-tokens", self.max_new_tokens),
@@ -213,6 +224,10 @@ class BenchSettings:
                 raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
         if not self.tasks:
             raise SpecDecodeError("no benchmark tasks selected")
+        if self.drafter_state not in DRAFTER_STATES:
+            raise SpecDecodeError(
+                f"drafter state must be one of {', '.join(DRAFTER_STATES)}, got {self.drafter_state!r}"
+            )
         if missing := sorted(set(self.sweep_tasks) - set(self.tasks)):
             raise SpecDecodeError(f"sweep task(s) {', '.join(missing)} are not among the selected tasks")
 
@@ -220,7 +235,7 @@ class BenchSettings:
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a run and its resumption (methods, tasks and prompts may grow)."""
         return {"model": self.model, "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
-                "threads": self.threads}
+                "threads": self.threads, "drafter_state": self.drafter_state}
 
 
 def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
@@ -261,6 +276,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         draft_lengths=tuple(lengths),
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
         out=Path(given.get("out", Path("bench-out") / suite)),
+        drafter_state=given.get("drafter_state", "request"),
     )
 
 
@@ -329,6 +345,7 @@ class Measurement:
 class Contestant:
     name: str
     run: Callable[[list[int], int], Measurement]  # (prompt ids, max new tokens) → measurement
+    reset: Callable[[], None] = lambda: None  # forget what was learned from earlier runs (ours: the drafter)
 
 
 def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel]) -> Contestant:
@@ -338,15 +355,13 @@ def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel
     generator = SpeculativeGenerator.build(target, method.drafter, **options)
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> Measurement:
-        # Every measured run starts from a fresh drafter: otherwise a drafter that learns across requests
-        # (suffix, cacheback, recycling, stand, ...) would copy the previous repeat of the same prompt.
-        generator.reset_drafter()
         start = time.perf_counter()
         result = generator.generate(prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=method.k,
                                     ignore_eos=True)
         return Measurement(result.token_ids, time.perf_counter() - start, result.stats)
 
-    return Contestant(method.spec, run)
+    # Resetting is not timed: it stands for a fresh server, not for work a request pays for.
+    return Contestant(method.spec, run, generator.reset_drafter)
 
 
 def _peer(target: LoadedModel, spec: PeerSpec, drafts: dict[str, LoadedModel]) -> Contestant:
@@ -390,33 +405,40 @@ def build_contestants(
 # Measuring
 
 
-def run_prompt(
+def run_group(
     contestants: Sequence[Contestant],
-    prompt_ids: list[int],
+    group: Sequence[list[int]],
     max_new_tokens: int,
     repeats: int,
     rotation: int = 0,
     on_run: Callable[[str], None] = lambda name: None,
-) -> dict[str, dict[str, Any]]:
-    """Every contestant decodes the prompt ``repeats`` times, interleaved; → raw record per contestant.
+) -> dict[str, list[dict[str, Any]]]:
+    """Every contestant decodes the prompts of ``group`` in order, ``repeats`` times, interleaved; → raw
+    records per contestant, one per prompt.
 
-    The order rotates with every repeat (starting at ``rotation``), so no contestant always runs first or
-    right after the same neighbour.  Acceptance counts are summed over repeats (a drafter may learn).
+    A contestant is reset at the start of each repeat and keeps its state through the group, so a repeat
+    never profits from the previous repeat while a session profits from its own earlier requests.  The
+    order rotates with every repeat (starting at ``rotation``), so no contestant always runs first or right
+    after the same neighbour.  Acceptance counts are summed over repeats.
     """
-    records: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[dict[str, Any]]] = {}
     for repeat in range(repeats):
         shift = (rotation + repeat) % len(contestants)
         for contestant in [*contestants[shift:], *contestants[:shift]]:
-            measured = contestant.run(prompt_ids, max_new_tokens)
-            record = records.setdefault(
-                contestant.name, {"token_ids": measured.token_ids, "wall_s": [], "repeats_identical": True}
-            )
-            record["wall_s"].append(round(measured.wall_s, 5))
-            record["new_tokens"] = len(measured.token_ids)
-            record["repeats_identical"] &= measured.token_ids == record["token_ids"]
-            if measured.stats is not None:
-                add_acceptance(record, measured.stats)
-            on_run(contestant.name)
+            contestant.reset()
+            for index, prompt_ids in enumerate(group):
+                measured = contestant.run(prompt_ids, max_new_tokens)
+                if repeat == 0:
+                    records.setdefault(contestant.name, []).append(
+                        {"token_ids": measured.token_ids, "wall_s": [], "repeats_identical": True}
+                    )
+                record = records[contestant.name][index]
+                record["wall_s"].append(round(measured.wall_s, 5))
+                record["new_tokens"] = len(measured.token_ids)
+                record["repeats_identical"] &= measured.token_ids == record["token_ids"]
+                if measured.stats is not None:
+                    add_acceptance(record, measured.stats)
+                on_run(contestant.name)
     return records
 
 
@@ -460,8 +482,8 @@ def environment(threads: int) -> dict[str, Any]:
 @dataclass
 class _Item:
     task: Task
-    prompt: Prompt
-    pending: list[str]  # contestants still to measure on this prompt
+    prompts: list[Prompt]  # a group: run in order on one drafter
+    pending: list[str]  # contestants still to measure on some prompt of the group
 
 
 def contestant_names(settings: BenchSettings, task: str) -> list[str]:
@@ -471,14 +493,21 @@ def contestant_names(settings: BenchSettings, task: str) -> list[str]:
     return [*main, *sweep, *(spec.name for spec in peer_specs(settings))]
 
 
+def groups(settings: BenchSettings, task: Task) -> list[list[Prompt]]:
+    """The task's prompts in the groups that share one drafter (see :data:`DRAFTER_STATES`)."""
+    return [list(task.prompts)] if settings.drafter_state == "task" else task.sessions()
+
+
 def _plan(settings: BenchSettings, tasks: Sequence[Task], runs: dict[str, dict[str, dict]]) -> list[_Item]:
+    """What is still to measure; a group missing any prompt for a contestant is measured again whole."""
     items = []
     for task in tasks:
         names = contestant_names(settings, task.name)
-        for prompt in task.prompts:
-            pending = [name for name in names if prompt.id not in runs.get(name, {}).get(task.name, {})]
+        for group in groups(settings, task):
+            pending = [name for name in names
+                       if any(p.id not in runs.get(name, {}).get(task.name, {}) for p in group)]
             if pending:
-                items.append(_Item(task, prompt, pending))
+                items.append(_Item(task, group, pending))
     return items
 
 
@@ -501,6 +530,9 @@ def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
         previous = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
+    if previous.get("schema_version") == 1:  # before drafter_state existed every run reset per request
+        previous["fingerprint"] = {**previous.get("fingerprint", {}), "drafter_state": "request"}
+        previous["schema_version"] = SCHEMA_VERSION
     if previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != settings.fingerprint:
         raise SpecDecodeError(
             f"{path} holds results of another configuration ({previous.get('fingerprint')}; now "
@@ -586,22 +618,24 @@ def _measure(
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
     for task in tasks:
         results["prompts"][task.name] = [
-            {"id": p.id, "prompt_tokens": len(encoded[task.name, p.id]), "grounded": p.grounded} for p in task.prompts
+            {"id": p.id, "prompt_tokens": len(encoded[task.name, p.id]), "grounded": p.grounded,
+             **({"session": p.session} if p.session else {})} for p in task.prompts
         ]
     started = time.perf_counter()
-    first = encoded[plan[0].task.name, plan[0].prompt.id]
+    first = encoded[plan[0].task.name, plan[0].prompts[0].id]
     for contestant in contestants.values():  # warm-up: first-call allocations and kernel choice are not decoding
         contestant.run(first, WARMUP_TOKENS)
-    total = sum(len(item.pending) for item in plan) * settings.repeats
+    total = sum(len(item.pending) * len(item.prompts) for item in plan) * settings.repeats
     with tqdm(total=total, unit="run", desc=f"bench {settings.suite}", disable=not progress, dynamic_ncols=True) as bar:
         for index, item in enumerate(plan):
-            bar.set_postfix_str(item.prompt.id, refresh=False)
-            records = run_prompt(
-                [contestants[name] for name in item.pending], encoded[item.task.name, item.prompt.id],
+            bar.set_postfix_str(item.prompts[0].session or item.prompts[0].id, refresh=False)
+            records = run_group(
+                [contestants[name] for name in item.pending], [encoded[item.task.name, p.id] for p in item.prompts],
                 settings.max_new_tokens, settings.repeats, rotation=index, on_run=lambda _: bar.update(),
             )
-            for name, record in records.items():
-                results["runs"].setdefault(name, {}).setdefault(item.task.name, {})[item.prompt.id] = record
+            for name, per_prompt in records.items():
+                by_prompt = results["runs"].setdefault(name, {}).setdefault(item.task.name, {})
+                by_prompt.update({p.id: record for p, record in zip(item.prompts, per_prompt)})
             now = time.perf_counter()
             results["measure_s"] = round(results["measure_s"] + now - started, 2)
             started = now

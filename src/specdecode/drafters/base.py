@@ -10,6 +10,7 @@ lookup) is treated as a point-mass proposal.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -33,11 +34,15 @@ class Draft:
         siblings* (sampling with replacement: the parent's draft distribution; without replacement:
         that distribution with earlier siblings removed).  None means every token is a deterministic
         proposal (a point mass).  Lossless sampling needs these to be the true drawing distributions.
+    confidence: optional, one number in [0, 1] per node: how likely the drafter thinks the node is right
+        given its parent (a draft model's probability of its token, ...).  Only the draft-length policy
+        reads it (to stop drafting or trim a chain); verification never does, so it cannot affect output.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
+    confidence: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
@@ -47,6 +52,8 @@ class Draft:
                 raise ValueError("a draft tree needs one parent per token")
             if any(not -1 <= parent < i for i, parent in enumerate(self.parents)):
                 raise ValueError("draft tree parents must come before their children")
+        if self.confidence is not None and len(self.confidence) != len(self.tokens):
+            raise ValueError("a draft's confidence needs one value per token")
 
     @property
     def parent_list(self) -> list[int]:
@@ -70,13 +77,16 @@ class Draft:
         kept = [i for i in range(len(self.tokens)) if depths[i] <= max_depth][: max(0, max_nodes)]
         if len(kept) == len(self.tokens):
             return self
+        confidence = [self.confidence[i] for i in kept] if self.confidence is not None else None
         if self.parents is None:  # a chain: depth order is list order
-            return Draft(self.tokens[: len(kept)], self.probs[: len(kept)] if self.probs is not None else None)
+            probs = self.probs[: len(kept)] if self.probs is not None else None
+            return Draft(self.tokens[: len(kept)], probs, confidence=confidence)
         new_index = {old: new for new, old in enumerate(kept)}
         return Draft(
             tokens=[self.tokens[i] for i in kept],
             probs=self.probs[kept] if self.probs is not None else None,
             parents=[new_index.get(self.parents[i], -1) if self.parents[i] >= 0 else -1 for i in kept],
+            confidence=confidence,
         )
 
 
@@ -115,6 +125,10 @@ class Drafter(ABC):
     provides_probs: ClassVar[bool] = False
     #: True if the drafter cannot be built before something is trained for the target (e.g. an adapter).
     needs_training: ClassVar[bool] = False
+    #: Set by the engine for each request: called with the confidences of the tokens drafted so far, it
+    #: says whether to stop drafting (a cost-derived threshold).  Drafters that compute a confidence per
+    #: token while drafting a chain may consult it; the others ignore it.
+    stop_rule: Callable[[Sequence[float]], bool] | None = None
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target

@@ -46,11 +46,15 @@ class DraftModelDrafter(Drafter):
         # A different stream from the verifier's, but reproducible from the same seed.
         self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 1)
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
+        """The next draft token, the distribution it was sampled from (None if greedy) and the draft
+        model's probability of it (its confidence, for the draft-length policy's stop rule)."""
         if self.sampling.greedy:
-            return int(logits.argmax()), None
+            top = logits.float().softmax(-1).max(-1)
+            return int(top.indices), None, float(top.values)
         probs = sampling_probs(logits, self.sampling)
-        return sample(probs, self.generator), probs
+        token = sample(probs, self.generator)
+        return token, probs, float(probs[token])
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.draft.backend
@@ -63,13 +67,17 @@ class DraftModelDrafter(Drafter):
         pending = torch.tensor(context[keep:], dtype=torch.long)
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
+        confidence: list[float] = []
         for _ in range(max_tokens):
             logits = backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
-            token, probs = self._choose(logits)
+            token, probs, p = self._choose(logits)
             tokens.append(token)
+            confidence.append(p)
             if probs is not None:
                 prob_rows.append(probs)
+            if self.stop_rule is not None and self.stop_rule(confidence):  # SpecDec++-style early stop
+                break
             pending = torch.tensor([token], dtype=torch.long)
         # The last drafted token was never fed to the draft model, so the cache ends one before it.
         self.cached_tokens.extend(tokens[:-1])
-        return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None)
+        return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None, confidence=confidence)

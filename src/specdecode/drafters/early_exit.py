@@ -9,7 +9,12 @@ draft length k maximising expected tokens per unit cost,
 :class:`~specdecode.drafters._self_draft.CostModel`) and ``v`` the extra cost of verifying a token.
 An optimism bonus that shrinks with an exit's evidence keeps unexplored exits in play; k = 0 (plain
 decoding) is chosen when no exit pays.  Drafting also stops at the first token whose probability is
-below ``threshold``.  Statistics persist across requests (``reset`` forgets them).
+below ``threshold``.  Statistics persist across requests (``reset`` forgets them).  Draft logits come
+from the target's head restricted to ``draft_vocab`` frequent ids + the prompt's tokens (0: full head).
+
+On SmolLM2-135M a plain exit is nearly useless below ~2/3 of the depth (top-1 agreement with the full
+model 4-9% up to layer 18 of 30, 58% at layer 29), so the planner mostly chooses not to draft there;
+a request that never drafts costs no drafter prefill (the first draft feeds the prompt).
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from dataclasses import dataclass
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import CostModel, SelfDraftCache, expected_tokens, require_layer_backend, tail
+from specdecode.drafters._self_draft import (
+    DEFAULT_DRAFT_VOCAB,
+    CostModel,
+    DraftHead,
+    SelfDraftCache,
+    expected_tokens,
+    require_layer_backend,
+    tail,
+)
 from specdecode.drafters.base import Draft, Drafter, StepFeedback
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
@@ -72,6 +85,7 @@ class EarlyExitDrafter(Drafter):
         explore: float = 0.3,
         discount: float = 0.98,
         prior_weight: float = 2.0,
+        draft_vocab: int = DEFAULT_DRAFT_VOCAB,
     ) -> None:
         super().__init__(target)
         backend = require_layer_backend(target.backend, "early-exit")
@@ -84,7 +98,7 @@ class EarlyExitDrafter(Drafter):
         self.discount = discount
         self.prior_weight = prior_weight
         self.costs = CostModel.of(backend, verify_token_cost)
-        self.state = SelfDraftCache(backend)
+        self.state = SelfDraftCache(backend, DraftHead(backend, draft_vocab))
         self.stats: dict[int, ExitStats] = {}
         self.steps = 0
         self.used: int | None = None
@@ -96,8 +110,9 @@ class EarlyExitDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.state.start(sampling)
-        # Prefill once at the deepest exit: every shallower exit can reuse those entries.
-        self.state.warm(prompt_ids, self.skips[self.exits[-1]])
+        self.state.head.start(prompt_ids)
+        # No prefill here: the first draft feeds the whole prompt, so a request that never drafts (no exit
+        # pays) costs nothing beyond plain decoding.
 
     def plan(self, max_tokens: int) -> tuple[int, int]:
         """(exit layer, draft length) with the best optimistic expected tokens per cost; length 0 = no draft."""

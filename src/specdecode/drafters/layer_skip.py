@@ -8,7 +8,9 @@ tokens per unit cost (:class:`~specdecode.drafters._self_draft.CostModel`) over 
 a window and replaces it if it scores higher.  ``search_trials`` mutations are tried in all, and the best
 set (and its score) persists across requests, so later requests only exploit it.  Each set keeps its
 own cache (entries written under one skip set are not exact under another), so a trial rebuilds only the
-candidate's.  Drafting stops at the first token whose probability is below ``threshold``.
+candidate's.  Drafting stops at the first token whose probability is below ``threshold``.  Draft logits
+come from the target's head restricted to ``draft_vocab`` frequent ids + the prompt's tokens (0: full
+head).  Layer 0 always runs (the cache length and mask are read from its slot).
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from dataclasses import dataclass
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import CostModel, SelfDraftCache, require_layer_backend
+from specdecode.drafters._self_draft import (
+    DEFAULT_DRAFT_VOCAB,
+    CostModel,
+    DraftHead,
+    SelfDraftCache,
+    require_layer_backend,
+)
 from specdecode.drafters.base import Draft, Drafter, StepFeedback
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
@@ -39,8 +47,8 @@ class Window:
 
 def initial_skip_set(num_layers: int, ratio: float) -> frozenset[int]:
     """``ratio`` of the layers, evenly spread over the upper three quarters minus the last layer (the
-    first layers and the last one matter most to the output distribution)."""
-    lo, hi = num_layers // 4, num_layers - 1
+    first layers and the last one matter most to the output distribution; layer 0 always runs)."""
+    lo, hi = max(1, num_layers // 4), num_layers - 1
     count = min(max(1, round(ratio * num_layers)), hi - lo) if num_layers > 1 else 0
     if count <= 0:
         return frozenset()
@@ -63,6 +71,7 @@ class LayerSkipDrafter(Drafter):
         trial_steps: int = 6,
         verify_token_cost: float = 0.15,
         seed: int = 0,
+        draft_vocab: int = DEFAULT_DRAFT_VOCAB,
     ) -> None:
         super().__init__(target)
         backend = require_layer_backend(target.backend, "layer-skip")
@@ -77,6 +86,7 @@ class LayerSkipDrafter(Drafter):
         self.trial_steps = max(1, trial_steps)
         self.seed = seed
         self.costs = CostModel.of(backend, verify_token_cost)
+        self.head = DraftHead(backend, draft_vocab)
         self.sampling = SamplingParams()
         self.states: dict[frozenset[int], SelfDraftCache] = {}
         self.reset()
@@ -96,13 +106,14 @@ class LayerSkipDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.sampling = sampling
+        self.head.start(prompt_ids)
         for state in self.states.values():
             state.start(sampling)
 
     def _state(self, skipped: frozenset[int]) -> SelfDraftCache:
         if skipped not in self.states:
             self.states = {s: state for s, state in self.states.items() if s in (self.best, self.candidate)}
-            self.states[skipped] = SelfDraftCache(self.backend)
+            self.states[skipped] = SelfDraftCache(self.backend, self.head)
             self.states[skipped].start(self.sampling)
         return self.states[skipped]
 

@@ -7,6 +7,12 @@ overwritten each step, from every verified row, not only the accepted ones).  A 
 off the matrix breadth first along a static tree template.  The matrix lives in the drafter, so it
 keeps improving across requests; ``reset()`` forgets it.
 
+The matrix only knows what the model tends to say after one token, so it cannot copy: on a cold
+request it is empty, and on text that repeats the prompt its top-k rarely holds the exact next token.
+Each node's candidates therefore also include what followed the same two tokens (then the same token)
+most recently in this request's prompt and output — the prompt-lookup guess, one token at a time, so it
+can continue a copy down the tree — ahead of the matrix's top-1 when the two tokens match.
+
 Memory: an int32 slot per vocabulary entry plus one int32 row of width ``k`` (the widest level of the
 template) per token seen so far — at most ``4 * vocab * (k + 1)`` bytes (5 MiB for Gemma-3's 262,144
 tokens at the default k = 4; 1.1 MiB for the paper's 32,000-token vocabulary at k = 8), and far less
@@ -22,6 +28,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
+from specdecode.drafters._ngram_tree import Transcript
 from specdecode.drafters.base import Draft, Drafter, StepFeedback
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
@@ -130,6 +137,7 @@ class TokenRecyclingDrafter(Drafter):
         self._rows = np.empty((0, self.k), dtype=np.int32)  # [capacity, k] top-k successors
         self._used = 0
         self._last = -1  # the context's last token when the current step began
+        self._begin([])
 
     @property
     def state_bytes(self) -> int:
@@ -145,12 +153,43 @@ class TokenRecyclingDrafter(Drafter):
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self._last = prompt_ids[-1]
+        self._begin(prompt_ids)
+
+    def _begin(self, tokens: Sequence[int]) -> None:
+        self._transcript = Transcript()
+        self._after_one: dict[int, int] = {}  # token → the token that followed it most recently
+        self._after_two: dict[int, int] = {}  # (a << 32 | b) → the token that followed a, b most recently
+        self._index(tokens)
+
+    def _index(self, context: Sequence[int]) -> None:
+        """Record the successors of the tokens appended since the last call (all of them if the context is
+        not a continuation of what was indexed)."""
+        start = len(self._transcript.tokens)
+        if self._transcript.advance(context) is None:
+            self._begin(context)
+            return
+        seen = self._transcript.tokens
+        for i in range(max(1, start), len(seen)):
+            self._after_one[seen[i - 1]] = seen[i]
+            if i >= 2:
+                self._after_two[seen[i - 2] << 32 | seen[i - 1]] = seen[i]
+
+    def candidates(self, before: int, last: int) -> list[int]:
+        """Distinct next tokens after ``before, last``, best first: the context's successor of the pair,
+        the matrix's top-1, the context's successor of ``last``, the rest of the matrix's top-k."""
+        recycled = self.successors(last).tolist()
+        ordered = [self._after_two.get(before << 32 | last), *recycled[:1], self._after_one.get(last), *recycled[1:]]
+        return list(dict.fromkeys(t for t in ordered if t is not None))[: self.k]
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        last = context[-1]
-        tokens, parents, _ = grow_tree(
-            self.shape, max_tokens, self.max_nodes, lambda path: self.successors(path[-1] if path else last)
-        )
+        self._index(context)
+        tail = tuple(context[-2:]) if len(context) >= 2 else (-1, *context)
+
+        def candidates(path: tuple[int, ...]) -> list[int]:
+            before, last = (*tail, *path)[-2:]
+            return self.candidates(before, last)
+
+        tokens, parents, _ = grow_tree(self.shape, max_tokens, self.max_nodes, candidates)
         return Draft(tokens=tokens, parents=parents)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:

@@ -3,26 +3,27 @@
 This is the path every model takes unless a faster architecture-specific backend claims it.
 
 Self-speculation (``skip_layers`` / ``exit_layer``) runs the model's own forward — embedding scaling,
-rotary tables, sliding-window masks, final norm, LM head and logit softcapping stay the model's — with
-the chosen decoder layers (``model.model.layers``, as in Llama/SmolLM2, Qwen2, Gemma3, Mistral, Phi3)
-turned into pass-throughs for that one call.  Exiting at layer L is skipping layers L..N-1.
+rotary tables, sliding-window masks, final norm, LM head and logit softcapping stay the model's — over
+only the decoder layers that execute (``model.model.layers``, as in Llama/SmolLM2, Qwen2, Gemma3,
+Mistral, Phi3, is swapped for the list of executed layers for that one call).  Exiting at layer L is
+running layers 0..L-1 only; a skipped layer costs nothing, not even a Python call.
 
-How the KV cache stays exact: a ``DynamicCache`` builds the attention mask from one sequence length,
-so every layer must hold the same number of positions.  A skipped layer therefore appends zero
-*placeholder* keys/values for its new positions.  They are never read by the call that wrote them (the
-layer does not run), and a layer that runs later would read them, so whoever mixes layer subsets on one
-cache must crop them first: the self-speculative drafters keep their own cache and recompute any
-position whose entries were written under an incompatible layer subset
-(:mod:`specdecode.drafters._self_draft`), while the target's verification cache never sees a skipped
-layer.  Non-skipped layers write their true keys/values for the hidden states they received; for an
-early exit these equal the full model's exactly, since layers below L depend only on layers below L.
+How the KV cache stays exact: every layer keeps its own slot in the ``DynamicCache`` (attention modules
+keep their ``layer_idx``), and a skipped layer simply writes nothing, so its slot is *shorter* than
+those of the layers that ran.  The attention mask is built from layer 0's length (layer 0 always runs:
+an exit is at least 1 and the layer-skip search never skips it), so a layer may only run when its slot
+holds every earlier position: whoever mixes layer subsets on one cache must crop first.  The
+self-speculative drafters keep their own cache and recompute any position whose entries were written
+under an incompatible layer subset (:mod:`specdecode.drafters._self_draft`), while the target's
+verification cache never sees a skipped layer.  Executed layers write their true keys/values for the
+hidden states they received; for an early exit these equal the full model's exactly, since layers
+below L depend only on layers below L.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 from torch import nn
@@ -78,7 +79,6 @@ class HFCausalLM(CausalLM):
         self.eos_token_ids = _eos_ids(model)
         self.dtype = next(model.parameters()).dtype
         self.config = config
-        self._layers_return_tuple: bool | None = None  # probed on first use of skip_layers / exit_layer
 
     def new_cache(self) -> HFCache:
         return HFCache()
@@ -112,8 +112,10 @@ class HFCausalLM(CausalLM):
         else:
             keep = logits_rows
         skipped = self._skipped_layers(skip_layers, exit_layer)
-        exit_hidden: list[torch.Tensor] = []
-        with self._bypassed(skipped), self._capture_exit(exit_hidden, exit_layer is not None and output_hidden):
+        # With layers skipped or an exit given, ``hidden`` is the residual stream before the final norm.
+        capture = output_hidden and (bool(skipped) or exit_layer is not None)
+        residual: list[torch.Tensor] = []
+        with self._capture_residual(residual, capture), self._executing_only(skipped):
             out = self.model(
                 input_ids=tokens.view(1, n),
                 position_ids=positions.view(1, n),
@@ -122,22 +124,31 @@ class HFCausalLM(CausalLM):
                 past_key_values=cache.inner,
                 use_cache=True,
                 logits_to_keep=keep,
-                output_hidden_states=output_hidden and exit_layer is None,
+                output_hidden_states=output_hidden and not capture,
             )
         hidden = None
         if output_hidden:
-            hidden = exit_hidden[0][0] if exit_layer is not None else out.hidden_states[-1][0]
+            hidden = residual[0][0] if capture else out.hidden_states[-1][0]
         return ForwardOutput(logits=out.logits[0].float(), hidden=hidden)
 
-    def exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def exit_logits(
+        self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """The model's own output stage — final norm, LM head, final logit softcapping (Gemma) — applied to
-        [n, d] residual-stream states, e.g. an early exit's ``hidden`` after a trained adapter.  Not under
+        [n, d] residual-stream states, e.g. an early exit's ``hidden`` after a trained adapter.  ``head``
+        replaces the LM head (e.g. a restricted-vocabulary head for cheap drafts).  Not under
         ``inference_mode``, so adapters can be trained through it."""
-        logits = self.model.get_output_embeddings()(self._decoder().norm(hidden))
+        logits = (head or self.model.get_output_embeddings())(self._decoder().norm(hidden))
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         return logits.float()
+
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's [vocab, d] weight as a dense tensor (the CPU fast path may hold it prepacked)."""
+        head = self.model.get_output_embeddings()
+        weight = head.weight.detach()
+        return weight.to_dense() if weight.is_mkldnn else weight
 
     # -- self-speculation --------------------------------------------------------------------------
 
@@ -153,56 +164,29 @@ class HFCausalLM(CausalLM):
     def _skipped_layers(self, skip_layers: frozenset[int], exit_layer: int | None) -> frozenset[int]:
         if exit_layer is not None and not 1 <= exit_layer <= self.num_layers:
             raise ValueError(f"exit_layer must be in 1..{self.num_layers}, got {exit_layer}")
-        if any(not 0 <= i < self.num_layers for i in skip_layers):
-            raise ValueError(f"skip_layers must be in 0..{self.num_layers - 1}, got {sorted(skip_layers)}")
+        if any(not 1 <= i < self.num_layers for i in skip_layers):
+            # Layer 0 always runs: the cache length and the attention mask are read from its slot.
+            raise ValueError(f"skip_layers must be in 1..{self.num_layers - 1}, got {sorted(skip_layers)}")
         tail = range(exit_layer, self.num_layers) if exit_layer is not None else ()
         return frozenset(skip_layers).union(tail)
 
     @contextmanager
-    def _bypassed(self, skipped: frozenset[int]) -> Iterator[None]:
-        """Shadow ``forward`` of the skipped layer instances for the duration of one call (the modules,
-        their names and hooks stay where they are)."""
+    def _executing_only(self, skipped: frozenset[int]) -> Iterator[None]:
+        """Swap the decoder's layer list for the executed layers for the duration of one call (the modules,
+        their names, hooks and ``layer_idx`` stay what they are)."""
         if not skipped:
             yield
             return
-        layers = self._decoder().layers
-        as_tuple = self._probe_layer_output()
-        for i in skipped:
-            layers[i].forward = partial(self._bypass, layers[i], as_tuple)
+        decoder = self._decoder()
+        layers = decoder.layers
+        decoder.layers = nn.ModuleList([layer for i, layer in enumerate(layers) if i not in skipped])
         try:
             yield
         finally:
-            for i in skipped:
-                del layers[i].forward
-
-    def _bypass(self, layer: nn.Module, as_tuple: bool, hidden_states: torch.Tensor, *args, **kwargs):
-        """A skipped layer: hidden states pass through; its cache gets placeholders so lengths agree."""
-        cache = kwargs.get("past_key_values")
-        if cache is not None:
-            attn = layer.self_attn
-            kv_heads = getattr(self.config, "num_key_value_heads", None) or self.config.num_attention_heads
-            batch, n = hidden_states.shape[:2]
-            placeholder = hidden_states.new_zeros(batch, kv_heads, n, attn.head_dim)
-            cache.update(placeholder, placeholder, attn.layer_idx)
-        return (hidden_states,) if as_tuple else hidden_states
-
-    def _probe_layer_output(self) -> bool:
-        """Decoder layers return a tensor (Llama, Qwen2) or a tuple (Gemma3): one real 1-token call tells."""
-        if self._layers_return_tuple is None:
-            seen: list[bool] = []
-            first = self._decoder().layers[0]
-            hook = first.register_forward_hook(lambda module, args, out: seen.append(isinstance(out, tuple)))
-            try:
-                with torch.inference_mode():
-                    one = torch.zeros(1, 1, dtype=torch.long)
-                    self.model(input_ids=one, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
-            finally:
-                hook.remove()
-            self._layers_return_tuple = seen[0]
-        return self._layers_return_tuple
+            decoder.layers = layers
 
     @contextmanager
-    def _capture_exit(self, sink: list[torch.Tensor], active: bool) -> Iterator[None]:
+    def _capture_residual(self, sink: list[torch.Tensor], active: bool) -> Iterator[None]:
         """Record the residual stream entering the final norm (= the exit layer's output on an exit)."""
         if not active:
             yield
