@@ -87,9 +87,9 @@ def speculative_decode(
         tock = time.perf_counter()
         stats.draft_s += tock - tick
 
-        inputs = _verification_inputs(context, draft, chain)
+        tokens, positions, tree_mask = _verification_inputs(context, draft, chain)
         forward_start = time.perf_counter()
-        logits = target.forward(*inputs, cache).logits if chain else _tree_forward(target, cache, *inputs)
+        logits = target.forward(tokens, cache, positions=positions, tree_mask=tree_mask).logits
         stats.forward_s += time.perf_counter() - forward_start
         if sampling.greedy:
             verdict = verify_greedy(logits, draft)
@@ -127,23 +127,20 @@ def speculative_decode(
     stats.wall_s = time.perf_counter() - started
 
 
-def _verification_inputs(context: list[int], draft: Draft, chain: bool) -> tuple[torch.Tensor, ...]:
-    """The inputs of one target forward over the last context token followed by the draft.
+def _verification_inputs(
+    context: list[int], draft: Draft, chain: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Tokens, positions and tree mask of one target forward over the last context token and the draft.
 
-    A chain needs nothing but the tokens (the causal mask does the rest).  A tree also gets depth-based
-    positions and a mask that lets each node see only the context, itself and its ancestors."""
+    A chain needs nothing but the tokens (positions follow the cache, the causal mask does the rest).  A
+    tree also gets depth-based positions and a mask that lets each node see only the context, itself and
+    its ancestors."""
     tokens = torch.tensor([context[-1], *draft.tokens], dtype=torch.long)
     if chain:
-        return (tokens,)
+        return tokens, None, None
     base = len(context) - 1
     positions = torch.tensor([base, *(base + d for d in draft.depths())], dtype=torch.long)
     return tokens, positions, ancestor_mask(draft)
-
-
-def _tree_forward(target: CausalLM, cache, tokens: torch.Tensor, positions: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
-    """[nodes + 1, vocab] logits of a token tree."""
-    return target.forward(tokens, cache, positions=positions, tree_mask=mask).logits
 
 
 def ancestor_mask(draft: Draft) -> torch.Tensor:

@@ -55,18 +55,15 @@ def _prefilled(backend: CausalLM, context_tokens: int, max_new: int) -> tuple[KV
     return cache, ids[context_tokens:]
 
 
-def measure_forward_cost(
-    backend: CausalLM, context_tokens: int = 256, max_new: int = 16, repeats: int = 5, warmup: int = 2
-) -> ForwardCost:
-    """Median time of a forward over n = 1..max_new new tokens after ``context_tokens`` cached ones.
+def _timed_rounds(
+    backend: CausalLM, context_tokens: int, max_new: int, repeats: int, warmup: int
+) -> dict[int, list[float]]:
+    """Seconds of a forward over n = 1..max_new new tokens after ``context_tokens`` cached ones, ``repeats``
+    samples each after ``warmup`` rounds.
 
     Rounds go over every n in turn (rather than all repeats of one n, then the next) so that a burst of
     load from other processes spreads over the whole curve instead of distorting one point.
     """
-    if max_new < 8:
-        raise ValueError("max_new must be at least 8 to report the 8-token / 1-token ratio")
-    if repeats < 1 or warmup < 0:
-        raise ValueError("repeats must be at least 1 and warmup at least 0")
     cache, new = _prefilled(backend, context_tokens, max_new)
     samples: dict[int, list[float]] = {n: [] for n in range(1, max_new + 1)}
     for round_index in range(warmup + repeats):
@@ -76,8 +73,20 @@ def measure_forward_cost(
             elapsed = time.perf_counter() - start
             cache.crop(context_tokens)
             if round_index >= warmup:
-                samples[n].append(elapsed * 1e3)
-    t_ms = {str(n): statistics.median(times) for n, times in samples.items()}
+                samples[n].append(elapsed)
+    return samples
+
+
+def measure_forward_cost(
+    backend: CausalLM, context_tokens: int = 256, max_new: int = 16, repeats: int = 5, warmup: int = 2
+) -> ForwardCost:
+    """Median time of a forward over n = 1..max_new new tokens after ``context_tokens`` cached ones."""
+    if max_new < 8:
+        raise ValueError("max_new must be at least 8 to report the 8-token / 1-token ratio")
+    if repeats < 1 or warmup < 0:
+        raise ValueError("repeats must be at least 1 and warmup at least 0")
+    samples = _timed_rounds(backend, context_tokens, max_new, repeats, warmup)
+    t_ms = {str(n): statistics.median(times) * 1e3 for n, times in samples.items()}
     return ForwardCost(model=backend.name, t_ms=t_ms, ratio_8_1=t_ms["8"] / t_ms["1"])
 
 
@@ -98,16 +107,8 @@ def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -
     context_tokens = min(128, backend.max_context - widths)
     if context_tokens < 1:
         return None
-    cache, new = _prefilled(backend, context_tokens, widths)
-    fastest = [float("inf")] * widths
-    for round_index in range(repeats + 1):  # round 0 warms up
-        for w in range(1, widths + 1):
-            start = time.perf_counter()
-            backend.forward(new[:w], cache)
-            elapsed = time.perf_counter() - start
-            cache.crop(context_tokens)
-            if round_index:
-                fastest[w - 1] = min(fastest[w - 1], elapsed)
+    samples = _timed_rounds(backend, context_tokens, widths, repeats, warmup=1)
+    fastest = [min(samples[w]) for w in range(1, widths + 1)]
     xs = range(widths)
     mean_x, mean_t = statistics.fmean(xs), statistics.fmean(fastest)
     slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, fastest)) / sum((x - mean_x) ** 2 for x in xs)

@@ -27,13 +27,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft
 from specdecode.drafters.draft_model import common_prefix_length
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
-from specdecode.models.fastpath import fast_path_supported
+from specdecode.models.fastpath import PackedLinear, fast_path_supported
 from specdecode.models.hf import HFCausalLM
 from specdecode.verify.logits import sample, sampling_probs
 
@@ -114,7 +115,7 @@ class DraftHead:
         self.full = size == 0 or too_big or getattr(head, "bias", None) is not None
         self.base = base if base is not None else torch.arange(min(size, backend.vocab_size))
         self.ids: torch.Tensor | None = None  # None: the full vocabulary
-        self._weight: torch.Tensor | None = None
+        self._rows: nn.Module | None = None  # the subset's rows, prepacked where supported
         self._packed = fast_path_supported()
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -124,16 +125,16 @@ class DraftHead:
         if self.ids is not None and torch.equal(ids, self.ids):
             return
         weight = self.backend.output_weight().index_select(0, ids).contiguous()
+        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        rows.weight = nn.Parameter(weight, requires_grad=False)
         self.ids = ids
-        self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self._packed else weight
+        self._rows = PackedLinear(rows, tied=False) if self._packed else rows
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Head logits for final-normed hidden states [n, d]: over ``ids``, or the full vocabulary."""
-        if self._weight is None:
+        if self._rows is None:
             return self.backend.model.get_output_embeddings()(normed)
-        if self._packed:
-            return torch.ops.mkldnn._linear_pointwise(normed, self._weight, None, "none", [], "")
-        return normed @ self._weight.T
+        return self._rows(normed)
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Subset logits → full-vocabulary logits, -inf outside the subset."""

@@ -138,7 +138,13 @@ class HFCausalLM(CausalLM):
         [n, d] residual-stream states, e.g. an early exit's ``hidden`` after a trained adapter.  ``head``
         replaces the LM head (e.g. a restricted-vocabulary head for cheap drafts).  Not under
         ``inference_mode``, so adapters can be trained through it."""
-        logits = (head or self.model.get_output_embeddings())(self._decoder().norm(hidden))
+        return self.head_logits(self._decoder().norm(hidden), head)
+
+    def head_logits(
+        self, normed: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The output stage after the final norm: LM head (or ``head``) and final logit softcapping."""
+        logits = (head or self.model.get_output_embeddings())(normed)
         softcap = getattr(self.config, "final_logit_softcapping", None)
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap

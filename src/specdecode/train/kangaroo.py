@@ -103,7 +103,6 @@ class _Heads:
     def __init__(self, backend: HFCausalLM, ids: torch.Tensor | None) -> None:
         self.backend = backend
         self.weight = None if ids is None else backend.output_weight().index_select(0, ids).contiguous()
-        self.softcap = getattr(backend.config, "final_logit_softcapping", None)
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
@@ -111,8 +110,7 @@ class _Heads:
         return normed @ self.weight.T
 
     def teacher(self, finals: torch.Tensor) -> torch.Tensor:
-        logits = self._head(finals).float()
-        return torch.tanh(logits / self.softcap) * self.softcap if self.softcap else logits
+        return self.backend.head_logits(finals, self._head)
 
     def student(self, adapter: KangarooAdapter, exits: torch.Tensor) -> torch.Tensor:
         return self.backend.exit_logits(adapter(exits), self._head)
