@@ -66,7 +66,10 @@ def test_settings_from_suite_and_overrides(tmp_path):
     custom = resolve_settings("quick", tasks="mt-bench,rag", draft_lengths="2,4", out=str(tmp_path))
     assert custom.tasks == ("mt-bench", "rag") and custom.sweep_tasks == ("rag",)  # the grounded one
     assert resolve_settings("quick", draft_lengths="none").sweep_tasks == ()
-    assert [spec.name for spec in runner.peer_specs(resolve_settings("full"))] == ["hf-plain", "hf-pld", "hf-assisted"]
+    full_peers = runner.peer_specs(resolve_settings("full"))
+    assert [spec.name for spec in full_peers] == ["hf-plain", "hf-pld", "hf-assisted"]
+    assert [spec.matches.spec for spec in full_peers] == ["none", "pld", "draft-model:qwen2.5-coder-0.5b"]
+    assert full_peers[1].config["prompt_lookup_num_tokens"] == runner.PEER_K  # ours is adaptive by default
     assert runner.peer_specs(resolve_settings("quick", peers=False)) == []
     bad_settings = [
         ({"tasks": "nope"}, "unknown benchmark task"),
@@ -291,6 +294,8 @@ def test_adaptive_draft_length_methods():
     assert "pld:k=auto" not in {variant.spec for variant, _ in runner.sweep_methods(settings).values()}
     with pytest.raises(SpecDecodeError, match="auto or heuristic"):
         runner.parse_method("pld:k=fast")
+    with pytest.raises(SpecDecodeError, match="twice"):
+        runner.parse_method(f"pld:k={runner.DEFAULT_K}:k=3")
 
 
 def _spied_suffix(tiny_target):
@@ -380,13 +385,17 @@ def test_drafter_state_task_groups_a_whole_task(tmp_path):
 
 
 def test_schema_1_results_still_resume(finished, tmp_path, monkeypatch):
-    """A results file written before drafter_state existed is read as drafter_state "request"."""
+    """A results file written before drafter_state existed is read as drafter_state "request", and one
+    written before default_k existed as measured with K=5: it resumes only while that is the default."""
     settings, results = finished
     old = json.loads((settings.out / "results.json").read_text())
     old["schema_version"] = 1
-    del old["fingerprint"]["drafter_state"]
+    del old["fingerprint"]["drafter_state"], old["fingerprint"]["default_k"]
     (tmp_path / "results.json").write_text(json.dumps(old))
     monkeypatch.setattr(runner, "load_model", lambda name: pytest.fail("nothing to measure: no model load"))
+    with pytest.raises(SpecDecodeError, match="another configuration"):
+        run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
+    monkeypatch.setattr(runner, "DEFAULT_K", 5)
     resumed = run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
     assert resumed["schema_version"] == runner.SCHEMA_VERSION and resumed["runs"] == results["runs"]
 

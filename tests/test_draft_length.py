@@ -165,3 +165,25 @@ def test_fixed_and_heuristic_never_stop_a_drafter():
 def test_bad_specs_are_refused(bad):
     with pytest.raises(SpecDecodeError, match="num-draft-tokens"):
         make_policy(bad)
+
+
+def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_drafts():
+    """Copied text comes in runs: after a fully accepted draft draft deep, after a miss draft shallow."""
+    policy = CostModelLength(curve=curve(0.3))
+    for step in range(80):
+        full = (step // 5) % 2 == 0  # five fully accepted drafts, then five rejected at the first token
+        policy.observe(StepObservation(depth=8, nodes=8, accepted=8 if full else 0, draft_s=0.0,
+                                       verify_s=0.1 * policy.relative_cost(9)))
+    policy.in_run = True
+    deep = policy.next_length(16)
+    policy.in_run = False
+    assert policy.next_length(16) <= 1
+    assert deep >= 8
+
+
+def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
+    policy = CostModelLength(curve=curve(0.05))
+    policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.0, verify_s=0.1))
+    before = [m.value for m in policy.acceptance]
+    policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
+    assert policy.in_run and [m.value for m in policy.acceptance] == before

@@ -310,8 +310,8 @@ def test_stats_split_wall_time_into_forwards_drafting_and_engine_overhead(tiny_t
 
 
 def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(tiny_target):
-    from specdecode.bench.forward_cost import relative_cost_curve
     from specdecode.draft_length import CostModelLength
+    from specdecode.models.cost import relative_cost_curve
 
     generator = SpeculativeGenerator.build(tiny_target, "pld")
     plain = generator.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, num_draft_tokens=0)

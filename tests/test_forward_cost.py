@@ -60,10 +60,10 @@ def test_profile_is_a_table_of_operators(backend):
 
 
 def test_relative_cost_curve_is_normalised_monotone_and_measured_once(backend, monkeypatch):
-    from specdecode.bench import forward_cost
+    from specdecode.models.cost import relative_cost_curve
 
-    curve = forward_cost.relative_cost_curve(backend, widths=12, repeats=1)
+    curve = relative_cost_curve(backend, widths=12, repeats=1)
     assert len(curve) == 12 and curve[0] == 1.0
     assert all(later >= earlier for earlier, later in zip(curve, curve[1:]))
     monkeypatch.setattr(backend, "forward", None)  # a second call must not run the model again
-    assert forward_cost.relative_cost_curve(backend, widths=12) is curve
+    assert relative_cost_curve(backend, widths=12) is curve

@@ -67,3 +67,26 @@ def test_training_works_on_qwen2_with_an_untied_head():
     target = wrap(_tiny_qwen2().eval(), tokenizer=None)
     result = train_adapter(target, _prompts(6, 8, seed=2), TrainConfig(exit_layer=1, new_tokens=8, epochs=2))
     assert len(result.epoch_losses) == 2 and result.positions == 6 * 16
+
+
+def test_train_command_refuses_bad_input_clearly(tiny_dirs, tmp_path, monkeypatch):
+    import shutil
+
+    import pytest
+
+    from specdecode.errors import SpecDecodeError
+
+    model_dir = shutil.copytree(tiny_dirs["target"], tmp_path / "model")
+    monkeypatch.setattr("specdecode.train.cli._prompt_ids", lambda target, tasks, n, seed: _prompts(n, 8, seed))
+    parser = argparse.ArgumentParser()
+    add_train_command(parser.add_subparsers(dest="command", required=True))
+    cases = {
+        "unknown model": ["--model", "no-such-model"],
+        "must be positive": ["--model", str(model_dir), "--prompts", "0"],
+        "exit layer must be in": ["--model", str(model_dir), "--exit-layer", "99"],
+    }
+    for message, argv in cases.items():
+        args = parser.parse_args(["train", "kangaroo", *argv])
+        with pytest.raises(SpecDecodeError, match=message):
+            args.run(args)
+    assert not (model_dir / ADAPTER_FILE).exists()

@@ -21,7 +21,7 @@ def load(
     model: str = DEFAULT_MODEL,
     drafter: str = "pld",
     *,
-    num_draft_tokens: int | str = 5,
+    num_draft_tokens: int | str = GenerationConfig().num_draft_tokens,
     max_new_tokens: int = 128,
     fast_path: bool | None = None,
     **drafter_options,

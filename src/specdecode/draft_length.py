@@ -146,9 +146,15 @@ class CostModelLength(DraftLengthPolicy):
     """Choose the depth k that maximises E[tokens per step] / E[seconds per step].
 
     E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j, with a_j the online acceptance rate of position j
-    given that j-1 was accepted (a running mean per position, for this drafter).  seconds(k) =
+    given that j-1 was accepted (a running mean per position, for this drafter).  Acceptance is learned
+    only from positions the drafter actually offered: a step where it proposed nothing (prompt lookup
+    without a match) costs no verification width and says nothing about deeper drafts.  It is also
+    learned *separately after a step whose draft was accepted in full and after one that was not*:
+    copied or predictable text comes in runs, so a fully accepted draft is usually followed by another
+    (draft deep), while after a miss the next draft is a fresh guess (draft shallow); one table mixing
+    both under-drafts the runs and over-drafts the guesses.  seconds(k) =
     overhead + draft(k) + scale * curve[k + 1]: ``curve`` is the verification cost relative to one
-    input, *measured once per loaded model* (see :func:`specdecode.bench.forward_cost.relative_cost_curve`);
+    input, *measured once per loaded model* (see :func:`specdecode.models.cost.relative_cost_curve`);
     only one number, ``scale`` (seconds of a one-input forward), is learned online, so a noisy step
     under CPU contention cannot make one width look expensive.  Draft cost is a fixed part plus a part
     per token, fitted online; ``overhead`` is the rest of a step (the drafter's ``observe``,
@@ -162,11 +168,13 @@ class CostModelLength(DraftLengthPolicy):
     When drafting looks useless the policy still probes depth 1 every ``probe_every`` steps.
     """
 
-    maximum: int = 12
-    prior_acceptance: float = 0.6
+    maximum: int = 16
+    prior_acceptance: float = 0.5
     curve: tuple[float, ...] = field(default_factory=lambda: linear_curve(1.3))
     probe_every: int = 8
-    acceptance: list[_RunningMean] = field(default_factory=list)
+    #: Per-position acceptance, keyed by whether the previous draft was accepted in full.
+    acceptance_after: dict[bool, list[_RunningMean]] = field(default_factory=lambda: {True: [], False: []})
+    in_run: bool = False  # the last step that drafted had its whole draft accepted
     scale: _RunningMean | None = None
     draft_cost: _LinearFit = field(default_factory=_LinearFit)
     overhead: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
@@ -182,6 +190,11 @@ class CostModelLength(DraftLengthPolicy):
         self.curve = tuple(c / self.curve[0] for c in self.curve)
 
     # -- the cost model --------------------------------------------------------------------------
+    @property
+    def acceptance(self) -> list[_RunningMean]:
+        """The per-position acceptance that applies to the next step."""
+        return self.acceptance_after[self.in_run]
+
     def _acceptance(self, position: int) -> float:
         if position < len(self.acceptance):
             return self.acceptance[position].value
@@ -280,6 +293,8 @@ class CostModelLength(DraftLengthPolicy):
             while len(self.acceptance) <= position:
                 self.acceptance.append(_RunningMean(self._acceptance(len(self.acceptance)), weight=2.0))
             self.acceptance[position].add(1.0 if position < step.accepted else 0.0)
+        if step.depth:
+            self.in_run = step.accepted == step.depth
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):

@@ -10,13 +10,13 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from specdecode.bench.forward_cost import relative_cost_curve
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
 

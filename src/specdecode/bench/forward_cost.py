@@ -2,22 +2,19 @@
 
 Speculation with k drafted tokens replaces k+1 one-token forwards by one (k+1)-token forward, so its
 speed-up is bounded by ``(k+1) * t(1) / t(k+1)``.  This measures ``t(n)`` for n = 1..max_new on top of
-a realistic KV cache, with logits for every row (verification reads all of them).
+a realistic KV cache, with logits for every row (verification reads all of them); the quick relative
+curve the cost model uses lives in :mod:`specdecode.models.cost`.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from specdecode.models.base import CausalLM, KVCache
-
-_SEED = 0
+from specdecode.models.base import CausalLM
+from specdecode.models.cost import prefilled, timed_rounds
 
 
 @dataclass
@@ -36,47 +33,6 @@ class ForwardCost:
         }
 
 
-def _prefilled(backend: CausalLM, context_tokens: int, max_new: int) -> tuple[KVCache, torch.Tensor]:
-    """A cache holding ``context_tokens`` tokens, plus ``max_new`` tokens to run on top of it.
-
-    Token values do not change the cost of a dense forward, so fixed pseudo-random ids stand in for text.
-    """
-    if context_tokens < 1 or max_new < 1:
-        raise ValueError("context_tokens and max_new must be at least 1")
-    if context_tokens + max_new > backend.max_context:
-        raise ValueError(
-            f"context_tokens + max_new = {context_tokens + max_new} exceeds the model's context "
-            f"of {backend.max_context} tokens"
-        )
-    generator = torch.Generator().manual_seed(_SEED)
-    ids = torch.randint(0, backend.vocab_size, (context_tokens + max_new,), generator=generator)
-    cache = backend.new_cache()
-    backend.forward(ids[:context_tokens], cache, logits_rows=slice(-1, None))
-    return cache, ids[context_tokens:]
-
-
-def _timed_rounds(
-    backend: CausalLM, context_tokens: int, max_new: int, repeats: int, warmup: int
-) -> dict[int, list[float]]:
-    """Seconds of a forward over n = 1..max_new new tokens after ``context_tokens`` cached ones, ``repeats``
-    samples each after ``warmup`` rounds.
-
-    Rounds go over every n in turn (rather than all repeats of one n, then the next) so that a burst of
-    load from other processes spreads over the whole curve instead of distorting one point.
-    """
-    cache, new = _prefilled(backend, context_tokens, max_new)
-    samples: dict[int, list[float]] = {n: [] for n in range(1, max_new + 1)}
-    for round_index in range(warmup + repeats):
-        for n in samples:
-            start = time.perf_counter()
-            backend.forward(new[:n], cache)
-            elapsed = time.perf_counter() - start
-            cache.crop(context_tokens)
-            if round_index >= warmup:
-                samples[n].append(elapsed)
-    return samples
-
-
 def measure_forward_cost(
     backend: CausalLM, context_tokens: int = 256, max_new: int = 16, repeats: int = 5, warmup: int = 2
 ) -> ForwardCost:
@@ -85,39 +41,9 @@ def measure_forward_cost(
         raise ValueError("max_new must be at least 8 to report the 8-token / 1-token ratio")
     if repeats < 1 or warmup < 0:
         raise ValueError("repeats must be at least 1 and warmup at least 0")
-    samples = _timed_rounds(backend, context_tokens, max_new, repeats, warmup)
+    samples = timed_rounds(backend, context_tokens, max_new, repeats, warmup)
     t_ms = {str(n): statistics.median(times) * 1e3 for n, times in samples.items()}
     return ForwardCost(model=backend.name, t_ms=t_ms, ratio_8_1=t_ms["8"] / t_ms["1"])
-
-
-_CURVES: WeakKeyDictionary[CausalLM, tuple[float, ...]] = WeakKeyDictionary()
-
-
-def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -> tuple[float, ...] | None:
-    """``t(w) / t(1)`` for w = 1..widths, measured once per loaded backend and then cached.
-
-    The draft-length cost model needs the *shape* of the verification cost (its scale it learns online),
-    and a quick measurement (``(repeats + 1) * widths`` forwards, interleaved over widths) beats a guess.
-    It takes the fastest of the repeats, not the median (other processes only ever add time), and then
-    fits a straight line ``t(w) = a + b (w - 1)`` through all widths: on a shared CPU single points can be
-    off by several times, and one bad point would otherwise make one width look prohibitive.
-    None if the model's context is too short to measure on."""
-    if backend in _CURVES:
-        return _CURVES[backend]
-    context_tokens = min(128, backend.max_context - widths)
-    if context_tokens < 1:
-        return None
-    samples = _timed_rounds(backend, context_tokens, widths, repeats, warmup=1)
-    fastest = [min(samples[w]) for w in range(1, widths + 1)]
-    xs = range(widths)
-    mean_x, mean_t = statistics.fmean(xs), statistics.fmean(fastest)
-    slope = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, fastest)) / sum((x - mean_x) ** 2 for x in xs)
-    slope = max(slope, 0.0)
-    intercept = mean_t - slope * mean_x
-    if intercept <= 0:  # a degenerate fit (pathological timings): fall back to the flat curve's mean
-        intercept, slope = mean_t, 0.0
-    _CURVES[backend] = tuple(1.0 + slope * x / intercept for x in xs)
-    return _CURVES[backend]
 
 
 def format_curve(cost: ForwardCost) -> str:
@@ -132,7 +58,7 @@ def format_curve(cost: ForwardCost) -> str:
 
 def profile_forward(backend: CausalLM, n_new: int, context_tokens: int, repeats: int = 3, row_limit: int = 15) -> str:
     """Per-operator CPU profile of ``repeats`` forwards over ``n_new`` tokens, sorted by self CPU time."""
-    cache, new = _prefilled(backend, context_tokens, n_new)
+    cache, new = prefilled(backend, context_tokens, n_new)
     backend.forward(new, cache)  # warm-up: first-call allocations and kernel selection
     cache.crop(context_tokens)
     with profile(activities=[ProfilerActivity.CPU]) as prof:

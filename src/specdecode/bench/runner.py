@@ -41,9 +41,12 @@ from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.stats import GenerationStats
 
 # 2: ``drafter_state`` joined the fingerprint (a version-1 file is read as drafter_state "request").
-SCHEMA_VERSION = 2
+# 3: ``default_k`` joined it: a method without ``k=`` (``pld``) drafted K=5 before "auto" became the default.
+SCHEMA_VERSION = 3
 RESULTS_FILE = "results.json"
 DEFAULT_K = GenerationConfig().num_draft_tokens
+#: transformers has no cost-model schedule: a peer matching one of our adaptive methods drafts this many.
+PEER_K = 5
 WARMUP_TOKENS = 8
 #: How long our drafters keep what they learn: "request" — reset before every prompt (a session task's
 #: session still runs on one drafter); "task" — reset once per task, kept across its prompts in order
@@ -104,7 +107,8 @@ def parse_method(text: str) -> MethodSpec:
     if not name:
         raise SpecDecodeError(f"method {text!r} has no drafter name (syntax NAME[:OPTION=VALUE...])")
     drafter_class(name)  # an unknown drafter fails here, before any model is loaded
-    k = DEFAULT_K
+    k: int | str = DEFAULT_K
+    k_given = False
     options: dict[str, Any] = {}
     for part in parts:
         key, sep, raw = part.partition("=")
@@ -114,9 +118,10 @@ def parse_method(text: str) -> MethodSpec:
         if not sep or not key or not raw:
             raise SpecDecodeError(f"method {spec!r}: expected OPTION=VALUE after ':', got {part!r}")
         key = key.replace("-", "_")
-        if key in options or (key == "k" and k != DEFAULT_K):
+        if key in options or (key == "k" and k_given):
             raise SpecDecodeError(f"method {spec!r} sets {key!r} twice")
         if key == "k":
+            k_given = True
             k = raw if raw in ADAPTIVE_K else _convert(raw)
             if not (k in ADAPTIVE_K or (isinstance(k, int) and k >= 1)):
                 raise SpecDecodeError(
@@ -235,7 +240,7 @@ class BenchSettings:
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a run and its resumption (methods, tasks and prompts may grow)."""
         return {"model": self.model, "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
-                "threads": self.threads, "drafter_state": self.drafter_state}
+                "threads": self.threads, "drafter_state": self.drafter_state, "default_k": DEFAULT_K}
 
 
 def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
@@ -317,21 +322,27 @@ def peer_specs(settings: BenchSettings) -> list[PeerSpec]:
     ``draft-model`` method — each only when that method is benchmarked."""
     if not settings.peers:
         return []
-    # Peers take a fixed draft length: match the first method of each kind that has one.
-    first = {name: next((m for m in settings.methods if m.drafter == name and isinstance(m.k, int)), None)
+    # Peers take a fixed draft length: match the first method of each kind that has one, else the first
+    # method of that kind, drafting PEER_K.
+    first = {name: next((m for m in settings.methods if m.drafter == name and isinstance(m.k, int)),
+                        next((m for m in settings.methods if m.drafter == name), None))
              for name in ("none", "pld", "draft-model")}
     specs = []
     if first["none"] is not None:
         specs.append(PeerSpec("hf-plain", first["none"], {}))
     if (pld := first["pld"]) is not None:
-        config = {"prompt_lookup_num_tokens": pld.k, "max_matching_ngram_size": pld.option("max_ngram")}
+        config = {"prompt_lookup_num_tokens": _peer_k(pld), "max_matching_ngram_size": pld.option("max_ngram")}
         specs.append(PeerSpec("hf-pld", pld, config))
     if (assisted := first["draft-model"]) is not None:
         # A constant schedule with no confidence cut-off drafts exactly k tokens per step, as ours does.
-        config = {"assistant_model": assisted.draft_model, "num_assistant_tokens": assisted.k,
+        config = {"assistant_model": assisted.draft_model, "num_assistant_tokens": _peer_k(assisted),
                   "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
         specs.append(PeerSpec("hf-assisted", assisted, config))
     return specs
+
+
+def _peer_k(method: MethodSpec) -> int:
+    return method.k if isinstance(method.k, int) else PEER_K
 
 
 @dataclass
@@ -532,6 +543,9 @@ def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
         raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
     if previous.get("schema_version") == 1:  # before drafter_state existed every run reset per request
         previous["fingerprint"] = {**previous.get("fingerprint", {}), "drafter_state": "request"}
+        previous["schema_version"] = 2
+    if previous.get("schema_version") == 2:  # before default_k existed the default was K=5
+        previous["fingerprint"] = {**previous.get("fingerprint", {}), "default_k": 5}
         previous["schema_version"] = SCHEMA_VERSION
     if previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != settings.fingerprint:
         raise SpecDecodeError(

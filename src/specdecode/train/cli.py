@@ -81,7 +81,10 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
         raise SpecDecodeError("--tasks names no task")
     out = Path(args.out).expanduser() if args.out else default_adapter_path(args.model)
     if out is None:
-        raise SpecDecodeError(f"no default place to save an adapter for {args.model!r}; pass --out PATH")
+        raise SpecDecodeError(
+            f"unknown model {args.model!r}: not a registry name (see `specdecode models`), a local model directory "
+            "or a .gguf file; for a hub id pass --out PATH to say where the adapter goes"
+        )
     target = load_model(args.model)
     config = TrainConfig(
         exit_layer=args.exit_layer, new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
