@@ -214,6 +214,9 @@ def test_end_to_end_results(finished):
         assert cell["kind"] != "peer" or cell["equal_to_ours_pct"] == 100.0
     pld = next(c for c in results["cells"] if c["method"] == "pld:k=3" and c["task"] == "edit")
     assert pld["mean_accepted_tokens"] >= 1.0 and len(pld["acceptance_by_position"]) <= 3
+    # Our generation time splits into drafting, target forwards and the engine's own overhead.
+    assert 0 < pld["draft_share"] < 1 and 0 <= pld["overhead_share"] < 1
+    assert next(c for c in results["cells"] if c["method"] == "hf-pld")["overhead_share"] is None
 
 
 def test_end_to_end_files(finished):

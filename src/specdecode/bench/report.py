@@ -77,6 +77,25 @@ def acceptance(records: Iterable[Mapping[str, Any]]) -> Acceptance:
     )
 
 
+@dataclass(frozen=True)
+class TimeShares:
+    draft: float  # drafting / whole generation
+    overhead: float  # neither drafting nor a target forward: the engine's own time
+
+
+def time_shares(records: Iterable[Mapping[str, Any]]) -> TimeShares | None:
+    """Pooled over every run of every record; None for records written before the split was recorded."""
+    records = list(records)
+    if not records or any("engine_wall_s" not in r for r in records):
+        return None
+    wall = sum(r["engine_wall_s"] for r in records)
+    draft = sum(r["draft_s"] for r in records)
+    forward = sum(r["forward_s"] for r in records)
+    if wall <= 0:
+        return None
+    return TimeShares(draft=draft / wall, overhead=max(0.0, wall - draft - forward) / wall)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Cells
 
@@ -99,6 +118,8 @@ class CellResult:
     mean_accepted_tokens: float | None = None
     acceptance_rate: float | None = None
     acceptance_by_position: list[float] = field(default_factory=list)
+    draft_share: float | None = None  # of our generation time, spent drafting
+    overhead_share: float | None = None  # of our generation time, spent outside drafting and target forwards
     matches: str | None = None  # peers: our method with the same configuration
     ours_over_theirs: float | None = None  # peers: our tokens/s / theirs
     equal_to_ours_pct: float | None = None  # peers: % of prompts where their tokens equal ours
@@ -159,6 +180,8 @@ def build_cells(results: Mapping[str, Any], tasks: Sequence[Task]) -> list[CellR
                 cell.mean_accepted_tokens = accepted.mean_accepted_tokens
                 cell.acceptance_rate = accepted.acceptance_rate
                 cell.acceptance_by_position = accepted.by_position
+                if shares := time_shares(records.values()):
+                    cell.draft_share, cell.overhead_share = shares.draft, shares.overhead
             cells.append(cell)
     return cells
 
@@ -222,12 +245,14 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
         for name in main
     ))
 
-    lines += ["", "## Per task", ""]
+    lines += ["", "## Per task", "",
+              "Drafting and engine overhead are shares of our generation time; the rest is target forwards.", ""]
     lines += _table(
         ["method", "task", "prompts", "mean accepted tokens", "acceptance rate", "tokens/s", "speed-up",
-         "identical to plain"],
+         "identical to plain", "drafting", "engine overhead"],
         ([f"`{c.method}`", c.task, str(c.prompts), _fmt(c.mean_accepted_tokens), _fmt(c.acceptance_rate, ".1%"),
-          _fmt(c.tokens_per_s, ".1f"), _fmt(c.speedup, ".2f", "x"), _fmt(c.equal_to_plain_pct, ".0f", "%")]
+          _fmt(c.tokens_per_s, ".1f"), _fmt(c.speedup, ".2f", "x"), _fmt(c.equal_to_plain_pct, ".0f", "%"),
+          _fmt(c.draft_share, ".1%"), _fmt(c.overhead_share, ".1%")]
          for c in cells if c.kind != "sweep"),
     )
 
