@@ -83,6 +83,22 @@ def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
     assert lengths.count(0) == 6 and lengths.count(1) == 2
 
 
+def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
+    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16)
+    feed(policy, 80, accept_rate=0.0, depth=2)
+
+    def steps_to_next_probe(accepted: int) -> int:
+        steps = 1
+        while policy.next_length(12) == 0:
+            policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=1.0))
+            steps += 1
+        policy.observe(StepObservation(depth=1, nodes=1, accepted=accepted, draft_s=0.0, verify_s=1.1))
+        return steps
+
+    assert [steps_to_next_probe(0) for _ in range(4)] == [4, 8, 16, 16]
+    assert steps_to_next_probe(1) == 16 and policy.probe_interval == 4  # an accepted probe: back to 4
+
+
 def test_cost_model_counts_a_slow_drafter():
     free, slow = CostModelLength(curve=curve(0.1)), CostModelLength(curve=curve(0.1))
     feed(free, 60, accept_rate=0.7, draft_s=0.0)
@@ -152,7 +168,11 @@ def test_confidences_are_calibrated_online():
                                        confidence=(0.95, 0.95, 0.95)))
     assert policy.calibrated(0.95) < 0.2 < before
     assert policy.keep_length([0.95, 0.95]) < 2
-    assert policy.uses_confidence and policy.next_length(7) == 7  # depth is now the stop rule's call
+    assert policy.uses_confidence and policy.next_length(7) == 0  # and the first token never pays either
+    for _ in range(40):  # once its drafts are accepted again, how deep is the stop rule's call
+        policy.observe(StepObservation(depth=3, nodes=3, accepted=3, draft_s=0.0, verify_s=1.1,
+                                       confidence=(0.95, 0.95, 0.95)))
+    assert policy.next_length(7) == 7
 
 
 def test_fixed_and_heuristic_never_stop_a_drafter():

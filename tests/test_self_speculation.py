@@ -146,6 +146,17 @@ def test_layer_skip_search_tries_masks_and_keeps_a_best(tiny_target):
     assert drafter.best == first and drafter.trials_left == 3
 
 
+def test_layer_skip_windows_count_only_steps_that_drafted(tiny_target):
+    """While the draft-length policy holds drafting off, the search must not move on (each new candidate
+    costs building its cache on the next probe)."""
+    drafter = create_drafter("layer-skip", tiny_target, trial_steps=1, search_trials=3)
+    before = (drafter.best, drafter.candidate, drafter.trials_left)
+    run(tiny_target, drafter, [5, 17, 22, 9], max_new_tokens=6, num_draft_tokens=0)
+    assert (drafter.best, drafter.candidate, drafter.trials_left) == before
+    run(tiny_target, drafter, [5, 17, 22, 9], max_new_tokens=6, num_draft_tokens=2)
+    assert drafter.trials_left < before[2]
+
+
 def test_early_exit_prefers_exits_that_get_accepted(tiny_target):
     drafter = create_drafter("early-exit", tiny_target, exits="1,2", explore=0.0)
     drafter.stats[1].update(accepted=0, examined=50, discount=1.0)

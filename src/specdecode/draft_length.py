@@ -165,13 +165,19 @@ class CostModelLength(DraftLengthPolicy):
     into acceptance probabilities, their running product predicts the chance that the whole prefix is
     accepted, and drafting stops once that chance no longer pays for the extra width — i.e. below
     ``rate * (marginal verification + draft seconds)``, with ``rate`` the tokens per second achieved so far.
-    When drafting looks useless the policy still probes depth 1 every ``probe_every`` steps.
+    Whether to draft at all is the cost model's call for every drafter: when no depth pays (a
+    self-drafter whose tokens the target rejects costs a partial forward per step for nothing), the
+    policy drafts nothing and only probes depth 1, after ``probe_every`` steps, twice as long after each
+    probe that was rejected (at most ``max_probe_every``), back to ``probe_every`` once one is accepted.
     """
 
     maximum: int = 16
     prior_acceptance: float = 0.5
     curve: tuple[float, ...] = field(default_factory=lambda: linear_curve(1.3))
     probe_every: int = 8
+    max_probe_every: int = 64
+    probe_interval: int = 0  # steps until the next probe while not drafting (0: probe_every)
+    probing: bool = False  # the step asked for is a probe
     #: Per-position acceptance, keyed by whether the previous draft was accepted in full.
     acceptance_after: dict[bool, list[_RunningMean]] = field(default_factory=lambda: {True: [], False: []})
     in_run: bool = False  # the last step that drafted had its whole draft accepted
@@ -234,16 +240,16 @@ class CostModelLength(DraftLengthPolicy):
     # -- decisions -------------------------------------------------------------------------------
     def next_length(self, limit: int) -> int:
         cap = min(self.maximum, limit)
-        if self.uses_confidence:  # the stop rule decides how deep, step by step
-            return cap
         best = max(range(cap + 1), key=self.expected_rate)
-        if best == 0 and limit > 0:
-            self.steps_without_drafting += 1
-            if self.steps_without_drafting % self.probe_every == 0:
-                return 1
-        else:
+        if best > 0 or cap == 0:
             self.steps_without_drafting = 0
-        return best
+            # A drafter that reports confidences: the stop rule decides how deep, token by token.
+            return cap if self.uses_confidence else best
+        self.steps_without_drafting += 1
+        if self.steps_without_drafting < (self.probe_interval or self.probe_every):
+            return 0
+        self.steps_without_drafting, self.probing = 0, True
+        return 1
 
     def calibrated(self, confidence: float) -> float:
         """Online acceptance rate of tokens the drafter gave this confidence."""
@@ -295,6 +301,10 @@ class CostModelLength(DraftLengthPolicy):
             self.acceptance[position].add(1.0 if position < step.accepted else 0.0)
         if step.depth:
             self.in_run = step.accepted == step.depth
+        if self.probing:
+            self.probing = False
+            interval = self.probe_interval or self.probe_every
+            self.probe_interval = self.probe_every if step.accepted else min(2 * interval, self.max_probe_every)
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):

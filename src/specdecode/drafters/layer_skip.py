@@ -99,6 +99,7 @@ class LayerSkipDrafter(Drafter):
         self.window = Window()
         self.rng = random.Random(self.seed)
         self.states = {}
+        self.proposed = False
 
     @property
     def active(self) -> frozenset[int]:
@@ -118,11 +119,17 @@ class LayerSkipDrafter(Drafter):
         return self.states[skipped]
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
+        self.proposed = True
         skipped = self.active
         state = self._state(skipped)
         return state.draft(context, max_tokens, skipped, state.skipping(skipped), self.threshold)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        # Only steps that ran the skip set score it: while the draft-length policy holds drafting off,
+        # windows must not elapse, or every rare probe would pay for building a fresh candidate's cache.
+        if not self.proposed:
+            return
+        self.proposed = False
         drafted = len(feedback.draft.tokens)
         per_token = self.costs.draft_token(self.backend.num_layers - len(self.active))
         self.window.tokens += feedback.num_accepted + 1
