@@ -207,6 +207,7 @@ def test_end_to_end_results(finished):
     assert results["settings"]["peers"]["hf-pld"] == {"matches": "pld:k=3", "prompt_lookup_num_tokens": 3,
                                                       "max_matching_ngram_size": 3}
     assert results["environment"]["threads"] == 1 and results["environment"]["torch"]
+    assert results["environment"]["cpu_capability"]  # AVX2, AVX512...: what the fast path gains depends on it
     assert [p["id"] for p in results["prompts"]["edit"]] == ["edit/0", "edit/1"]
     # Greedy speculative decoding is lossless, and transformers computes the same argmax.
     for cell in results["cells"]:

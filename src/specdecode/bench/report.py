@@ -209,7 +209,8 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
     s = results["settings"]
     load = env.get("load_average_start"), env.get("load_average_end")
     return [
-        f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, {env.get('threads')} torch threads; "
+        f"- Machine: {env.get('cpu')} ({env.get('cpu_capability', 'vector width not recorded')}), "
+        f"{env.get('cores')} cores, {env.get('threads')} torch threads; "
         f"load average (1/5/15 min) at start {load[0]}, at end {load[1]} "
         "(anything near or above the core count means other processes shared the CPU).",
         f"- Software: Python {env.get('python')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "

@@ -484,6 +484,9 @@ def environment(threads: int) -> dict[str, Any]:
             versions[package] = None
     return {
         "cpu": cpu,
+        # The widest vector instructions torch uses here (AVX2, AVX512...): what the CPU fast path gains
+        # depends on it more than on the CPU's name.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "threads": threads,
         "python": platform.python_version(),
