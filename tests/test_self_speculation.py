@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_llama, wrap
 from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
-from specdecode.drafters._self_draft import DraftHead, reusable, tail
+from specdecode.drafters._self_draft import DraftHead, SelfDraftCache
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.drafters.layer_skip import initial_skip_set
 from specdecode.errors import SpecDecodeError
@@ -102,13 +102,27 @@ def test_early_exit_cache_entries_are_exact_below_the_exit(loaded):
     assert len(shallow.inner.layers) == 1  # layers above the exit never ran
 
 
-def test_cache_reuse_rule():
-    n = 6
-    assert reusable(tail(4, n), tail(3, n), n)  # deeper entries serve a shallower exit
-    assert not reusable(tail(3, n), tail(4, n), n)
-    assert reusable(frozenset({2}), frozenset({2, 5}), n)  # agree on every layer up to the last run (4)
-    assert not reusable(frozenset({2}), frozenset({3}), n)
-    assert initial_skip_set(30, 0.4) and 0 not in initial_skip_set(30, 0.4) and 29 not in initial_skip_set(30, 0.4)
+def test_initial_skip_set_keeps_the_first_and_last_layers():
+    skipped = initial_skip_set(30, 0.4)
+    assert skipped and 0 not in skipped and 29 not in skipped
+
+
+def test_drafts_run_on_the_bound_cache_and_leave_it_as_they_found_it(loaded):
+    """The draft appends to the target's cache and crops back: the context's entries are untouched, and
+    drafting on the engine's cache or on a private copy (synced by full forwards) drafts the same."""
+    backend = loaded.backend
+    context = IDS[:9].tolist()
+    bound = backend.new_cache()
+    backend.forward(torch.tensor(context[:-1]), bound)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in bound.inner.layers]
+    for skipped in (frozenset({1}), frozenset(range(1, backend.num_layers))):
+        state = SelfDraftCache(backend, DraftHead(backend, 0))
+        shared = state.draft(context, 4, state.skipping(skipped), 0.0, bound)
+        assert bound.length == len(context) - 1
+        for layer, (keys, values) in zip(bound.inner.layers, before, strict=True):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        private = state.draft(context, 4, state.skipping(skipped), 0.0, None)
+        assert private.tokens == shared.tokens and len(shared.tokens) == 4
 
 
 def test_bad_layer_arguments_are_rejected(loaded):

@@ -66,64 +66,68 @@ def speculative_decode(
     drafter.start(list(prompt_ids), sampling)
     drafter.stop_rule = draft_length.should_stop
     cache = target.new_cache()
-    if len(prompt_ids) > 1:
-        target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
-    stats.prefill_s = stats.forward_s = time.perf_counter() - started
+    drafter.target_cache = cache
+    try:
+        if len(prompt_ids) > 1:
+            target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
+        stats.prefill_s = stats.forward_s = time.perf_counter() - started
 
-    context = list(prompt_ids)
-    step_end = time.perf_counter()
-    while stats.new_tokens < config.max_new_tokens and len(context) < target.max_context:
-        # A step adds at most depth + 1 tokens, and every draft node needs a cache slot.
-        room = config.max_new_tokens - stats.new_tokens - 1
-        max_depth = draft_length.next_length(room) if room > 0 else 0
-        max_nodes = target.max_context - len(context)
-
-        tick = time.perf_counter()
-        draft = drafter.propose(context, max_depth) if max_depth > 0 else Draft(tokens=[])
-        chain = draft.is_chain
-        if draft.confidence is not None and chain:
-            max_depth = min(max_depth, draft_length.keep_length(draft.confidence))
-        draft = draft.limited(max_nodes, max_depth)
-        tock = time.perf_counter()
-        stats.draft_s += tock - tick
-
-        tokens, positions, tree_mask = _verification_inputs(context, draft, chain)
-        forward_start = time.perf_counter()
-        logits = target.forward(tokens, cache, positions=positions, tree_mask=tree_mask).logits
-        stats.forward_s += time.perf_counter() - forward_start
-        if sampling.greedy:
-            verdict = verify_greedy(logits, draft)
-        else:
-            verdict = verify_speculative_sampling(sampling_probs(logits, sampling), draft, generator)
-        # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
-        cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
-        verify_s = time.perf_counter() - tock
-        stats.verify_s += verify_s
-        nodes = len(draft.tokens)
-        step = StepObservation(
-            depth=nodes if chain else max(draft.depths(), default=0), nodes=nodes, accepted=verdict.num_accepted,
-            draft_s=tock - tick, verify_s=verify_s, overhead_s=tick - step_end,
-            confidence=tuple(draft.confidence) if chain and draft.confidence is not None else None,
-        )
-        stats.record_step(step)
-        draft_length.observe(step)
-
-        accepted = [draft.tokens[node] for node in verdict.path]
-        new_tokens = [*accepted, verdict.next_token]
-        new_tokens = new_tokens[: config.max_new_tokens - stats.new_tokens]
-        eos_at = next((i for i, tok in enumerate(new_tokens) if tok in stop_ids), None)
-        if eos_at is not None:
-            new_tokens = new_tokens[: eos_at + 1]
-        context.extend(new_tokens)
-        stats.new_tokens += len(new_tokens)
+        context = list(prompt_ids)
         step_end = time.perf_counter()
-        drafter.observe(context, StepFeedback(draft=draft, path=verdict.path, target_logits=logits))
-        stats.draft_s += time.perf_counter() - step_end
-        stats.wall_s = time.perf_counter() - started
-        yield new_tokens
-        if eos_at is not None:
-            outcome.finish_reason = "eos"
-            return
+        while stats.new_tokens < config.max_new_tokens and len(context) < target.max_context:
+            # A step adds at most depth + 1 tokens, and every draft node needs a cache slot.
+            room = config.max_new_tokens - stats.new_tokens - 1
+            max_depth = draft_length.next_length(room) if room > 0 else 0
+            max_nodes = target.max_context - len(context)
+
+            tick = time.perf_counter()
+            draft = drafter.propose(context, max_depth) if max_depth > 0 else Draft(tokens=[])
+            chain = draft.is_chain
+            if draft.confidence is not None and chain:
+                max_depth = min(max_depth, draft_length.keep_length(draft.confidence))
+            draft = draft.limited(max_nodes, max_depth)
+            tock = time.perf_counter()
+            stats.draft_s += tock - tick
+
+            tokens, positions, tree_mask = _verification_inputs(context, draft, chain)
+            forward_start = time.perf_counter()
+            logits = target.forward(tokens, cache, positions=positions, tree_mask=tree_mask).logits
+            stats.forward_s += time.perf_counter() - forward_start
+            if sampling.greedy:
+                verdict = verify_greedy(logits, draft)
+            else:
+                verdict = verify_speculative_sampling(sampling_probs(logits, sampling), draft, generator)
+            # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
+            cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
+            verify_s = time.perf_counter() - tock
+            stats.verify_s += verify_s
+            nodes = len(draft.tokens)
+            step = StepObservation(
+                depth=nodes if chain else max(draft.depths(), default=0), nodes=nodes, accepted=verdict.num_accepted,
+                draft_s=tock - tick, verify_s=verify_s, overhead_s=tick - step_end,
+                confidence=tuple(draft.confidence) if chain and draft.confidence is not None else None,
+            )
+            stats.record_step(step)
+            draft_length.observe(step)
+
+            accepted = [draft.tokens[node] for node in verdict.path]
+            new_tokens = [*accepted, verdict.next_token]
+            new_tokens = new_tokens[: config.max_new_tokens - stats.new_tokens]
+            eos_at = next((i for i, tok in enumerate(new_tokens) if tok in stop_ids), None)
+            if eos_at is not None:
+                new_tokens = new_tokens[: eos_at + 1]
+            context.extend(new_tokens)
+            stats.new_tokens += len(new_tokens)
+            step_end = time.perf_counter()
+            drafter.observe(context, StepFeedback(draft=draft, path=verdict.path, target_logits=logits))
+            stats.draft_s += time.perf_counter() - step_end
+            stats.wall_s = time.perf_counter() - started
+            yield new_tokens
+            if eos_at is not None:
+                outcome.finish_reason = "eos"
+                return
+    finally:
+        drafter.target_cache = None  # a finished (or abandoned) request's cache is never drafted on
     stats.wall_s = time.perf_counter() - started
 
 

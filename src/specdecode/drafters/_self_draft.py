@@ -1,17 +1,17 @@
 """What the self-speculative drafters (``layer-skip``, ``early-exit``, ``kangaroo``) share.
 
-The target drafts for itself by running only some of its layers.  The engine owns the target's
-verification cache, so a self-drafter keeps its *own* cache of the target run with layers left out and
-resynchronises it to the accepted context on every ``propose`` (like ``draft-model``).
-
-How that cache stays exact: a skipped layer writes no keys/values at all (its slot stays shorter, see
-:mod:`specdecode.models.hf`), and every position remembers the skip set it was computed under.  A
-position is only reusable under a layer subset that computes the same keys/values for every layer that
-subset runs (a layer reads its own slot, and its keys/values depend on the layers below it); on every
-``propose`` the cache is cropped at the first position that is not, and the rest is recomputed with the
-first draft forward.  So a layer never runs over a slot with a hole in it, and the target's own
-verification cache, which the drafter never touches, always holds every layer's true entries.  For
-early exits this is cheap: every position computed with at least L layers is exact for an exit at L.
+The target drafts for itself by running only some of its layers, *on top of the target's own KV cache
+of the context*.  The engine binds its verification cache to the drafter (``Drafter.target_cache``);
+between steps it holds ``context[:-1]`` with every layer's exact entries.  A draft feeds the last
+context token and then each drafted token through the executed layers, which append entries for the
+draft positions only (a skipped layer writes nothing, see :mod:`specdecode.models.hf`), and the cache is
+cropped back to its length before verification.  So the context costs the drafter nothing — no prefill
+of its own, no catch-up after each step, no rebuild when the exit or the skip set changes — and the
+verification forward finds exactly the entries it left.  For an early exit the draft is the same as a
+truncated model's (layers below L depend only on layers below L); a skip set reads the full model's
+entries for the context, as in SWIFT, which is an approximation that only changes what gets drafted.
+Outside the engine (a drafter driven by hand) the drafter keeps a private copy of that cache, synced to
+the context with full-model forwards.
 
 Draft logits come from a :class:`DraftHead`: the target's own LM head restricted to a vocabulary subset
 (the first ``draft_vocab`` token ids — BPE and SentencePiece vocabularies put frequent pieces first —
@@ -33,14 +33,14 @@ from specdecode.config import SamplingParams
 from specdecode.drafters.base import Draft
 from specdecode.drafters.draft_model import common_prefix_length
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import CausalLM
+from specdecode.models.base import CausalLM, KVCache
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
 from specdecode.models.hf import HFCausalLM
 from specdecode.verify.logits import sample, sampling_probs
 
-#: Runs the target on the tokens to feed under the current layer subset; returns the last row's logits
-#: over the draft head's vocabulary (``DraftHead.ids``).
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+#: Runs the target on the tokens to feed, on top of the given cache, under the current layer subset;
+#: returns the last row's logits over the draft head's vocabulary (``DraftHead.ids``).
+LogitsFn = Callable[[torch.Tensor, KVCache], torch.Tensor]
 
 #: Default size of the frequent part of a draft head's vocabulary.
 DEFAULT_DRAFT_VOCAB = 8192
@@ -50,14 +50,6 @@ def require_layer_backend(backend: CausalLM, drafter: str) -> HFCausalLM:
     if not isinstance(backend, HFCausalLM):
         raise SpecDecodeError(f"drafter {drafter!r} needs the transformers backend (it skips the target's layers)")
     return backend
-
-
-def reusable(written: frozenset[int], wanted: frozenset[int], num_layers: int) -> bool:
-    """Whether cache entries written with layers ``written`` skipped are exact for a run skipping ``wanted``:
-    the two must agree on every layer up to the last one ``wanted`` runs."""
-    executed = [i for i in range(num_layers) if i not in wanted]
-    top = executed[-1] + 1 if executed else 0
-    return {i for i in written if i < top} == {i for i in wanted if i < top}
 
 
 def tail(exit_layer: int, num_layers: int) -> frozenset[int]:
@@ -148,15 +140,15 @@ class DraftHead:
 
 
 class SelfDraftCache:
-    """The drafter's own cache of the target run under changing layer subsets, plus the draft loop."""
+    """The target's cache of the context that drafts run on (the engine's, or a private copy), plus the
+    draft loop."""
 
     def __init__(self, backend: HFCausalLM, head: DraftHead) -> None:
         self.backend = backend
         self.head = head
         self._no_rows = torch.empty(0, dtype=torch.long)
-        self.cache = backend.new_cache()
-        self.tokens: list[int] = []
-        self.written: list[frozenset[int]] = []  # skip set each cached position was computed with
+        self._own = backend.new_cache()  # used only when no cache in step with the context is bound
+        self._own_tokens: list[int] = []
         self.sampling = SamplingParams()
         self.generator = torch.Generator()
 
@@ -166,53 +158,52 @@ class SelfDraftCache:
         # A different stream from the verifier's, but reproducible from the same seed.
         self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 1)
 
-    def clear(self) -> None:
-        self.cache = self.backend.new_cache()
-        self.tokens, self.written = [], []
-
-    def sync(self, context: list[int], skipped: frozenset[int]) -> torch.Tensor:
-        """Crop to the longest prefix that is both the context's and exact under ``skipped``; the rest of
-        the context (at least its last token) is returned, to be fed with the first draft step."""
-        keep = min(common_prefix_length(self.tokens, context), len(context) - 1)
-        written, layers = self.written, self.backend.num_layers
-        stale = (i for i in range(keep) if written[i] is not skipped and not reusable(written[i], skipped, layers))
-        keep = next(stale, keep)
-        self.cache.crop(keep)
-        del self.tokens[keep:], self.written[keep:]
-        return torch.tensor(context[keep:], dtype=torch.long)
-
-    def record(self, fed: list[int], skipped: frozenset[int]) -> None:
-        self.tokens.extend(fed)
-        self.written.extend([skipped] * len(fed))
+    def context_cache(self, context: list[int], bound: KVCache | None) -> KVCache:
+        """A full-model cache holding exactly ``context[:-1]``: ``bound`` (the engine's) when it is in step,
+        else the private copy, cropped to what it shares with the context and extended by a forward."""
+        if bound is not None and bound.length == len(context) - 1:
+            return bound
+        keep = min(common_prefix_length(self._own_tokens, context), len(context) - 1)
+        self._own.crop(keep)
+        del self._own_tokens[keep:]
+        rest = context[keep:-1]
+        if rest:
+            self.backend.forward(torch.tensor(rest, dtype=torch.long), self._own, logits_rows=self._no_rows)
+            self._own_tokens.extend(rest)
+        return self._own
 
     def draft(
-        self, context: list[int], max_tokens: int, skipped: frozenset[int], logits_fn: LogitsFn, threshold: float
+        self, context: list[int], max_tokens: int, logits_fn: LogitsFn, threshold: float, bound: KVCache | None
     ) -> Draft:
-        """Draft up to ``max_tokens`` tokens; stop after the first whose probability is below ``threshold``.
+        """Draft up to ``max_tokens`` tokens on top of the context's cache (``bound``: the engine's); stop
+        after the first whose probability is below ``threshold``.
 
         Greedy requests draft the argmax (a point mass); sampled ones draw from the sampling distribution
         of the draft logits and return it, as lossless speculative sampling needs."""
         max_tokens = min(max_tokens, self.backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
-        pending = self.sync(context, skipped)
+        cache = self.context_cache(context, bound)
+        length = cache.length
+        pending = context[-1]
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        while len(tokens) < max_tokens:
-            logits = logits_fn(pending)
-            self.record(pending.tolist(), skipped)
-            if self.sampling.greedy:
-                probs = torch.softmax(logits.float(), dim=-1)
-                token = self.head.token(int(probs.argmax()))
-            else:
-                probs = sampling_probs(self.head.full_vocab(logits), self.sampling)
-                token = sample(probs, self.generator)
-                rows.append(probs)
-            tokens.append(token)
-            if float(probs.max()) < threshold:
-                break
-            pending = torch.tensor([token], dtype=torch.long)
-        # The last drafted token was never fed, so the cache ends one before it.
+        try:
+            while len(tokens) < max_tokens:
+                logits = logits_fn(torch.tensor([pending], dtype=torch.long), cache)
+                if self.sampling.greedy:
+                    probs = torch.softmax(logits.float(), dim=-1)
+                    token = self.head.token(int(probs.argmax()))
+                else:
+                    probs = sampling_probs(self.head.full_vocab(logits), self.sampling)
+                    token = sample(probs, self.generator)
+                    rows.append(probs)
+                tokens.append(token)
+                if float(probs.max()) < threshold:
+                    break
+                pending = token
+        finally:
+            cache.crop(length)  # the draft's entries go; the context's were never touched
         return Draft(tokens=tokens, probs=torch.stack(rows) if rows else None)
 
     def skipping(self, skipped: frozenset[int]) -> LogitsFn:
@@ -223,9 +214,9 @@ class SelfDraftCache:
         """The target with ``skipped`` layers left out, ``adapter`` on the last residual state, the draft head."""
 
         @torch.inference_mode()
-        def logits(pending: torch.Tensor) -> torch.Tensor:
+        def logits(pending: torch.Tensor, cache: KVCache) -> torch.Tensor:
             out = self.backend.forward(
-                pending, self.cache, skip_layers=skipped, exit_layer=self.backend.num_layers, output_hidden=True,
+                pending, cache, skip_layers=skipped, exit_layer=self.backend.num_layers, output_hidden=True,
                 logits_rows=self._no_rows,
             )
             hidden = out.hidden[-1:]

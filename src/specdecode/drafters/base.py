@@ -19,6 +19,7 @@ import torch
 from specdecode.config import SamplingParams
 
 if TYPE_CHECKING:
+    from specdecode.models.base import KVCache
     from specdecode.models.loading import LoadedModel
 
 
@@ -129,6 +130,11 @@ class Drafter(ABC):
     #: says whether to stop drafting (a cost-derived threshold).  Drafters that compute a confidence per
     #: token while drafting a chain may consult it; the others ignore it.
     stop_rule: Callable[[Sequence[float]], bool] | None = None
+    #: Set by the engine for each request (None outside one): the target's verification cache, which holds
+    #: ``context[:-1]`` whenever ``propose`` is called.  A drafter that runs the target itself (the
+    #: self-speculative ones) may append to it while drafting if it crops it back to that length before
+    #: returning; everyone else ignores it.
+    target_cache: KVCache | None = None
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target

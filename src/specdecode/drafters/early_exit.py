@@ -14,7 +14,7 @@ from the target's head restricted to ``draft_vocab`` frequent ids + the prompt's
 
 On SmolLM2-135M a plain exit is nearly useless below ~2/3 of the depth (top-1 agreement with the full
 model 4-9% up to layer 18 of 30, 58% at layer 29), so the planner mostly chooses not to draft there;
-a request that never drafts costs no drafter prefill (the first draft feeds the prompt).
+drafts run on the target's own cache of the context, so not drafting costs nothing.
 """
 
 from __future__ import annotations
@@ -111,8 +111,6 @@ class EarlyExitDrafter(Drafter):
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.state.start(sampling)
         self.state.head.start(prompt_ids)
-        # No prefill here: the first draft feeds the whole prompt, so a request that never drafts (no exit
-        # pays) costs nothing beyond plain decoding.
 
     def plan(self, max_tokens: int) -> tuple[int, int]:
         """(exit layer, draft length) with the best optimistic expected tokens per cost; length 0 = no draft."""
@@ -133,8 +131,8 @@ class EarlyExitDrafter(Drafter):
         self.used = layer if k else None
         if not k:
             return Draft(tokens=[])
-        skipped = self.skips[layer]
-        return self.state.draft(context, k, skipped, self.state.skipping(skipped), self.threshold)
+        logits = self.state.skipping(self.skips[layer])
+        return self.state.draft(context, k, logits, self.threshold, self.target_cache)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         drafted = len(feedback.draft.tokens)

@@ -151,4 +151,4 @@ class KangarooDrafter(Drafter):
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         logits = self.state.adapted(self.skipped, self.adapter)
-        return self.state.draft(context, max_tokens, self.skipped, logits, self.threshold)
+        return self.state.draft(context, max_tokens, logits, self.threshold, self.target_cache)

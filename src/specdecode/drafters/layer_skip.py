@@ -5,12 +5,12 @@ After Xia et al. 2024, "SWIFT: On-the-Fly Self-Speculative Decoding for LLM Infe
 The search is a (1+1) evolution strategy over skip masks: the current best set is scored by accepted
 tokens per unit cost (:class:`~specdecode.drafters._self_draft.CostModel`) over windows of
 ``trial_steps`` steps; in between, a mutation of it (one layer added, removed or swapped) is tried for
-a window and replaces it if it scores higher.  ``search_trials`` mutations are tried in all, and the best
-set (and its score) persists across requests, so later requests only exploit it.  Each set keeps its
-own cache (entries written under one skip set are not exact under another), so a trial rebuilds only the
-candidate's.  Drafting stops at the first token whose probability is below ``threshold``.  Draft logits
-come from the target's head restricted to ``draft_vocab`` frequent ids + the prompt's tokens (0: full
-head).  Layer 0 always runs (the cache length and mask are read from its slot).
+a window and replaces it if it scores higher. ``search_trials`` mutations are tried in all, and the
+best set (and its score) persists across requests, so later requests only exploit it. Every set drafts
+on the target's own cache of the context (as SWIFT does), so trying a new set costs nothing extra.
+Drafting stops at the first token whose probability is below ``threshold``. Draft logits come from the
+target's head restricted to ``draft_vocab`` frequent ids + the prompt's tokens (0: full head). Layer 0
+always runs (the cache length and mask are read from its slot).
 """
 
 from __future__ import annotations
@@ -86,9 +86,7 @@ class LayerSkipDrafter(Drafter):
         self.trial_steps = max(1, trial_steps)
         self.seed = seed
         self.costs = CostModel.of(backend, verify_token_cost)
-        self.head = DraftHead(backend, draft_vocab)
-        self.sampling = SamplingParams()
-        self.states: dict[frozenset[int], SelfDraftCache] = {}
+        self.state = SelfDraftCache(backend, DraftHead(backend, draft_vocab))
         self.reset()
 
     def reset(self) -> None:
@@ -98,7 +96,6 @@ class LayerSkipDrafter(Drafter):
         self.trials_left = self.search_trials
         self.window = Window()
         self.rng = random.Random(self.seed)
-        self.states = {}
         self.proposed = False
 
     @property
@@ -106,27 +103,17 @@ class LayerSkipDrafter(Drafter):
         return self.candidate if self.candidate is not None else self.best
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.sampling = sampling
-        self.head.start(prompt_ids)
-        for state in self.states.values():
-            state.start(sampling)
-
-    def _state(self, skipped: frozenset[int]) -> SelfDraftCache:
-        if skipped not in self.states:
-            self.states = {s: state for s, state in self.states.items() if s in (self.best, self.candidate)}
-            self.states[skipped] = SelfDraftCache(self.backend, self.head)
-            self.states[skipped].start(self.sampling)
-        return self.states[skipped]
+        self.state.start(sampling)
+        self.state.head.start(prompt_ids)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         self.proposed = True
-        skipped = self.active
-        state = self._state(skipped)
-        return state.draft(context, max_tokens, skipped, state.skipping(skipped), self.threshold)
+        logits = self.state.skipping(self.active)
+        return self.state.draft(context, max_tokens, logits, self.threshold, self.target_cache)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         # Only steps that ran the skip set score it: while the draft-length policy holds drafting off,
-        # windows must not elapse, or every rare probe would pay for building a fresh candidate's cache.
+        # windows must not elapse, or a candidate would be judged on the rare probes alone.
         if not self.proposed:
             return
         self.proposed = False

@@ -10,14 +10,14 @@ running layers 0..L-1 only; a skipped layer costs nothing, not even a Python cal
 
 How the KV cache stays exact: every layer keeps its own slot in the ``DynamicCache`` (attention modules
 keep their ``layer_idx``), and a skipped layer simply writes nothing, so its slot is *shorter* than
-those of the layers that ran.  The attention mask is built from layer 0's length (layer 0 always runs:
+those of the layers that ran. The attention mask is built from layer 0's length (layer 0 always runs:
 an exit is at least 1 and the layer-skip search never skips it), so a layer may only run when its slot
-holds every earlier position: whoever mixes layer subsets on one cache must crop first.  The
-self-speculative drafters keep their own cache and recompute any position whose entries were written
-under an incompatible layer subset (:mod:`specdecode.drafters._self_draft`), while the target's
-verification cache never sees a skipped layer.  Executed layers write their true keys/values for the
-hidden states they received; for an early exit these equal the full model's exactly, since layers
-below L depend only on layers below L.
+holds every earlier position: whoever mixes layer subsets on one cache must crop first. The
+self-speculative drafters append their draft positions to the target's verification cache with layers
+skipped and crop them away again before verification (:mod:`specdecode.drafters._self_draft`), so every
+position the verification reads was written by the full model. Executed layers write their true
+keys/values for the hidden states they received; for an early exit these equal the full model's
+exactly, since layers below L depend only on layers below L.
 """
 
 from __future__ import annotations
