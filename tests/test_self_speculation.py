@@ -161,8 +161,8 @@ def test_layer_skip_search_tries_masks_and_keeps_a_best(tiny_target):
 
 
 def test_layer_skip_windows_count_only_steps_that_drafted(tiny_target):
-    """While the draft-length policy holds drafting off, the search must not move on (each new candidate
-    costs building its cache on the next probe)."""
+    """While the draft-length policy holds drafting off, the search must not move on (a candidate would
+    be judged on the rare probes alone)."""
     drafter = create_drafter("layer-skip", tiny_target, trial_steps=1, search_trials=3)
     before = (drafter.best, drafter.candidate, drafter.trials_left)
     run(tiny_target, drafter, [5, 17, 22, 9], max_new_tokens=6, num_draft_tokens=0)

@@ -176,7 +176,7 @@ class CostModelLength(DraftLengthPolicy):
     curve: tuple[float, ...] = field(default_factory=lambda: linear_curve(1.3))
     probe_every: int = 8
     max_probe_every: int = 64
-    probe_interval: int = 0  # steps until the next probe while not drafting (0: probe_every)
+    probe_interval: int = field(init=False)  # steps until the next probe while not drafting
     probing: bool = False  # the step asked for is a probe
     #: Per-position acceptance, keyed by whether the previous draft was accepted in full.
     acceptance_after: dict[bool, list[_RunningMean]] = field(default_factory=lambda: {True: [], False: []})
@@ -194,6 +194,7 @@ class CostModelLength(DraftLengthPolicy):
         if not self.curve or self.curve[0] <= 0:
             raise ValueError("a cost curve needs a positive cost for one input")
         self.curve = tuple(c / self.curve[0] for c in self.curve)
+        self.probe_interval = self.probe_every
 
     # -- the cost model --------------------------------------------------------------------------
     @property
@@ -246,7 +247,7 @@ class CostModelLength(DraftLengthPolicy):
             # A drafter that reports confidences: the stop rule decides how deep, token by token.
             return cap if self.uses_confidence else best
         self.steps_without_drafting += 1
-        if self.steps_without_drafting < (self.probe_interval or self.probe_every):
+        if self.steps_without_drafting < self.probe_interval:
             return 0
         self.steps_without_drafting, self.probing = 0, True
         return 1
@@ -303,8 +304,8 @@ class CostModelLength(DraftLengthPolicy):
             self.in_run = step.accepted == step.depth
         if self.probing:
             self.probing = False
-            interval = self.probe_interval or self.probe_every
-            self.probe_interval = self.probe_every if step.accepted else min(2 * interval, self.max_probe_every)
+            backed_off = min(2 * self.probe_interval, self.max_probe_every)
+            self.probe_interval = self.probe_every if step.accepted else backed_off
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):

@@ -152,7 +152,9 @@ class SelfDraftCache:
         self.sampling = SamplingParams()
         self.generator = torch.Generator()
 
-    def start(self, sampling: SamplingParams) -> None:
+    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
+        """A new request: the draft head takes in the prompt's tokens, sampling gets its own seeded stream."""
+        self.head.start(prompt_ids)
         self.sampling = sampling
         self.generator = torch.Generator()
         # A different stream from the verifier's, but reproducible from the same seed.

@@ -109,8 +109,7 @@ class EarlyExitDrafter(Drafter):
         self.steps = 0
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.state.start(sampling)
-        self.state.head.start(prompt_ids)
+        self.state.start(prompt_ids, sampling)
 
     def plan(self, max_tokens: int) -> tuple[int, int]:
         """(exit layer, draft length) with the best optimistic expected tokens per cost; length 0 = no draft."""

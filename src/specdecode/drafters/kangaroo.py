@@ -146,8 +146,7 @@ class KangarooDrafter(Drafter):
         return KangarooAdapter.load(path, target.backend)
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.state.start(sampling)
-        self.state.head.start(prompt_ids)
+        self.state.start(prompt_ids, sampling)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         logits = self.state.adapted(self.skipped, self.adapter)

@@ -103,8 +103,7 @@ class LayerSkipDrafter(Drafter):
         return self.candidate if self.candidate is not None else self.best
 
     def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.state.start(sampling)
-        self.state.head.start(prompt_ids)
+        self.state.start(prompt_ids, sampling)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         self.proposed = True
