@@ -9,9 +9,10 @@ import torch
 from conftest import TINY_VOCAB
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Drafter, DraftRequest, StatelessSession
 from specdecode.engine import DecodeOutcome, ancestor_mask, speculative_decode
 from specdecode.generator import SpeculativeGenerator
+from specdecode.types import Draft
 
 PROMPTS = [
     [5, 17, 22, 9, 30, 41],
@@ -197,6 +198,9 @@ class OracleTreeDrafter(Drafter):
         super().__init__(target)
         self.truth, self.prompt_len, self.step = truth, prompt_len, 0
 
+    def session(self, request):
+        return StatelessSession(self.propose)
+
     def propose(self, context, max_tokens) -> Draft:
         done = len(context) - self.prompt_len
         right = self.truth[done : done + max_tokens]
@@ -266,11 +270,10 @@ def test_draft_confidence_is_optional_checked_and_kept_by_limits():
 
 def test_draft_model_reports_confidence_and_obeys_the_stop_rule(tiny_target, tiny_draft):
     drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
-    drafter.start(PROMPTS[0], SamplingParams())
-    full = drafter.propose(PROMPTS[0], 6)
+    full = drafter.session(DraftRequest(tuple(PROMPTS[0]))).propose(PROMPTS[0], 6)
     assert len(full.confidence) == 6 and all(0.0 < c <= 1.0 for c in full.confidence)
-    drafter.stop_rule = lambda confidences: len(confidences) >= 2
-    assert drafter.propose(PROMPTS[0], 6).tokens == full.tokens[:2]
+    stopping = drafter.session(DraftRequest(tuple(PROMPTS[0]), stop_rule=lambda confidences: len(confidences) >= 2))
+    assert stopping.propose(PROMPTS[0], 6).tokens == full.tokens[:2]
 
 
 class ConfidentOracle(Drafter):
@@ -281,6 +284,9 @@ class ConfidentOracle(Drafter):
     def __init__(self, target, expected: list[int], prompt_len: int) -> None:
         super().__init__(target)
         self.expected, self.prompt_len = expected, prompt_len
+
+    def session(self, request):
+        return StatelessSession(self.propose)
 
     def propose(self, context, max_tokens):
         right = self.expected[len(context) - self.prompt_len:][:2]

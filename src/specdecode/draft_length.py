@@ -16,25 +16,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+import copy
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
+from specdecode.types import StepObservation
 
-
-@dataclass(frozen=True)
-class StepObservation:
-    """What one step cost and achieved."""
-
-    depth: int  # how deep the draft actually went (0: nothing drafted)
-    nodes: int  # draft tokens verified (a tree has more nodes than depth)
-    accepted: int
-    draft_s: float
-    verify_s: float
-    overhead_s: float = 0.0  # the rest of the step: the drafter's observe, bookkeeping, the consumer
-    confidence: tuple[float, ...] | None = None  # a chain drafter's confidence per token, if it gives one
+__all__ = ["StepObservation"]  # re-exported: policies are written against it
 
 
 class DraftLengthPolicy(ABC):
+    """How deep one sequence drafts.  What a policy learns across requests lives in the object the generator
+    keeps; each sequence decodes with a :meth:`fork` that shares it and adds its own per-sequence state."""
+
+    def fork(self) -> DraftLengthPolicy:
+        """The policy for one more sequence (stateless policies are their own fork)."""
+        return self
+
     @abstractmethod
     def next_length(self, limit: int) -> int:
         """Depth to request from the drafter this step, at most ``limit``."""
@@ -65,6 +63,9 @@ class HeuristicLength(DraftLengthPolicy):
 
     k: int = 5
     maximum: int = 16
+
+    def fork(self) -> HeuristicLength:
+        return HeuristicLength(self.k, self.maximum)
 
     def next_length(self, limit: int) -> int:
         return min(self.k, limit)
@@ -181,7 +182,7 @@ class CostModelLength(DraftLengthPolicy):
     #: Per-position acceptance, keyed by whether the previous draft was accepted in full.
     acceptance_after: dict[bool, list[_RunningMean]] = field(default_factory=lambda: {True: [], False: []})
     in_run: bool = False  # the last step that drafted had its whole draft accepted
-    scale: _RunningMean | None = None
+    scale: _RunningMean = field(default_factory=lambda: _RunningMean(1.0, weight=0.0, decay=0.9))
     draft_cost: _LinearFit = field(default_factory=_LinearFit)
     overhead: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
     calibration: list[_RunningMean] = field(default_factory=lambda: _calibration_prior())
@@ -189,6 +190,7 @@ class CostModelLength(DraftLengthPolicy):
     achieved_tokens: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
     achieved_seconds: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
+    others_width: int = 0  # inputs the rest of the batch added to the last verification forward
 
     def __post_init__(self) -> None:
         if not self.curve or self.curve[0] <= 0:
@@ -218,7 +220,7 @@ class CostModelLength(DraftLengthPolicy):
     def verify_seconds(self, width: int) -> float:
         """Expected seconds of a verification forward over ``width`` inputs (in units of one input
         until a step has been timed)."""
-        return (self.scale.value if self.scale else 1.0) * self.relative_cost(width)
+        return self.scale.value * self.relative_cost(width)
 
     def step_seconds(self, k: int) -> float:
         draft = self.draft_cost(k) if k > 0 else 0.0
@@ -226,11 +228,7 @@ class CostModelLength(DraftLengthPolicy):
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second (in the cost model's units) when drafting k deep."""
-        tokens, survive = 1.0, 1.0
-        for position in range(k):
-            survive *= self._acceptance(position)
-            tokens += survive
-        return tokens / self.step_seconds(k)
+        return self.expected_tokens(k) / self.step_seconds(k)
 
     def achieved_rate(self) -> float:
         """Tokens per second over recent steps, or the model's best guess before any step."""
@@ -239,9 +237,28 @@ class CostModelLength(DraftLengthPolicy):
         return max(self.expected_rate(k) for k in range(self.maximum + 1))
 
     # -- decisions -------------------------------------------------------------------------------
+    def fork(self) -> CostModelLength:
+        """Shares everything learned (the tables are the same objects); the per-sequence state starts afresh."""
+        twin = copy.copy(self)
+        twin.in_run, twin.probing, twin.steps_without_drafting, twin.others_width = False, False, 0, 0
+        twin.probe_interval = self.probe_every
+        return twin
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step yields when drafting k deep (the target's own token included)."""
+        tokens, survive = 1.0, 1.0
+        for position in range(k):
+            survive *= self._acceptance(position)
+            tokens += survive
+        return tokens
+
     def next_length(self, limit: int) -> int:
         cap = min(self.maximum, limit)
-        best = max(range(cap + 1), key=self.expected_rate)
+        return self.settle(max(range(cap + 1), key=self.expected_rate), cap)
+
+    def settle(self, best: int, cap: int) -> int:
+        """The depth to ask for once the cost model chose ``best``: a confidence drafter gets ``cap`` (its stop
+        rule decides token by token); a choice of 0 may become a probe of depth 1 now and then."""
         if best > 0 or cap == 0:
             self.steps_without_drafting = 0
             # A drafter that reports confidences: the stop rule decides how deep, token by token.
@@ -272,29 +289,31 @@ class CostModelLength(DraftLengthPolicy):
         if n == 0:
             return False
         survival = self._survival(confidences)[-1]
-        extra = self.draft_cost(n + 1) - self.draft_cost(n) + self.verify_seconds(n + 2) - self.verify_seconds(n + 1)
+        base = self.others_width
+        extra = self.draft_cost(n + 1) - self.draft_cost(n) + self.verify_seconds(base + n + 2) - self.verify_seconds(
+            base + n + 1
+        )
         return survival < self.achieved_rate() * extra
 
     def keep_length(self, confidences: Sequence[float]) -> int:
         rate = self.achieved_rate()
         for depth, survival in enumerate(self._survival(confidences), start=1):
-            if survival < rate * (self.verify_seconds(depth + 1) - self.verify_seconds(depth)):
+            base = self.others_width
+            if survival < rate * (self.verify_seconds(base + depth + 1) - self.verify_seconds(base + depth)):
                 return depth - 1
         return len(confidences)
 
     # -- learning --------------------------------------------------------------------------------
     def observe(self, step: StepObservation) -> None:
-        width = step.nodes + 1
-        one_input = step.verify_s / self.relative_cost(width)
-        if self.scale is None:
-            self.scale = _RunningMean(one_input, weight=1.0, decay=0.9)
-        else:
-            self.scale.add(one_input)
+        width = step.forward_width
+        self.others_width = width - step.nodes - 1
+        self.scale.add(step.verify_s / self.relative_cost(width))
         self.overhead.add(step.overhead_s)
         if step.depth:
             self.draft_cost.add(step.depth, step.draft_s)
+        # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
-        self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s)
+        self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s / step.batch)
         # Position j was tried iff the draft reached depth j and every earlier position was accepted.
         for position in range(min(step.depth, step.accepted + 1)):
             while len(self.acceptance) <= position:
@@ -325,3 +344,52 @@ def make_policy(spec: int | str, curve: Sequence[float] | None = None) -> DraftL
     if spec == "heuristic":
         return HeuristicLength()
     raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
+
+
+def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int]:
+    """Each sequence's draft depth for one batched step (``limits``: at most this deep).
+
+    Sequences under ``auto`` share one verification forward whose width is the sum of their drafts, so
+    their depths are chosen together to maximise the batch's expected tokens per second: starting from no
+    drafts, the depth increase with the best gain in that rate is taken while there is one.  As the batch
+    grows the forward's width gets dearer, so each sequence drafts less (vLLM shrinks its draft length with
+    the batch for the same reason).  Other policies choose alone."""
+    auto = [i for i, p in enumerate(policies) if isinstance(p, CostModelLength)]
+    depths = [0 if i in auto else p.next_length(limit) for i, (p, limit) in enumerate(zip(policies, limits))]
+    if len(auto) <= 1:
+        for i in auto:
+            depths[i] = policies[i].next_length(limits[i])
+        return depths
+    models: list[CostModelLength] = [policies[i] for i in auto]  # type: ignore[misc]
+    caps = [min(m.maximum, limits[i]) for m, i in zip(models, auto)]
+    reference = models[0]  # forks share the scale and cost curve
+    fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in auto)
+    tokens_at = [[m.expected_tokens(k) for k in range(cap + 1)] for m, cap in zip(models, caps)]
+    draft_at = [[m.draft_cost(k) if k else 0.0 for k in range(cap + 1)] for m, cap in zip(models, caps)]
+    chosen = [0] * len(models)
+    width = fixed + len(models)
+    tokens = sum(t[0] for t in tokens_at)
+    other = sum(m.overhead.value for m in models)  # overheads, plus the drafts chosen so far
+    verify = reference.verify_seconds(width)
+    while True:
+        rate, best = tokens / (other + verify), None
+        for j, cap in enumerate(caps):
+            now = chosen[j]
+            for k in range(now + 1, cap + 1):
+                trial = (tokens - tokens_at[j][now] + tokens_at[j][k]) / (
+                    other - draft_at[j][now] + draft_at[j][k] + reference.verify_seconds(width + k - now)
+                )
+                if trial > rate:
+                    rate, best = trial, (j, k)
+        if best is None:
+            break
+        j, k = best
+        now = chosen[j]
+        tokens += tokens_at[j][k] - tokens_at[j][now]
+        other += draft_at[j][k] - draft_at[j][now]
+        width += k - now
+        verify = reference.verify_seconds(width)
+        chosen[j] = k
+    for j, (i, m) in enumerate(zip(auto, models)):
+        depths[i] = m.settle(chosen[j], caps[j])
+    return depths

@@ -1,30 +1,41 @@
-"""The speculative decoding loop: propose → verify in one target forward → accept → roll back.
+"""The speculative decoding loop, batch-shaped: propose → verify in one target forward → accept → roll back.
 
-Invariant between steps: the target's KV cache holds ``context[:-1]``; the last context token (the
-one the target itself chose last step) is fed together with the draft.  One forward over
+Invariant between steps, for every sequence: its KV cache holds ``context[:-1]``; the last context
+token (the one the target itself chose last step) is fed together with the draft.  One forward over
 ``[context[-1], d_1 .. d_k]`` gives k+1 rows of logits: row i predicts what follows d_i (row 0 what
-follows the context).  The verifier keeps n <= k draft tokens and supplies one more token of its
-own, the cache is cropped to ``context + d_1..d_n`` and the loop continues.  With no draft this is
-exactly plain autoregressive decoding, which is why ``--drafter none`` is the baseline.
+follows the context).  The verifier keeps n <= k draft tokens and supplies one more token of its own,
+the cache is cropped to ``context + d_1..d_n`` and the loop continues.  With no draft this is exactly
+plain autoregressive decoding, which is why ``--drafter none`` is the baseline.
+
+:func:`step` is the whole step for a batch of sequences, and the only one: the single-sequence
+generator (:func:`speculative_decode`), the batched engine (:class:`BatchEngine`) and the policy replay
+(``bench/replay.py``, which swaps the target for a known output) all run it.  In a batch each sequence
+keeps its own draft, depth, sampling, RNG, accepted length and cache slot; the forward is ragged (each
+sequence's own positions and mask, nothing padded), so what one sequence accepts never depends on
+what the others drafted — which is what makes batched greedy output equal solo greedy output.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import DraftLengthPolicy, StepObservation, make_policy
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
-from specdecode.models.base import CausalLM
+from specdecode.draft_length import DraftLengthPolicy, make_policy, plan_batch
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.models.base import CausalLM, KVCache, KVPool, SequenceInput
+from specdecode.sampling import sampling_probs
 from specdecode.stats import GenerationStats
+from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
 from specdecode.verify.greedy import verify_greedy
-from specdecode.verify.logits import sampling_probs
-from specdecode.verify.sampling import verify_speculative_sampling
+from specdecode.verify.rejection import verify_speculative_sampling
+
+Clock = Callable[[], float]
 
 
 @dataclass
@@ -35,116 +46,73 @@ class DecodeOutcome:
     finish_reason: str = "length"  # "length" (max tokens or context full) or "eos"
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A private RNG: seeded runs are reproducible and never disturb torch's global RNG."""
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else secrets.randbits(63))
-    return generator
+def request_seed(seed: int | None) -> int:
+    """The seed a request's random draws come from: the user's, or a fresh one (never the global RNG)."""
+    return seed if seed is not None else secrets.randbits(63)
 
 
-def speculative_decode(
-    target: CausalLM,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    config: GenerationConfig,
-    eos_ids: frozenset[int] = frozenset(),
-    outcome: DecodeOutcome | None = None,
-    draft_length: DraftLengthPolicy | None = None,
-) -> Iterator[list[int]]:
-    """Yield the tokens accepted at each step (never empty) until EOS, max tokens or a full context.
+@dataclass
+class Sequence:
+    """One request being decoded: everything the step needs that belongs to it alone."""
 
-    ``draft_length`` decides the depth of each draft (default: from ``config.num_draft_tokens``); pass
-    one policy object across requests to let an adaptive policy keep what it learned."""
-    outcome = outcome if outcome is not None else DecodeOutcome()
-    draft_length = draft_length if draft_length is not None else make_policy(config.num_draft_tokens)
-    stats = outcome.stats
-    sampling = config.sampling
-    generator = make_generator(sampling.seed)
-    stop_ids = frozenset() if config.ignore_eos else eos_ids
-    started = time.perf_counter()
+    prompt_ids: list[int]
+    config: GenerationConfig
+    stop_ids: frozenset[int]
+    session: DraftSession
+    length_policy: DraftLengthPolicy
+    generator: torch.Generator  # the verifier's draws (CPU: verification reads probabilities on the host)
+    max_context: int
+    cache: KVCache | None = None  # None when no target runs (replay)
+    context: list[int] = field(default_factory=list)
+    outcome: DecodeOutcome = field(default_factory=DecodeOutcome)
+    done: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    step_end: float = 0.0
 
-    drafter.start(list(prompt_ids), sampling)
-    drafter.stop_rule = draft_length.should_stop
-    cache = target.new_cache()
-    drafter.target_cache = cache
-    try:
-        if len(prompt_ids) > 1:
-            target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
-        stats.prefill_s = stats.forward_s = time.perf_counter() - started
+    def __post_init__(self) -> None:
+        self.context = self.context or list(self.prompt_ids)
+        self.step_end = self.started
 
-        context = list(prompt_ids)
-        step_end = time.perf_counter()
-        while stats.new_tokens < config.max_new_tokens and len(context) < target.max_context:
-            # A step adds at most depth + 1 tokens, and every draft node needs a cache slot.
-            room = config.max_new_tokens - stats.new_tokens - 1
-            max_depth = draft_length.next_length(room) if room > 0 else 0
-            max_nodes = target.max_context - len(context)
+    @property
+    def stats(self) -> GenerationStats:
+        return self.outcome.stats
 
-            tick = time.perf_counter()
-            draft = drafter.propose(context, max_depth) if max_depth > 0 else Draft(tokens=[])
-            chain = draft.is_chain
-            if draft.confidence is not None and chain:
-                max_depth = min(max_depth, draft_length.keep_length(draft.confidence))
-            draft = draft.limited(max_nodes, max_depth)
-            tock = time.perf_counter()
-            stats.draft_s += tock - tick
+    @property
+    def room(self) -> int:
+        """Draft tokens this sequence may still use: a step adds at most depth + 1 tokens."""
+        return self.config.max_new_tokens - self.stats.new_tokens - 1
 
-            tokens, positions, tree_mask = _verification_inputs(context, draft, chain)
-            forward_start = time.perf_counter()
-            logits = target.forward(tokens, cache, positions=positions, tree_mask=tree_mask).logits
-            stats.forward_s += time.perf_counter() - forward_start
-            if sampling.greedy:
-                verdict = verify_greedy(logits, draft)
-            else:
-                verdict = verify_speculative_sampling(sampling_probs(logits, sampling), draft, generator)
-            # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
-            cache.keep(len(context) - 1, [0, *(1 + node for node in verdict.path)])
-            verify_s = time.perf_counter() - tock
-            stats.verify_s += verify_s
-            nodes = len(draft.tokens)
-            step = StepObservation(
-                depth=nodes if chain else max(draft.depths(), default=0), nodes=nodes, accepted=verdict.num_accepted,
-                draft_s=tock - tick, verify_s=verify_s, overhead_s=tick - step_end,
-                confidence=tuple(draft.confidence) if chain and draft.confidence is not None else None,
-            )
-            stats.record_step(step)
-            draft_length.observe(step)
-
-            accepted = [draft.tokens[node] for node in verdict.path]
-            new_tokens = [*accepted, verdict.next_token]
-            new_tokens = new_tokens[: config.max_new_tokens - stats.new_tokens]
-            eos_at = next((i for i, tok in enumerate(new_tokens) if tok in stop_ids), None)
-            if eos_at is not None:
-                new_tokens = new_tokens[: eos_at + 1]
-            context.extend(new_tokens)
-            stats.new_tokens += len(new_tokens)
-            step_end = time.perf_counter()
-            drafter.observe(context, StepFeedback(draft=draft, path=verdict.path, target_logits=logits))
-            stats.draft_s += time.perf_counter() - step_end
-            stats.wall_s = time.perf_counter() - started
-            yield new_tokens
-            if eos_at is not None:
-                outcome.finish_reason = "eos"
-                return
-    finally:
-        drafter.target_cache = None  # a finished (or abandoned) request's cache is never drafted on
-    stats.wall_s = time.perf_counter() - started
+    @property
+    def generated(self) -> list[int]:
+        return self.context[len(self.prompt_ids) :]
 
 
-def _verification_inputs(
-    context: list[int], draft: Draft, chain: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Tokens, positions and tree mask of one target forward over the last context token and the draft.
+@dataclass
+class Checked:
+    """What verifying one sequence's draft decided, and the logits it read (for the drafter)."""
+
+    verdict: Verdict
+    logits: torch.Tensor
+
+
+class Verifier(Protocol):
+    def __call__(self, sequences: list[Sequence], drafts: list[Draft]) -> list[Checked]:
+        """Verify every sequence's draft (one target forward for all) and leave each cache holding the
+        context plus the accepted path."""
+
+
+def verification_input(context: list[int], draft: Draft, cache: KVCache) -> SequenceInput:
+    """One target forward's input for a sequence: the last context token and the draft.
 
     A chain needs nothing but the tokens (positions follow the cache, the causal mask does the rest).  A
     tree also gets depth-based positions and a mask that lets each node see only the context, itself and
     its ancestors."""
     tokens = torch.tensor([context[-1], *draft.tokens], dtype=torch.long)
-    if chain:
-        return tokens, None, None
+    if draft.is_chain:
+        return SequenceInput(tokens, cache)
     base = len(context) - 1
     positions = torch.tensor([base, *(base + d for d in draft.depths())], dtype=torch.long)
-    return tokens, positions, ancestor_mask(draft)
+    return SequenceInput(tokens, cache, positions=positions, tree_mask=ancestor_mask(draft))
 
 
 def ancestor_mask(draft: Draft) -> torch.Tensor:
@@ -157,3 +125,241 @@ def ancestor_mask(draft: Draft) -> torch.Tensor:
         mask[row] = mask[parent + 1]
         mask[row, row] = True
     return mask
+
+
+class TargetVerifier:
+    """The real verifier: one ragged target forward over every sequence's draft, then greedy matching or
+    rejection sampling per sequence, and each cache compacted to its accepted path."""
+
+    def __init__(self, target: CausalLM) -> None:
+        self.target = target
+
+    def __call__(self, sequences: list[Sequence], drafts: list[Draft]) -> list[Checked]:
+        inputs = [verification_input(seq.context, draft, seq.cache) for seq, draft in zip(sequences, drafts)]
+        outputs = self.target.forward_batch(inputs)
+        checked = []
+        for seq, draft, out in zip(sequences, drafts, outputs):
+            sampling = seq.config.sampling
+            if sampling.greedy:
+                verdict = verify_greedy(out.logits, draft)
+            else:
+                verdict = verify_speculative_sampling(sampling_probs(out.logits, sampling), draft, seq.generator)
+            # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
+            seq.cache.keep(len(seq.context) - 1, [0, *(1 + node for node in verdict.path)])
+            checked.append(Checked(verdict, out.logits))
+        return checked
+
+
+def step(
+    sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter
+) -> list[list[int]]:
+    """One speculative step for every (unfinished) sequence: draft, verify all drafts in one forward,
+    accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done."""
+    depths = plan_batch([seq.length_policy for seq in sequences], [max(seq.room, 0) for seq in sequences])
+    drafts, draft_times, idle_times = [], [], []
+    for seq, max_depth in zip(sequences, depths):
+        tick = clock()
+        draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
+        if draft.confidence is not None and draft.is_chain:
+            max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
+        drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
+        draft_times.append(clock() - tick)
+        idle_times.append(tick - seq.step_end)
+    tick = clock()
+    checked = verifier(sequences, drafts)
+    verify_s = clock() - tick
+    width = sum(len(draft.tokens) + 1 for draft in drafts)
+    gained = []
+    for seq, draft, check, draft_s, idle_s in zip(sequences, drafts, checked, draft_times, idle_times):
+        stats, config, verdict = seq.stats, seq.config, check.verdict
+        observation = StepObservation(
+            depth=draft.depth, nodes=len(draft.tokens), accepted=verdict.num_accepted, draft_s=draft_s,
+            verify_s=verify_s, overhead_s=idle_s, width=width, batch=len(sequences),
+            confidence=tuple(draft.confidence) if draft.is_chain and draft.confidence is not None else None,
+        )
+        seq.length_policy.observe(observation)
+        accepted = [draft.tokens[node] for node in verdict.path]
+        new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
+        eos_at = next((i for i, token in enumerate(new_tokens) if token in seq.stop_ids), None)
+        if eos_at is not None:
+            new_tokens = new_tokens[: eos_at + 1]
+            seq.outcome.finish_reason = "eos"
+        # Stats count what was kept: draft tokens cut by EOS or the token limit are not "accepted".
+        stats.record_step(observation, kept=len(new_tokens) - 1 if len(new_tokens) <= len(accepted) else None)
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.forward_s += verify_s
+        seq.context.extend(new_tokens)
+        stats.new_tokens += len(new_tokens)
+        tock = clock()
+        seq.session.observe(seq.context, StepFeedback(draft=draft, path=verdict.path, target_logits=check.logits))
+        seq.step_end = clock()
+        stats.draft_s += seq.step_end - tock
+        stats.wall_s = seq.step_end - seq.started
+        seq.done = (
+            eos_at is not None
+            or stats.new_tokens >= config.max_new_tokens
+            or len(seq.context) >= seq.max_context
+        )
+        gained.append(new_tokens)
+    return gained
+
+
+def start_sequence(
+    target: CausalLM,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    config: GenerationConfig,
+    eos_ids: frozenset[int],
+    policy: DraftLengthPolicy,
+    cache: KVCache,
+    outcome: DecodeOutcome | None = None,
+) -> Sequence:
+    """Prefill ``cache`` with the prompt and open the request's drafting session."""
+    started = time.perf_counter()
+    seed = request_seed(config.sampling.seed)
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    length_policy = policy.fork()
+    session = drafter.session(DraftRequest(
+        prompt_ids=tuple(prompt_ids), sampling=config.sampling, seed=seed,
+        stop_rule=length_policy.should_stop, target_cache=cache,
+    ))
+    seq = Sequence(
+        prompt_ids=list(prompt_ids), config=config, stop_ids=frozenset() if config.ignore_eos else eos_ids,
+        session=session, length_policy=length_policy, generator=generator, max_context=target.max_context,
+        cache=cache, outcome=outcome or DecodeOutcome(), started=started,
+    )
+    if len(prompt_ids) > 1:
+        target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
+    seq.step_end = time.perf_counter()
+    seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
+    seq.done = len(prompt_ids) >= target.max_context
+    return seq
+
+
+def finish_sequence(seq: Sequence) -> None:
+    """Close the drafting session and give the cache slot back (finished or cancelled alike)."""
+    seq.session.finish(seq.context)
+    if seq.cache is not None:
+        seq.cache.release()
+        seq.cache = None
+    seq.stats.wall_s = time.perf_counter() - seq.started
+
+
+def speculative_decode(
+    target: CausalLM,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    config: GenerationConfig,
+    eos_ids: frozenset[int] = frozenset(),
+    outcome: DecodeOutcome | None = None,
+    draft_length: DraftLengthPolicy | None = None,
+) -> Iterator[list[int]]:
+    """Decode one sequence: yield the tokens accepted at each step (never empty) until EOS, max tokens or a
+    full context.
+
+    ``draft_length`` decides the depth of each draft (default: from ``config.num_draft_tokens``); pass
+    one policy object across requests to let an adaptive policy keep what it learned."""
+    policy = draft_length if draft_length is not None else make_policy(config.num_draft_tokens)
+    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, target.new_cache(), outcome)
+    verifier = TargetVerifier(target)
+    try:
+        while not seq.done:
+            (new_tokens,) = step([seq], verifier)
+            yield new_tokens
+    finally:
+        finish_sequence(seq)
+
+
+@dataclass
+class BatchRequest:
+    """A request submitted to the :class:`BatchEngine`."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    tag: object = None  # the caller's handle, returned with every event
+
+
+@dataclass
+class BatchEvent:
+    tag: object
+    new_tokens: list[int]
+    sequence: Sequence
+    finished: bool
+
+
+class BatchEngine:
+    """Continuous batching: up to ``max_batch_size`` sequences decode together, one :func:`step` per
+    iteration; waiting requests join between steps as others finish, and a finished or cancelled
+    sequence gives its cache slot back at once."""
+
+    def __init__(
+        self,
+        target: CausalLM,
+        drafter: Drafter,
+        policy_for: Callable[[GenerationConfig], DraftLengthPolicy],
+        eos_ids: frozenset[int],
+        max_batch_size: int = 8,
+    ) -> None:
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"batch size must be a positive integer, got {max_batch_size!r}")
+        self.target = target
+        self.drafter = drafter
+        self.policy_for = policy_for
+        self.eos_ids = eos_ids
+        self.max_batch_size = max_batch_size
+        self.pool: KVPool = target.new_pool()
+        self.verifier = TargetVerifier(target)
+        self.waiting: list[BatchRequest] = []
+        self.running: dict[int, tuple[object, Sequence]] = {}
+
+    def submit(self, request: BatchRequest) -> None:
+        self.waiting.append(request)
+
+    def cancel(self, tag: object) -> bool:
+        """Drop a waiting or running request; its cache slot is free when this returns."""
+        for key, (owner, seq) in list(self.running.items()):
+            if owner is tag:
+                del self.running[key]
+                finish_sequence(seq)
+                return True
+        before = len(self.waiting)
+        self.waiting = [r for r in self.waiting if r.tag is not tag]
+        return len(self.waiting) < before
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _admit(self) -> list[BatchEvent]:
+        events = []
+        while self.waiting and len(self.running) < self.max_batch_size:
+            request = self.waiting.pop(0)
+            seq = start_sequence(
+                self.target, self.drafter, request.prompt_ids, request.config, self.eos_ids,
+                self.policy_for(request.config), self.pool.allocate(),
+            )
+            if seq.done:  # nothing fits after the prompt
+                finish_sequence(seq)
+                events.append(BatchEvent(request.tag, [], seq, True))
+            else:
+                self.running[id(seq)] = (request.tag, seq)
+        return events
+
+    def step(self) -> list[BatchEvent]:
+        """Admit waiting requests, run one step over the running ones; the tokens each gained."""
+        events = self._admit()
+        if not self.running:
+            return events
+        tags, sequences = zip(*self.running.values())
+        for tag, seq, new_tokens in zip(tags, sequences, step(list(sequences), self.verifier)):
+            if seq.done:
+                del self.running[id(seq)]
+                finish_sequence(seq)
+            events.append(BatchEvent(tag, new_tokens, seq, seq.done))
+        return events
+
+    def run(self) -> Iterator[BatchEvent]:
+        while not self.idle:
+            yield from self.step()

@@ -14,7 +14,7 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
-from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.engine import BatchEngine, BatchRequest, DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
@@ -150,39 +150,16 @@ class SpeculativeGenerator:
         config = self.config_for(**params)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         outcome = DecodeOutcome()
-        generated: list[int] = []
-        released = 0
-        holdback = max((len(s) for s in config.stop), default=1) - 1
-        finish_reason = None
-        text = ""
+        text = TextAssembler(self, prompt_ids, config)
         policy = self._draft_length_policy(config.num_draft_tokens)
         for new_tokens in speculative_decode(
             self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome, policy
         ):
-            generated.extend(new_tokens)
-            text = self._decode(generated)
-            cut = _find_stop(text, config.stop, max(0, released - holdback))
-            if cut is not None:
-                text = text[:cut]
-                generated = self._trim_to_stop(generated, config.stop)
-                finish_reason = "stop"
-                yield StreamEvent(text=text[released:], token_ids=new_tokens)
-                released = len(text)
+            event = text.add(new_tokens)
+            yield event
+            if text.stopped:
                 break
-            safe = len(text) - holdback
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                safe = min(safe, len(text) - 1)
-            piece = text[released:safe] if safe > released else ""
-            released = max(released, safe)
-            yield StreamEvent(text=piece, token_ids=new_tokens)
-        result = GenerationResult(
-            text=text,
-            token_ids=generated,
-            prompt_tokens=len(prompt_ids),
-            finish_reason=finish_reason or outcome.finish_reason,
-            stats=outcome.stats,
-        )
-        yield StreamEvent(text=text[released:], token_ids=[], result=result)
+        yield text.finish(outcome)
 
     def stream(self, prompt: Prompt, *, chat: bool = False, **params) -> Iterator[str]:
         """Yield text as soon as it is verified."""
@@ -196,6 +173,45 @@ class SpeculativeGenerator:
                 return event.result
         raise AssertionError("stream_events always ends with a result")
 
+    def generate_batch(
+        self, prompts: Sequence[Prompt], *, chat: bool = False, batch_size: int = 8, **params
+    ) -> list[GenerationResult | SpecDecodeError]:
+        """Decode many prompts together, ``batch_size`` at a time (continuous batching: a finished sequence's
+        place goes to the next prompt at once).  Results come in input order; a prompt that cannot be
+        decoded (empty, too long, ...) gets its :class:`SpecDecodeError` in its place and the others are
+        unaffected.  ``params`` apply to every prompt (:meth:`run_batch` takes one config per prompt)."""
+        config = self.config_for(**params)
+        return self.run_batch([(prompt, config) for prompt in prompts], chat=chat, batch_size=batch_size)
+
+    def run_batch(
+        self, requests: Sequence[tuple[Prompt, GenerationConfig]], *, chat: bool = False, batch_size: int = 8
+    ) -> list[GenerationResult | SpecDecodeError]:
+        """Like :meth:`generate_batch`, with each prompt's own generation config (sampling, seed, limits)."""
+        results: list[GenerationResult | SpecDecodeError | None] = [None] * len(requests)
+        engine = BatchEngine(
+            self.target.backend, self.drafter, lambda config: self._draft_length_policy(config.num_draft_tokens),
+            self.eos_ids, batch_size,
+        )
+        texts: dict[int, TextAssembler] = {}
+        for index, (prompt, config) in enumerate(requests):
+            try:
+                prompt_ids = self.encode_prompt(prompt, chat=chat)
+            except SpecDecodeError as exc:
+                results[index] = exc
+                continue
+            texts[index] = TextAssembler(self, prompt_ids, config)
+            engine.submit(BatchRequest(prompt_ids, config, tag=index))
+        for event in engine.run():
+            text = texts[event.tag]
+            if event.new_tokens and not text.stopped:
+                text.add(event.new_tokens)
+                if text.stopped and not event.finished:
+                    engine.cancel(event.tag)
+            if event.finished or text.stopped:
+                outcome = event.sequence.outcome
+                results[event.tag] = text.finish(outcome).result
+        return results  # type: ignore[return-value]
+
     def _decode(self, token_ids: list[int]) -> str:
         return self.target.tokenizer.decode(
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
@@ -206,6 +222,50 @@ class SpeculativeGenerator:
         while len(token_ids) > 1 and _find_stop(self._decode(token_ids[:-1]), stops, 0) is not None:
             token_ids = token_ids[:-1]
         return token_ids
+
+
+class TextAssembler:
+    """Turns one sequence's accepted tokens into text as it goes: incremental detokenisation (no broken
+    multi-byte characters), stop strings held back while they might still be completing, and cut once one
+    appears."""
+
+    def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], config: GenerationConfig) -> None:
+        self.generator = generator
+        self.prompt_ids = prompt_ids
+        self.stops = config.stop
+        self.holdback = max((len(s) for s in config.stop), default=1) - 1
+        self.generated: list[int] = []
+        self.text = ""
+        self.released = 0
+        self.stopped = False
+
+    def add(self, new_tokens: list[int]) -> StreamEvent:
+        self.generated.extend(new_tokens)
+        text = self.generator._decode(self.generated)
+        cut = _find_stop(text, self.stops, max(0, self.released - self.holdback))
+        if cut is not None:
+            self.text = text[:cut]
+            self.generated = self.generator._trim_to_stop(self.generated, self.stops)
+            self.stopped = True
+            piece, self.released = self.text[self.released :], len(self.text)
+            return StreamEvent(text=piece, token_ids=new_tokens)
+        self.text = text
+        safe = len(text) - self.holdback
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            safe = min(safe, len(text) - 1)
+        piece = text[self.released : safe] if safe > self.released else ""
+        self.released = max(self.released, safe)
+        return StreamEvent(text=piece, token_ids=new_tokens)
+
+    def finish(self, outcome: DecodeOutcome) -> StreamEvent:
+        result = GenerationResult(
+            text=self.text,
+            token_ids=self.generated,
+            prompt_tokens=len(self.prompt_ids),
+            finish_reason="stop" if self.stopped else outcome.finish_reason,
+            stats=outcome.stats,
+        )
+        return StreamEvent(text=self.text[self.released :], token_ids=[], result=result)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdecode.draft_length import StepObservation
+from specdecode.types import StepObservation
 
 
 @dataclass
@@ -21,12 +21,16 @@ class GenerationStats:
     forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
     wall_s: float = 0.0
 
-    def record_step(self, step: StepObservation) -> None:
-        """Count a verification step; positions are depths, so a tree counts once per level it reaches."""
+    def record_step(self, step: StepObservation, kept: int | None = None) -> None:
+        """Count a verification step; positions are depths, so a tree counts once per level it reaches.
+
+        ``kept``: accepted draft tokens that were kept when EOS or the token limit cut the step short (so
+        that ``new_tokens == accepted_tokens + steps`` always holds)."""
+        accepted = step.accepted if kept is None else min(step.accepted, kept)
         self.steps += 1
         self.drafted_tokens += step.nodes
-        self.accepted_tokens += step.accepted
-        depth, accepted = step.depth, step.accepted
+        self.accepted_tokens += accepted
+        depth = step.depth
         while len(self.drafted_at) < depth:
             self.drafted_at.append(0)
             self.accepted_at.append(0)

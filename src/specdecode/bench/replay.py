@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specdecode.config import SamplingParams
-from specdecode.draft_length import DraftLengthPolicy, StepObservation
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
-from specdecode.verify.base import children_by_row
+from specdecode.config import GenerationConfig
+from specdecode.draft_length import DraftLengthPolicy
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.engine import Checked, step
+from specdecode.engine import Sequence as DecodeSequence
+from specdecode.types import Draft, StepFeedback, Verdict, children_by_row
 
 
 @dataclass(frozen=True)
@@ -67,37 +69,66 @@ def accepted_path(draft: Draft, expected: Sequence[int]) -> list[int]:
     return path
 
 
+class SimulatedClock:
+    """The time the replayed steps would have taken."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedSession(DraftSession):
+    """A drafting session whose drafts take ``draft_s`` simulated seconds."""
+
+    def __init__(self, inner: DraftSession, clock: SimulatedClock, draft_s: float) -> None:
+        self.inner, self.clock, self.draft_s = inner, clock, draft_s
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        self.clock.now += self.draft_s
+        return self.inner.propose(context, max_tokens)
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        self.inner.observe(context, feedback)
+
+
+class ReplayVerifier:
+    """Stands in for the target: accepts what the known greedy output says and takes the cost curve's time."""
+
+    def __init__(self, output_ids: Sequence[int], costs: StepCosts, clock: SimulatedClock) -> None:
+        self.output_ids, self.costs, self.clock = list(output_ids), costs, clock
+        self.no_logits = torch.empty(0)
+
+    def __call__(self, sequences: list[DecodeSequence], drafts: list[Draft]) -> list[Checked]:
+        checked = []
+        for seq, draft in zip(sequences, drafts):
+            done = len(seq.context) - len(seq.prompt_ids)
+            path = accepted_path(draft, self.output_ids[done : len(self.output_ids) - 1])
+            verdict = Verdict(tuple(path), self.output_ids[done + len(path)])
+            checked.append(Checked(verdict, self.no_logits))
+        self.clock.now += self.costs.verify_s(sum(len(draft.tokens) + 1 for draft in drafts))
+        return checked
+
+
 def replay(
     drafter: Drafter, policy: DraftLengthPolicy, prompt_ids: list[int], output_ids: list[int], costs: StepCosts
 ) -> ReplayResult:
-    """Speculative greedy decoding of ``output_ids`` after ``prompt_ids`` as the engine runs it (same
-    depth requests, confidence trimming and observations), with step times taken from ``costs``."""
-    drafter.start(list(prompt_ids), SamplingParams())
-    drafter.stop_rule = policy.should_stop
-    context, done, steps, drafted, accepted, seconds = list(prompt_ids), 0, 0, 0, 0, 0.0
+    """Speculative greedy decoding of ``output_ids`` after ``prompt_ids`` through the engine's own
+    :func:`~specdecode.engine.step` (same depth requests, confidence trimming and observations), with the
+    target replaced by the known output and step times taken from ``costs``."""
+    clock = SimulatedClock()
     total = len(output_ids)
-    no_logits = torch.empty(0)
-    while done < total:
-        room = total - done - 1
-        max_depth = policy.next_length(room) if room > 0 else 0
-        draft = drafter.propose(context, max_depth) if max_depth > 0 else Draft(tokens=[])
-        chain = draft.is_chain
-        if draft.confidence is not None and chain:
-            max_depth = min(max_depth, policy.keep_length(draft.confidence))
-        draft = draft.limited(len(draft.tokens), max_depth)
-        path = accepted_path(draft, output_ids[done:total - 1])
-        nodes = len(draft.tokens)
-        draft_s = costs.draft_s if max_depth > 0 else 0.0
-        verify_s = costs.verify_s(nodes + 1)
-        policy.observe(StepObservation(
-            depth=nodes if chain else max(draft.depths(), default=0), nodes=nodes, accepted=len(path),
-            draft_s=draft_s, verify_s=verify_s, overhead_s=costs.overhead_s,
-            confidence=tuple(draft.confidence) if chain and draft.confidence is not None else None,
-        ))
-        seconds += costs.overhead_s + draft_s + verify_s
-        steps, drafted, accepted = steps + 1, drafted + nodes, accepted + len(path)
-        done += len(path) + 1
-        context = list(prompt_ids) + list(output_ids[:done])
-        drafter.observe(context, StepFeedback(draft=draft, path=tuple(path), target_logits=no_logits))
+    session = drafter.session(DraftRequest(tuple(prompt_ids), stop_rule=policy.should_stop))
+    seq = DecodeSequence(
+        prompt_ids=list(prompt_ids), config=GenerationConfig(max_new_tokens=total, ignore_eos=True),
+        stop_ids=frozenset(), session=_TimedSession(session, clock, costs.draft_s), length_policy=policy,
+        generator=torch.Generator(), max_context=len(prompt_ids) + total + 1, started=0.0,
+    )
+    verifier = ReplayVerifier(output_ids, costs, clock)
+    while not seq.done:
+        clock.now += costs.overhead_s
+        step([seq], verifier, clock)
+    stats = seq.stats
     plain = total * (costs.overhead_s + costs.verify_s(1))
-    return ReplayResult(total, steps, drafted, accepted, seconds, plain)
+    return ReplayResult(total, stats.steps, stats.drafted_tokens, stats.accepted_tokens, clock.now, plain)

@@ -8,7 +8,7 @@ import inspect
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError, UnknownDrafterError
 
 if TYPE_CHECKING:
@@ -72,7 +72,8 @@ def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
 
 
 __all__ = [
-    "Draft",
+    "DraftRequest",
+    "DraftSession",
     "Drafter",
     "available_drafters",
     "check_drafter_options",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from specdecode.drafters.base import Draft
+from specdecode.types import Draft
 from specdecode.errors import SpecDecodeError
 
 State = TypeVar("State")

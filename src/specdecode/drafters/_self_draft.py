@@ -1,7 +1,7 @@
 """What the self-speculative drafters (``layer-skip``, ``early-exit``, ``kangaroo``) share.
 
 The target drafts for itself by running only some of its layers, *on top of the target's own KV cache
-of the context*.  The engine binds its verification cache to the drafter (``Drafter.target_cache``);
+of the context*.  The engine hands each session its sequence's verification cache (``DraftRequest.target_cache``);
 between steps it holds ``context[:-1]`` with every layer's exact entries.  A draft feeds the last
 context token and then each drafted token through the executed layers, which append entries for the
 draft positions only (a skipped layer writes nothing, see :mod:`specdecode.models.hf`), and the cache is
@@ -29,27 +29,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdecode.config import SamplingParams
-from specdecode.drafters.base import Draft
+from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.draft_model import common_prefix_length
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import CausalLM, KVCache
+from specdecode.models.base import KVCache, LayerwiseExecution, require_capability
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
-from specdecode.models.hf import HFCausalLM
-from specdecode.verify.logits import sample, sampling_probs
+from specdecode.sampling import sample, sampling_probs
+from specdecode.types import Draft
 
 #: Runs the target on the tokens to feed, on top of the given cache, under the current layer subset;
-#: returns the last row's logits over the draft head's vocabulary (``DraftHead.ids``).
+#: returns the last row's logits over the draft head's vocabulary (``HeadRows.ids``).
 LogitsFn = Callable[[torch.Tensor, KVCache], torch.Tensor]
 
 #: Default size of the frequent part of a draft head's vocabulary.
 DEFAULT_DRAFT_VOCAB = 8192
 
 
-def require_layer_backend(backend: CausalLM, drafter: str) -> HFCausalLM:
-    if not isinstance(backend, HFCausalLM):
-        raise SpecDecodeError(f"drafter {drafter!r} needs the transformers backend (it skips the target's layers)")
-    return backend
+def require_layer_backend(backend: object, drafter: str) -> LayerwiseExecution:
+    return require_capability(backend, LayerwiseExecution, f"drafter {drafter!r} (it skips the target's layers)")
 
 
 def tail(exit_layer: int, num_layers: int) -> frozenset[int]:
@@ -71,12 +68,8 @@ class CostModel:
     verify_token_cost: float
 
     @classmethod
-    def of(cls, backend: HFCausalLM, verify_token_cost: float) -> CostModel:
-        head = backend.model.get_output_embeddings().weight.numel()
-        # Buffers too: the CPU fast path keeps prepacked weights as buffers, not parameters.
-        stack = backend._decoder().layers
-        layers = sum(t.numel() for t in (*stack.parameters(), *stack.buffers()))
-        return cls(backend.num_layers, head / (head + layers), verify_token_cost)
+    def of(cls, backend: LayerwiseExecution, verify_token_cost: float) -> CostModel:
+        return cls(backend.num_layers, backend.head_fraction(), verify_token_cost)
 
     def draft_token(self, layers_run: int, extra: float = 0.0) -> float:
         return self.head_fraction + (1 - self.head_fraction) * layers_run / self.num_layers + extra
@@ -93,78 +86,82 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 class DraftHead:
     """The target's LM head restricted to the first ``size`` token ids (or a given ``base`` set, e.g. the
-    tokens a trained adapter saw) plus the current prompt's tokens.
+    tokens a trained adapter saw) plus each request's prompt tokens.
 
-    ``size`` 0 (or at least the vocabulary) keeps the full head.  The rows are copied once per request
-    and, where the CPU supports it, prepacked for oneDNN like the target's own linears."""
+    ``size`` 0 (or at least the vocabulary) keeps the full head.  :meth:`for_prompt` copies the rows a
+    request needs (prepacked for oneDNN where the CPU supports it); the last set is reused while prompts
+    bring no new tokens."""
 
-    def __init__(self, backend: HFCausalLM, size: int = DEFAULT_DRAFT_VOCAB, base: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, backend: LayerwiseExecution, size: int = DEFAULT_DRAFT_VOCAB, base: torch.Tensor | None = None
+    ) -> None:
         if size < 0:
             raise SpecDecodeError(f"draft_vocab must be >= 0, got {size!r}")
-        head = backend.model.get_output_embeddings()
         self.backend = backend
         too_big = base is None and size >= backend.vocab_size
-        self.full = size == 0 or too_big or getattr(head, "bias", None) is not None
+        self.full = size == 0 or too_big or getattr(backend.lm_head(), "bias", None) is not None
         self.base = base if base is not None else torch.arange(min(size, backend.vocab_size))
-        self.ids: torch.Tensor | None = None  # None: the full vocabulary
-        self._rows: nn.Module | None = None  # the subset's rows, prepacked where supported
-        self._packed = fast_path_supported()
+        self._packed = fast_path_supported() and backend.device.type == "cpu"
+        self._last: HeadRows | None = None
 
-    def start(self, prompt_ids: list[int]) -> None:
+    def for_prompt(self, prompt_ids: tuple[int, ...] | list[int]) -> HeadRows:
         if self.full:
-            return
-        ids = torch.unique(torch.cat([self.base, torch.tensor(prompt_ids, dtype=torch.long)]))
-        if self.ids is not None and torch.equal(ids, self.ids):
-            return
-        weight = self.backend.output_weight().index_select(0, ids).contiguous()
+            return HeadRows(self.backend, None, None)
+        ids = torch.unique(torch.cat([self.base, torch.tensor(list(prompt_ids), dtype=torch.long)]))
+        last = self._last
+        if last is not None and last.ids is not None and torch.equal(ids, last.ids):
+            return last
+        weight = self.backend.output_weight().index_select(0, ids.to(self.backend.device)).contiguous()
         rows = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         rows.weight = nn.Parameter(weight, requires_grad=False)
-        self.ids = ids
-        self._rows = PackedLinear(rows, tied=False) if self._packed else rows
+        self._last = HeadRows(self.backend, ids, PackedLinear(rows, tied=False) if self._packed else rows)
+        return self._last
+
+
+@dataclass
+class HeadRows:
+    """One request's draft head: the rows of ``ids`` (None: the full vocabulary)."""
+
+    backend: LayerwiseExecution
+    ids: torch.Tensor | None
+    rows: nn.Module | None
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Head logits for final-normed hidden states [n, d]: over ``ids``, or the full vocabulary."""
-        if self._rows is None:
-            return self.backend.model.get_output_embeddings()(normed)
-        return self._rows(normed)
+        return (self.rows or self.backend.lm_head())(normed)
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Subset logits → full-vocabulary logits, -inf outside the subset."""
         if self.ids is None:
             return logits
         out = logits.new_full((self.backend.vocab_size,), float("-inf"))
-        return out.index_copy_(0, self.ids, logits)
+        return out.index_copy_(0, self.ids.to(logits.device), logits)
 
     def token(self, index: int) -> int:
         return index if self.ids is None else int(self.ids[index])
 
 
-class SelfDraftCache:
-    """The target's cache of the context that drafts run on (the engine's, or a private copy), plus the
-    draft loop."""
+class SelfDraftSession:
+    """One request's self-drafting: its draft head, sampling stream, and the target cache of its context
+    that drafts run on (the engine's, or a private copy when driven outside the engine)."""
 
-    def __init__(self, backend: HFCausalLM, head: DraftHead) -> None:
+    def __init__(self, backend: LayerwiseExecution, head: DraftHead, request: DraftRequest) -> None:
         self.backend = backend
-        self.head = head
+        self.head = head.for_prompt(request.prompt_ids)
+        self.sampling = request.sampling
+        self.generator = request.torch_generator()
+        self.bound = request.target_cache
         self._no_rows = torch.empty(0, dtype=torch.long)
-        self._own = backend.new_cache()  # used only when no cache in step with the context is bound
+        self._own: KVCache | None = None  # used only when no cache in step with the context is bound
         self._own_tokens: list[int] = []
-        self.sampling = SamplingParams()
-        self.generator = torch.Generator()
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        """A new request: the draft head takes in the prompt's tokens, sampling gets its own seeded stream."""
-        self.head.start(prompt_ids)
-        self.sampling = sampling
-        self.generator = torch.Generator()
-        # A different stream from the verifier's, but reproducible from the same seed.
-        self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 1)
-
-    def context_cache(self, context: list[int], bound: KVCache | None) -> KVCache:
-        """A full-model cache holding exactly ``context[:-1]``: ``bound`` (the engine's) when it is in step,
-        else the private copy, cropped to what it shares with the context and extended by a forward."""
-        if bound is not None and bound.length == len(context) - 1:
-            return bound
+    def context_cache(self, context: list[int]) -> KVCache:
+        """A full-model cache holding exactly ``context[:-1]``: the bound one (the engine's) when it is in
+        step, else the private copy, cropped to what it shares with the context and extended by a forward."""
+        if self.bound is not None and self.bound.length == len(context) - 1:
+            return self.bound
+        if self._own is None:
+            self._own = self.backend.new_cache()
         keep = min(common_prefix_length(self._own_tokens, context), len(context) - 1)
         self._own.crop(keep)
         del self._own_tokens[keep:]
@@ -174,18 +171,21 @@ class SelfDraftCache:
             self._own_tokens.extend(rest)
         return self._own
 
-    def draft(
-        self, context: list[int], max_tokens: int, logits_fn: LogitsFn, threshold: float, bound: KVCache | None
-    ) -> Draft:
-        """Draft up to ``max_tokens`` tokens on top of the context's cache (``bound``: the engine's); stop
-        after the first whose probability is below ``threshold``.
+    def finish(self) -> None:
+        if self._own is not None:
+            self._own.release()
+            self._own = None
+
+    def draft(self, context: list[int], max_tokens: int, logits_fn: LogitsFn, threshold: float) -> Draft:
+        """Draft up to ``max_tokens`` tokens on top of the context's cache; stop after the first whose
+        probability is below ``threshold``.
 
         Greedy requests draft the argmax (a point mass); sampled ones draw from the sampling distribution
         of the draft logits and return it, as lossless speculative sampling needs."""
         max_tokens = min(max_tokens, self.backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
-        cache = self.context_cache(context, bound)
+        cache = self.context_cache(context)
         length = cache.length
         pending = context[-1]
         tokens: list[int] = []
@@ -197,7 +197,7 @@ class SelfDraftCache:
                     probs = torch.softmax(logits.float(), dim=-1)
                     token = self.head.token(int(probs.argmax()))
                 else:
-                    probs = sampling_probs(self.head.full_vocab(logits), self.sampling)
+                    probs = sampling_probs(self.head.full_vocab(logits), self.sampling).cpu()
                     token = sample(probs, self.generator)
                     rows.append(probs)
                 tokens.append(token)
@@ -217,7 +217,7 @@ class SelfDraftCache:
 
         @torch.inference_mode()
         def logits(pending: torch.Tensor, cache: KVCache) -> torch.Tensor:
-            out = self.backend.forward(
+            out = self.backend.forward_layers(
                 pending, cache, skip_layers=skipped, exit_layer=self.backend.num_layers, output_hidden=True,
                 logits_rows=self._no_rows,
             )

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
 from specdecode.drafters._ngram_tree import Transcript, check_fraction, check_int, grow_tree
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft, StepFeedback
 
 #: Estimated probability of the r-th most recent follower, relative to the (r-1)-th.
 RECENCY_DECAY = 0.5
@@ -95,31 +95,23 @@ class CachebackDrafter(Drafter):
 
     def reset(self) -> None:
         self.tables = [NgramCache(n, self.width, self.max_entries) for n in sorted({self.leader, 1}, reverse=True)]
-        self._transcript = Transcript()
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self._transcript = Transcript()
-        self._record(prompt_ids)
+    def session(self, request: DraftRequest) -> DraftSession:
+        return CachebackSession(self, list(request.prompt_ids))
 
-    def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        self._record(context)
-
-    def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self._record(context)
-        root = tuple(context[-self.leader :])
-        return grow_tree(root, self._next_tokens, self.max_nodes, max_tokens, self.min_prob).draft
-
-    def _record(self, context: Sequence[int]) -> None:
-        """Record every token of ``context`` not recorded yet under each table's leader."""
-        new = self._transcript.advance(context)
+    def record(self, transcript: Transcript, context: Sequence[int]) -> Transcript:
+        """Record every token of ``context`` not in ``transcript`` yet under each table's leader; the
+        transcript of ``context`` (a new one if ``context`` does not continue it)."""
+        new = transcript.advance(context)
         if new is None:  # not a continuation of this request: start over from this context
-            self._transcript = Transcript()
-            new = self._transcript.advance(context)
-        tokens = self._transcript.tokens
+            transcript = Transcript()
+            new = transcript.advance(context)
+        tokens = transcript.tokens
         for i in range(len(tokens) - len(new), len(tokens)):
             for table in self.tables:
                 if i >= table.n:
                     table.record(tuple(tokens[i - table.n : i]), tokens[i])
+        return transcript
 
     def _next_tokens(self, state: tuple[int, ...], floor: float) -> list[tuple[int, float, tuple[int, ...]]]:
         """Followers of the last tokens of ``state`` from the longest leader known, most recent first."""
@@ -133,3 +125,20 @@ class CachebackDrafter(Drafter):
                     if weight >= floor
                 ]
         return []
+
+
+class CachebackSession(DraftSession):
+    """One request: how far its tokens are recorded in the drafter's shared tables."""
+
+    def __init__(self, drafter: CachebackDrafter, prompt_ids: list[int]) -> None:
+        self.drafter = drafter
+        self.transcript = drafter.record(Transcript(), prompt_ids)
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        self.transcript = self.drafter.record(self.transcript, context)
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        drafter = self.drafter
+        self.transcript = drafter.record(self.transcript, context)
+        root = tuple(context[-drafter.leader :])
+        return grow_tree(root, drafter._next_tokens, drafter.max_nodes, max_tokens, drafter.min_prob).draft

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
+from specdecode.models.base import CausalLM
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
-from specdecode.verify.logits import sample, sampling_probs
+from specdecode.sampling import sample, sampling_probs
+from specdecode.types import Draft
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -35,16 +36,21 @@ class DraftModelDrafter(Drafter):
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
         self.draft = draft_model if isinstance(draft_model, LoadedModel) else load_model(draft_model)
         check_same_vocabulary(target, self.draft)
-        self.cache = self.draft.backend.new_cache()
-        self.cached_tokens: list[int] = []
-        self.sampling = SamplingParams()
-        self.generator = torch.Generator()
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.sampling = sampling
-        self.generator = torch.Generator()
-        # A different stream from the verifier's, but reproducible from the same seed.
-        self.generator.manual_seed((sampling.seed if sampling.seed is not None else torch.seed()) + 1)
+    def session(self, request: DraftRequest) -> DraftModelSession:
+        return DraftModelSession(self.draft.backend, request)
+
+
+class DraftModelSession(DraftSession):
+    """One request: the draft model's own cache of it, its sampling and random stream."""
+
+    def __init__(self, backend: CausalLM, request: DraftRequest) -> None:
+        self.backend = backend
+        self.request = request
+        self.sampling = request.sampling
+        self.generator = request.torch_generator()
+        self.cache = backend.new_cache()
+        self.cached_tokens: list[int] = []
 
     def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
         """The next draft token, the distribution it was sampled from (None if greedy) and the draft
@@ -52,12 +58,12 @@ class DraftModelDrafter(Drafter):
         if self.sampling.greedy:
             top = logits.float().softmax(-1).max(-1)
             return int(top.indices), None, float(top.values)
-        probs = sampling_probs(logits, self.sampling)
+        probs = sampling_probs(logits, self.sampling).cpu()
         token = sample(probs, self.generator)
         return token, probs, float(probs[token])
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        backend = self.draft.backend
+        backend = self.backend
         max_tokens = min(max_tokens, backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
@@ -75,9 +81,12 @@ class DraftModelDrafter(Drafter):
             confidence.append(p)
             if probs is not None:
                 prob_rows.append(probs)
-            if self.stop_rule is not None and self.stop_rule(confidence):  # SpecDec++-style early stop
+            if self.request.stop(confidence):  # SpecDec++-style early stop
                 break
             pending = torch.tensor([token], dtype=torch.long)
         # The last drafted token was never fed to the draft model, so the cache ends one before it.
         self.cached_tokens.extend(tokens[:-1])
         return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None, confidence=confidence)
+
+    def finish(self, context: list[int]) -> None:
+        self.cache.release()

@@ -22,20 +22,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
 from specdecode.drafters._self_draft import (
     DEFAULT_DRAFT_VOCAB,
     CostModel,
     DraftHead,
-    SelfDraftCache,
+    SelfDraftSession,
     expected_tokens,
     require_layer_backend,
     tail,
 )
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft, StepFeedback
 
 DEFAULT_EXIT_FRACTIONS = (0.2, 0.3, 0.4, 0.5)
 
@@ -98,18 +98,18 @@ class EarlyExitDrafter(Drafter):
         self.discount = discount
         self.prior_weight = prior_weight
         self.costs = CostModel.of(backend, verify_token_cost)
-        self.state = SelfDraftCache(backend, DraftHead(backend, draft_vocab))
+        self.backend = backend
+        self.head = DraftHead(backend, draft_vocab)
         self.stats: dict[int, ExitStats] = {}
         self.steps = 0
-        self.used: int | None = None
         self.reset()
 
     def reset(self) -> None:
         self.stats = {layer: ExitStats(prior=layer / self.costs.num_layers) for layer in self.exits}
         self.steps = 0
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.state.start(prompt_ids, sampling)
+    def session(self, request: DraftRequest) -> DraftSession:
+        return EarlyExitSession(self, SelfDraftSession(self.backend, self.head, request))
 
     def plan(self, max_tokens: int) -> tuple[int, int]:
         """(exit layer, draft length) with the best optimistic expected tokens per cost; length 0 = no draft."""
@@ -124,17 +124,31 @@ class EarlyExitDrafter(Drafter):
                     best, best_rate = (layer, k), rate
         return best
 
+    def record(self, layer: int, feedback: StepFeedback) -> None:
+        drafted = len(feedback.draft.tokens)
+        if drafted:
+            accepted = feedback.num_accepted
+            self.stats[layer].update(accepted, min(drafted, accepted + 1), self.discount)
+
+
+class EarlyExitSession(DraftSession):
+    def __init__(self, drafter: EarlyExitDrafter, state: SelfDraftSession) -> None:
+        self.drafter = drafter
+        self.state = state
+        self.used: int | None = None  # the exit of this step's draft
+
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self.steps += 1
-        layer, k = self.plan(max_tokens)
+        drafter = self.drafter
+        drafter.steps += 1
+        layer, k = drafter.plan(max_tokens)
         self.used = layer if k else None
         if not k:
             return Draft(tokens=[])
-        logits = self.state.skipping(self.skips[layer])
-        return self.state.draft(context, k, logits, self.threshold, self.target_cache)
+        return self.state.draft(context, k, self.state.skipping(drafter.skips[layer]), drafter.threshold)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        drafted = len(feedback.draft.tokens)
-        if self.used is not None and drafted:
-            accepted = feedback.num_accepted
-            self.stats[self.used].update(accepted, min(drafted, accepted + 1), self.discount)
+        if self.used is not None:
+            self.drafter.record(self.used, feedback)
+
+    def finish(self, context: list[int]) -> None:
+        self.state.finish()

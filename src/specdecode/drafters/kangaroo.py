@@ -24,14 +24,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB, DraftHead, SelfDraftCache, require_layer_backend, tail
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB, DraftHead, SelfDraftSession, require_layer_backend, tail
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.base import LayerwiseExecution
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft
 
 ADAPTER_FILE = "kangaroo-adapter.pt"
 _FORMAT = 1
@@ -53,14 +53,16 @@ class KangarooAdapter(nn.Module):
         nn.init.zeros_(self.down.bias)
 
     @classmethod
-    def for_backend(cls, backend: HFCausalLM, exit_layer: int, inner_size: int | None = None) -> KangarooAdapter:
-        hidden = int(backend.config.hidden_size)
+    def for_backend(
+        cls, backend: LayerwiseExecution, exit_layer: int, inner_size: int | None = None
+    ) -> KangarooAdapter:
+        hidden = backend.hidden_size
         return cls(exit_layer, hidden, inner_size or hidden).to(backend.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.down(nn.functional.silu(self.up(self.norm(hidden))))
 
-    def save(self, path: Path, backend: HFCausalLM) -> None:
+    def save(self, path: Path, backend: LayerwiseExecution) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "format": _FORMAT,
@@ -77,7 +79,7 @@ class KangarooAdapter(nn.Module):
         tmp.replace(path)
 
     @classmethod
-    def load(cls, path: Path, backend: HFCausalLM) -> KangarooAdapter:
+    def load(cls, path: Path, backend: LayerwiseExecution) -> KangarooAdapter:
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
             adapter = cls(int(payload["exit_layer"]), int(payload["hidden_size"]), int(payload["inner_size"]))
@@ -85,7 +87,7 @@ class KangarooAdapter(nn.Module):
             adapter.vocab = payload.get("vocab")
         except (OSError, RuntimeError, KeyError, TypeError, ValueError) as exc:
             raise SpecDecodeError(f"cannot read kangaroo adapter {path}: {exc}") from exc
-        if payload["num_layers"] != backend.num_layers or payload["hidden_size"] != backend.config.hidden_size:
+        if payload["num_layers"] != backend.num_layers or payload["hidden_size"] != backend.hidden_size:
             raise SpecDecodeError(
                 f"kangaroo adapter {path} was trained for {payload['model']!r} "
                 f"({payload['num_layers']} layers, d={payload['hidden_size']}), not for {backend.name!r}"
@@ -132,7 +134,7 @@ class KangarooDrafter(Drafter):
         self.skipped = tail(self.adapter.exit_layer, backend.num_layers)
         # The adapter's own vocabulary, unless a size is asked for explicitly (0: the full head).
         vocab = self.adapter.vocab if draft_vocab == DEFAULT_DRAFT_VOCAB else None
-        self.state = SelfDraftCache(backend, DraftHead(backend, draft_vocab, vocab))
+        self.head = DraftHead(backend, draft_vocab, vocab)
 
     @staticmethod
     def _load(target: LoadedModel, adapter: str | None) -> KangarooAdapter:
@@ -145,9 +147,18 @@ class KangarooDrafter(Drafter):
             )
         return KangarooAdapter.load(path, target.backend)
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.state.start(prompt_ids, sampling)
+    def session(self, request: DraftRequest) -> DraftSession:
+        return KangarooSession(self, SelfDraftSession(self.backend, self.head, request))
+
+
+class KangarooSession(DraftSession):
+    def __init__(self, drafter: KangarooDrafter, state: SelfDraftSession) -> None:
+        self.drafter = drafter
+        self.state = state
+        self.logits = state.adapted(drafter.skipped, drafter.adapter)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        logits = self.state.adapted(self.skipped, self.adapter)
-        return self.state.draft(context, max_tokens, logits, self.threshold, self.target_cache)
+        return self.state.draft(context, max_tokens, self.logits, self.drafter.threshold)
+
+    def finish(self, context: list[int]) -> None:
+        self.state.finish()

@@ -18,18 +18,18 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
 from specdecode.drafters._self_draft import (
     DEFAULT_DRAFT_VOCAB,
     CostModel,
     DraftHead,
-    SelfDraftCache,
+    SelfDraftSession,
     require_layer_backend,
 )
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft, StepFeedback
 
 
 @dataclass
@@ -86,7 +86,7 @@ class LayerSkipDrafter(Drafter):
         self.trial_steps = max(1, trial_steps)
         self.seed = seed
         self.costs = CostModel.of(backend, verify_token_cost)
-        self.state = SelfDraftCache(backend, DraftHead(backend, draft_vocab))
+        self.head = DraftHead(backend, draft_vocab)
         self.reset()
 
     def reset(self) -> None:
@@ -96,28 +96,20 @@ class LayerSkipDrafter(Drafter):
         self.trials_left = self.search_trials
         self.window = Window()
         self.rng = random.Random(self.seed)
-        self.proposed = False
 
     @property
     def active(self) -> frozenset[int]:
         return self.candidate if self.candidate is not None else self.best
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.state.start(prompt_ids, sampling)
+    def session(self, request: DraftRequest) -> DraftSession:
+        return LayerSkipSession(self, SelfDraftSession(self.backend, self.head, request))
 
-    def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self.proposed = True
-        logits = self.state.skipping(self.active)
-        return self.state.draft(context, max_tokens, logits, self.threshold, self.target_cache)
-
-    def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        # Only steps that ran the skip set score it: while the draft-length policy holds drafting off,
-        # windows must not elapse, or a candidate would be judged on the rare probes alone.
-        if not self.proposed:
+    def score(self, skipped: frozenset[int], feedback: StepFeedback) -> None:
+        """Count a step drafted with ``skipped`` towards the current window (if that set is still on trial)."""
+        if skipped != self.active:
             return
-        self.proposed = False
         drafted = len(feedback.draft.tokens)
-        per_token = self.costs.draft_token(self.backend.num_layers - len(self.active))
+        per_token = self.costs.draft_token(self.backend.num_layers - len(skipped))
         self.window.tokens += feedback.num_accepted + 1
         self.window.cost += self.costs.step(drafted, per_token)
         self.window.steps += 1
@@ -151,3 +143,24 @@ class LayerSkipDrafter(Drafter):
         if move in ("add", "swap"):
             result.add(self.rng.choice(can_add))
         return frozenset(result)
+
+
+class LayerSkipSession(DraftSession):
+    def __init__(self, drafter: LayerSkipDrafter, state: SelfDraftSession) -> None:
+        self.drafter = drafter
+        self.state = state
+        self.used: frozenset[int] | None = None  # the skip set of this step's draft
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        self.used = self.drafter.active
+        return self.state.draft(context, max_tokens, self.state.skipping(self.used), self.drafter.threshold)
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        # Only steps that ran the skip set score it: while the draft-length policy holds drafting off,
+        # windows must not elapse, or a candidate would be judged on the rare probes alone.
+        if self.used is not None:
+            self.drafter.score(self.used, feedback)
+        self.used = None
+
+    def finish(self, context: list[int]) -> None:
+        self.state.finish()

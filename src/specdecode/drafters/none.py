@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
+from specdecode.types import Draft
 
 
 @register_drafter("none")
 class NoDrafter(Drafter):
-    def propose(self, context: list[int], max_tokens: int) -> Draft:
-        return Draft(tokens=[])
+    def session(self, request: DraftRequest) -> DraftSession:
+        return StatelessSession(lambda context, max_tokens: Draft(tokens=[]))

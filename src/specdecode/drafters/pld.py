@@ -10,9 +10,10 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft
 
 
 def lookup_continuation(context: list[int] | np.ndarray, ngram: int, max_tokens: int) -> list[int]:
@@ -44,6 +45,9 @@ class PromptLookupDrafter(Drafter):
                 f"pld n-gram sizes must satisfy 1 <= min <= max, got min={min_ngram!r}, max={max_ngram!r}"
             )
         self.ngram_sizes = range(max_ngram, min_ngram - 1, -1)
+
+    def session(self, request: DraftRequest) -> DraftSession:
+        return StatelessSession(self.propose)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         tokens = np.asarray(context, dtype=np.int64)

@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
 from specdecode.drafters._ngram_tree import Transcript
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft, StepFeedback
 
 DEFAULT_TEMPLATE = "4,3,3,2,2,1,1,1"
 
@@ -136,8 +136,6 @@ class TokenRecyclingDrafter(Drafter):
         self._slot: np.ndarray | None = None  # [vocab] int32: row of each token in _rows, -1 if unseen
         self._rows = np.empty((0, self.k), dtype=np.int32)  # [capacity, k] top-k successors
         self._used = 0
-        self._last = -1  # the context's last token when the current step began
-        self._begin([])
 
     @property
     def state_bytes(self) -> int:
@@ -151,9 +149,41 @@ class TokenRecyclingDrafter(Drafter):
         row = self._rows[self._slot[token]]
         return row[row >= 0]  # a vocabulary smaller than k leaves trailing gaps
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self._last = prompt_ids[-1]
-        self._begin(prompt_ids)
+    def session(self, request: DraftRequest) -> RecyclingSession:
+        return RecyclingSession(self, list(request.prompt_ids))
+
+    def recycle(self, heads: list[int], logits: torch.Tensor) -> None:
+        """Store the target's top-k after each verified row's token (``heads[r]`` is row r's token)."""
+        heads_array = np.array(heads, dtype=np.int64)
+        top = torch.topk(logits, min(self.k, logits.shape[-1]), dim=-1).indices.cpu().numpy().astype(np.int32)
+        known = heads_array >= 0
+        self._store(heads_array[known], top[known], logits.shape[-1])
+
+    def _store(self, heads: np.ndarray, top: np.ndarray, vocab: int) -> None:
+        """Overwrite the rows of ``heads`` with ``top``; a token verified twice keeps its last row."""
+        if self._slot is None:
+            self._slot = np.full(vocab, -1, dtype=np.int32)
+        last_of_head = len(heads) - 1 - np.unique(heads[::-1], return_index=True)[1]
+        heads, top = heads[last_of_head], top[last_of_head]
+        new = heads[self._slot[heads] < 0]
+        if len(new):
+            if self._used + len(new) > len(self._rows):
+                capacity = min(max(2 * len(self._rows), self._used + len(new), 64), vocab)
+                grown = np.full((capacity, self.k), -1, dtype=np.int32)
+                grown[: self._used] = self._rows[: self._used]
+                self._rows = grown
+            self._slot[new] = np.arange(self._used, self._used + len(new), dtype=np.int32)
+            self._used += len(new)
+        self._rows[self._slot[heads], : top.shape[1]] = top
+
+
+class RecyclingSession(DraftSession):
+    """One request: what followed which tokens in its own prompt and output, and its last token."""
+
+    def __init__(self, drafter: TokenRecyclingDrafter, prompt: list[int]) -> None:
+        self.drafter = drafter
+        self._last = prompt[-1] if prompt else -1  # the context's last token when the current step began
+        self._begin(prompt)
 
     def _begin(self, tokens: Sequence[int]) -> None:
         self._transcript = Transcript()
@@ -177,9 +207,9 @@ class TokenRecyclingDrafter(Drafter):
     def candidates(self, before: int, last: int) -> list[int]:
         """Distinct next tokens after ``before, last``, best first: the context's successor of the pair,
         the matrix's top-1, the context's successor of ``last``, the rest of the matrix's top-k."""
-        recycled = self.successors(last).tolist()
+        recycled = self.drafter.successors(last).tolist()
         ordered = [self._after_two.get(before << 32 | last), *recycled[:1], self._after_one.get(last), *recycled[1:]]
-        return list(dict.fromkeys(t for t in ordered if t is not None))[: self.k]
+        return list(dict.fromkeys(t for t in ordered if t is not None))[: self.drafter.k]
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         self._index(context)
@@ -189,30 +219,10 @@ class TokenRecyclingDrafter(Drafter):
             before, last = (*tail, *path)[-2:]
             return self.candidates(before, last)
 
-        tokens, parents, _ = grow_tree(self.shape, max_tokens, self.max_nodes, candidates)
+        tokens, parents, _ = grow_tree(self.drafter.shape, max_tokens, self.drafter.max_nodes, candidates)
         return Draft(tokens=tokens, parents=parents)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        logits = feedback.target_logits
-        heads = np.array([self._last, *feedback.draft.tokens], dtype=np.int64)
-        top = torch.topk(logits, min(self.k, logits.shape[-1]), dim=-1).indices.numpy().astype(np.int32)
-        known = heads >= 0  # the step's first head is unknown only if start() was skipped
-        self._store(heads[known], top[known], logits.shape[-1])
+        if feedback.target_logits.numel():
+            self.drafter.recycle([self._last, *feedback.draft.tokens], feedback.target_logits)
         self._last = context[-1]
-
-    def _store(self, heads: np.ndarray, top: np.ndarray, vocab: int) -> None:
-        """Overwrite the rows of ``heads`` with ``top``; a token verified twice keeps its last row."""
-        if self._slot is None:
-            self._slot = np.full(vocab, -1, dtype=np.int32)
-        last_of_head = len(heads) - 1 - np.unique(heads[::-1], return_index=True)[1]
-        heads, top = heads[last_of_head], top[last_of_head]
-        new = heads[self._slot[heads] < 0]
-        if len(new):
-            if self._used + len(new) > len(self._rows):
-                capacity = min(max(2 * len(self._rows), self._used + len(new), 64), vocab)
-                grown = np.full((capacity, self.k), -1, dtype=np.int32)
-                grown[: self._used] = self._rows[: self._used]
-                self._rows = grown
-            self._slot[new] = np.arange(self._used, self._used + len(new), dtype=np.int32)
-            self._used += len(new)
-        self._rows[self._slot[heads], : top.shape[1]] = top

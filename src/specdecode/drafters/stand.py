@@ -22,13 +22,13 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.recycling import DEFAULT_TEMPLATE, grow_tree, parse_template, positive_int
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
-from specdecode.verify.logits import sampling_probs
+from specdecode.sampling import sampling_probs
+from specdecode.types import Draft, StepFeedback
 
 NEWEST_WEIGHT = 0.5  # share of the latest observation in a stored distribution
 
@@ -71,10 +71,7 @@ class StandDrafter(Drafter):
         if not (positive_int(min_ngram, "stand min_ngram") <= positive_int(max_ngram, "stand max_ngram")):
             raise SpecDecodeError(f"stand n-gram sizes must satisfy min <= max, got min={min_ngram}, max={max_ngram}")
         self.ngram_sizes = range(max_ngram, min_ngram - 1, -1)
-        self.sampling = SamplingParams()
-        self.rng = np.random.default_rng()
         self._vocab = 0  # known from the first verification
-        self._tail: tuple[int, ...] = ()  # the context's last max_ngram tokens when the step began
         self.reset()
 
     def reset(self) -> None:
@@ -91,11 +88,8 @@ class StandDrafter(Drafter):
     def array_bytes(self) -> int:
         return self._ids.nbytes + self._probs.nbytes
 
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self.sampling = sampling
-        # Its own stream, reproducible from the request's seed.
-        self.rng = np.random.default_rng(None if sampling.seed is None else [sampling.seed & (2**64 - 1), 1])
-        self._tail = tuple(prompt_ids[-self.ngram_sizes.start :])
+    def session(self, request: DraftRequest) -> StandSession:
+        return StandSession(self, request)
 
     def lookup(self, context: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
         """Stored (ids, probabilities) for the longest known n-gram ending ``context``."""
@@ -104,45 +98,17 @@ class StandDrafter(Drafter):
                 return self._ids[slot], self._probs[slot]
         return None
 
-    def propose(self, context: list[int], max_tokens: int) -> Draft:
-        tail = tuple(context[-self.ngram_sizes.start :])
-        drawn: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # path → ids, q, order
-
-        def candidates(path: tuple[int, ...]) -> np.ndarray:
-            found = self.lookup(tail + path)
-            if found is None:
-                return np.zeros(0, dtype=np.int32)
-            ids, probs = found
-            if self.sampling.greedy:
-                return ids
-            q = sampling_probs(torch.from_numpy(np.log(probs)), self.sampling).double().numpy()
-            live = np.flatnonzero(q > 0)
-            gumbel = np.log(q[live]) - np.log(-np.log(self.rng.random(len(live))))
-            order = live[np.argsort(-gumbel)]  # Gumbel-top-k: the order of a without-replacement draw
-            drawn[path] = (ids, q, order)
-            return ids[order]
-
-        tokens, parents, parent_paths = grow_tree(self.shape, max_tokens, self.max_nodes, candidates)
-        if self.sampling.greedy or not tokens:
-            return Draft(tokens=tokens, parents=parents)
-        probs = torch.zeros(len(tokens), self._vocab, dtype=torch.float32)
-        for path, (ids, q, order) in drawn.items():
-            siblings = [node for node, parent_path in enumerate(parent_paths) if parent_path == path]
-            if siblings:  # in rank order: sibling j is the j-th draw
-                rows = torch.from_numpy(without_earlier(q, order[: len(siblings)])).float()
-                probs[siblings] = probs[siblings].index_copy_(1, torch.from_numpy(ids.astype(np.int64)), rows)
-        return Draft(tokens=tokens, probs=probs, parents=parents)
-
-    def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        logits = feedback.target_logits
+    def learn(self, tail: tuple[int, ...], draft: Draft, logits: torch.Tensor) -> None:
+        """Merge the target's top-k distributions after each verified row into the table under every n-gram
+        ending at that row (``tail``: the context's last tokens before the draft)."""
         if self._vocab != logits.shape[-1]:
             self._vocab = logits.shape[-1]
             self.reset()  # sizes rows for this vocabulary (a drafter serves one target)
-        top = torch.topk(torch.softmax(logits.float(), dim=-1), self._ids.shape[1], dim=-1)
+        top = torch.topk(torch.softmax(logits.float().cpu(), dim=-1), self._ids.shape[1], dim=-1)
         ids, probs = top.indices.numpy().astype(np.int32), top.values.numpy()
         keep = self.ngram_sizes.start
-        row_context = [self._tail]
-        for token, parent in zip(feedback.draft.tokens, feedback.draft.parent_list, strict=True):
+        row_context = [tail]
+        for token, parent in zip(draft.tokens, draft.parent_list, strict=True):
             row_context.append((*row_context[parent + 1], token)[-keep:])
         row_of_key = {ctx[-n:]: row for row, ctx in enumerate(row_context) for n in self.ngram_sizes if len(ctx) >= n}
         slots = np.array([self._slot_for(key) for key in row_of_key], dtype=np.int64)
@@ -150,7 +116,6 @@ class StandDrafter(Drafter):
         # A slot evicted and reused within this step appears twice: its last key owns it.
         last = len(slots) - 1 - np.unique(slots[::-1], return_index=True)[1]
         self._merge(slots[last], ids[rows[last]], probs[rows[last]])
-        self._tail = tuple(context[-keep:])
 
     def _slot_for(self, key: tuple[int, ...]) -> int:
         slot = self._slots.get(key)
@@ -184,3 +149,48 @@ class StandDrafter(Drafter):
             self._ids = np.resize(self._ids, (capacity, self._ids.shape[1]))  # new rows are written before use
             self._probs = np.resize(self._probs, (capacity, self._probs.shape[1]))
         return used
+
+
+class StandSession(DraftSession):
+    """One request: its sampling, its own random stream, and the context tail at the step's start."""
+
+    def __init__(self, drafter: StandDrafter, request: DraftRequest) -> None:
+        self.drafter = drafter
+        self.sampling = request.sampling
+        self.rng = request.numpy_rng()
+        self._tail = tuple(request.prompt_ids[-drafter.ngram_sizes.start :])
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        drafter = self.drafter
+        tail = tuple(context[-drafter.ngram_sizes.start :])
+        drawn: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # path → ids, q, order
+
+        def candidates(path: tuple[int, ...]) -> np.ndarray:
+            found = drafter.lookup(tail + path)
+            if found is None:
+                return np.zeros(0, dtype=np.int32)
+            ids, probs = found
+            if self.sampling.greedy:
+                return ids
+            q = sampling_probs(torch.from_numpy(np.log(probs)), self.sampling).double().numpy()
+            live = np.flatnonzero(q > 0)
+            gumbel = np.log(q[live]) - np.log(-np.log(self.rng.random(len(live))))
+            order = live[np.argsort(-gumbel)]  # Gumbel-top-k: the order of a without-replacement draw
+            drawn[path] = (ids, q, order)
+            return ids[order]
+
+        tokens, parents, parent_paths = grow_tree(drafter.shape, max_tokens, drafter.max_nodes, candidates)
+        if self.sampling.greedy or not tokens:
+            return Draft(tokens=tokens, parents=parents)
+        probs = torch.zeros(len(tokens), drafter._vocab, dtype=torch.float32)
+        for path, (ids, q, order) in drawn.items():
+            siblings = [node for node, parent_path in enumerate(parent_paths) if parent_path == path]
+            if siblings:  # in rank order: sibling j is the j-th draw
+                rows = torch.from_numpy(without_earlier(q, order[: len(siblings)])).float()
+                probs[siblings] = probs[siblings].index_copy_(1, torch.from_numpy(ids.astype(np.int64)), rows)
+        return Draft(tokens=tokens, probs=probs, parents=parents)
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        if feedback.target_logits.numel():
+            self.drafter.learn(self._tail, feedback.draft, feedback.target_logits)
+        self._tail = tuple(context[-self.drafter.ngram_sizes.start :])

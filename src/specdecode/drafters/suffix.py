@@ -13,12 +13,12 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 
-from specdecode.config import SamplingParams
 from specdecode.drafters import register_drafter
 from specdecode.drafters._ngram_tree import Transcript, TreeProposal, check_fraction, check_int, grow_tree
-from specdecode.drafters.base import Draft, Drafter, StepFeedback
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
+from specdecode.types import Draft, StepFeedback
 
 ROOT = 0
 
@@ -158,7 +158,7 @@ class SuffixDrafter(Drafter):
     """Suffix tries over this request and earlier outputs; proposes a tree of frequent continuations.
 
     Two :class:`SuffixTrie` s: one over the current prompt + output (rebuilt per request), one over the
-    outputs of earlier requests (kept in this object across requests — the generator keeps one drafter
+    outputs of finished requests (kept in this object across requests — the generator keeps one drafter
     — within a budget of ``global_tokens`` tokens, oldest request evicted first; ``reset()`` empties
     it).  Each step, for every length m of the context's suffix that occurs earlier in either trie, a
     tree is grown best-first over the continuation frequencies, at most ``spec_factor`` × m deep (a
@@ -172,8 +172,8 @@ class SuffixDrafter(Drafter):
     ``min_prob`` (0.1) least estimated path probability of a node; ``global_tokens`` (8192) earlier
     output tokens remembered, 0 to disable.
 
-    The engine caps the depth at ``num_draft_tokens`` (5 by default), which cuts the long copies short;
-    run it with a larger K (e.g. 16): the match length, not K, then bounds how deep it speculates.
+    The engine caps the depth at ``num_draft_tokens`` (``auto``: up to 16).  A request's output joins the
+    global trie when its session finishes.
     """
 
     def __init__(
@@ -195,36 +195,20 @@ class SuffixDrafter(Drafter):
         self.global_tokens = check_int("suffix", "global_tokens", global_tokens, 0)
         self.reset()
 
-    # -- state -----------------------------------------------------------------------------------
+    # -- state shared across requests -------------------------------------------------------------
     def reset(self) -> None:
         self.global_trie = SuffixTrie(self.tree_depth)
         self.global_outputs: deque[list[int]] = deque()
-        self._begin([])
+        self.version = 0  # bumped whenever the global trie changes: sessions then re-match against it
 
     @property
     def global_size(self) -> int:
         """Output tokens currently remembered from earlier requests."""
         return sum(len(output) for output in self.global_outputs)
 
-    def _begin(self, prompt: Sequence[int]) -> None:
-        self._transcript = Transcript(prompt)
-        self._prompt_len = len(prompt)
-        self.local_trie = SuffixTrie(self.tree_depth)
-        self._local_active = self.local_trie.add(prompt)
-        self._global_active = self.global_trie.walk(prompt)
-
-    def _index(self, context: Sequence[int]) -> None:
-        new = self._transcript.advance(context)
-        if new is None:  # not a continuation of what we indexed: treat it as a fresh request
-            self._begin(context)
-            return
-        for token in new:
-            self._local_active = self.local_trie.extend(self._local_active, token)
-            self._global_active = self.global_trie.follow(self._global_active, token)
-
-    def _remember_output(self) -> None:
-        """Move the finished request's output into the global trie, evicting the oldest outputs."""
-        output = self._transcript.tokens[self._prompt_len :][-self.global_tokens :] if self.global_tokens else []
+    def remember(self, output: list[int]) -> None:
+        """Index a finished request's output in the global trie, evicting the oldest outputs."""
+        output = output[-self.global_tokens :] if self.global_tokens else []
         if not output:
             return
         self.global_trie.add(output)
@@ -234,23 +218,58 @@ class SuffixDrafter(Drafter):
             oldest = self.global_outputs.popleft()
             self.global_trie.remove(oldest)
             size -= len(oldest)
+        self.version += 1
 
-    # -- protocol --------------------------------------------------------------------------------
-    def start(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
-        self._remember_output()
-        self._begin(prompt_ids)
+    def session(self, request: DraftRequest) -> SuffixSession:
+        return SuffixSession(self, list(request.prompt_ids))
+
+
+class SuffixSession(DraftSession):
+    """One request: its own trie over prompt + output, and where its suffix stands in both tries."""
+
+    def __init__(self, drafter: SuffixDrafter, prompt: list[int]) -> None:
+        self.drafter = drafter
+        self._begin(prompt)
+
+    def _begin(self, prompt: Sequence[int]) -> None:
+        self._transcript = Transcript(prompt)
+        self._prompt_len = len(prompt)
+        self.local_trie = SuffixTrie(self.drafter.tree_depth)
+        self._local_active = self.local_trie.add(prompt)
+        self._sync_global()
+
+    def _sync_global(self) -> None:
+        self._version = self.drafter.version
+        self._global_active = self.drafter.global_trie.walk(self._transcript.tokens)
+
+    def _index(self, context: Sequence[int]) -> None:
+        new = self._transcript.advance(context)
+        if new is None:  # not a continuation of what we indexed: treat it as a fresh request
+            self._begin(context)
+            return
+        global_trie = self.drafter.global_trie
+        for token in new:
+            self._local_active = self.local_trie.extend(self._local_active, token)
+            self._global_active = global_trie.follow(self._global_active, token)
+        if self._version != self.drafter.version:  # another request finished meanwhile
+            self._sync_global()
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         self._index(context)
 
+    def finish(self, context: list[int]) -> None:
+        self._index(context)
+        self.drafter.remember(self._transcript.tokens[self._prompt_len :])
+
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         self._index(context)
+        drafter = self.drafter
         best: TreeProposal | None = None
-        for trie, active in ((self.local_trie, self._local_active), (self.global_trie, self._global_active)):
+        for trie, active in ((self.local_trie, self._local_active), (drafter.global_trie, self._global_active)):
             longer_count, longer_depth = 0, 0
             for match in range(len(active), 0, -1):
                 node = active[match - 1]
-                bound = min(max_tokens, self.spec_factor * match)
+                bound = min(max_tokens, drafter.spec_factor * match)
                 if best is not None and best.score >= bound:
                     break  # a tree's score never exceeds its depth: shorter matches cannot win
                 depth = min(int(bound), trie.depth - match)
@@ -260,7 +279,7 @@ class SuffixDrafter(Drafter):
                 longer_count, longer_depth = trie.count(node), depth
                 if depth < 1:
                     continue
-                proposal = grow_tree(node, trie.continuations, self.max_nodes, depth, self.min_prob)
+                proposal = grow_tree(node, trie.continuations, drafter.max_nodes, depth, drafter.min_prob)
                 if best is None or proposal.score > best.score:
                     best = proposal
         return best.draft if best is not None else Draft(tokens=[])

@@ -1,24 +1,28 @@
-"""The model backend protocol the engine and drafters are written against.
+"""The backend protocol the engine and drafters are written against, and the optional capabilities a
+drafter may ask a backend for.
 
-A backend owns a causal LM and its KV cache.  The engine only ever needs four things from it:
-a fresh cache, a forward over *new* tokens on top of that cache, a way to cut the cache back to an
-accepted length, and a few facts (vocabulary size, context length, EOS ids).  The forward already
-takes what later drafters and verifiers need, so adding them does not change this file:
+A backend owns a causal LM and the KV caches of the sequences it decodes.  The engine needs a cache per
+sequence (all of a batch from one :class:`KVPool`), one forward over the *new* tokens of many sequences
+at once (:meth:`CausalLM.forward_batch`: ragged — each sequence brings its own number of tokens,
+positions and tree mask, and sees only its own cache), a way to cut a cache back to an accepted length,
+and a few facts (vocabulary size, context length, EOS ids, device).
 
-* ``positions`` and ``tree_mask`` — verify a token *tree* in one pass (depth-based positions,
-  each node attending only to its ancestors);
-* ``logits_rows`` — compute the LM head only for rows that are read (the head is often the largest
-  matrix of a small model);
-* ``output_hidden`` — hidden states for trained draft heads;
-* ``skip_layers`` / ``exit_layer`` — run a shallower version of the target for self-speculation.
+Everything else is a *capability*: a small interface a backend may also implement and a drafter asks
+for with :func:`require_capability` — layer-wise execution for self-speculation today, hidden states for
+trained heads tomorrow — so that no drafter imports a particular backend, and a backend without the
+capability is refused with a clear error instead of failing deep inside a forward.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+from specdecode.errors import SpecDecodeError
 
 
 @dataclass
@@ -28,7 +32,7 @@ class ForwardOutput:
 
 
 class KVCache(ABC):
-    """Keys and values of the tokens processed so far, in order."""
+    """Keys and values of one sequence's tokens processed so far, in order."""
 
     @property
     @abstractmethod
@@ -50,21 +54,63 @@ class KVCache(ABC):
     def _gather(self, start: int, offsets: list[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot compact a token tree")
 
+    def release(self) -> None:  # noqa: B027
+        """The sequence is finished or cancelled: give its storage back at once."""
+
+
+class KVPool(ABC):
+    """Cache storage shared by the sequences of a batch; a sequence's cache is a slot in it."""
+
+    @abstractmethod
+    def allocate(self) -> KVCache:
+        """An empty cache for one more sequence (``KVCache.release`` returns the slot)."""
+
+    @property
+    @abstractmethod
+    def active(self) -> int:
+        """Slots in use."""
+
+
+@dataclass
+class SequenceInput:
+    """One sequence's part of a batched forward.
+
+    tokens: [n] int64 new tokens, run after everything in ``cache`` and appended to it.
+    positions: [n] absolute positions; default ``cache.length + arange(n)``.
+    tree_mask: [n, n] bool, ``tree_mask[i, j]`` = new token i may attend to new token j; default causal.
+        Every new token always sees the sequence's whole cache, and nothing of any other sequence.
+    logits_rows: which of the n rows get logits (default: all).
+    """
+
+    tokens: torch.Tensor
+    cache: KVCache
+    positions: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    logits_rows: torch.Tensor | slice | None = None
+
 
 class CausalLM(ABC):
-    """A causal language model backend for one sequence at a time."""
+    """A causal language model backend that decodes many sequences per forward."""
 
     name: str
     vocab_size: int
     max_context: int
     num_layers: int
     eos_token_ids: tuple[int, ...]
+    device: torch.device = torch.device("cpu")
 
     @abstractmethod
+    def new_pool(self) -> KVPool:
+        """Empty cache storage for a batch of sequences."""
+
     def new_cache(self) -> KVCache:
-        """An empty KV cache for one sequence."""
+        """An empty KV cache for one sequence on its own (a private one-slot pool)."""
+        return self.new_pool().allocate()
 
     @abstractmethod
+    def forward_batch(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
+        """One forward over every sequence's new tokens (all caches from one pool); one output each."""
+
     def forward(
         self,
         tokens: torch.Tensor,
@@ -73,16 +119,70 @@ class CausalLM(ABC):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         logits_rows: torch.Tensor | slice | None = None,
-        output_hidden: bool = False,
+    ) -> ForwardOutput:
+        """One sequence's forward (see :class:`SequenceInput`)."""
+        return self.forward_batch([SequenceInput(tokens, cache, positions, tree_mask, logits_rows)])[0]
+
+
+class LayerwiseExecution(ABC):
+    """Capability: run a subset of the model's layers on a sequence, and reuse its output stage.
+
+    What self-speculation needs (``layer-skip``, ``early-exit``, ``kangaroo``): a draft runs the target
+    with layers skipped or exited early on top of the target's own cache, then the model's own final norm
+    and (a restricted) LM head."""
+
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    @abstractmethod
+    def forward_layers(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        *,
         skip_layers: frozenset[int] = frozenset(),
         exit_layer: int | None = None,
+        output_hidden: bool = False,
+        logits_rows: torch.Tensor | slice | None = None,
     ) -> ForwardOutput:
-        """Run ``tokens`` ([n] int64) after everything in ``cache`` and append them to it.
+        """Like ``forward`` over one sequence, with ``skip_layers`` left out and nothing after
+        ``exit_layer`` run; ``hidden`` is then the residual stream entering the final norm.  A skipped
+        layer writes nothing into the cache: whoever mixes layer subsets on one cache crops first."""
 
-        positions: [n] absolute positions; default ``cache.length + arange(n)``.
-        tree_mask: [n, n] bool, ``tree_mask[i, j]`` = new token i may attend to new token j;
-            default causal.  Every new token always sees the whole cache.
-        logits_rows: which of the n rows get logits (default: all).
-        skip_layers / exit_layer: run a subset of the layers (self-speculation).  Backends that
-            cannot do this raise ``NotImplementedError``.
-        """
+    @abstractmethod
+    def exit_logits(
+        self, hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The output stage (final norm, LM head or ``head``, logit softcapping) on [n, d] residual states."""
+
+    @abstractmethod
+    def head_logits(
+        self, normed: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The output stage after the final norm: LM head (or ``head``) and logit softcapping."""
+
+    @abstractmethod
+    def output_weight(self) -> torch.Tensor:
+        """The LM head's [vocab, d] weight as a dense tensor."""
+
+    @abstractmethod
+    def lm_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The full LM head: [n, d] final-normed states → [n, vocab] logits (before softcapping)."""
+
+    @abstractmethod
+    def head_fraction(self) -> float:
+        """The LM head's share of the parameters a one-token forward reads (it is large in small models)."""
+
+
+Capability = TypeVar("Capability")
+
+
+def require_capability(backend: object, capability: type[Capability], who: str) -> Capability:
+    """``backend`` as a ``capability``, or a clear error naming who needed it and why."""
+    if not isinstance(backend, capability):
+        doc = (capability.__doc__ or capability.__name__).strip().splitlines()[0].rstrip(".")
+        raise SpecDecodeError(
+            f"{who} needs a backend with {capability.__name__} ({doc}); {type(backend).__name__} has none"
+        )
+    return backend

@@ -27,7 +27,7 @@ from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB, require_layer_b
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.base import LayerwiseExecution
 from specdecode.models.loading import LoadedModel
 
 
@@ -89,10 +89,10 @@ def collect(
         prompt = prompt[-config.max_prompt_tokens :]
         continuation = speculative_decode(backend, lookup, prompt, generation, frozenset(backend.eos_token_ids))
         ids = torch.tensor(prompt + [t for chunk in continuation for t in chunk], dtype=torch.long)
-        exits = backend.forward(
+        exits = backend.forward_layers(
             ids, backend.new_cache(), exit_layer=exit_layer, output_hidden=True, logits_rows=no_rows
         )
-        finals = backend.forward(ids, backend.new_cache(), output_hidden=True, logits_rows=no_rows)
+        finals = backend.forward_layers(ids, backend.new_cache(), output_hidden=True, logits_rows=no_rows)
         out.append(Sequence(exits.hidden.clone(), finals.hidden.clone()))
     return out
 
@@ -100,13 +100,13 @@ def collect(
 class _Heads:
     """Teacher and student logits through the model's own head, optionally restricted to ``ids``."""
 
-    def __init__(self, backend: HFCausalLM, ids: torch.Tensor | None) -> None:
+    def __init__(self, backend: LayerwiseExecution, ids: torch.Tensor | None) -> None:
         self.backend = backend
         self.weight = None if ids is None else backend.output_weight().index_select(0, ids).contiguous()
 
     def _head(self, normed: torch.Tensor) -> torch.Tensor:
         if self.weight is None:
-            return self.backend.model.get_output_embeddings()(normed)
+            return self.backend.lm_head()(normed)
         return normed @ self.weight.T
 
     def teacher(self, finals: torch.Tensor) -> torch.Tensor:
@@ -125,14 +125,14 @@ def _kl(heads: _Heads, adapter: KangarooAdapter, exits: torch.Tensor, finals: to
     return kl, draft.argmax(-1) == full.argmax(-1)
 
 
-def evaluate(backend: HFCausalLM, adapter: KangarooAdapter, exits: torch.Tensor, finals: torch.Tensor) -> Evaluation:
+def evaluate(backend: LayerwiseExecution, adapter: KangarooAdapter, exits: torch.Tensor, finals: torch.Tensor) -> Evaluation:
     heads = _Heads(backend, None)
     with torch.no_grad():
         kl, agree = _kl(heads, adapter, exits, finals)
     return Evaluation(kl=float(kl.mean()), top1=float(agree.float().mean()))
 
 
-def _loss_vocabulary(backend: HFCausalLM, finals: torch.Tensor, size: int) -> torch.Tensor | None:
+def _loss_vocabulary(backend: LayerwiseExecution, finals: torch.Tensor, size: int) -> torch.Tensor | None:
     """The first ``size`` ids plus every token the full model predicts in the data; None = full vocab."""
     if size <= 0 or size >= backend.vocab_size:
         return None
@@ -161,7 +161,7 @@ def train_adapter(
     train = [sequences[i] for i in order[n_eval:]]
     exits, finals = torch.cat([s.exits for s in train]), torch.cat([s.finals for s in train])
     held_exits, held_finals = torch.cat([s.exits for s in held]), torch.cat([s.finals for s in held])
-    adapter = KangarooAdapter.for_backend(backend, exit_layer, config.inner_size or 2 * int(backend.config.hidden_size))
+    adapter = KangarooAdapter.for_backend(backend, exit_layer, config.inner_size or 2 * backend.hidden_size)
     before = evaluate(backend, adapter, held_exits, held_finals)
     adapter.vocab = _loss_vocabulary(backend, finals, config.draft_vocab)
     heads = _Heads(backend, adapter.vocab)

@@ -1,1 +1,1 @@
-"""Verifiers: decide which drafted tokens the target keeps."""
+"""Verifiers: decide which drafted tokens the target keeps (greedy matching, rejection sampling)."""

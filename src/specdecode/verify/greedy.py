@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Draft
-from specdecode.verify.base import Verdict, children_by_row
+from specdecode.types import Draft, Verdict, children_by_row
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: Draft) -> Verdict:
     """target_logits: [nodes + 1, vocab]; row 0 predicts what follows the context, row i + 1 what
     follows node i.  The result equals plain greedy decoding by construction."""
-    choices = target_logits.argmax(dim=-1).tolist()
+    choices = target_logits.argmax(dim=-1).tolist()  # one host transfer for the whole tree
     children = children_by_row(draft)
     path: list[int] = []
     row = 0

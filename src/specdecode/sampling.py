@@ -1,4 +1,7 @@
-"""Turn logits into the sampling distribution: temperature, then top-k, then top-p.
+"""Turn logits into the sampling distribution (temperature, then top-k, then top-p) and draw from it.
+
+Shared by drafters (which sample drafts) and verifiers (which sample corrections): both import it
+from here, never from each other.
 
 Applied identically to target and draft logits.  The order matches transformers' and vLLM's
 (temperature scales before the nucleus is cut, so top-p sees the tempered distribution).

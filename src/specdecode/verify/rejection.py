@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.drafters.base import Draft
-from specdecode.verify.base import Verdict, children_by_row
-from specdecode.verify.logits import sample
+from specdecode.sampling import sample
+from specdecode.types import Draft, Verdict, children_by_row
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
@@ -38,7 +37,12 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tens
 def verify_speculative_sampling(
     target_probs: torch.Tensor, draft: Draft, generator: torch.Generator | None
 ) -> Verdict:
-    """target_probs: [nodes + 1, vocab] processed target distributions in the verification row layout."""
+    """target_probs: [nodes + 1, vocab] processed target distributions in the verification row layout.
+
+    The walk reads single probabilities node by node, so both distributions are brought to the CPU once
+    first (on a GPU each read would otherwise be a device sync); ``generator`` is a CPU generator."""
+    target_probs = target_probs.cpu()
+    draft_probs = draft.probs.cpu() if draft.probs is not None else None
     children = children_by_row(draft)
     path: list[int] = []
     row = 0
@@ -47,7 +51,7 @@ def verify_speculative_sampling(
         accepted = None
         for child in children[row]:
             token = draft.tokens[child]
-            q = draft.probs[child] if draft.probs is not None else None
+            q = draft_probs[child] if draft_probs is not None else None
             q_token = float(q[token]) if q is not None else 1.0
             u = float(torch.rand((), generator=generator))
             if q_token > 0 and u * q_token < float(p[token]):  # u < p/q without dividing by zero
