@@ -7,11 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.config import SamplingParams
+from helpers import PROMPTS, hf_greedy, run, session_for
 from specdecode.drafters import create_drafter
 from specdecode.drafters.cacheback import NgramCache
 from specdecode.errors import SpecDecodeError
-from test_engine import PROMPTS, hf_greedy, run
 
 
 @settings(max_examples=80, deadline=None)
@@ -41,9 +40,8 @@ def test_lru_table_matches_a_reference_model(records, capacity, width):
 
 
 def started(prompt: list[int], **options):
-    cacheback = create_drafter("cacheback", None, **options)
-    cacheback.start(prompt, SamplingParams())
-    return cacheback
+    """A session of a fresh cacheback drafter for ``prompt``."""
+    return session_for(create_drafter("cacheback", None, **options), prompt)
 
 
 def test_chains_lookups_past_the_end_of_any_single_earlier_occurrence():
@@ -68,8 +66,7 @@ def test_tables_stay_within_max_entries():
     cacheback = create_drafter("cacheback", None, max_entries=50, followers=2)
     for r in range(40):
         prompt = [(r * 31 + i * i) % 90 for i in range(200)]
-        cacheback.start(prompt, SamplingParams())
-        cacheback.propose(prompt, 4)
+        session_for(cacheback, prompt).propose(prompt, 4)
         assert all(len(table.table) <= 50 for table in cacheback.tables)
         assert all(len(f) <= 2 for table in cacheback.tables for f in table.table.values())
     cacheback.reset()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import PROMPTS, hf_greedy, run, session_for
 from specdecode.drafters import create_drafter
-from specdecode.drafters.base import Draft, StepFeedback
 from specdecode.drafters.recycling import parse_template
 from specdecode.errors import SpecDecodeError
-from test_engine import PROMPTS, hf_greedy, run
+from specdecode.types import Draft, StepFeedback
 
 
 def test_template_levels_are_handed_out_best_first():
@@ -37,17 +37,17 @@ def test_greedy_output_equals_plain_decoding(tiny_target, options):
 
 def test_every_verified_row_is_recycled(tiny_target):
     drafter = create_drafter("recycling", tiny_target, template="2,1")
-    drafter.start([7, 8], sampling=None)
+    session = session_for(drafter, [7, 8])
     logits = torch.randn(4, 96, generator=torch.Generator().manual_seed(0))
     draft = Draft(tokens=[10, 11, 12], parents=[-1, -1, 0])
-    drafter.observe([7, 8, 10, 5], StepFeedback(draft=draft, path=(0,), target_logits=logits))
+    session.observe([7, 8, 10, 5], StepFeedback(draft=draft, path=(0,), target_logits=logits))
     top2 = torch.topk(logits, 2, dim=-1).indices.tolist()
     # Row 0 follows the context's last token; rows 2 and 3 belong to the rejected node 11 and the
     # unverified-by-path node 12 — recycled all the same.
     assert [drafter.successors(t).tolist() for t in (8, 10, 11, 12)] == top2
     assert drafter.successors(5).tolist() == []  # the target's own token has no row yet
     # The matrix's top-1 after 8 comes first; then what followed 8 earlier in this context (10).
-    proposal = drafter.propose([7, 8, 10, 5, 8], max_tokens=3)
+    proposal = session.propose([7, 8, 10, 5, 8], max_tokens=3)
     expected = list(dict.fromkeys([top2[0][0], 10, top2[0][1]]))[:2]
     assert proposal.tokens[:2] == expected and proposal.parents[:2] == [-1, -1]
 
@@ -57,23 +57,23 @@ def test_context_successors_let_a_cold_request_copy(tiny_target):
     followed its last two tokens earlier (copying), so the draft follows the earlier occurrence."""
     drafter = create_drafter("recycling", tiny_target, template="2,1,1,1")
     context = [11, 12, 13, 14, 15, 16, 30, 11, 12]
-    drafter.start(context, sampling=None)
-    draft = drafter.propose(context, max_tokens=4)
+    session = session_for(drafter, context)
+    draft = session.propose(context, max_tokens=4)
     assert draft.tokens == [13, 14, 15, 16] and draft.is_chain
-    assert drafter.candidates(12, 13) == [14]  # the pair's successor; no matrix row yet
+    assert session.candidates(12, 13) == [14]  # the pair's successor; no matrix row yet
 
 
 @pytest.mark.parametrize(("vocab", "template"), [(262_144, "8,4,2"), (32_000, "8")])
 def test_state_stays_within_its_documented_bound(vocab, template):
     drafter = create_drafter("recycling", None, template=template)
-    drafter.start([1], sampling=None)
+    session = session_for(drafter, [1])
     generator = torch.Generator().manual_seed(0)
     logits = torch.rand(17, vocab, generator=generator)  # which rows get written is all that matters
     seen = set()
     for _ in range(60):
         heads = torch.randint(vocab, (16,), generator=generator).tolist()
         seen.update(heads)
-        drafter.observe([heads[-1]], StepFeedback(Draft(heads, parents=[-1] * 16), (), logits))
+        session.observe([heads[-1]], StepFeedback(Draft(heads, parents=[-1] * 16), (), logits))
     k = 8
     assert drafter.state_bytes <= 4 * vocab * (k + 1)  # the documented worst case
     assert drafter.state_bytes <= 4 * vocab + 2 * 4 * k * (len(seen) + 1)  # rows only for tokens seen

@@ -8,14 +8,12 @@ import pytest
 import torch
 
 import specdecode.drafters.stand
+from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, hf_greedy, run, session_for
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
-from specdecode.drafters.base import Draft, StepFeedback
 from specdecode.engine import speculative_decode
-from specdecode.models.base import ForwardOutput
-from specdecode.verify.logits import sampling_probs
-from test_engine import PROMPTS, hf_greedy, run
-from test_sampling_lossless import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues
+from specdecode.sampling import sampling_probs
+from specdecode.types import Draft, StepFeedback
 
 
 @pytest.mark.parametrize("options", [{}, {"template": "1,1,1,1,1", "min_ngram": 2}, {"topk": 2, "max_entries": 40}])
@@ -30,9 +28,9 @@ def test_greedy_output_equals_plain_decoding(tiny_target, options):
 def test_sampled_siblings_are_distinct_and_rows_drop_earlier_siblings(tiny_target):
     drafter = create_drafter("stand", tiny_target, template="4,2,1", topk=6)
     tokens, _ = run(tiny_target, drafter, PROMPTS[1], max_new_tokens=40, num_draft_tokens=3)
-    drafter.start(PROMPTS[1], SamplingParams(temperature=1.0, seed=0))
+    session = session_for(drafter, PROMPTS[1], SamplingParams(temperature=1.0, seed=0), seed=0)
     # Every generated token but the last was verified with its context, so the table knows what follows.
-    draft = drafter.propose([*PROMPTS[1], *tokens[:-1]], max_tokens=3)
+    draft = session.propose([*PROMPTS[1], *tokens[:-1]], max_tokens=3)
     assert draft.probs is not None and draft.parent_list[:4] == [-1] * 4  # four sampled root alternatives
     torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
     for parent in set(draft.parent_list):
@@ -52,11 +50,8 @@ class ParityBigramLM(BigramLM):
     n-gram key cannot see, so the drafter's distributions stay wrong (a mix of both tables) and many
     drafts are rejected: the chi-square test then has the power to catch a wrong probability row."""
 
-    def forward(self, tokens, cache, positions=None, **_) -> ForwardOutput:
-        if positions is None:
-            positions = torch.arange(cache.length, cache.length + len(tokens))
-        cache.tokens.extend(tokens.tolist())
-        return ForwardOutput(logits=self.table[positions % 2, tokens])
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions % 2, tokens]
 
 
 def parity_transition_counts(sampling: SamplingParams, tokens_wanted: int) -> tuple[np.ndarray, np.ndarray, float]:
@@ -109,13 +104,13 @@ def test_rows_that_keep_earlier_siblings_fail_the_same_test(monkeypatch):
 
 def test_table_is_bounded_and_evicts_the_stalest_entries():
     drafter = create_drafter("stand", None, topk=4, max_ngram=2, max_entries=100)
-    drafter.start([1, 2], SamplingParams())
+    session = session_for(drafter, [1, 2])
     generator = torch.Generator().manual_seed(0)
     vocab = 1000
     logits = torch.randn(9, vocab, generator=generator)
     for _ in range(50):
         heads = torch.randint(vocab, (8,), generator=generator).tolist()
-        drafter.observe([*heads[-2:]], StepFeedback(Draft(heads), (), logits))
+        session.observe([*heads[-2:]], StepFeedback(Draft(heads), (), logits))
     assert drafter.num_entries == 100
     assert drafter.array_bytes <= 100 * 4 * (4 + 4)
     # The newest entries survive: the last step's chain gave its (2-gram and 1-gram) keys.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -15,28 +14,19 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import specdecode.verify.sampling
+import specdecode.verify.rejection
+from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, chi2_pvalue
 from specdecode.config import GenerationConfig, SamplingParams
-from specdecode.drafters.base import Draft, Drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import speculative_decode
-from specdecode.models.base import CausalLM, ForwardOutput, KVCache
-from specdecode.verify.logits import sample, sampling_probs
-from specdecode.verify.sampling import verify_speculative_sampling
-
-DRAWS = 100_000
-PASS_P = 1e-3  # seeded, so deterministic; a correct verifier passes comfortably
-FAIL_P = 1e-6
-
-
-def chi2_pvalue(observed: np.ndarray, probs) -> float:
-    """Chi-square goodness of fit of counts against a distribution (renormalised in float64)."""
-    expected = np.asarray(probs, dtype=np.float64)
-    return float(chisquare(observed, expected / expected.sum() * observed.sum()).pvalue)
+from specdecode.sampling import sample, sampling_probs
+from specdecode.types import Draft
+from specdecode.verify.rejection import verify_speculative_sampling
 
 
 def break_verifier(monkeypatch) -> None:
     """The classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
-    monkeypatch.setattr(specdecode.verify.sampling, "_residual", lambda p, q, token: p)
+    monkeypatch.setattr(specdecode.verify.rejection, "_residual", lambda p, q, token: p)
 
 
 def first_token_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, siblings: int = 1,
@@ -98,39 +88,6 @@ def test_broken_verifier_fails_the_same_test(case, monkeypatch):
 
 # --- end to end: a toy Markov-chain "model" and drafter through the real engine -------------------
 
-V = 5
-
-
-class ListCache(KVCache):
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def crop(self, length: int) -> None:
-        del self.tokens[length:]
-
-    def _gather(self, start: int, offsets: list[int]) -> None:
-        self.tokens[start:] = [self.tokens[start + offset] for offset in offsets]
-
-
-class BigramLM(CausalLM):
-    """Next-token logits depend on the current token only: the exact distribution is known."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
-        self.name, self.vocab_size, self.max_context, self.num_layers = "bigram", V, 10**9, 1
-        self.eos_token_ids = ()
-
-    def new_cache(self) -> ListCache:
-        return ListCache()
-
-    def forward(self, tokens, cache, **_) -> ForwardOutput:
-        cache.tokens.extend(tokens.tolist())
-        return ForwardOutput(logits=self.table[tokens])
-
 
 class BigramDrafter(Drafter):
     """Samples from a *different* bigram table and reports the probabilities it used."""
@@ -138,29 +95,35 @@ class BigramDrafter(Drafter):
     def __init__(self, table: torch.Tensor, with_probs: bool, branches: int = 1) -> None:
         super().__init__(target=None)
         self.table, self.with_probs, self.branches = table, with_probs, branches
-        self.generator = torch.Generator().manual_seed(7)
 
-    def start(self, prompt_ids, sampling) -> None:
-        self.sampling = sampling
+    def session(self, request: DraftRequest) -> BigramSession:
+        return BigramSession(self, request)
+
+
+class BigramSession(DraftSession):
+    def __init__(self, drafter: BigramDrafter, request: DraftRequest) -> None:
+        self.drafter, self.sampling = drafter, request.sampling
+        self.generator = request.torch_generator()
 
     def propose(self, context, max_tokens) -> Draft:
         """``branches`` > 1: that many root alternatives drawn without replacement, each continued
         by a sampled chain — a tree that exercises multi-draft verification and cache compaction."""
+        table, branches = self.drafter.table, self.drafter.branches
         tokens, rows, parents = [], [], []
-        q_root = sampling_probs(self.table[context[-1]], self.sampling)
+        q_root = sampling_probs(table[context[-1]], self.sampling)
         remaining = q_root.clone()
-        for _ in range(min(self.branches, int((q_root > 0).sum()))):
+        for _ in range(min(branches, int((q_root > 0).sum()))):
             drawn_from = remaining / remaining.sum()
             last = sample(drawn_from, self.generator)
             remaining[last] = 0.0
             tokens.append(last), rows.append(drawn_from), parents.append(-1)
             for _ in range(max_tokens - 1):
-                q = sampling_probs(self.table[last], self.sampling)
+                q = sampling_probs(table[last], self.sampling)
                 last = sample(q, self.generator)
                 parents.append(len(tokens) - 1)
                 tokens.append(last), rows.append(q)
-        probs = torch.stack(rows) if self.with_probs and rows else None
-        return Draft(tokens, probs, parents if self.branches > 1 else None)
+        probs = torch.stack(rows) if self.drafter.with_probs and rows else None
+        return Draft(tokens, probs, parents if branches > 1 else None)
 
 
 def transition_counts(
@@ -187,19 +150,6 @@ def transition_counts(
         run += 1
     expected_rows = sampling_probs(target_table, sampling).numpy()
     return counts, expected_rows
-
-
-def chain_pvalues(counts: np.ndarray, expected_rows: np.ndarray) -> list[float]:
-    """One chi-square test per (position in step, previous token) with enough samples."""
-    pvalues = []
-    for position in range(counts.shape[0]):
-        for prev in range(V):
-            row = counts[position, prev]
-            support = expected_rows[prev] > 0
-            assert row[~support].sum() == 0, "a token outside top-k/top-p was emitted"
-            if row.sum() >= 500 and support.sum() > 1:
-                pvalues.append(chi2_pvalue(row[support], expected_rows[prev][support]))
-    return pvalues
 
 
 SAMPLING_CASES = [

@@ -24,20 +24,22 @@ def load(
     num_draft_tokens: int | str = GenerationConfig().num_draft_tokens,
     max_new_tokens: int = 128,
     fast_path: bool | None = None,
+    device: str | None = None,
     **drafter_options,
 ) -> SpeculativeGenerator:
     """Load ``model`` (registry short name, local directory, .gguf file or hub id) with a drafter.
 
     ``drafter_options`` go to the drafter, e.g. ``draft_model="qwen2.5-coder-0.5b"`` for
     ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.  ``fast_path`` (default on
-    where supported) prepacks linear layers for fast multi-token verification on CPUs.
+    where supported) prepacks linear layers for fast multi-token verification on CPUs; ``device``: ``cpu``
+    (default), ``cuda`` or ``cuda:N``.  ``generate_batch`` on the result decodes many prompts together.
     """
     from specdecode.drafters import check_drafter_options
     from specdecode.models.loading import load_model
 
     # An unknown drafter or an option it does not take fails before the (slow) model load, as in the CLI.
     check_drafter_options(drafter, **drafter_options)
-    target = load_model(model, fast_path=fast_path)
+    target = load_model(model, fast_path=fast_path, device=device)
     defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
     return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
 

@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | demo | models``.
+"""Command line: ``specdecode generate | batch | demo | models | drafters | bench | train``.
 
 Names here are a contract (the benchmark and outside checks call them): keep flags and JSON fields.
 User mistakes print one line ``specdecode: error: ...`` and exit 2; no traceback.
@@ -61,6 +61,7 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         "--no-fast-path", action="store_true",
         help="keep transformers' default linear kernels (the fast CPU path is on by default)",
     )
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
 
 
 def _generation_config(args: argparse.Namespace):
@@ -84,9 +85,9 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     options["draft_model"] = args.draft_model
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
     fast_path = False if args.no_fast_path else None
-    target = load_model(args.model, fast_path=fast_path)
+    target = load_model(args.model, fast_path=fast_path, device=args.device)
     if isinstance(options.get("draft_model"), str) and options["draft_model"] != args.model:
-        options["draft_model"] = load_model(options["draft_model"], fast_path=fast_path)
+        options["draft_model"] = load_model(options["draft_model"], fast_path=fast_path, device=args.device)
     elif options.get("draft_model") == args.model:
         options["draft_model"] = target  # a model drafting for itself: load it once
     return SpeculativeGenerator.build(target, drafter, defaults, **options)
@@ -109,6 +110,83 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     print(f"[{args.drafter}] {result.stats.summary()}", file=sys.stderr)
     return 0
+
+
+#: Generation parameters a line of ``specdecode batch`` may set for itself (the flags set the defaults).
+BATCH_LINE_PARAMS = frozenset(
+    {"max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos"}
+)
+
+
+def _read_batch_lines(path: str) -> list[str]:
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecDecodeError(f"cannot read {path}: {exc}") from exc
+
+
+def _batch_request(generator, line: str, chat: bool):
+    """One JSONL line → (prompt, generation config, chat), or SpecDecodeError saying what is wrong."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SpecDecodeError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+    if not isinstance(item, dict):
+        raise SpecDecodeError('expected an object like {"prompt": "..."} or {"messages": [...]}')
+    unknown = set(item) - {"prompt", "messages"} - BATCH_LINE_PARAMS
+    if unknown:
+        raise SpecDecodeError(f"unknown field(s): {', '.join(sorted(unknown))}")
+    if ("prompt" in item) == ("messages" in item):
+        raise SpecDecodeError('give exactly one of "prompt" (a string) or "messages" (a list of chat messages)')
+    if "prompt" in item and not isinstance(item["prompt"], str):
+        raise SpecDecodeError('"prompt" must be a string')
+    messages = item.get("messages")
+    if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
+        raise SpecDecodeError('"messages" must be a list of {"role": ..., "content": ...} objects')
+    config = generator.config_for(**{key: item[key] for key in BATCH_LINE_PARAMS & set(item)})
+    prompt = item["prompt"] if "prompt" in item else messages
+    generator.encode_prompt(prompt, chat=chat)  # validates now, so the error names the line
+    return prompt, config
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """Decode every line of a JSONL file together, ``--batch-size`` sequences at a time; one JSON result
+    per line in input order.  A bad line gets an error in its place; the others complete."""
+    lines = _read_batch_lines(args.prompts)
+    if not any(line.strip() for line in lines):
+        raise SpecDecodeError(f"{args.prompts} has no prompts (one JSON object per line)")
+    generator = _build_generator(args, args.drafter, _generation_config(args))
+    requests, errors = [], {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        index = len(requests) + len(errors)
+        try:
+            requests.append((index, *_batch_request(generator, line, args.chat)))
+        except SpecDecodeError as exc:
+            errors[index] = f"line {number}: {exc}"
+    results = generator.run_batch(
+        [(prompt, config) for _, prompt, config in requests], chat=args.chat, batch_size=args.batch_size
+    )
+    by_index: dict[int, object] = dict(errors)
+    by_index.update({index: result for (index, _, _), result in zip(requests, results)})
+    for index in sorted(by_index):
+        result = by_index[index]
+        if isinstance(result, (str, SpecDecodeError)):
+            message = str(result)
+            print(f"specdecode: error: {message}", file=sys.stderr)
+            row = {"index": index, "error": message}
+        elif args.json:
+            row = {"index": index, **result.to_json()}
+        else:
+            print(f"=== [{index}] {result.finish_reason}, {result.stats.summary()}")
+            print(result.text)
+            continue
+        print(json.dumps(row))
+    return 2 if errors else 0
 
 
 DEMO_PROMPT_INSTRUCTION = "Add a one-line comment above each function in this code and repeat the code:\n\n"
@@ -167,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_flags(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=cmd_generate)
+
+    batch = commands.add_parser("batch", help="decode the prompts of a JSONL file together (batched)")
+    batch.add_argument(
+        "prompts", help='JSONL file (or - for standard input): one {"prompt": ...} or {"messages": [...]} per line'
+    )
+    _add_generation_flags(batch)
+    batch.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences decoded together")
+    batch.add_argument("--json", action="store_true", help="one JSON object per line, in input order")
+    batch.set_defaults(run=cmd_batch)
 
     demo = commands.add_parser("demo", help="plain vs speculative decoding on one prompt, with the speedup")
     _add_generation_flags(demo)

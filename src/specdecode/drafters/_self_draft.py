@@ -4,7 +4,7 @@ The target drafts for itself by running only some of its layers, *on top of the 
 of the context*.  The engine hands each session its sequence's verification cache (``DraftRequest.target_cache``);
 between steps it holds ``context[:-1]`` with every layer's exact entries.  A draft feeds the last
 context token and then each drafted token through the executed layers, which append entries for the
-draft positions only (a skipped layer writes nothing, see :mod:`specdecode.models.hf`), and the cache is
+draft positions only (a skipped layer writes nothing, see :class:`~specdecode.models.base.LayerwiseExecution`), and the cache is
 cropped back to its length before verification.  So the context costs the drafter nothing — no prefill
 of its own, no catch-up after each step, no rebuild when the exit or the skip set changes — and the
 verification forward finds exactly the entries it left.  For an early exit the draft is the same as a

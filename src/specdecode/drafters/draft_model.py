@@ -34,7 +34,10 @@ class DraftModelDrafter(Drafter):
         super().__init__(target)
         if draft_model is None:
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
-        self.draft = draft_model if isinstance(draft_model, LoadedModel) else load_model(draft_model)
+        self.draft = (
+            draft_model if isinstance(draft_model, LoadedModel)
+            else load_model(draft_model, device=target.backend.device)
+        )
         check_same_vocabulary(target, self.draft)
 
     def session(self, request: DraftRequest) -> DraftModelSession:

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from specdecode.errors import UnknownModelError, VocabularyMismatchError
+from specdecode.errors import SpecDecodeError, UnknownModelError, VocabularyMismatchError
 from specdecode.models import registry
 from specdecode.models.base import CausalLM
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
@@ -79,8 +79,26 @@ def fast_path_default() -> bool:
     return os.environ.get("SPECDECODE_FAST_PATH", "1") != "0" and fast_path_supported()
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, fast_path: bool | None = None) -> LoadedModel:
-    """Load ``name`` (see module doc) in ``dtype`` on the CPU.
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``cpu`` (the default), ``cuda`` or ``cuda:N`` — refused clearly when torch cannot see it."""
+    try:
+        resolved = torch.device(device or "cpu")
+    except RuntimeError as exc:
+        raise SpecDecodeError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise SpecDecodeError(f"device {device!r}: torch sees no CUDA device on this machine")
+    if resolved.type not in {"cpu", "cuda"}:
+        raise SpecDecodeError(f"device {device!r} is not supported (use cpu, cuda or cuda:N)")
+    return resolved
+
+
+def load_model(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    fast_path: bool | None = None,
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load ``name`` (see module doc) in ``dtype`` on ``device`` (default: the CPU).
 
     ``fast_path`` (default: :func:`fast_path_default`) prepacks fp32 linear layers for oneDNN, which
     makes a forward over several new tokens cost little more than over one — what speculation needs on
@@ -88,6 +106,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, fast_path: bool | 
     loaded model use the same kernels, so their outputs stay identical."""
     if not isinstance(name, str) or not name.strip():
         raise UnknownModelError("model name must be a non-empty string")
+    target_device = resolve_device(device)
     source, extra = _from_pretrained_args(name)
     is_hub_id = source == name and not extra and not Path(source).exists()
     if is_hub_id and not _hub_reachable():
@@ -102,8 +121,10 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, fast_path: bool | 
         raise _unknown_model(name, f"loading failed: {first_line}") from exc
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    if (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32:
-        apply_cpu_fast_path(model)
+    if target_device.type != "cpu":
+        model.to(target_device)
+    elif (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32:
+        apply_cpu_fast_path(model)  # oneDNN kernels: the CPU only
     return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
 
 

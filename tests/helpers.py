@@ -1,0 +1,167 @@
+"""Helpers shared by several test files (fixtures stay in conftest.py): the prompts and reference greedy
+decoding of the tiny models, a drafting session for a prompt, a few tiny architectures, and a toy
+bigram "model" with the chi-square machinery the lossless-sampling tests use."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_llama
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.models.base import CausalLM, ForwardOutput, KVCache, KVPool, SequenceInput
+
+PROMPTS = [
+    [5, 17, 22, 9, 30, 41],
+    [12, 13, 14, 12, 13, 14, 12, 13],  # repetitive: prompt lookup finds matches
+    [7],
+]
+
+
+def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding by transformers itself: the reference every lossless drafter must match."""
+    model = loaded.backend.model
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def run(target, drafter, prompt, **config) -> tuple[list[int], DecodeOutcome]:
+    """One request through the engine (EOS ignored); its tokens and outcome."""
+    outcome = DecodeOutcome()
+    tokens = [t for chunk in speculative_decode(
+        target.backend, drafter, prompt, GenerationConfig(ignore_eos=True, **config), outcome=outcome
+    ) for t in chunk]
+    return tokens, outcome
+
+
+def session_for(
+    drafter: Drafter, prompt: list[int], sampling: SamplingParams | None = None, **request
+) -> DraftSession:
+    """A drafting session of ``drafter`` for a request with ``prompt`` (and ``seed``, ``stop_rule``, ...)."""
+    return drafter.session(DraftRequest(tuple(prompt), sampling or SamplingParams(), **request))
+
+
+# -- tiny architectures ------------------------------------------------------------------------------
+
+def tiny_llama3():
+    return tiny_llama(0, layers=3)
+
+
+def tiny_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
+    ))
+
+
+def tiny_gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # A sliding window far shorter than the generation: rollback must still be exact.
+    return Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256, initializer_range=0.3,
+    ))
+
+
+# -- statistics -------------------------------------------------------------------------------------
+
+DRAWS = 100_000
+PASS_P = 1e-3  # seeded, so deterministic; a correct verifier passes comfortably
+FAIL_P = 1e-6
+
+
+def chi2_pvalue(observed: np.ndarray, probs) -> float:
+    """Chi-square goodness of fit of counts against a distribution (renormalised in float64)."""
+    expected = np.asarray(probs, dtype=np.float64)
+    return float(chisquare(observed, expected / expected.sum() * observed.sum()).pvalue)
+
+
+def chain_pvalues(counts: np.ndarray, expected_rows: np.ndarray) -> list[float]:
+    """One chi-square test per (position in step, previous token) with enough samples; counts are
+    [position in step, previous token, next token]."""
+    pvalues = []
+    for position in range(counts.shape[0]):
+        for prev in range(counts.shape[1]):
+            row = counts[position, prev]
+            support = expected_rows[prev] > 0
+            assert row[~support].sum() == 0, "a token outside top-k/top-p was emitted"
+            if row.sum() >= 500 and support.sum() > 1:
+                pvalues.append(chi2_pvalue(row[support], expected_rows[prev][support]))
+    return pvalues
+
+
+# -- a toy Markov-chain backend -----------------------------------------------------------------------
+
+V = 5
+
+
+class ListCache(KVCache):
+    """The "cache" of a bigram model: the tokens it has seen."""
+
+    def __init__(self, pool: ListPool) -> None:
+        self.pool = pool
+        self.tokens: list[int] = []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def crop(self, length: int) -> None:
+        del self.tokens[length:]
+
+    def _gather(self, start: int, offsets: list[int]) -> None:
+        self.tokens[start:] = [self.tokens[start + offset] for offset in offsets]
+
+    def release(self) -> None:
+        self.pool.caches.discard(self)
+
+
+class ListPool(KVPool):
+    def __init__(self) -> None:
+        self.caches: set[ListCache] = set()
+
+    def allocate(self) -> ListCache:
+        cache = ListCache(self)
+        self.caches.add(cache)
+        return cache
+
+    @property
+    def active(self) -> int:
+        return len(self.caches)
+
+
+class BigramLM(CausalLM):
+    """Next-token logits depend on the current token only: the exact distribution is known."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.name, self.vocab_size, self.max_context, self.num_layers = "bigram", V, 10**9, 1
+        self.eos_token_ids = ()
+
+    def new_pool(self) -> ListPool:
+        return ListPool()
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[tokens]
+
+    def forward_batch(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
+        outputs = []
+        for item in inputs:
+            cache = item.cache
+            positions = item.positions
+            if positions is None:
+                positions = torch.arange(cache.length, cache.length + len(item.tokens))
+            logits = self.logits(item.tokens, positions)
+            cache.tokens.extend(item.tokens.tolist())
+            outputs.append(ForwardOutput(logits=logits[item.logits_rows] if item.logits_rows is not None else logits))
+        return outputs
