@@ -8,12 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdecode.config import SamplingParams
+from helpers import PROMPTS, hf_greedy, run, session_for
 from specdecode.drafters import create_drafter
-from specdecode.drafters.base import Draft, StepFeedback
 from specdecode.drafters.suffix import SuffixTrie
 from specdecode.errors import SpecDecodeError
-from test_engine import PROMPTS, hf_greedy, run
+from specdecode.types import Draft, StepFeedback
 
 texts = st.lists(st.integers(0, 3), max_size=40)  # a tiny alphabet: many repeats, many branches
 depths = st.integers(2, 6)
@@ -94,9 +93,8 @@ def drafter(**options):
 
 
 def started(prompt: list[int], **options):
-    suffix = drafter(**options)
-    suffix.start(prompt, SamplingParams())
-    return suffix
+    """A session of a fresh suffix drafter for ``prompt``."""
+    return session_for(drafter(**options), prompt)
 
 
 def test_proposes_what_followed_the_earlier_occurrence_deeper_for_longer_matches():
@@ -124,13 +122,15 @@ def test_tree_branches_by_frequency_with_distinct_siblings():
 
 
 def feed(suffix, prompt: list[int], output: list[int]) -> None:
-    """One request without a model: the drafter sees the prompt, then the output arriving in steps."""
-    suffix.start(prompt, SamplingParams())
+    """One request without a model: the drafter sees the prompt, then the output arriving in steps, then
+    the request finishes."""
+    session = session_for(suffix, prompt)
     context = list(prompt)
     for i in range(0, len(output), 3):
-        suffix.propose(context, 4)
+        session.propose(context, 4)
         context += output[i : i + 3]
-        suffix.observe(context, StepFeedback(draft=Draft(tokens=[]), path=(), target_logits=torch.empty(0)))
+        session.observe(context, StepFeedback(draft=Draft(tokens=[]), path=(), target_logits=torch.empty(0)))
+    session.finish(context)
 
 
 def test_global_memory_stays_within_its_token_budget_oldest_evicted_first():
@@ -140,7 +140,6 @@ def test_global_memory_stays_within_its_token_budget_oldest_evicted_first():
         feed(suffix, [r % 5], output)
         assert suffix.global_size <= 300
         assert suffix.global_trie.size <= 8 * 300
-    suffix.start([0], SamplingParams())  # the last output is remembered when the next request starts
     remembered = list(suffix.global_outputs)
     assert remembered == outputs[-len(remembered) :] and sum(map(len, remembered)) <= 300
     fresh = SuffixTrie(8)
@@ -154,9 +153,10 @@ def test_global_memory_stays_within_its_token_budget_oldest_evicted_first():
 def test_earlier_outputs_are_proposed_in_later_requests():
     suffix = drafter()
     feed(suffix, [1, 2], [10, 11, 12, 13, 14, 15, 16, 17])
-    suffix.start([3, 4], SamplingParams())
-    assert suffix.propose([3, 4, 10, 11, 12], 5).tokens == [13, 14, 15, 16, 17]
-    assert drafter(global_tokens=0).propose([3, 4, 10, 11, 12], 5).tokens == []
+    assert session_for(suffix, [3, 4]).propose([3, 4, 10, 11, 12], 5).tokens == [13, 14, 15, 16, 17]
+    forgetful = drafter(global_tokens=0)
+    feed(forgetful, [1, 2], [10, 11, 12, 13, 14, 15, 16, 17])
+    assert session_for(forgetful, [3, 4]).propose([3, 4, 10, 11, 12], 5).tokens == []
 
 
 @pytest.mark.parametrize("options", [{}, {"max_nodes": 24, "min_prob": 0.02, "spec_factor": 3}, {"tree_depth": 3}])

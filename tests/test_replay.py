@@ -9,8 +9,8 @@ from specdecode.bench.replay import StepCosts, accepted_path, replay
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import FixedLength
 from specdecode.drafters import create_drafter
-from specdecode.drafters.base import Draft
 from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.types import Draft
 
 PROMPT = [12, 13, 14, 12, 13, 14, 12, 13, 5, 12, 13, 14]
 

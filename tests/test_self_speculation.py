@@ -6,23 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama, wrap
+from conftest import wrap
+from helpers import hf_greedy, run, session_for, tiny_gemma3, tiny_llama3, tiny_qwen2
 from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
-from specdecode.drafters._self_draft import DraftHead, SelfDraftCache
+from specdecode.drafters._self_draft import DraftHead, SelfDraftSession
+from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.drafters.layer_skip import initial_skip_set
 from specdecode.errors import SpecDecodeError
-from test_engine import _tiny_gemma3, _tiny_qwen2, hf_greedy, run
 
 IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
 
-
-def _tiny_llama():
-    return tiny_llama(0, layers=3)
-
-
-BUILDERS = [_tiny_llama, _tiny_qwen2, _tiny_gemma3]
+BUILDERS = [tiny_llama3, tiny_qwen2, tiny_gemma3]
 BUILD_IDS = ["llama", "qwen2", "gemma3-sliding-window"]
 
 
@@ -30,6 +26,20 @@ BUILD_IDS = ["llama", "qwen2", "gemma3-sliding-window"]
 def loaded(request):
     torch.manual_seed(0)
     return wrap(request.param().eval(), tokenizer=None)
+
+
+def stored(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values ``layer`` stored for ``cache``'s sequence, [kv_heads, capacity, head_dim] each
+    (zeros where it never wrote: a pool's storage starts zeroed)."""
+    keys, values = cache.pool.layers[layer]
+    return keys[cache.slot], values[cache.slot]
+
+
+def written(cache, layer: int) -> int:
+    """How many positions ``layer`` wrote keys for in ``cache``'s slot (0 if it never ran on its pool)."""
+    if layer not in cache.pool.layers:
+        return 0
+    return int(stored(cache, layer)[0].ne(0).any(dim=-1).any(dim=0).sum())
 
 
 def self_drafters(loaded, draft_vocab: int = 0) -> dict:
@@ -45,9 +55,9 @@ def self_drafters(loaded, draft_vocab: int = 0) -> dict:
 def test_skipping_nothing_or_exiting_last_is_the_normal_forward(loaded):
     backend = loaded.backend
     full = backend.forward(IDS, backend.new_cache()).logits
-    assert torch.equal(backend.forward(IDS, backend.new_cache(), skip_layers=frozenset()).logits, full)
-    assert torch.equal(backend.forward(IDS, backend.new_cache(), exit_layer=backend.num_layers).logits, full)
-    out = backend.forward(IDS, backend.new_cache(), exit_layer=backend.num_layers, output_hidden=True)
+    assert torch.equal(backend.forward_layers(IDS, backend.new_cache(), skip_layers=frozenset()).logits, full)
+    assert torch.equal(backend.forward_layers(IDS, backend.new_cache(), exit_layer=backend.num_layers).logits, full)
+    out = backend.forward_layers(IDS, backend.new_cache(), exit_layer=backend.num_layers, output_hidden=True)
     torch.testing.assert_close(backend.exit_logits(out.hidden), full, rtol=1e-5, atol=1e-5)
 
 
@@ -67,8 +77,8 @@ def test_early_exit_equals_a_truncated_model(loaded):
         shallow.model.load_state_dict(model.state_dict(), strict=False)
         expected = shallow.forward(IDS, shallow.new_cache()).logits
         backend = loaded.backend
-        got = backend.forward(IDS, backend.new_cache(), exit_layer=1).logits
-        hidden = backend.forward(IDS, backend.new_cache(), exit_layer=1, output_hidden=True).hidden
+        got = backend.forward_layers(IDS, backend.new_cache(), exit_layer=1).logits
+        hidden = backend.forward_layers(IDS, backend.new_cache(), exit_layer=1, output_hidden=True).hidden
         exited = backend.exit_logits(hidden)
     finally:
         if hasattr(model.config, "final_logit_softcapping"):
@@ -84,9 +94,9 @@ def test_skipped_layers_write_nothing_and_verification_stays_exact(loaded):
     full = backend.forward(IDS, backend.new_cache()).logits
     cache = backend.new_cache()
     backend.forward(IDS[:6], cache)
-    backend.forward(IDS[6:9], cache, skip_layers=frozenset({1}))  # a draft, layer 1 skipped
-    backend.forward(IDS[9:10], cache, exit_layer=1)  # and one more, early exit
-    lengths = [layer.keys.shape[-2] for layer in cache.inner.layers]
+    backend.forward_layers(IDS[6:9], cache, skip_layers=frozenset({1}))  # a draft, layer 1 skipped
+    backend.forward_layers(IDS[9:10], cache, exit_layer=1)  # and one more, early exit
+    lengths = [written(cache, layer) for layer in range(backend.num_layers)]
     assert lengths[:2] == [10, 6] and all(n == 9 for n in lengths[2:]) and cache.length == 10
     cache.crop(6)  # rollback before verification, as a drafter's cache does
     torch.testing.assert_close(backend.forward(IDS[6:], cache).logits, full[6:], rtol=1e-4, atol=1e-4)
@@ -96,10 +106,11 @@ def test_early_exit_cache_entries_are_exact_below_the_exit(loaded):
     """Keys/values of layers below the exit are the full model's, so the exit's cache can be reused."""
     backend = loaded.backend
     shallow, deep = backend.new_cache(), backend.new_cache()
-    backend.forward(IDS, shallow, exit_layer=1)
+    backend.forward_layers(IDS, shallow, exit_layer=1)
     backend.forward(IDS, deep)
-    torch.testing.assert_close(shallow.inner.layers[0].keys, deep.inner.layers[0].keys, rtol=1e-6, atol=1e-6)
-    assert len(shallow.inner.layers) == 1  # layers above the exit never ran
+    n = len(IDS)
+    torch.testing.assert_close(stored(shallow, 0)[0][:, :n], stored(deep, 0)[0][:, :n], rtol=1e-6, atol=1e-6)
+    assert list(shallow.pool.layers) == [0]  # layers above the exit never ran
 
 
 def test_initial_skip_set_keeps_the_first_and_last_layers():
@@ -114,25 +125,38 @@ def test_drafts_run_on_the_bound_cache_and_leave_it_as_they_found_it(loaded):
     context = IDS[:9].tolist()
     bound = backend.new_cache()
     backend.forward(torch.tensor(context[:-1]), bound)
-    before = [(layer.keys.clone(), layer.values.clone()) for layer in bound.inner.layers]
+    n = bound.length
+
+    def entries() -> list[torch.Tensor]:
+        return [tensor[:, :n].clone() for layer in range(backend.num_layers) for tensor in stored(bound, layer)]
+
+    def draft(target_cache, skipped: frozenset[int]):
+        request = DraftRequest(tuple(context), target_cache=target_cache)
+        state = SelfDraftSession(backend, DraftHead(backend, 0), request)
+        return state.draft(context, 4, state.skipping(skipped), 0.0)
+
+    before = entries()
     for skipped in (frozenset({1}), frozenset(range(1, backend.num_layers))):
-        state = SelfDraftCache(backend, DraftHead(backend, 0))
-        shared = state.draft(context, 4, state.skipping(skipped), 0.0, bound)
+        shared = draft(bound, skipped)
         assert bound.length == len(context) - 1
-        for layer, (keys, values) in zip(bound.inner.layers, before, strict=True):
-            assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
-        private = state.draft(context, 4, state.skipping(skipped), 0.0, None)
+        for now, then in zip(entries(), before, strict=True):
+            assert torch.equal(now, then)
+        private = draft(None, skipped)
         assert private.tokens == shared.tokens and len(shared.tokens) == 4
 
 
 def test_bad_layer_arguments_are_rejected(loaded):
     backend = loaded.backend
-    with pytest.raises(ValueError):
-        backend.forward(IDS, backend.new_cache(), exit_layer=0)
-    with pytest.raises(ValueError):
-        backend.forward(IDS, backend.new_cache(), skip_layers=frozenset({backend.num_layers}))
-    with pytest.raises(ValueError):  # the cache length and the mask are read from layer 0
-        backend.forward(IDS, backend.new_cache(), skip_layers=frozenset({0}))
+    layers = backend.num_layers
+    for bad in ({"exit_layer": 0}, {"exit_layer": layers + 1},
+                {"skip_layers": frozenset({layers})}, {"skip_layers": frozenset({-1})}):
+        with pytest.raises(ValueError, match=r"must be in"):
+            backend.forward_layers(IDS, backend.new_cache(), **bad)
+    # Layer 0 may be skipped too: cache lengths are kept per sequence, not read from layer 0.
+    cache = backend.new_cache()
+    out = backend.forward_layers(IDS, cache, skip_layers=frozenset({0}))
+    assert out.logits.shape == (len(IDS), backend.vocab_size) and cache.length == len(IDS)
+    assert written(cache, 0) == 0 and written(cache, 1) == len(IDS)
 
 
 @pytest.mark.parametrize(("k", "draft_vocab"), [(1, 0), (4, 0), (4, 24)])
@@ -187,8 +211,7 @@ def test_sampled_drafts_carry_their_distributions(tiny_target):
     for stats in drafters["early-exit"].stats.values():
         stats.update(accepted=100, examined=100, discount=1.0)  # make drafting pay
     for name, drafter in drafters.items():
-        drafter.start([5, 6, 7], sampling)
-        draft = drafter.propose([5, 6, 7], 3)
+        draft = session_for(drafter, [5, 6, 7], sampling, seed=sampling.seed).propose([5, 6, 7], 3)
         assert draft.probs is not None and draft.probs.shape == (len(draft.tokens), tiny_target.backend.vocab_size)
         torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
         assert all(draft.probs[i, t] > 0 for i, t in enumerate(draft.tokens))
@@ -202,8 +225,7 @@ def test_sampled_drafts_carry_their_distributions(tiny_target):
 
 def test_restricted_draft_head_matches_the_full_head_on_its_rows(tiny_target):
     backend = tiny_target.backend
-    head = DraftHead(backend, 16)
-    head.start([40, 3, 40, 70])
+    head = DraftHead(backend, 16).for_prompt([40, 3, 40, 70])
     assert head.ids.tolist() == [*range(16), 40, 70]
     hidden = torch.randn(2, backend.config.hidden_size)
     full = backend.exit_logits(hidden)
@@ -215,8 +237,7 @@ def test_restricted_draft_head_matches_the_full_head_on_its_rows(tiny_target):
 def test_sampled_drafts_from_a_restricted_head_are_zero_outside_it(tiny_target):
     sampling = SamplingParams(temperature=1.0, seed=5)
     drafter = create_drafter("layer-skip", tiny_target, draft_vocab=10, threshold=0.0)
-    drafter.start([50, 51], sampling)
-    draft = drafter.propose([50, 51], 3)
+    draft = session_for(drafter, [50, 51], sampling, seed=sampling.seed).propose([50, 51], 3)
     allowed = torch.zeros(tiny_target.backend.vocab_size, dtype=torch.bool)
     allowed[[*range(10), 50, 51]] = True
     assert draft.probs is not None and not draft.probs[:, ~allowed].any()
@@ -240,8 +261,7 @@ def test_kangaroo_adapter_round_trips_and_checks_the_model(tiny_target, tiny_dra
     loaded = drafter.adapter
     h = torch.randn(3, tiny_target.backend.config.hidden_size)
     torch.testing.assert_close(loaded(h), adapter(h))
-    drafter.start([5, 3], SamplingParams())
-    assert drafter.state.head.ids.tolist() == [0, 3, 5, 9]
+    assert session_for(drafter, [5, 3]).state.head.ids.tolist() == [0, 3, 5, 9]
     with pytest.raises(SpecDecodeError, match="trained for"):
         create_drafter("kangaroo", tiny_draft, adapter=str(path))  # 1 layer, not 3
 

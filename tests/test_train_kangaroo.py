@@ -8,12 +8,11 @@ import argparse
 import torch
 
 from conftest import wrap
+from helpers import hf_greedy, run, tiny_llama3, tiny_qwen2
 from specdecode.drafters import create_drafter
 from specdecode.drafters.kangaroo import ADAPTER_FILE, KangarooAdapter
 from specdecode.train.cli import add_train_command
 from specdecode.train.kangaroo import TrainConfig, train_adapter
-from test_engine import _tiny_qwen2, hf_greedy, run
-from test_self_speculation import _tiny_llama
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -33,7 +32,7 @@ def _acceptance(target, adapter: KangarooAdapter, prompts: list[list[int]]) -> f
 
 def test_training_lowers_the_loss_and_raises_acceptance():
     torch.manual_seed(0)
-    target = wrap(_tiny_llama(), tokenizer=None)
+    target = wrap(tiny_llama3(), tokenizer=None)
     config = TrainConfig(exit_layer=1, new_tokens=32, epochs=20, lr=3e-3)
     result = train_adapter(target, _prompts(24, 12, seed=0), config)
     assert result.epoch_losses[-1] < 0.8 * result.epoch_losses[0]
@@ -64,7 +63,7 @@ def test_train_command_saves_where_the_drafter_looks(tiny_dirs, tmp_path, monkey
 
 def test_training_works_on_qwen2_with_an_untied_head():
     torch.manual_seed(0)
-    target = wrap(_tiny_qwen2().eval(), tokenizer=None)
+    target = wrap(tiny_qwen2().eval(), tokenizer=None)
     result = train_adapter(target, _prompts(6, 8, seed=2), TrainConfig(exit_layer=1, new_tokens=8, epochs=2))
     assert len(result.epoch_losses) == 2 and result.positions == 6 * 16
 

@@ -136,6 +136,9 @@ def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
 
 _CALIBRATION_BINS = 10
 
+#: How many steps of evidence a new sequence's acceptance estimate inherits from earlier requests.
+SEQUENCE_PRIOR_WEIGHT = 4.0
+
 
 def _calibration_prior() -> list[_RunningMean]:
     """Before any evidence a confidence c is taken at its word: acceptance c (bin centres)."""
@@ -191,6 +194,7 @@ class CostModelLength(DraftLengthPolicy):
     achieved_seconds: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
     others_width: int = 0  # inputs the rest of the batch added to the last verification forward
+    parent: CostModelLength | None = field(default=None, repr=False)  # a fork's origin, which learns too
 
     def __post_init__(self) -> None:
         if not self.curve or self.curve[0] <= 0:
@@ -238,10 +242,17 @@ class CostModelLength(DraftLengthPolicy):
 
     # -- decisions -------------------------------------------------------------------------------
     def fork(self) -> CostModelLength:
-        """Shares everything learned (the tables are the same objects); the per-sequence state starts afresh."""
+        """Shares what is learned about costs (the same objects); acceptance starts from what earlier requests
+        taught, worth only ``SEQUENCE_PRIOR_WEIGHT`` steps, and is then learned for this sequence (and for
+        the requests after it) — a chat answer and a copied edit in one batch accept very differently."""
         twin = copy.copy(self)
         twin.in_run, twin.probing, twin.steps_without_drafting, twin.others_width = False, False, 0, 0
         twin.probe_interval = self.probe_every
+        twin.parent = self
+        twin.acceptance_after = {
+            run: [_RunningMean(m.value, min(m.weight, SEQUENCE_PRIOR_WEIGHT), m.decay) for m in means]
+            for run, means in self.acceptance_after.items()
+        }
         return twin
 
     def expected_tokens(self, k: int) -> float:
@@ -268,6 +279,15 @@ class CostModelLength(DraftLengthPolicy):
             return 0
         self.steps_without_drafting, self.probing = 0, True
         return 1
+
+    def _learn_acceptance(self, step: StepObservation, in_run: bool) -> None:
+        # Position j was tried iff the draft reached depth j and every earlier position was accepted.
+        table = self.acceptance_after[in_run]
+        for position in range(min(step.depth, step.accepted + 1)):
+            while len(table) <= position:
+                prior = table[-1].value if table else self.prior_acceptance
+                table.append(_RunningMean(prior, weight=2.0))
+            table[position].add(1.0 if position < step.accepted else 0.0)
 
     def calibrated(self, confidence: float) -> float:
         """Online acceptance rate of tokens the drafter gave this confidence."""
@@ -314,11 +334,9 @@ class CostModelLength(DraftLengthPolicy):
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
         self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s / step.batch)
-        # Position j was tried iff the draft reached depth j and every earlier position was accepted.
-        for position in range(min(step.depth, step.accepted + 1)):
-            while len(self.acceptance) <= position:
-                self.acceptance.append(_RunningMean(self._acceptance(len(self.acceptance)), weight=2.0))
-            self.acceptance[position].add(1.0 if position < step.accepted else 0.0)
+        self._learn_acceptance(step, self.in_run)
+        if self.parent is not None:
+            self.parent._learn_acceptance(step, self.in_run)
         if step.depth:
             self.in_run = step.accepted == step.depth
         if self.probing:

@@ -37,6 +37,9 @@ from specdecode.verify.rejection import verify_speculative_sampling
 
 Clock = Callable[[], float]
 
+#: Cache positions beyond a request's last token that a final draft may occupy during verification.
+MAX_DRAFT_MARGIN = 64
+
 
 @dataclass
 class DecodeOutcome:
@@ -336,6 +339,9 @@ class BatchEngine:
         events = []
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting.pop(0)
+            # Room for the whole request (and a deep last draft) now, rather than regrowing mid-batch.
+            most = len(request.prompt_ids) + request.config.max_new_tokens + MAX_DRAFT_MARGIN
+            self.pool.reserve(self.max_batch_size, min(most, self.target.max_context))
             seq = start_sequence(
                 self.target, self.drafter, request.prompt_ids, request.config, self.eos_ids,
                 self.policy_for(request.config), self.pool.allocate(),

@@ -70,6 +70,10 @@ class KVPool(ABC):
     def active(self) -> int:
         """Slots in use."""
 
+    def reserve(self, slots: int, length: int) -> None:  # noqa: B027
+        """A hint: room for ``slots`` sequences of ``length`` positions will be needed (growing storage
+        later costs a copy of everything held)."""
+
 
 @dataclass
 class SequenceInput:

@@ -68,10 +68,13 @@ class SlotPool(KVPool):
         if self.lengths.pop(slot, None) is not None:
             self.free.append(slot)
 
-    def reserve(self, length: int) -> None:
-        """Make room for ``length`` positions in every slot."""
-        if length > self.capacity:
-            self._grow(self.slots, max(length, 2 * self.capacity, 64))
+    def reserve(self, slots: int, length: int) -> None:
+        """Room for ``slots`` sequences of ``length`` positions (grown by doubling, so that growing often
+        costs little in all)."""
+        if slots > self.slots or length > self.capacity:
+            grown_slots = self.slots if slots <= self.slots else max(slots, 2 * self.slots)
+            grown_capacity = self.capacity if length <= self.capacity else max(length, 2 * self.capacity, 64)
+            self._grow(grown_slots, grown_capacity)
 
     @torch.inference_mode()
     def _grow(self, slots: int, capacity: int) -> None:
@@ -313,7 +316,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
             slots.append(torch.full((n,), item.cache.slot, dtype=torch.long, device=device))
             columns.append(torch.arange(past, past + n, device=device))
             start += n
-        pool.reserve(max(s.past + s.rows.stop - s.rows.start for s in sequences))
+        pool.reserve(pool.slots, max(s.past + s.rows.stop - s.rows.start for s in sequences))
         batch = RaggedBatch(sequences, torch.cat(slots), torch.cat(columns))
         rows = torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
         out = self.model(
