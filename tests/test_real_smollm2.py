@@ -92,3 +92,32 @@ def test_every_drafter_is_lossless_on_a_grounded_and_a_chat_prompt(smollm2, refe
         expected = reference(generator.encode_prompt(prompt, chat=True))[:48]
         result = generator.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True)
         assert result.token_ids == expected, name
+
+
+BATCH_PROMPTS = [  # short, long, grounded, chat; some end (EOS) well before their token limit
+    ("Say hello.", 40),
+    (PROMPTS[0], 48),
+    (PROMPTS[1], 36),
+    (PROMPTS[2], 48),
+    (GROUNDED_PROMPT, 48),
+    ("What is 2 + 2? Answer with one number.", 40),
+    ("Name three primary colours.", 24),
+    ("Translate 'good morning' into French, Spanish and German.", 44),
+]
+
+
+def test_every_drafter_gives_each_sequence_of_a_batch_its_solo_greedy_output(smollm2):
+    from specdecode.drafters.kangaroo import KangarooAdapter
+
+    plain = SpeculativeGenerator.build(smollm2, "none")
+    solo = [plain.generate(p, chat=True, max_new_tokens=n) for p, n in BATCH_PROMPTS]
+    assert any(r.finish_reason == "eos" for r in solo) and any(r.finish_reason == "length" for r in solo)
+    options = {"draft-model": {"draft_model": smollm2},
+               "kangaroo": {"adapter": KangarooAdapter.for_backend(smollm2.backend, exit_layer=20)}}
+    for name in available_drafters():
+        generator = SpeculativeGenerator.build(smollm2, name, **options.get(name, {}))
+        requests = [(p, generator.config_for(max_new_tokens=n)) for p, n in BATCH_PROMPTS]
+        batch = generator.run_batch(requests, chat=True, batch_size=8)
+        for index, (alone, together) in enumerate(zip(solo, batch)):
+            assert together.token_ids == alone.token_ids, f"{name}: sequence {index} differs from its solo output"
+            assert together.finish_reason == alone.finish_reason

@@ -4,6 +4,8 @@ same tests, which shows they have the power to catch a real bug."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,8 @@ import specdecode.verify.rejection
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, chi2_pvalue
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.engine import speculative_decode
+from specdecode.draft_length import make_policy
+from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
 from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft
 from specdecode.verify.rejection import verify_speculative_sampling
@@ -181,6 +184,44 @@ def test_engine_tree_drafts_are_lossless(with_probs):
     counts, expected = transition_counts(sampling, with_probs=with_probs, tokens_wanted=DRAWS, branches=3)
     pvalues = chain_pvalues(counts, expected)
     assert min(pvalues) > PASS_P / len(pvalues), pvalues
+
+
+def batched_transition_counts(sampling: SamplingParams, tokens_per_sequence: int) -> tuple[np.ndarray, np.ndarray]:
+    """Four sequences decoding together, each with its own draft depth (0, 1, 3, 5) and seed: counts
+    [sequence, position-in-step, previous token, next token]."""
+    g = torch.Generator().manual_seed(3)
+    target_table = 2.0 * torch.randn(V, V, generator=g)
+    draft_table = target_table + 1.5 * torch.randn(V, V, generator=g)
+    model, drafter = BigramLM(target_table), BigramDrafter(draft_table, with_probs=True)
+    depths = (0, 1, 3, 5)
+    counts = np.zeros((len(depths), max(depths) + 1, V, V))
+    previous = [0] * len(depths)
+    engine = BatchEngine(model, drafter, lambda config: make_policy(config.num_draft_tokens), frozenset(), 4)
+    for round_ in range(tokens_per_sequence // 1000):
+        for index, k in enumerate(depths):
+            seed = round_ * len(depths) + index
+            config = GenerationConfig(max_new_tokens=1000, num_draft_tokens=k, sampling=dataclasses.replace(
+                sampling, seed=seed))
+            engine.submit(BatchRequest([previous[index]], config, tag=index))
+        for event in engine.run():
+            for position, token in enumerate(event.new_tokens):
+                counts[event.tag, position, previous[event.tag], token] += 1
+                previous[event.tag] = token
+    return counts, sampling_probs(target_table, sampling).numpy()
+
+
+def test_batched_engine_samples_exactly_from_the_target_per_sequence():
+    sampling = SamplingParams(temperature=0.9, top_k=4)
+    counts, expected = batched_transition_counts(sampling, DRAWS // 4)
+    pvalues = [p for sequence in counts for p in chain_pvalues(sequence, expected)]
+    assert len(pvalues) >= 12
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues
+
+
+def test_batched_engine_with_broken_verifier_fails(monkeypatch):
+    break_verifier(monkeypatch)
+    counts, expected = batched_transition_counts(SamplingParams(temperature=1.0), DRAWS // 8)
+    assert min(p for sequence in counts[1:] for p in chain_pvalues(sequence, expected)) < FAIL_P
 
 
 def test_engine_with_broken_verifier_fails(monkeypatch):

@@ -137,7 +137,7 @@ def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
 _CALIBRATION_BINS = 10
 
 #: How many steps of evidence a new sequence's acceptance estimate inherits from earlier requests.
-SEQUENCE_PRIOR_WEIGHT = 4.0
+SEQUENCE_PRIOR_WEIGHT = 1.0
 
 
 def _calibration_prior() -> list[_RunningMean]:

@@ -1,4 +1,5 @@
-"""``specdecode bench`` (the Spec-Bench-style benchmark) and ``specdecode bench forward-cost``."""
+"""``specdecode bench`` (the Spec-Bench-style benchmark), ``specdecode bench forward-cost`` and
+``specdecode bench throughput``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from specdecode.models.registry import DEFAULT_MODEL
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and its optional sub-command ``forward-cost`` to the top-level parser."""
+    """Add ``bench`` and its optional sub-commands ``forward-cost`` and ``throughput`` to the top-level parser."""
     from specdecode.bench.runner import SUITES
 
     bench = subparsers.add_parser(
@@ -45,7 +46,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
-    commands = bench.add_subparsers(dest="bench_command", required=False, metavar="{forward-cost}")
+    commands = bench.add_subparsers(dest="bench_command", required=False, metavar="{forward-cost,throughput}")
     cost = commands.add_parser(
         "forward-cost", help="time one forward over 1..N new tokens: the cost curve of verification"
     )
@@ -59,6 +60,40 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument("--profile", action="store_true",
                       help="also print per-operator profiles of 1- and 8-token forwards")
     cost.set_defaults(run=run_forward_cost)
+
+    throughput = commands.add_parser(
+        "throughput",
+        help="batched decoding: tokens/s and latency per method and batch size, vs transformers",
+        description="All prompts are submitted at once to one batch engine per (method, batch size). Results go "
+        "to --out (results.json, results.md, throughput.png); a rerun skips the cells that directory holds.",
+    )
+    # SUPPRESS: a flag given to ``bench`` before the sub-command is kept unless repeated after it.
+    keep = argparse.SUPPRESS
+    throughput.add_argument("--model", default=keep, help=f"target model (default {DEFAULT_MODEL})")
+    throughput.add_argument("--methods", default=keep, help="comma-separated drafter specs (default none,pld,suffix)")
+    throughput.add_argument(
+        "--batch-sizes",
+        default=keep,
+        metavar="B,B,...",
+        help="largest numbers of sequences decoding together (default 1,2,4,8)",
+    )
+    throughput.add_argument(
+        "--tasks",
+        default=keep,
+        help="comma-separated tasks (default: all); every prompt, multi-edit's requests too, is an independent request",
+    )
+    throughput.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
+    throughput.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 96")
+    throughput.add_argument("--seed", type=int, default=keep, help="seed of the prompt selection (default 0)")
+    throughput.add_argument("--out", default=keep, help="output directory (default bench-out/throughput)")
+    throughput.add_argument(
+        "--no-peers", dest="peers", action="store_false", default=keep, help="skip transformers' batched generate()"
+    )
+    throughput.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    throughput.add_argument(
+        "--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar"
+    )
+    throughput.set_defaults(run=run_throughput)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -109,4 +144,30 @@ def run_forward_cost(args: argparse.Namespace) -> int:
     if args.profile:
         for n_new in (1, 8):
             print(profile_forward(backend, n_new, args.context_tokens), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from specdecode.bench import throughput
+
+    settings = throughput.resolve_settings(
+        model=args.model,
+        methods=args.methods,
+        batch_sizes=getattr(args, "batch_sizes", None),
+        tasks=args.tasks,
+        prompts_per_task=args.prompts_per_task,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        out=args.out,
+        peers=args.peers,
+        threads=args.threads,
+    )
+    started = time.perf_counter()
+    throughput.run_throughput(settings, progress=args.progress)
+    print((settings.out / "results.md").read_text())
+    print(
+        f"[bench throughput] wrote {settings.out}/ (results.json, results.md, throughput.png) in "
+        f"{(time.perf_counter() - started) / 60:.1f} min",
+        file=sys.stderr,
+    )
     return 0

@@ -185,3 +185,60 @@ def hf_prompt_lookup(
         max_matching_ngram_size=max_matching_ngram_size,
     )
     return _run("hf-prompt-lookup", model, prompt_ids, config)
+
+
+@dataclass(frozen=True)
+class BatchedPeerResult:
+    """One batched generate() call: each row's generated tokens (input order) and the call's wall time.
+    Unpacks as ``token_ids, wall_s = hf_plain_batched(...)``."""
+
+    token_ids: list[list[int]]
+    wall_s: float
+
+    def __iter__(self):
+        return iter((self.token_ids, self.wall_s))
+
+
+def hf_plain_batched(
+    model: PreTrainedModel,
+    prompts_ids: list[list[int]],
+    max_new_tokens: int,
+    ignore_eos: bool = False,
+    pad_token_id: int | None = None,
+) -> BatchedPeerResult:
+    """Plain greedy decoding of several prompts in one ``generate()`` call: left-padded to the longest
+    prompt, with an attention mask (transformers derives each row's positions from it).
+
+    Rows come back cut to ``max_new_tokens``; without ``ignore_eos`` a row that stopped is also cut after
+    its EOS (transformers pads it while the others go on).  With ``ignore_eos`` every row has exactly
+    ``max_new_tokens`` tokens.  ``pad_token_id`` defaults to the model's pad token, else its first EOS."""
+    _check_positive("max-new-tokens", max_new_tokens)
+    if not prompts_ids:
+        raise SpecDecodeError("no prompts to decode")
+    for prompt_ids in prompts_ids:
+        if not prompt_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            raise SpecDecodeError("every prompt must be a non-empty list of token ids")
+    config = _greedy_config(model, max_new_tokens, ignore_eos)
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    pad = config.pad_token_id
+    width = max(len(p) for p in prompts_ids)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts_ids], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts_ids], dtype=torch.long)
+    with torch.inference_mode():
+        start = time.perf_counter()
+        output = model.generate(
+            input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
+            generation_config=config,
+            use_model_defaults=False,
+        )
+        wall_s = time.perf_counter() - start
+    eos = model.generation_config.eos_token_id
+    eos_ids = set() if ignore_eos else ({eos} if isinstance(eos, int) else set(eos or []))
+    rows = []
+    for row in output[:, width:].tolist():
+        row = row[:max_new_tokens]
+        stop = next((i for i, token in enumerate(row) if token in eos_ids), None)
+        rows.append(row if stop is None else row[: stop + 1])
+    return BatchedPeerResult(rows, wall_s)

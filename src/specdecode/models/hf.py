@@ -40,6 +40,7 @@ from transformers.modeling_utils import AttentionInterface
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache, KVPool, LayerwiseExecution, SequenceInput
 
 ATTENTION = "specdecode_ragged"
+CAUSAL = "causal"  # RaggedBatch.mask: a causal block over nothing cached
 
 
 class SlotPool(KVPool):
@@ -151,18 +152,21 @@ class RaggedBatch:
     column_index: torch.Tensor  # [T] cache column it is written to
     _masks: dict[tuple[int, int | None, int], torch.Tensor | None] = field(default_factory=dict)
 
-    def mask(self, index: int, window: int | None, groups: int) -> torch.Tensor | None:
+    def mask(self, index: int, window: int | None, groups: int) -> torch.Tensor | str | None:
         """[groups * n, past + n] bool: what sequence ``index``'s query rows (``groups`` query heads per key
-        head stacked, see :func:`ragged_attention`) may attend to; None when everything is visible."""
+        head stacked, see :func:`ragged_attention`) may attend to; None when everything is visible, ``CAUSAL``
+        for a plain causal block with nothing cached (a prompt), which SDPA computes faster without a mask."""
         key = (index, window, groups)
         if key not in self._masks:
             self._masks[key] = self._build_mask(self.sequences[index], window, groups)
         return self._masks[key]
 
     @staticmethod
-    def _build_mask(seq: _Sequence, window: int | None, groups: int) -> torch.Tensor | None:
+    def _build_mask(seq: _Sequence, window: int | None, groups: int) -> torch.Tensor | str | None:
         n = len(seq.positions)
         device = seq.positions.device
+        if seq.past == 0 and seq.tree_mask is None and n > 1 and (window is None or window >= n):
+            return CAUSAL
         if seq.tree_mask is not None:
             new = seq.tree_mask.to(device=device, dtype=torch.bool)
         else:
@@ -219,12 +223,16 @@ def ragged_attention(
     outputs = []
     for index, seq in enumerate(ragged.sequences):
         n = seq.rows.stop - seq.rows.start
-        q = query[:, :, seq.rows].reshape(1, kv_heads, groups * n, dim)
         end = seq.past + n
-        out = nn.functional.scaled_dot_product_attention(
-            q, key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end],
-            attn_mask=ragged.mask(index, sliding_window, groups), scale=scaling,
-        )
+        keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
+        mask = ragged.mask(index, sliding_window, groups)
+        if mask is CAUSAL:
+            out = nn.functional.scaled_dot_product_attention(
+                query[:, :, seq.rows], keys, values, is_causal=True, scale=scaling, enable_gqa=groups > 1
+            )
+        else:
+            q = query[:, :, seq.rows].reshape(1, kv_heads, groups * n, dim)
+            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
         outputs.append(out.view(1, heads, n, dim))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None

@@ -1,0 +1,174 @@
+"""The cells of ``specdecode bench throughput`` (one JSON object per method and batch size) and, from the results
+JSON alone, its ``results.md`` and ``throughput.png``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.report import _fmt, _table, ratio
+
+Cells = dict[tuple[str, int], Mapping[str, Any]]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize_cell(
+    method: str,
+    kind: str,
+    batch_size: int,
+    keys: Sequence[str],
+    tokens: Sequence[list[int]],
+    latencies: Sequence[float],
+    wall_s: float,
+    accepted: Sequence[float] | None,
+    reference: dict[str, list[int]] | None,
+) -> dict[str, Any]:
+    """One cell's JSON: totals, latency percentiles, acceptance, equality, and the per-request records."""
+    new_tokens = sum(len(t) for t in tokens)
+    same = [reference[key] == t for key, t in zip(keys, tokens)] if reference is not None else [True] * len(keys)
+    return {
+        "method": method,
+        "kind": kind,
+        "batch_size": batch_size,
+        "requests": len(keys),
+        "new_tokens": new_tokens,
+        "wall_s": round(wall_s, 5),
+        "tokens_per_s": new_tokens / wall_s if wall_s > 0 else 0.0,
+        "latency_p50_s": round(percentile(latencies, 50), 5),
+        "latency_p95_s": round(percentile(latencies, 95), 5),
+        "mean_accepted_tokens": sum(accepted) / len(accepted) if accepted else None,
+        "equal_to_solo_plain": sum(same) / len(same),
+        "per_request": [
+            {
+                "prompt": key,
+                "latency_s": round(latency, 5),
+                "token_ids": t,
+                **({"mean_accepted_tokens": accepted[i]} if accepted else {}),
+            }
+            for i, (key, t, latency) in enumerate(zip(keys, tokens, latencies))
+        ],
+    }
+
+
+def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], Cells]:
+    """Row names (our methods in order, ``none`` first when only its reference cell exists, the peer last),
+    column batch sizes, and the cells by (method, batch size)."""
+    cells = {(c["method"], c["batch_size"]): c for c in results["cells"]}
+    names = list(
+        dict.fromkeys(
+            [
+                *(c["method"] for c in results["cells"] if c["kind"] == "ours"),
+                *(c["method"] for c in results["cells"] if c["kind"] == "peer"),
+            ]
+        )
+    )
+    sizes = sorted({b for _, b in cells})
+    return names, sizes, cells
+
+
+def _metric_table(names: list[str], sizes: list[int], value: Callable[[str, int], str]) -> list[str]:
+    return _table(["method", *(f"B={b}" for b in sizes)], ([f"`{n}`", *(value(n, b) for b in sizes)] for n in names))
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    s = results["settings"]
+    env = results.get("environment", {})
+    names, sizes, cells = _rows(results)
+    peer = next((c["method"] for c in results["cells"] if c["kind"] == "peer"), None)
+
+    def get(name: str, b: int, key: str) -> Any:
+        cell = cells.get((name, b))
+        return None if cell is None else cell.get(key)
+
+    def tps(name: str, b: int) -> float | None:
+        return get(name, b, "tokens_per_s")
+
+    requests = len(results.get("prompts", [])) or next((c["requests"] for c in results["cells"]), 0)
+    load = env.get("load_average_start"), env.get("load_average_end")
+    lines = [
+        f"# specdecode batched throughput: model `{s['model']}`",
+        "",
+        f"One run on one machine: {env.get('cpu')} with CPU capability **{env.get('cpu_capability')}**, "
+        f"{env.get('cores')} cores, {env.get('threads')} torch threads, fast path "
+        f"{'on' if env.get('fast_path') else 'off'}; load average (1/5/15 min) at start {load[0]}, at end {load[1]}. "
+        f"torch {env.get('torch')}, transformers {env.get('transformers')}, specdecode {env.get('specdecode')}.",
+        "",
+        f"{requests} requests ({', '.join(s['tasks'])}; {s['prompts_per_task']} prompt(s) per task, seed "
+        f"{s['seed']}; chat template {'on' if results.get('chat_template') else 'off'}), all submitted at once; "
+        f"{s['max_new_tokens']} new tokens each (greedy, EOS ignored). B is the largest number of sequences "
+        "decoding together (continuous batching); every cell runs on a fresh generator after an untimed "
+        f"warm-up. `{peer or 'hf-plain-batched'}` is transformers' batched `generate()` (plain, left-padded) "
+        "on chunks of B prompts, without our fast path. Wall time runs from the submission of all requests to "
+        "the last finish (prefill included); latency from submission to a request's own finish. "
+        f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
+    ]
+    tables = [
+        ("Tokens/s (all requests)", lambda n, b: _fmt(tps(n, b), ".1f")),
+        ("Wall time (s)", lambda n, b: _fmt(get(n, b, "wall_s"), ".2f")),
+        ("Latency p50 (s)", lambda n, b: _fmt(get(n, b, "latency_p50_s"), ".2f")),
+        ("Latency p95 (s)", lambda n, b: _fmt(get(n, b, "latency_p95_s"), ".2f")),
+        ("Mean accepted tokens per step", lambda n, b: _fmt(get(n, b, "mean_accepted_tokens"), ".2f")),
+        (
+            "Identical to solo plain decoding (`none`, B=1)",
+            lambda n, b: _fmt(
+                None if get(n, b, "equal_to_solo_plain") is None else 100 * get(n, b, "equal_to_solo_plain"), ".0f", "%"
+            ),
+        ),
+        ("Tokens/s over our `none` at the same B", lambda n, b: _fmt(ratio(tps(n, b), tps("none", b)), ".2f", "x")),
+        ("Tokens/s over our `none` at B=1", lambda n, b: _fmt(ratio(tps(n, b), tps("none", 1)), ".2f", "x")),
+    ]
+    if peer is not None:
+        tables.append(
+            (
+                f"Tokens/s over `{peer}` at the same B (above 1: faster than transformers)",
+                lambda n, b: _fmt(ratio(tps(n, b), tps(peer, b)), ".2f", "x"),
+            )
+        )
+    for title, value in tables:
+        lines += ["", f"## {title}", "", *_metric_table(names, sizes, value)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_throughput(results: Mapping[str, Any], path: Path) -> None:
+    """Tokens/s against batch size, one line per method and the peer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, _, cells = _rows(results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        points = sorted((b, c["tokens_per_s"]) for (n, b), c in cells.items() if n == name)
+        kind = next(c["kind"] for (n, _), c in cells.items() if n == name)
+        style = "--" if kind == "peer" else "-"
+        ax.plot([b for b, _ in points], [t for _, t in points], style, marker="o", label=name)
+    sizes = sorted({b for _, b in cells})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size B (sequences decoding together)")
+    ax.set_ylabel("tokens/s (all requests)")
+    env = results.get("environment", {})
+    ax.set_title(f"{Path(results['settings']['model']).name}: batched throughput ({env.get('cpu_capability')})")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: Mapping[str, Any], out: Path) -> list[Path]:
+    """``results.md`` and ``throughput.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(markdown(results))
+    plot_throughput(results, out / "throughput.png")
+    return [out / "results.md", out / "throughput.png"]
