@@ -26,29 +26,37 @@ def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
     model = loaded.backend.model
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def run(target, drafter, prompt, **config) -> tuple[list[int], DecodeOutcome]:
     """One request through the engine (EOS ignored); its tokens and outcome."""
     outcome = DecodeOutcome()
-    tokens = [t for chunk in speculative_decode(
-        target.backend, drafter, prompt, GenerationConfig(ignore_eos=True, **config), outcome=outcome
-    ) for t in chunk]
+    tokens = [
+        t
+        for chunk in speculative_decode(
+            target.backend, drafter, prompt, GenerationConfig(ignore_eos=True, **config), outcome=outcome
+        )
+        for t in chunk
+    ]
     return tokens, outcome
 
 
-def session_for(
-    drafter: Drafter, prompt: list[int], sampling: SamplingParams | None = None, **request
-) -> DraftSession:
+def session_for(drafter: Drafter, prompt: list[int], sampling: SamplingParams | None = None, **request) -> DraftSession:
     """A drafting session of ``drafter`` for a request with ``prompt`` (and ``seed``, ``stop_rule``, ...)."""
     return drafter.session(DraftRequest(tuple(prompt), sampling or SamplingParams(), **request))
 
 
 # -- tiny architectures ------------------------------------------------------------------------------
+
 
 def tiny_llama3():
     return tiny_llama(0, layers=3)
@@ -57,20 +65,38 @@ def tiny_llama3():
 def tiny_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
-    ))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            initializer_range=0.3,
+        )
+    )
 
 
 def tiny_gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     # A sliding window far shorter than the generation: rollback must still be exact.
-    return Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256, initializer_range=0.3,
-    ))
+    return Gemma3ForCausalLM(
+        Gemma3TextConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=8,
+            max_position_embeddings=256,
+            initializer_range=0.3,
+        )
+    )
 
 
 # -- statistics -------------------------------------------------------------------------------------

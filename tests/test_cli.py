@@ -23,22 +23,57 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_generate_json_contract(capsys, tiny_dirs):
     code, out, err = run_cli(
-        capsys, "generate", "w1 w2 w3 w1 w2", "--model", str(tiny_dirs["target"]), "--drafter", "pld",
-        "--num-draft-tokens", "3", "--max-new-tokens", "12", "--ignore-eos", "--json",
+        capsys,
+        "generate",
+        "w1 w2 w3 w1 w2",
+        "--model",
+        str(tiny_dirs["target"]),
+        "--drafter",
+        "pld",
+        "--num-draft-tokens",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
     )
     assert code == 0, err
     result = json.loads(out)
     assert set(result) >= {"text", "token_ids", "stats"}
-    stats_fields = {"new_tokens", "steps", "mean_accepted_tokens", "acceptance_rate", "tokens_per_s", "wall_s",
-                    "forward_s", "overhead_fraction"}
+    stats_fields = {
+        "new_tokens",
+        "steps",
+        "mean_accepted_tokens",
+        "acceptance_rate",
+        "tokens_per_s",
+        "wall_s",
+        "forward_s",
+        "overhead_fraction",
+    }
     assert set(result["stats"]) >= stats_fields
     assert len(result["token_ids"]) == result["stats"]["new_tokens"] == 12
 
 
 def test_generate_streams_text_and_prints_stats(capsys, tiny_dirs):
     code, out, err = run_cli(
-        capsys, "generate", "w5 w6", "--model", str(tiny_dirs["target"]), "--drafter", "none",
-        "--max-new-tokens", "5", "--chat", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--seed", "1",
+        capsys,
+        "generate",
+        "w5 w6",
+        "--model",
+        str(tiny_dirs["target"]),
+        "--drafter",
+        "none",
+        "--max-new-tokens",
+        "5",
+        "--chat",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "1",
     )
     assert code == 0, err
     assert out.strip() and "tok/s" in err and "engine overhead" in err
@@ -46,8 +81,19 @@ def test_generate_streams_text_and_prints_stats(capsys, tiny_dirs):
 
 def test_draft_model_flag(capsys, tiny_dirs):
     code, out, err = run_cli(
-        capsys, "generate", "w1 w2", "--model", str(tiny_dirs["target"]), "--drafter", "draft-model",
-        "--draft-model", str(tiny_dirs["draft"]), "--max-new-tokens", "8", "--ignore-eos", "--json",
+        capsys,
+        "generate",
+        "w1 w2",
+        "--model",
+        str(tiny_dirs["target"]),
+        "--drafter",
+        "draft-model",
+        "--draft-model",
+        str(tiny_dirs["draft"]),
+        "--max-new-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
     )
     assert code == 0, err
     assert json.loads(out)["stats"]["new_tokens"] == 8
@@ -90,8 +136,15 @@ def test_prompt_longer_than_context(capsys, tiny_dirs):
 
 def test_vocabulary_mismatch_names_both_tokenizers(capsys, tiny_dirs):
     code, _, err = run_cli(
-        capsys, "generate", "w1", "--model", str(tiny_dirs["target"]), "--drafter", "draft-model",
-        "--draft-model", str(tiny_dirs["other-vocab"]),
+        capsys,
+        "generate",
+        "w1",
+        "--model",
+        str(tiny_dirs["target"]),
+        "--drafter",
+        "draft-model",
+        "--draft-model",
+        str(tiny_dirs["other-vocab"]),
     )
     assert code == 2 and "vocabulary mismatch" in err
     assert str(tiny_dirs["other-vocab"]) in err and str(tiny_dirs["target"]) in err
@@ -130,11 +183,17 @@ def _fake_build(model_dir, tiny_dirs):
         import hashlib
 
         files[path.relative_to(out).as_posix()] = {
-            "size": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()
+            "size": path.stat().st_size,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
         }
     spec = next(s for s in registry.MODELS if s.name == "smollm2-135m")
-    manifest = {"name": spec.name, "source": spec.filename, "source_sha256": spec.sha256,
-                "conversion": registry.CONVERSION_VERSION, "files": files}
+    manifest = {
+        "name": spec.name,
+        "source": spec.filename,
+        "source_sha256": spec.sha256,
+        "conversion": registry.CONVERSION_VERSION,
+        "files": files,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -149,7 +208,10 @@ def test_real_process_exit_code_and_no_traceback():
     src = str(Path(__file__).resolve().parents[1] / "src")
     proc = subprocess.run(
         [sys.executable, "-m", "specdecode.cli", "generate", "hi", "--top-p", "2"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": src},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": src},
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "specdecode: error: top-p must be in (0, 1], got 2.0"

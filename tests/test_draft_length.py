@@ -21,16 +21,32 @@ def curve(per_input: float, widths: int = 16) -> tuple[float, ...]:
     return tuple(1.0 + per_input * (w - 1) for w in range(1, widths + 1))
 
 
-def feed(policy, steps: int, *, accept_rate: float, depth: int = 8, draft_s: float = 0.0, one_input_s: float = 0.1,
-         overhead_s: float = 0.0) -> None:
+def feed(
+    policy,
+    steps: int,
+    *,
+    accept_rate: float,
+    depth: int = 8,
+    draft_s: float = 0.0,
+    one_input_s: float = 0.1,
+    overhead_s: float = 0.0,
+) -> None:
     """Deterministic observations: verification costs ``one_input_s`` times the policy's curve, and each
     draft position is accepted in about ``accept_rate`` of steps."""
     for step in range(steps):
         accepted = 0
         while accepted < depth and ((step * 7 + accepted * 13) % 100) / 100 < accept_rate:
             accepted += 1
-        policy.observe(StepObservation(depth=depth, nodes=depth, accepted=accepted, draft_s=draft_s,
-                                       verify_s=one_input_s * policy.relative_cost(depth + 1), overhead_s=overhead_s))
+        policy.observe(
+            StepObservation(
+                depth=depth,
+                nodes=depth,
+                accepted=accepted,
+                draft_s=draft_s,
+                verify_s=one_input_s * policy.relative_cost(depth + 1),
+                overhead_s=overhead_s,
+            )
+        )
 
 
 def test_fixed_and_limit():
@@ -134,6 +150,7 @@ def test_linear_curve_is_the_guess_before_measuring():
 
 # -- the SpecDec++-style stop rule ----------------------------------------------------------------
 
+
 def confident_policy(rate: float = 2.0) -> CostModelLength:
     """Forward of w inputs costs 1 + 0.05 (w - 1) seconds; tokens per second achieved so far = ``rate``."""
     policy = CostModelLength(curve=curve(0.05))
@@ -164,14 +181,16 @@ def test_confidences_are_calibrated_online():
     policy = confident_policy(rate=2.0)
     before = policy.calibrated(0.95)
     for _ in range(20):  # the drafter says 0.95, but its first token is always rejected
-        policy.observe(StepObservation(depth=3, nodes=3, accepted=0, draft_s=0.0, verify_s=1.1,
-                                       confidence=(0.95, 0.95, 0.95)))
+        policy.observe(
+            StepObservation(depth=3, nodes=3, accepted=0, draft_s=0.0, verify_s=1.1, confidence=(0.95, 0.95, 0.95))
+        )
     assert policy.calibrated(0.95) < 0.2 < before
     assert policy.keep_length([0.95, 0.95]) < 2
     assert policy.uses_confidence and policy.next_length(7) == 0  # and the first token never pays either
     for _ in range(40):  # once its drafts are accepted again, how deep is the stop rule's call
-        policy.observe(StepObservation(depth=3, nodes=3, accepted=3, draft_s=0.0, verify_s=1.1,
-                                       confidence=(0.95, 0.95, 0.95)))
+        policy.observe(
+            StepObservation(depth=3, nodes=3, accepted=3, draft_s=0.0, verify_s=1.1, confidence=(0.95, 0.95, 0.95))
+        )
     assert policy.next_length(7) == 7
 
 
@@ -192,8 +211,11 @@ def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_dr
     policy = CostModelLength(curve=curve(0.3))
     for step in range(80):
         full = (step // 5) % 2 == 0  # five fully accepted drafts, then five rejected at the first token
-        policy.observe(StepObservation(depth=8, nodes=8, accepted=8 if full else 0, draft_s=0.0,
-                                       verify_s=0.1 * policy.relative_cost(9)))
+        policy.observe(
+            StepObservation(
+                depth=8, nodes=8, accepted=8 if full else 0, draft_s=0.0, verify_s=0.1 * policy.relative_cost(9)
+            )
+        )
     policy.in_run = True
     deep = policy.next_length(16)
     policy.in_run = False

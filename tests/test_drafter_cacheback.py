@@ -86,9 +86,17 @@ def test_greedy_output_equals_plain_decoding(tiny_target, options):
                 assert tokens == expected
 
 
-@pytest.mark.parametrize("options", [
-    {"leader": 0}, {"followers": 0}, {"max_entries": 0}, {"max_nodes": True}, {"min_prob": 0}, {"min_prob": "a"},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"leader": 0},
+        {"followers": 0},
+        {"max_entries": 0},
+        {"max_nodes": True},
+        {"min_prob": 0},
+        {"min_prob": "a"},
+    ],
+)
 def test_bad_options_are_user_errors(options):
     with pytest.raises(SpecDecodeError, match="cacheback option"):
         create_drafter("cacheback", None, **options)

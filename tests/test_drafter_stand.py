@@ -64,7 +64,8 @@ def parity_transition_counts(sampling: SamplingParams, tokens_wanted: int) -> tu
     produced = steps = seed = 0
     while produced < tokens_wanted:
         config = GenerationConfig(
-            max_new_tokens=1000, num_draft_tokens=3,
+            max_new_tokens=1000,
+            num_draft_tokens=3,
             sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed),
         )
         sequence = [0]

@@ -62,8 +62,9 @@ def test_active_lists_are_the_longest_occurring_suffixes(indexed, context, depth
     for end in range(1, len(context) + 1):
         followed = trie.follow(followed, context[end - 1])
         # Brute force: every suffix of context[:end] (up to depth tokens) that occurs in an indexed text.
-        longest = max((m for m in range(1, min(end, depth) + 1) if occurrences(indexed, context[end - m : end])),
-                      default=0)
+        longest = max(
+            (m for m in range(1, min(end, depth) + 1) if occurrences(indexed, context[end - m : end])), default=0
+        )
         assert len(followed) == longest
         assert followed == [trie.find(context[end - m : end]) for m in range(1, longest + 1)]
     assert trie.walk(context) == followed
@@ -170,10 +171,19 @@ def test_greedy_output_equals_plain_decoding(tiny_target, options):
                 assert tokens == expected
 
 
-@pytest.mark.parametrize("options", [
-    {"max_nodes": 0}, {"tree_depth": 1}, {"spec_factor": 0}, {"spec_factor": "x"}, {"min_prob": 0},
-    {"min_prob": 1.5}, {"global_tokens": -1}, {"max_nodes": 2.5},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_nodes": 0},
+        {"tree_depth": 1},
+        {"spec_factor": 0},
+        {"spec_factor": "x"},
+        {"min_prob": 0},
+        {"min_prob": 1.5},
+        {"global_tokens": -1},
+        {"max_nodes": 2.5},
+    ],
+)
 def test_bad_options_are_user_errors(options):
     with pytest.raises(SpecDecodeError, match="suffix option"):
         drafter(**options)
@@ -190,8 +200,10 @@ def test_deep_drafts_and_a_warm_session_stay_lossless_on_the_real_model():
     plain = SpeculativeGenerator.build(target, "none")
     suffix = SpeculativeGenerator.build(target, "suffix")
     source = "def area(w, h):\n    total = w * h\n    return total\n"
-    requests = [f"Rename `w` to `width`.\n\n```python\n{source}```",
-                f"Rename `w` to `width`. Add type hints.\n\n```python\n{source}```"]
+    requests = [
+        f"Rename `w` to `width`.\n\n```python\n{source}```",
+        f"Rename `w` to `width`. Add type hints.\n\n```python\n{source}```",
+    ]
     for prompt in requests:
         expected = plain.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True).token_ids
         result = suffix.generate(prompt, chat=True, max_new_tokens=48, num_draft_tokens=16, ignore_eos=True)

@@ -7,36 +7,13 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
+from helpers import PROMPTS, hf_greedy, run, tiny_gemma3, tiny_qwen2
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.base import Drafter, DraftRequest, StatelessSession
 from specdecode.engine import DecodeOutcome, ancestor_mask, speculative_decode
 from specdecode.generator import SpeculativeGenerator
 from specdecode.types import Draft
-
-PROMPTS = [
-    [5, 17, 22, 9, 30, 41],
-    [12, 13, 14, 12, 13, 14, 12, 13],  # repetitive: prompt lookup finds matches
-    [7],
-]
-
-
-def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
-    model = loaded.backend.model
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-        eos_token_id=None, pad_token_id=0,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-def run(target, drafter, prompt, **config) -> tuple[list[int], DecodeOutcome]:
-    outcome = DecodeOutcome()
-    tokens = [t for chunk in speculative_decode(
-        target.backend, drafter, prompt, GenerationConfig(ignore_eos=True, **config), outcome=outcome
-    ) for t in chunk]
-    return tokens, outcome
 
 
 def drafters_under_test(target, draft):
@@ -97,7 +74,8 @@ def test_tree_mask_forward_matches_separate_branches(tiny_target):
     backend.forward(prefix, cache)
     # Two branches after the prefix: [23, 42] and [33]; positions by depth.
     tree = backend.forward(
-        torch.tensor([23, 42, 33]), cache,
+        torch.tensor([23, 42, 33]),
+        cache,
         positions=torch.tensor([4, 5, 4]),
         tree_mask=torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool),
     ).logits
@@ -111,10 +89,16 @@ def test_eos_stops_generation(tiny_target):
     plain = hf_greedy(tiny_target, PROMPTS[0], 30)
     eos = plain[7]
     outcome = DecodeOutcome()
-    chunks = list(speculative_decode(
-        tiny_target.backend, create_drafter("pld", tiny_target), PROMPTS[0],
-        GenerationConfig(max_new_tokens=30), eos_ids=frozenset({eos}), outcome=outcome,
-    ))
+    chunks = list(
+        speculative_decode(
+            tiny_target.backend,
+            create_drafter("pld", tiny_target),
+            PROMPTS[0],
+            GenerationConfig(max_new_tokens=30),
+            eos_ids=frozenset({eos}),
+            outcome=outcome,
+        )
+    )
     tokens = [t for c in chunks for t in c]
     assert tokens == plain[: plain.index(eos) + 1]
     assert outcome.finish_reason == "eos"
@@ -157,26 +141,7 @@ def test_chat_template_is_applied(tiny_target):
     )
 
 
-def _tiny_qwen2():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3,
-    ))
-
-
-def _tiny_gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    # A sliding window far shorter than the generation: rollback must still be exact.
-    return Gemma3ForCausalLM(Gemma3TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256, initializer_range=0.3,
-    ))
-
-
-@pytest.mark.parametrize("build", [_tiny_qwen2, _tiny_gemma3], ids=["qwen2", "gemma3-sliding-window"])
+@pytest.mark.parametrize("build", [tiny_qwen2, tiny_gemma3], ids=["qwen2", "gemma3-sliding-window"])
 def test_greedy_equality_on_other_architectures(build):
     from conftest import wrap
 
@@ -231,7 +196,10 @@ def test_draft_limits_keep_a_valid_tree():
     assert draft.limited(max_nodes=4, max_depth=2).parents == [-1, 0, -1, 2]
     assert draft.limited(max_nodes=3, max_depth=2).tokens == [10, 11, 13]
     assert ancestor_mask(Draft(tokens=[1, 2, 3], parents=[-1, 0, -1])).int().tolist() == [
-        [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1],
+        [1, 0, 0, 0],
+        [1, 1, 0, 0],
+        [1, 1, 1, 0],
+        [1, 0, 0, 1],
     ]
 
 
@@ -289,7 +257,7 @@ class ConfidentOracle(Drafter):
         return StatelessSession(self.propose)
 
     def propose(self, context, max_tokens):
-        right = self.expected[len(context) - self.prompt_len:][:2]
+        right = self.expected[len(context) - self.prompt_len :][:2]
         tokens = (right + [0] * max_tokens)[:max_tokens]
         return Draft(tokens=tokens, confidence=[0.95] * len(right) + [0.01] * (len(tokens) - len(right)))
 

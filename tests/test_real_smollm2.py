@@ -14,7 +14,7 @@ pytestmark = pytest.mark.real_model
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Repeat this list exactly, then add two more fruits: apple, banana, cherry, date, elderberry, fig.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
     "    return fibonacci(n - 1) + fibonacci(n - 2)\n\nRewrite this function iteratively, keeping the docstring.",
 ]
 NEW_TOKENS = 64
@@ -25,7 +25,8 @@ GROUNDED_PROMPT = (
 )
 # Every drafter that works without a second model or training (those have tests of their own).
 MODEL_FREE = [
-    name for name in available_drafters()
+    name
+    for name in available_drafters()
     if name not in {"none", "draft-model"} and not drafter_class(name).needs_training
 ]
 
@@ -38,10 +39,14 @@ def smollm2():
 def transformers_greedy(loaded, prompt_ids: list[int]) -> list[int]:
     ids = torch.tensor([prompt_ids])
     out = loaded.backend.model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-        eos_token_id=[], pad_token_id=loaded.tokenizer.pad_token_id,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=[],
+        pad_token_id=loaded.tokenizer.pad_token_id,
     )
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_greedy_output_identical_to_plain_and_transformers(smollm2):
@@ -112,8 +117,10 @@ def test_every_drafter_gives_each_sequence_of_a_batch_its_solo_greedy_output(smo
     plain = SpeculativeGenerator.build(smollm2, "none")
     solo = [plain.generate(p, chat=True, max_new_tokens=n) for p, n in BATCH_PROMPTS]
     assert any(r.finish_reason == "eos" for r in solo) and any(r.finish_reason == "length" for r in solo)
-    options = {"draft-model": {"draft_model": smollm2},
-               "kangaroo": {"adapter": KangarooAdapter.for_backend(smollm2.backend, exit_layer=20)}}
+    options = {
+        "draft-model": {"draft_model": smollm2},
+        "kangaroo": {"adapter": KangarooAdapter.for_backend(smollm2.backend, exit_layer=20)},
+    }
     for name in available_drafters():
         generator = SpeculativeGenerator.build(smollm2, name, **options.get(name, {}))
         requests = [(p, generator.config_for(max_new_tokens=n)) for p, n in BATCH_PROMPTS]

@@ -26,15 +26,27 @@ def test_accepted_path_follows_the_expected_tokens_down_a_tree():
 @pytest.mark.parametrize("name", ["pld", "suffix", "cacheback"])
 def test_replay_matches_a_real_run_step_for_step(tiny_target, name):
     config = GenerationConfig(max_new_tokens=40, ignore_eos=True, num_draft_tokens=4)
-    plain = [t for chunk in speculative_decode(tiny_target.backend, create_drafter("none", tiny_target), PROMPT,
-                                                GenerationConfig(max_new_tokens=40, ignore_eos=True)) for t in chunk]
+    plain = [
+        t
+        for chunk in speculative_decode(
+            tiny_target.backend,
+            create_drafter("none", tiny_target),
+            PROMPT,
+            GenerationConfig(max_new_tokens=40, ignore_eos=True),
+        )
+        for t in chunk
+    ]
     outcome = DecodeOutcome()
     list(speculative_decode(tiny_target.backend, create_drafter(name, tiny_target), PROMPT, config, outcome=outcome))
     costs = StepCosts(one_input_s=0.01, curve=(1.0, 1.1, 1.2, 1.3, 1.4), draft_s=0.001)
     result = replay(create_drafter(name, tiny_target), FixedLength(4), PROMPT, plain, costs)
     stats = outcome.stats
     assert (result.tokens, result.steps, result.drafted, result.accepted) == (
-        40, stats.steps, stats.drafted_tokens, stats.accepted_tokens)
+        40,
+        stats.steps,
+        stats.drafted_tokens,
+        stats.accepted_tokens,
+    )
     assert result.accepted > 0
     assert result.plain_seconds == pytest.approx(40 * 0.01)
     assert result.seconds >= result.steps * 0.01

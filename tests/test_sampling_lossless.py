@@ -19,8 +19,8 @@ from transformers.generation.logits_process import (
 import specdecode.verify.rejection
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, chi2_pvalue
 from specdecode.config import GenerationConfig, SamplingParams
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.draft_length import make_policy
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
 from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft
@@ -32,8 +32,9 @@ def break_verifier(monkeypatch) -> None:
     monkeypatch.setattr(specdecode.verify.rejection, "_residual", lambda p, q, token: p)
 
 
-def first_token_counts(p: torch.Tensor, q: torch.Tensor | None, draws: int, siblings: int = 1,
-                       replacement: bool = True) -> np.ndarray:
+def first_token_counts(
+    p: torch.Tensor, q: torch.Tensor | None, draws: int, siblings: int = 1, replacement: bool = True
+) -> np.ndarray:
     """Distribution of the first emitted token when ``siblings`` alternatives are drafted at the root:
     drawn from q with or without replacement, or (q None) fixed distinct tokens."""
     generator = torch.Generator().manual_seed(0)
@@ -141,7 +142,8 @@ def transition_counts(
     produced, run = 0, 0
     while produced < tokens_wanted:
         config = GenerationConfig(
-            max_new_tokens=1000, num_draft_tokens=3,
+            max_new_tokens=1000,
+            num_draft_tokens=3,
             sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=run),
         )
         previous = 0
@@ -200,8 +202,9 @@ def batched_transition_counts(sampling: SamplingParams, tokens_per_sequence: int
     for round_ in range(tokens_per_sequence // 1000):
         for index, k in enumerate(depths):
             seed = round_ * len(depths) + index
-            config = GenerationConfig(max_new_tokens=1000, num_draft_tokens=k, sampling=dataclasses.replace(
-                sampling, seed=seed))
+            config = GenerationConfig(
+                max_new_tokens=1000, num_draft_tokens=k, sampling=dataclasses.replace(sampling, seed=seed)
+            )
             engine.submit(BatchRequest([previous[index]], config, tag=index))
         for event in engine.run():
             for position, token in enumerate(event.new_tokens):

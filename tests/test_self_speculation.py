@@ -148,8 +148,12 @@ def test_drafts_run_on_the_bound_cache_and_leave_it_as_they_found_it(loaded):
 def test_bad_layer_arguments_are_rejected(loaded):
     backend = loaded.backend
     layers = backend.num_layers
-    for bad in ({"exit_layer": 0}, {"exit_layer": layers + 1},
-                {"skip_layers": frozenset({layers})}, {"skip_layers": frozenset({-1})}):
+    for bad in (
+        {"exit_layer": 0},
+        {"exit_layer": layers + 1},
+        {"skip_layers": frozenset({layers})},
+        {"skip_layers": frozenset({-1})},
+    ):
         with pytest.raises(ValueError, match=r"must be in"):
             backend.forward_layers(IDS, backend.new_cache(), **bad)
     # Layer 0 may be skipped too: cache lengths are kept per sequence, not read from layer 0.

@@ -79,8 +79,11 @@ def main() -> None:
                 runs.append(replay(drafter, make(), item["prompt_ids"], item["output_ids"][: args.tokens], costs))
             row[name] = sum(r.plain_seconds for r in runs) / sum(r.seconds for r in runs)
         fixed = [v for n, v in row.items() if n.startswith("k=")]
-        print(f"{task:<11}" + "".join(f"{v:7.2f}" for v in row.values())
-              + f"  {row['auto'] / max(fixed):9.3f}  {row['auto'] / min(fixed):10.3f}")
+        print(
+            f"{task:<11}"
+            + "".join(f"{v:7.2f}" for v in row.values())
+            + f"  {row['auto'] / max(fixed):9.3f}  {row['auto'] / min(fixed):10.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | batch | demo | models | drafters | bench | train``.
+"""Command line: ``specdecode generate | batch | serve | demo | models | drafters | bench | train``.
 
 Names here are a contract (the benchmark and outside checks call them): keep flags and JSON fields.
 User mistakes print one line ``specdecode: error: ...`` and exit 2; no traceback.
@@ -15,6 +15,7 @@ from specdecode.bench.cli import add_bench_command
 from specdecode.config import GenerationConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.server.cli import add_serve_command
 from specdecode.train.cli import add_train_command
 
 
@@ -41,11 +42,17 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="pld", help="drafting method (see `specdecode drafters`)")
     parser.add_argument("--draft-model", help="draft model for --drafter draft-model")
     parser.add_argument(
-        "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+        "--drafter-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
     )
     parser.add_argument(
-        "--num-draft-tokens", type=_draft_tokens, default=GenerationConfig().num_draft_tokens, metavar="K",
+        "--num-draft-tokens",
+        type=_draft_tokens,
+        default=GenerationConfig().num_draft_tokens,
+        metavar="K",
         help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
         "default %(default)s",
     )
@@ -58,7 +65,8 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     parser.add_argument(
-        "--no-fast-path", action="store_true",
+        "--no-fast-path",
+        action="store_true",
         help="keep transformers' default linear kernels (the fast CPU path is on by default)",
     )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
@@ -147,7 +155,7 @@ def _batch_request(generator, line: str, chat: bool):
     if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
         raise SpecDecodeError('"messages" must be a list of {"role": ..., "content": ...} objects')
     config = generator.config_for(**{key: item[key] for key in BATCH_LINE_PARAMS & set(item)})
-    prompt = item["prompt"] if "prompt" in item else messages
+    prompt = item.get("prompt", messages)
     generator.encode_prompt(prompt, chat=chat)  # validates now, so the error names the line
     return prompt, config
 
@@ -267,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     drafters.set_defaults(run=cmd_drafters)
 
     add_bench_command(commands)
+    add_serve_command(commands)
     add_train_command(commands)
     return parser
 

@@ -14,9 +14,9 @@ costs 2-3x one token, so drafting deep only pays while the drafter is being acce
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-import copy
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
@@ -137,7 +137,7 @@ def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
 _CALIBRATION_BINS = 10
 
 #: How many steps of evidence a new sequence's acceptance estimate inherits from earlier requests.
-SEQUENCE_PRIOR_WEIGHT = 1.0
+SEQUENCE_PRIOR_WEIGHT = 4.0
 
 
 def _calibration_prior() -> list[_RunningMean]:
@@ -310,8 +310,11 @@ class CostModelLength(DraftLengthPolicy):
             return False
         survival = self._survival(confidences)[-1]
         base = self.others_width
-        extra = self.draft_cost(n + 1) - self.draft_cost(n) + self.verify_seconds(base + n + 2) - self.verify_seconds(
-            base + n + 1
+        extra = (
+            self.draft_cost(n + 1)
+            - self.draft_cost(n)
+            + self.verify_seconds(base + n + 2)
+            - self.verify_seconds(base + n + 1)
         )
         return survival < self.achieved_rate() * extra
 

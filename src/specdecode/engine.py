@@ -153,9 +153,7 @@ class TargetVerifier:
         return checked
 
 
-def step(
-    sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter
-) -> list[list[int]]:
+def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter) -> list[list[int]]:
     """One speculative step for every (unfinished) sequence: draft, verify all drafts in one forward,
     accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done."""
     depths = plan_batch([seq.length_policy for seq in sequences], [max(seq.room, 0) for seq in sequences])
@@ -176,8 +174,14 @@ def step(
     for seq, draft, check, draft_s, idle_s in zip(sequences, drafts, checked, draft_times, idle_times):
         stats, config, verdict = seq.stats, seq.config, check.verdict
         observation = StepObservation(
-            depth=draft.depth, nodes=len(draft.tokens), accepted=verdict.num_accepted, draft_s=draft_s,
-            verify_s=verify_s, overhead_s=idle_s, width=width, batch=len(sequences),
+            depth=draft.depth,
+            nodes=len(draft.tokens),
+            accepted=verdict.num_accepted,
+            draft_s=draft_s,
+            verify_s=verify_s,
+            overhead_s=idle_s,
+            width=width,
+            batch=len(sequences),
             confidence=tuple(draft.confidence) if draft.is_chain and draft.confidence is not None else None,
         )
         seq.length_policy.observe(observation)
@@ -200,9 +204,7 @@ def step(
         stats.draft_s += seq.step_end - tock
         stats.wall_s = seq.step_end - seq.started
         seq.done = (
-            eos_at is not None
-            or stats.new_tokens >= config.max_new_tokens
-            or len(seq.context) >= seq.max_context
+            eos_at is not None or stats.new_tokens >= config.max_new_tokens or len(seq.context) >= seq.max_context
         )
         gained.append(new_tokens)
     return gained
@@ -224,14 +226,26 @@ def start_sequence(
     generator = torch.Generator()
     generator.manual_seed(seed)
     length_policy = policy.fork()
-    session = drafter.session(DraftRequest(
-        prompt_ids=tuple(prompt_ids), sampling=config.sampling, seed=seed,
-        stop_rule=length_policy.should_stop, target_cache=cache,
-    ))
+    session = drafter.session(
+        DraftRequest(
+            prompt_ids=tuple(prompt_ids),
+            sampling=config.sampling,
+            seed=seed,
+            stop_rule=length_policy.should_stop,
+            target_cache=cache,
+        )
+    )
     seq = Sequence(
-        prompt_ids=list(prompt_ids), config=config, stop_ids=frozenset() if config.ignore_eos else eos_ids,
-        session=session, length_policy=length_policy, generator=generator, max_context=target.max_context,
-        cache=cache, outcome=outcome or DecodeOutcome(), started=started,
+        prompt_ids=list(prompt_ids),
+        config=config,
+        stop_ids=frozenset() if config.ignore_eos else eos_ids,
+        session=session,
+        length_policy=length_policy,
+        generator=generator,
+        max_context=target.max_context,
+        cache=cache,
+        outcome=outcome or DecodeOutcome(),
+        started=started,
     )
     if len(prompt_ids) > 1:
         target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
@@ -282,6 +296,7 @@ class BatchRequest:
     prompt_ids: list[int]
     config: GenerationConfig
     tag: object = None  # the caller's handle, returned with every event
+    drafter: Drafter | None = None  # this request's drafter (default: the engine's)
 
 
 @dataclass
@@ -343,8 +358,13 @@ class BatchEngine:
             most = len(request.prompt_ids) + request.config.max_new_tokens + MAX_DRAFT_MARGIN
             self.pool.reserve(self.max_batch_size, min(most, self.target.max_context))
             seq = start_sequence(
-                self.target, self.drafter, request.prompt_ids, request.config, self.eos_ids,
-                self.policy_for(request.config), self.pool.allocate(),
+                self.target,
+                request.drafter or self.drafter,
+                request.prompt_ids,
+                request.config,
+                self.eos_ids,
+                self.policy_for(request.config),
+                self.pool.allocate(),
             )
             if seq.done:  # nothing fits after the prompt
                 finish_sequence(seq)

@@ -73,7 +73,7 @@ class SpeculativeGenerator:
         self.drafter.reset()
         self._adaptive_policies.clear()
 
-    def _draft_length_policy(self, spec: int | str) -> DraftLengthPolicy:
+    def draft_length_policy(self, spec: int | str) -> DraftLengthPolicy:
         if isinstance(spec, int):
             return make_policy(spec)
         if spec not in self._adaptive_policies:
@@ -151,7 +151,7 @@ class SpeculativeGenerator:
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         outcome = DecodeOutcome()
         text = TextAssembler(self, prompt_ids, config)
-        policy = self._draft_length_policy(config.num_draft_tokens)
+        policy = self.draft_length_policy(config.num_draft_tokens)
         for new_tokens in speculative_decode(
             self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome, policy
         ):
@@ -189,8 +189,11 @@ class SpeculativeGenerator:
         """Like :meth:`generate_batch`, with each prompt's own generation config (sampling, seed, limits)."""
         results: list[GenerationResult | SpecDecodeError | None] = [None] * len(requests)
         engine = BatchEngine(
-            self.target.backend, self.drafter, lambda config: self._draft_length_policy(config.num_draft_tokens),
-            self.eos_ids, batch_size,
+            self.target.backend,
+            self.drafter,
+            lambda config: self.draft_length_policy(config.num_draft_tokens),
+            self.eos_ids,
+            batch_size,
         )
         texts: dict[int, TextAssembler] = {}
         for index, (prompt, config) in enumerate(requests):
@@ -213,9 +216,7 @@ class SpeculativeGenerator:
         return results  # type: ignore[return-value]
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.target.tokenizer.decode(
-            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        return self.target.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _trim_to_stop(self, token_ids: list[int], stops: tuple[str, ...]) -> list[int]:
         """The shortest prefix of ``token_ids`` whose text already contains a stop string."""

@@ -22,27 +22,41 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         description="Every flag left out takes the suite's value. Results go to --out "
         "(results.json, results.md, *.png); a rerun skips what that directory already holds.",
     )
-    bench.add_argument("--suite", choices=sorted(SUITES), default="quick",
-                       help="quick: smollm2-135m, minutes; full: qwen2.5-coder-1.5b + 0.5b draft, hours")
+    bench.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        default="quick",
+        help="quick: smollm2-135m, minutes; full: qwen2.5-coder-1.5b + 0.5b draft, hours",
+    )
     bench.add_argument("--model", help="target model: registry short name, local dir or .gguf")
     bench.add_argument("--methods", help="comma-separated drafter specs, e.g. none,pld:k=6,draft-model:M:k=4")
-    bench.add_argument("--tasks", help="comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit,"
-                       "multi-edit); multi-edit is a session: related requests in a row, timed as a whole")
+    bench.add_argument(
+        "--tasks",
+        help="comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit,"
+        "multi-edit); multi-edit is a session: related requests in a row, timed as a whole",
+    )
     bench.add_argument("--prompts-per-task", type=int, metavar="N", help="prompts per task (sessions, for multi-edit)")
     bench.add_argument("--max-new-tokens", type=int, metavar="N")
     bench.add_argument("--repeats", type=int, metavar="N", help="timed runs per prompt (the median is reported)")
     bench.add_argument("--seed", type=int, help="seed of the prompt selection (default 0)")
     bench.add_argument("--out", help="output directory (default bench-out/<suite>)")
-    bench.add_argument("--no-peers", dest="peers", action="store_false", default=None,
-                       help="skip transformers generate()")
+    bench.add_argument(
+        "--no-peers", dest="peers", action="store_false", default=None, help="skip transformers generate()"
+    )
     bench.add_argument("--threads", type=int, help="torch threads (default: number of cores)")
-    bench.add_argument("--draft-lengths", metavar="K,K,...",
-                       help="draft lengths to sweep for every drafting method on the sweep tasks ('none': no sweep)")
+    bench.add_argument(
+        "--draft-lengths",
+        metavar="K,K,...",
+        help="draft lengths to sweep for every drafting method on the sweep tasks ('none': no sweep)",
+    )
     bench.add_argument("--sweep-tasks", help="comma-separated tasks for the draft-length sweep")
-    bench.add_argument("--drafter-state", choices=("request", "task"),
-                       help="request (default): our drafters start cold on every prompt (a multi-edit session "
-                       "still keeps its state from request to request); task: reset once per task and keep "
-                       "what they learn across its prompts in order (warm drafters)")
+    bench.add_argument(
+        "--drafter-state",
+        choices=("request", "task"),
+        help="request (default): our drafters start cold on every prompt (a multi-edit session "
+        "still keeps its state from request to request); task: reset once per task and keep "
+        "what they learn across its prompts in order (warm drafters)",
+    )
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
@@ -57,8 +71,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument("--repeats", type=int, default=argparse.SUPPRESS, metavar="N", help="default 5")
     cost.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="torch threads (default: torch's)")
     cost.add_argument("--json", action="store_true", help="print one JSON object")
-    cost.add_argument("--profile", action="store_true",
-                      help="also print per-operator profiles of 1- and 8-token forwards")
+    cost.add_argument(
+        "--profile", action="store_true", help="also print per-operator profiles of 1- and 8-token forwards"
+    )
     cost.set_defaults(run=run_forward_cost)
 
     throughput = commands.add_parser(
@@ -119,8 +134,11 @@ def run_bench(args: argparse.Namespace) -> int:
     run_benchmark(settings, progress=args.progress)
     report = settings.out / "results.md"
     print(report.read_text())
-    print(f"[bench] wrote {settings.out}/ (results.json, results.md, plots) in "
-          f"{(time.perf_counter() - started) / 60:.1f} min", file=sys.stderr)
+    print(
+        f"[bench] wrote {settings.out}/ (results.json, results.md, plots) in "
+        f"{(time.perf_counter() - started) / 60:.1f} min",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -136,8 +154,9 @@ def run_forward_cost(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     backend = load_model(args.model or DEFAULT_MODEL).backend
     try:
-        cost = measure_forward_cost(backend, context_tokens=args.context_tokens, max_new=args.max_new,
-                                    repeats=args.repeats or 5)
+        cost = measure_forward_cost(
+            backend, context_tokens=args.context_tokens, max_new=args.max_new, repeats=args.repeats or 5
+        )
     except ValueError as exc:  # bad sizes: a user mistake, one line
         raise SpecDecodeError(str(exc)) from exc
     print(json.dumps(cost.to_json()) if args.json else format_curve(cost))

@@ -139,8 +139,7 @@ def hf_assisted(
     draft_vocab = assistant_model.config.get_text_config().vocab_size
     if target_vocab != draft_vocab:
         raise VocabularyMismatchError(
-            f"assisted generation needs the same vocabulary: target has {target_vocab} tokens, "
-            f"assistant {draft_vocab}"
+            f"assisted generation needs the same vocabulary: target has {target_vocab} tokens, assistant {draft_vocab}"
         )
     config = _greedy_config(model, max_new_tokens, ignore_eos)
     saved = copy.deepcopy(assistant_model.generation_config)

@@ -121,9 +121,14 @@ def replay(
     total = len(output_ids)
     session = drafter.session(DraftRequest(tuple(prompt_ids), stop_rule=policy.should_stop))
     seq = DecodeSequence(
-        prompt_ids=list(prompt_ids), config=GenerationConfig(max_new_tokens=total, ignore_eos=True),
-        stop_ids=frozenset(), session=_TimedSession(session, clock, costs.draft_s), length_policy=policy,
-        generator=torch.Generator(), max_context=2**62, started=0.0,  # no cache: nothing limits a draft's size
+        prompt_ids=list(prompt_ids),
+        config=GenerationConfig(max_new_tokens=total, ignore_eos=True),
+        stop_ids=frozenset(),
+        session=_TimedSession(session, clock, costs.draft_s),
+        length_policy=policy,
+        generator=torch.Generator(),
+        max_context=2**62,
+        started=0.0,  # no cache: nothing limits a draft's size
     )
     verifier = ReplayVerifier(output_ids, costs, clock)
     while not seq.done:

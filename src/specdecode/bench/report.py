@@ -225,7 +225,7 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
 
 _DRAFTER_STATE = {
     "request": "- Drafter state: reset before every prompt (cold), except within a session task (`multi-edit`), "
-               "whose requests run in order on one drafter, reset before each repeat of the session.",
+    "whose requests run in order on one drafter, reset before each repeat of the session.",
     "task": "- Drafter state: reset once per task and repeat; kept across the task's prompts in order (warm).",
 }
 
@@ -237,31 +237,69 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
     title = f"# specdecode benchmark: suite `{s['suite']}`, model `{s['model']}`"
     lines = [title, "", *_environment_lines(results), ""]
 
-    lines += ["## Speed-up over our plain decoding", "",
-              f"Tokens/s divided by that of `{s['baseline']}` on the same prompts; peers are transformers "
-              "`generate()` on the same model.", ""]
+    lines += [
+        "## Speed-up over our plain decoding",
+        "",
+        f"Tokens/s divided by that of `{s['baseline']}` on the same prompts; peers are transformers "
+        "`generate()` on the same model.",
+        "",
+    ]
     main = [name for name in [*s["methods"], *s["peers"]] if any((name, t) in by_key for t in tasks)]
-    lines += _table(["method", *tasks], (
-        [f"`{name}`", *(_fmt(by_key[name, t].speedup if (name, t) in by_key else None, ".2f", "x") for t in tasks)]
-        for name in main
-    ))
-
-    lines += ["", "## Per task", "",
-              "Drafting and engine overhead are shares of our generation time; the rest is target forwards.", ""]
     lines += _table(
-        ["method", "task", "prompts", "mean accepted tokens", "acceptance rate", "tokens/s", "speed-up",
-         "identical to plain", "drafting", "engine overhead"],
-        ([f"`{c.method}`", c.task, str(c.prompts), _fmt(c.mean_accepted_tokens), _fmt(c.acceptance_rate, ".1%"),
-          _fmt(c.tokens_per_s, ".1f"), _fmt(c.speedup, ".2f", "x"), _fmt(c.equal_to_plain_pct, ".0f", "%"),
-          _fmt(c.draft_share, ".1%"), _fmt(c.overhead_share, ".1%")]
-         for c in cells if c.kind != "sweep"),
+        ["method", *tasks],
+        (
+            [f"`{name}`", *(_fmt(by_key[name, t].speedup if (name, t) in by_key else None, ".2f", "x") for t in tasks)]
+            for name in main
+        ),
+    )
+
+    lines += [
+        "",
+        "## Per task",
+        "",
+        "Drafting and engine overhead are shares of our generation time; the rest is target forwards.",
+        "",
+    ]
+    lines += _table(
+        [
+            "method",
+            "task",
+            "prompts",
+            "mean accepted tokens",
+            "acceptance rate",
+            "tokens/s",
+            "speed-up",
+            "identical to plain",
+            "drafting",
+            "engine overhead",
+        ],
+        (
+            [
+                f"`{c.method}`",
+                c.task,
+                str(c.prompts),
+                _fmt(c.mean_accepted_tokens),
+                _fmt(c.acceptance_rate, ".1%"),
+                _fmt(c.tokens_per_s, ".1f"),
+                _fmt(c.speedup, ".2f", "x"),
+                _fmt(c.equal_to_plain_pct, ".0f", "%"),
+                _fmt(c.draft_share, ".1%"),
+                _fmt(c.overhead_share, ".1%"),
+            ]
+            for c in cells
+            if c.kind != "sweep"
+        ),
     )
 
     peer_cells = [c for c in cells if c.kind == "peer"]
     if peer_cells:
-        lines += ["", "## Against transformers", "",
-                  "Our tokens/s divided by transformers' for the matching configuration (above 1: we are faster).",
-                  ""]
+        lines += [
+            "",
+            "## Against transformers",
+            "",
+            "Our tokens/s divided by transformers' for the matching configuration (above 1: we are faster).",
+            "",
+        ]
         header = ["task", "ours", "tokens/s", "transformers", "tokens/s", "ours / theirs", "same output", "verdict"]
         lines += _table(header, (_peer_row(c, by_key[c.matches, c.task]) for c in peer_cells))
 
@@ -269,21 +307,38 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
     if drafting:
         lines += ["", f"## Acceptance by draft position (task `{tasks[-1]}`)", ""]
         width = max(len(c.acceptance_by_position) for c in drafting)
-        lines += _table(["method", *(str(i + 1) for i in range(width))], (
-            [f"`{c.method}`", *(_fmt(x, ".0%") for x in c.acceptance_by_position),
-             *("–" for _ in range(width - len(c.acceptance_by_position)))]
-            for c in drafting
-        ))
+        lines += _table(
+            ["method", *(str(i + 1) for i in range(width))],
+            (
+                [
+                    f"`{c.method}`",
+                    *(_fmt(x, ".0%") for x in c.acceptance_by_position),
+                    *("–" for _ in range(width - len(c.acceptance_by_position))),
+                ]
+                for c in drafting
+            ),
+        )
 
     sweep = _sweep_cells(results, cells)
     if sweep:
         lines += ["", "## Draft length", ""]
         header = ["varied method", "task", "k", "mean accepted tokens", "acceptance rate", "tokens/s", "speed-up"]
-        lines += _table(header, (
-            [f"`{base}`", c.task, str(k), _fmt(c.mean_accepted_tokens), _fmt(c.acceptance_rate, ".1%"),
-             _fmt(c.tokens_per_s, ".1f"), _fmt(c.speedup, ".2f", "x")]
-            for (base, _), points in sweep.items() for k, c in points
-        ))
+        lines += _table(
+            header,
+            (
+                [
+                    f"`{base}`",
+                    c.task,
+                    str(k),
+                    _fmt(c.mean_accepted_tokens),
+                    _fmt(c.acceptance_rate, ".1%"),
+                    _fmt(c.tokens_per_s, ".1f"),
+                    _fmt(c.speedup, ".2f", "x"),
+                ]
+                for (base, _), points in sweep.items()
+                for k, c in points
+            ),
+        )
 
     lines += ["", "## Goals", "", *_goal_lines(cells), ""]
     return "\n".join(lines)
@@ -294,9 +349,16 @@ def _peer_row(peer: CellResult, ours: CellResult) -> list[str]:
         verdict = "–"
     else:
         verdict = "we are faster" if peer.ours_over_theirs >= 1 else "**we are slower**"
-    return [peer.task, f"`{ours.method}`", _fmt(ours.tokens_per_s, ".1f"), f"`{peer.method}`",
-            _fmt(peer.tokens_per_s, ".1f"), _fmt(peer.ours_over_theirs, ".2f", "x"),
-            _fmt(peer.equal_to_ours_pct, ".0f", "%"), verdict]
+    return [
+        peer.task,
+        f"`{ours.method}`",
+        _fmt(ours.tokens_per_s, ".1f"),
+        f"`{peer.method}`",
+        _fmt(peer.tokens_per_s, ".1f"),
+        _fmt(peer.ours_over_theirs, ".2f", "x"),
+        _fmt(peer.equal_to_ours_pct, ".0f", "%"),
+        verdict,
+    ]
 
 
 def _sweep_cells(results: Mapping[str, Any], cells: Sequence[CellResult]) -> dict[tuple[str, str], list]:
@@ -317,20 +379,26 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
     grounded = [c for c in cells if c.kind == "ours" and c.method.split(":")[0] == "pld" and c.task in GROUNDED_TASKS]
     for c in grounded:
         verdict = "met" if c.speedup is not None and c.speedup >= 2 else "**not met**"
-        lines.append(f"- `{c.method}` on grounded task {c.task}: {_fmt(c.speedup, '.2f', 'x')} over plain "
-                     f"decoding (goal >= 2x: {verdict}).")
+        lines.append(
+            f"- `{c.method}` on grounded task {c.task}: {_fmt(c.speedup, '.2f', 'x')} over plain "
+            f"decoding (goal >= 2x: {verdict})."
+        )
     lines += _model_free_goal_lines(cells)
     slower = [c for c in cells if c.kind == "peer" and c.ours_over_theirs is not None and c.ours_over_theirs < 1]
     compared = [c for c in cells if c.kind == "peer" and c.ours_over_theirs is not None]
     if compared and not slower:
         lines.append(f"- Our tokens/s >= transformers' in all {len(compared)} matching (configuration, task) pairs.")
     for c in slower:
-        lines.append(f"- **Slower than transformers**: `{c.matches}` vs `{c.method}` on {c.task}: "
-                     f"{c.ours_over_theirs:.2f}x their tokens/s.")
+        lines.append(
+            f"- **Slower than transformers**: `{c.matches}` vs `{c.method}` on {c.task}: "
+            f"{c.ours_over_theirs:.2f}x their tokens/s."
+        )
     unequal = [c for c in cells if c.equal_to_plain_pct is not None and c.equal_to_plain_pct < 100]
     for c in unequal:
-        lines.append(f"- **Output differs from plain decoding**: `{c.method}` on {c.task}, "
-                     f"{c.equal_to_plain_pct:.0f}% of prompts identical.")
+        lines.append(
+            f"- **Output differs from plain decoding**: `{c.method}` on {c.task}, "
+            f"{c.equal_to_plain_pct:.0f}% of prompts identical."
+        )
     for c in cells:
         if not c.repeats_identical:
             lines.append(f"- **Repeats disagree**: `{c.method}` on {c.task} generated different tokens across repeats.")
@@ -352,14 +420,18 @@ def _model_free_goal_lines(cells: Sequence[CellResult]) -> list[str]:
         if drafter == "suffix" and c.task in GROUNDED_TASKS and c.task in pld:
             over = ratio(c.tokens_per_s, pld[c.task].tokens_per_s)
             verdict = "met" if over is not None and over >= 1.3 else "**not met**"
-            lines.append(f"- `{c.method}` on {c.task}: {_fmt(over, '.2f', 'x')} the tokens/s of "
-                         f"`{pld[c.task].method}` (goal >= 1.3x: {verdict}).")
+            lines.append(
+                f"- `{c.method}` on {c.task}: {_fmt(over, '.2f', 'x')} the tokens/s of "
+                f"`{pld[c.task].method}` (goal >= 1.3x: {verdict})."
+            )
         if drafter == "recycling" and c.task == "mt-bench" and c.task in pld:
             reference = pld[c.task]
             above = (c.mean_accepted_tokens or 0) > (reference.mean_accepted_tokens or 0)
-            lines.append(f"- `{c.method}` on mt-bench: {_fmt(c.mean_accepted_tokens)} mean accepted tokens vs "
-                         f"{_fmt(reference.mean_accepted_tokens)} for `{reference.method}` "
-                         f"(goal: above: {'met' if above else '**not met**'}).")
+            lines.append(
+                f"- `{c.method}` on mt-bench: {_fmt(c.mean_accepted_tokens)} mean accepted tokens vs "
+                f"{_fmt(reference.mean_accepted_tokens)} for `{reference.method}` "
+                f"(goal: above: {'met' if above else '**not met**'})."
+            )
     return lines
 
 
@@ -375,9 +447,9 @@ def plot_speedup(cells: Sequence[CellResult], path: Path, title: str, baseline: 
     import matplotlib.pyplot as plt
 
     tasks = _task_order(cells)
-    methods = list(dict.fromkeys(
-        c.method for c in cells if c.kind != "sweep" and c.speedup is not None and c.method != baseline
-    ))
+    methods = list(
+        dict.fromkeys(c.method for c in cells if c.kind != "sweep" and c.speedup is not None and c.method != baseline)
+    )
     by_key = {(c.method, c.task): c.speedup for c in cells}
     width = 0.8 / max(1, len(methods))
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(tasks) + 2), 4))

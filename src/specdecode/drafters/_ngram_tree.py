@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from specdecode.types import Draft
 from specdecode.errors import SpecDecodeError
+from specdecode.types import Draft
 
 State = TypeVar("State")
 

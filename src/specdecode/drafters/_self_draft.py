@@ -1,24 +1,24 @@
 """What the self-speculative drafters (``layer-skip``, ``early-exit``, ``kangaroo``) share.
 
-The target drafts for itself by running only some of its layers, *on top of the target's own KV cache
-of the context*.  The engine hands each session its sequence's verification cache (``DraftRequest.target_cache``);
-between steps it holds ``context[:-1]`` with every layer's exact entries.  A draft feeds the last
-context token and then each drafted token through the executed layers, which append entries for the
-draft positions only (a skipped layer writes nothing, see :class:`~specdecode.models.base.LayerwiseExecution`), and the cache is
-cropped back to its length before verification.  So the context costs the drafter nothing — no prefill
-of its own, no catch-up after each step, no rebuild when the exit or the skip set changes — and the
-verification forward finds exactly the entries it left.  For an early exit the draft is the same as a
-truncated model's (layers below L depend only on layers below L); a skip set reads the full model's
-entries for the context, as in SWIFT, which is an approximation that only changes what gets drafted.
-Outside the engine (a drafter driven by hand) the drafter keeps a private copy of that cache, synced to
-the context with full-model forwards.
+The target drafts for itself by running only some of its layers, *on top of the target's own KV cache of the
+context*. The engine hands each session its sequence's verification cache (``DraftRequest.target_cache``);
+between steps it holds ``context[:-1]`` with every layer's exact entries. A draft feeds the last context
+token and then each drafted token through the executed layers, which append entries for the draft positions
+only (a skipped layer writes nothing, see :class:`~specdecode.models.base.LayerwiseExecution`), and the
+cache is cropped back to its length before verification. So the context costs the drafter nothing — no
+prefill of its own, no catch-up after each step, no rebuild when the exit or the skip set changes — and the
+verification forward finds exactly the entries it left. For an early exit the draft is the same as a
+truncated model's (layers below L depend only on layers below L); a skip set reads the full model's entries
+for the context, as in SWIFT, which is an approximation that only changes what gets drafted. Outside the
+engine (a drafter driven by hand) the drafter keeps a private copy of that cache, synced to the context with
+full-model forwards.
 
-Draft logits come from a :class:`DraftHead`: the target's own LM head restricted to a vocabulary subset
-(the first ``draft_vocab`` token ids — BPE and SentencePiece vocabularies put frequent pieces first —
-plus every token of the prompt).  The full head is a large share of a shallow draft (49k rows on
-SmolLM2, 262k on Gemma 3); the subset costs a few percent of it and covers ~97% of generated tokens.
-Greedy verification stays exact whatever is drafted; sampled drafts return a full-vocabulary
-distribution that is zero outside the subset, so speculative sampling stays lossless.
+Draft logits come from a :class:`DraftHead`: the target's own LM head restricted to a vocabulary subset (the
+first ``draft_vocab`` token ids — BPE and SentencePiece vocabularies put frequent pieces first — plus every
+token of the prompt). The full head is a large share of a shallow draft (49k rows on SmolLM2, 262k on Gemma
+3); the subset costs a few percent of it and covers ~97% of generated tokens. Greedy verification stays
+exact whatever is drafted; sampled drafts return a full-vocabulary distribution that is zero outside the
+subset, so speculative sampling stays lossless.
 """
 
 from __future__ import annotations
@@ -218,7 +218,11 @@ class SelfDraftSession:
         @torch.inference_mode()
         def logits(pending: torch.Tensor, cache: KVCache) -> torch.Tensor:
             out = self.backend.forward_layers(
-                pending, cache, skip_layers=skipped, exit_layer=self.backend.num_layers, output_hidden=True,
+                pending,
+                cache,
+                skip_layers=skipped,
+                exit_layer=self.backend.num_layers,
+                output_hidden=True,
                 logits_rows=self._no_rows,
             )
             hidden = out.hidden[-1:]

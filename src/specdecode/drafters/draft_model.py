@@ -35,7 +35,8 @@ class DraftModelDrafter(Drafter):
         if draft_model is None:
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
         self.draft = (
-            draft_model if isinstance(draft_model, LoadedModel)
+            draft_model
+            if isinstance(draft_model, LoadedModel)
             else load_model(draft_model, device=target.backend.device)
         )
         check_same_vocabulary(target, self.draft)

@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB, DraftHead, SelfDraftSession, require_layer_backend, tail
+from specdecode.drafters._self_draft import (
+    DEFAULT_DRAFT_VOCAB,
+    DraftHead,
+    SelfDraftSession,
+    require_layer_backend,
+    tail,
+)
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
@@ -57,7 +63,7 @@ class KangarooAdapter(nn.Module):
         cls, backend: LayerwiseExecution, exit_layer: int, inner_size: int | None = None
     ) -> KangarooAdapter:
         hidden = backend.hidden_size
-        return cls(exit_layer, hidden, inner_size or hidden).to(backend.dtype)
+        return cls(exit_layer, hidden, inner_size or hidden).to(device=backend.device, dtype=backend.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + self.down(nn.functional.silu(self.up(self.norm(hidden))))
@@ -92,7 +98,7 @@ class KangarooAdapter(nn.Module):
                 f"kangaroo adapter {path} was trained for {payload['model']!r} "
                 f"({payload['num_layers']} layers, d={payload['hidden_size']}), not for {backend.name!r}"
             )
-        return adapter.to(backend.dtype).eval()
+        return adapter.to(device=backend.device, dtype=backend.dtype).eval()
 
 
 def default_adapter_path(model_name: str) -> Path | None:

@@ -49,8 +49,10 @@ def parse_template(template: str | int | Sequence[int], name: str) -> Shape:
     keeps sampled siblings a proper without-replacement sequence.
     """
     try:
-        widths = [int(w) for w in template.split(",")] if isinstance(template, str) else (
-            [template] if isinstance(template, int) else [int(w) for w in template]
+        widths = (
+            [int(w) for w in template.split(",")]
+            if isinstance(template, str)
+            else ([template] if isinstance(template, int) else [int(w) for w in template])
         )
     except (TypeError, ValueError):
         widths = []
@@ -61,9 +63,7 @@ def parse_template(template: str | int | Sequence[int], name: str) -> Shape:
     score = {node: rank for node, rank in enumerate(level)}
     for width in widths[1:]:
         offers = sorted(
-            (score[parent] + rank, order, rank, parent)
-            for order, parent in enumerate(level)
-            for rank in range(width)
+            (score[parent] + rank, order, rank, parent) for order, parent in enumerate(level) for rank in range(width)
         )[:width]
         level = []
         for total, _, rank, parent in offers:

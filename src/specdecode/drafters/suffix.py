@@ -134,8 +134,13 @@ class SuffixTrie:
             self._next[node], self._prev[node] = head, -1
         else:
             node = len(self._count)
-            for column, value in ((self._count, 0), (self._token, token), (self._first, -1),
-                                  (self._next, head), (self._prev, -1)):
+            for column, value in (
+                (self._count, 0),
+                (self._token, token),
+                (self._first, -1),
+                (self._next, head),
+                (self._prev, -1),
+            ):
                 column.append(value)
         if head >= 0:
             self._prev[head] = node

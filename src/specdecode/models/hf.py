@@ -97,8 +97,10 @@ class SlotPool(KVPool):
             shape = (self.slots, keys.shape[1], self.capacity, keys.shape[3])
             self.layers[layer] = (keys.new_zeros(shape), values.new_zeros(shape))
         stored_keys, stored_values = self.layers[layer]
-        stored_keys[batch.slot_index, :, batch.column_index] = keys[0].transpose(0, 1)
-        stored_values[batch.slot_index, :, batch.column_index] = values[0].transpose(0, 1)
+        for seq in batch.sequences:  # a slice copy each: cheaper than one scatter for the batch sizes we run
+            end = seq.past + seq.rows.stop - seq.rows.start
+            stored_keys[seq.slot, :, seq.past : end] = keys[0, :, seq.rows]
+            stored_values[seq.slot, :, seq.past : end] = values[0, :, seq.rows]
         return stored_keys, stored_values
 
     @torch.inference_mode()
@@ -148,8 +150,6 @@ class RaggedBatch:
     forward, read by every layer's attention."""
 
     sequences: list[_Sequence]
-    slot_index: torch.Tensor  # [T] slot of every new token
-    column_index: torch.Tensor  # [T] cache column it is written to
     _masks: dict[tuple[int, int | None, int], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, index: int, window: int | None, groups: int) -> torch.Tensor | str | None:
@@ -213,8 +213,15 @@ def ragged_attention(
     slot's keys in place."""
     if ragged is None:  # transformers' own code paths (generate, ...): its standard SDPA attention
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            sliding_window=sliding_window, **kwargs,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
         )
     if getattr(module.config, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit softcapping is not supported by the ragged attention")
@@ -310,23 +317,24 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
             raise ValueError("a batched forward needs the caches of one pool of this backend")
         pool: SlotPool = inputs[0].cache.pool
         device = self.device
-        sequences, tokens, positions, logit_rows, slots, columns = [], [], [], [], [], []
+        sequences, tokens, positions, logit_rows = [], [], [], []
         start = 0
         for item in inputs:
             n = int(item.tokens.shape[0])
             past = item.cache.length
-            pos = item.positions.to(device) if item.positions is not None else torch.arange(past, past + n, device=device)
+            pos = (
+                item.positions.to(device) if item.positions is not None else torch.arange(past, past + n, device=device)
+            )
             sequences.append(_Sequence(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask))
             tokens.append(item.tokens.to(device))
             positions.append(pos)
             wanted = torch.arange(n, device=device)
             logit_rows.append(wanted[item.logits_rows] if item.logits_rows is not None else wanted)
-            slots.append(torch.full((n,), item.cache.slot, dtype=torch.long, device=device))
-            columns.append(torch.arange(past, past + n, device=device))
             start += n
         pool.reserve(pool.slots, max(s.past + s.rows.stop - s.rows.start for s in sequences))
-        batch = RaggedBatch(sequences, torch.cat(slots), torch.cat(columns))
-        rows = torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
+        batch = RaggedBatch(sequences)
+        every_row = all(item.logits_rows is None for item in inputs)
+        rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
         out = self.model(
             input_ids=torch.cat(tokens).view(1, -1),
             position_ids=torch.cat(positions).view(1, -1),
@@ -345,9 +353,11 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
         outputs, offset = [], 0
         for seq, wanted in zip(sequences, logit_rows):
             count = len(wanted)
-            outputs.append(ForwardOutput(
-                logits=logits[offset : offset + count], hidden=hidden[seq.rows] if hidden is not None else None
-            ))
+            outputs.append(
+                ForwardOutput(
+                    logits=logits[offset : offset + count], hidden=hidden[seq.rows] if hidden is not None else None
+                )
+            )
             offset += count
         return outputs
 

@@ -87,8 +87,14 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
         )
     target = load_model(args.model)
     config = TrainConfig(
-        exit_layer=args.exit_layer, new_tokens=args.new_tokens, max_prompt_tokens=args.max_prompt_tokens,
-        epochs=args.epochs, lr=args.lr, seed=args.seed, inner_size=args.inner_size, draft_vocab=args.draft_vocab,
+        exit_layer=args.exit_layer,
+        new_tokens=args.new_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        epochs=args.epochs,
+        lr=args.lr,
+        seed=args.seed,
+        inner_size=args.inner_size,
+        draft_vocab=args.draft_vocab,
     )
     started = time.perf_counter()
     result = train_adapter(target, _prompt_ids(target, tasks, args.prompts, args.seed), config, progress=True)
@@ -100,5 +106,5 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
     )
     print(f"saved {out} ({time.perf_counter() - started:.0f} s)")
     hint = "" if not args.out else f" --drafter-option adapter={out}"
-    print(f"use it: specdecode generate \"...\" --model {args.model} --drafter kangaroo{hint}")
+    print(f'use it: specdecode generate "..." --model {args.model} --drafter kangaroo{hint}')
     return 0

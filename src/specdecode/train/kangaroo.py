@@ -125,7 +125,9 @@ def _kl(heads: _Heads, adapter: KangarooAdapter, exits: torch.Tensor, finals: to
     return kl, draft.argmax(-1) == full.argmax(-1)
 
 
-def evaluate(backend: LayerwiseExecution, adapter: KangarooAdapter, exits: torch.Tensor, finals: torch.Tensor) -> Evaluation:
+def evaluate(
+    backend: LayerwiseExecution, adapter: KangarooAdapter, exits: torch.Tensor, finals: torch.Tensor
+) -> Evaluation:
     heads = _Heads(backend, None)
     with torch.no_grad():
         kl, agree = _kl(heads, adapter, exits, finals)

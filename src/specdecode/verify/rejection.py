@@ -34,9 +34,7 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tens
     return residual / total if total > 0.0 else p
 
 
-def verify_speculative_sampling(
-    target_probs: torch.Tensor, draft: Draft, generator: torch.Generator | None
-) -> Verdict:
+def verify_speculative_sampling(target_probs: torch.Tensor, draft: Draft, generator: torch.Generator | None) -> Verdict:
     """target_probs: [nodes + 1, vocab] processed target distributions in the verification row layout.
 
     The walk reads single probabilities node by node, so both distributions are brought to the CPU once

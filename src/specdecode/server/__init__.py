@@ -1,0 +1,1 @@
+"""``specdecode serve``: an OpenAI-compatible HTTP server over the batched speculative engine."""

@@ -1,0 +1,273 @@
+"""The FastAPI application: OpenAI's completions and chat completions, streaming or not, over the worker.
+
+Every request is scheduled into the one batched engine (:mod:`specdecode.server.worker`); the handler
+turns its accepted tokens into text as they come (:class:`~specdecode.generator.TextAssembler`:
+incremental detokenisation, stop strings held back until resolved), so the concatenated stream is the
+non-streamed text and every token a step accepted goes out in one delta.  Bad input of any kind is a 4xx
+with an OpenAI-style error object; a client that goes away cancels its sequence, which frees its cache
+slot before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdecode.drafters.base import Drafter
+from specdecode.engine import DecodeOutcome
+from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator, TextAssembler
+from specdecode.server.metrics import ServerMetrics, speculative_summary
+from specdecode.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    _Common,
+    error_body,
+    finish_reason,
+)
+from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
+
+UNAUTHENTICATED = ("/health",)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    max_batch_size: int = 8
+    max_queue: int = 64
+    api_key: str | None = None
+    drain_s: float = 30.0
+
+
+class Service:
+    """What the handlers share: the generator (tokenizer, defaults), the drafters, the worker, the metrics."""
+
+    def __init__(self, generator: SpeculativeGenerator, drafters: dict[str, Drafter], config: ServerConfig) -> None:
+        self.generator = generator
+        self.drafters = drafters
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.worker = EngineWorker(
+            generator, config.max_batch_size, config.max_queue, on_step=self.metrics.record_load,
+            on_finish=lambda sub, stats, reason: self.metrics.record_finished(
+                len(sub.prompt_ids), stats, finish_reason(reason)
+            ),
+        )
+
+    def drafter_for(self, body: _Common) -> Drafter:
+        name = body.speculative.drafter if body.speculative else None
+        if name is None:
+            return self.generator.drafter
+        if name not in self.drafters:
+            raise ApiError(400, f"drafter {name!r} is not served here; choose from {', '.join(sorted(self.drafters))}",
+                           param="speculative.drafter")
+        return self.drafters[name]
+
+    def submission(self, body: _Common, chat: bool) -> Submission:
+        if body.model is not None and body.model != self.config.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.config.model_name!r}",
+                           kind="not_found_error", param="model")
+        generator = self.generator
+        prompt = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
+        try:
+            prompt_ids = generator.encode_prompt(prompt, chat=chat)
+            room = generator.target.backend.max_context - len(prompt_ids)
+            asked = body.max_completion_tokens or body.max_tokens
+            config = generator.config_for(
+                max_new_tokens=min(asked, room) if asked else room,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=max(body.top_k, 0) if body.top_k is not None else None,
+                seed=body.seed,
+                stop=body.stop,
+                num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
+            )
+        except SpecDecodeError as exc:
+            raise ApiError(400, str(exc)) from exc
+        return Submission(prompt_ids, config, self.drafter_for(body), asyncio.get_running_loop())
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class Exchange:
+    """One request being answered: its submission, text assembly and response shape."""
+
+    def __init__(self, service: Service, submission: Submission, body: _Common, chat: bool) -> None:
+        self.service = service
+        self.submission = submission
+        self.body = body
+        self.shape = ResponseShape(chat, service.config.model_name)
+        self.text = TextAssembler(service.generator, submission.prompt_ids, submission.config)
+        self.last = submission.arrived
+        self.first = True
+
+    def take(self, update: Update) -> str:
+        """The text an update releases (a stop string ends the request at once)."""
+        if update.error:
+            raise ApiError(500, update.error, kind="server_error")
+        now = time.perf_counter()
+        self.service.metrics.record_tokens(len(update.tokens), now - self.last, self.first)
+        if update.tokens:
+            self.last, self.first = now, False
+        if not update.tokens or self.text.stopped:
+            return ""
+        piece = self.text.add(update.tokens).text
+        if self.text.stopped and not update.finished:
+            self.service.worker.cancel(self.submission, reason="stop")
+        return piece
+
+    def ending(self, update: Update) -> tuple[str, str, dict]:
+        """(the rest of the text, OpenAI's finish reason, the response's extra fields) of the last update."""
+        reason = "stop" if self.text.stopped else (update.finish_reason or "abort")
+        stats = update.stats
+        rest = self.text.finish(DecodeOutcome(stats, reason)).text if stats is not None else ""
+        extra = {"metrics": {"speculative_decoding": speculative_summary(stats)}} if stats is not None else {}
+        return rest, finish_reason(reason), extra
+
+    async def complete(self, request: Request) -> dict:
+        pieces = []
+        while True:
+            update = await self._next(request)
+            if update is None:  # the client left
+                raise ApiError(499, "client disconnected")
+            pieces.append(self.take(update))
+            if update.finished:
+                break
+        rest, reason, extra = self.ending(update)
+        text = "".join(pieces) + rest
+        return self.shape.complete(text, reason, len(self.submission.prompt_ids), update.stats, extra)
+
+    async def _next(self, request: Request) -> Update | None:
+        """The next update, or None once the client has disconnected (polled while waiting)."""
+        getter = asyncio.ensure_future(self.submission.updates.get())
+        while True:
+            done, _ = await asyncio.wait({getter}, timeout=0.5)
+            if done:
+                return getter.result()
+            if await request.is_disconnected():
+                getter.cancel()
+                self.service.worker.cancel(self.submission)
+                return None
+
+    async def stream(self) -> AsyncIterator[str]:
+        try:
+            if self.shape.chat:
+                yield _sse(self.shape.chunk(None, first=True))
+            while True:
+                update = await self.submission.updates.get()
+                try:
+                    piece = self.take(update)
+                except ApiError as exc:
+                    yield _sse(error_body(exc.message, exc.kind))
+                    return
+                if piece:
+                    yield _sse(self.shape.chunk(piece))
+                if update.finished:
+                    break
+            rest, reason, extra = self.ending(update)
+            if rest:
+                yield _sse(self.shape.chunk(rest))
+            final = self.shape.chunk(None, reason)
+            if not self.body.include_usage:
+                final.update(extra)
+            yield _sse(final)
+            if self.body.include_usage and update.stats is not None:
+                yield _sse(self.shape.usage_chunk(len(self.submission.prompt_ids), update.stats, extra))
+            yield _sse("[DONE]")
+        finally:  # also when the client went away mid-stream (the task is cancelled)
+            self.service.worker.cancel(self.submission)
+
+
+def create_app(service: Service) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.worker.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, service.worker.shutdown, service.config.drain_s)
+
+    app = FastAPI(title="specdecode", lifespan=lifespan)
+    app.state.service = service
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        key = service.config.api_key
+        if key and request.url.path not in UNAUTHENTICATED:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return JSONResponse(error_body("invalid or missing API key", "authentication_error"), status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError):
+        return JSONResponse(error_body(exc.message, exc.kind, exc.param), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        problems = exc.errors()
+        first = problems[0] if problems else {}
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "extra_forbidden":
+            message = "unsupported field"
+        text = f"{where}: {message}" if where else message
+        return JSONResponse(error_body(text, param=where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": service.config.model_name, "object": "model", "created": 0, "owned_by": "specdecode"}
+        return {"object": "list", "data": [card]}
+
+    async def answer(request: Request, body: _Common, chat: bool):
+        submission = service.submission(body, chat)
+        try:
+            service.worker.submit(submission)
+        except QueueFull as exc:
+            raise ApiError(429, f"server busy: {exc}", kind="rate_limit_error", headers={"Retry-After": "1"}) from exc
+        exchange = Exchange(service, submission, body, chat)
+        if body.stream:
+            return StreamingResponse(exchange.stream(), media_type="text/event-stream")
+        return await exchange.complete(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await answer(request, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await answer(request, body, chat=False)
+
+    return app

@@ -1,0 +1,113 @@
+"""``specdecode serve``: load the model and drafters once, then serve them with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.registry import DEFAULT_MODEL
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API (completions, chat completions, streaming, /metrics)",
+        description="One process: the batched engine steps in a worker thread; requests join the batch "
+        "between steps. Binds 127.0.0.1 unless --host says otherwise.",
+    )
+    serve.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    serve.add_argument(
+        "--drafter", default="pld",
+        help="drafter(s) to serve, comma-separated; the first is the default, 'none' is always available",
+    )
+    serve.add_argument("--draft-model", help="draft model for --drafter draft-model")
+    serve.add_argument(
+        "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+        help="drafter option, given to every served drafter that takes it (repeatable)",
+    )
+    serve.add_argument("--num-draft-tokens", default="auto", help="default draft depth: an integer, auto, heuristic")
+    serve.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    serve.add_argument("--no-fast-path", action="store_true", help="keep transformers' default CPU kernels")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                       help="on SIGTERM, seconds in-flight requests may finish before they are cancelled")
+    serve.set_defaults(run=run_serve)
+
+
+def build_service(args: argparse.Namespace):
+    """The generator, every served drafter and the service around them (models loaded once)."""
+    from specdecode.cli import _draft_tokens, _parse_option
+    from specdecode.config import GenerationConfig
+    from specdecode.drafters import create_drafter, drafter_class
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import load_model
+    from specdecode.server.app import ServerConfig, Service
+
+    names = [name.strip() for name in args.drafter.split(",") if name.strip()]
+    if not names:
+        raise SpecDecodeError("--drafter names no drafter")
+    for name in names:
+        drafter_class(name)  # unknown names fail before the model loads
+    for label, value in (("--max-batch-size", args.max_batch_size), ("--max-queue", args.max_queue)):
+        if value < 1 and not (label == "--max-queue" and value == 0):
+            raise SpecDecodeError(f"{label} must be a positive integer, got {value}")
+    if not 0 < args.port < 65536:
+        raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
+    options = dict(_parse_option(o) for o in args.drafter_option)
+    if args.draft_model:
+        options["draft_model"] = args.draft_model
+    per_drafter = {name: _options_for(name, options) for name in names}
+    if unused := sorted(set(options) - {key for taken in per_drafter.values() for key in taken}):
+        raise SpecDecodeError(f"no served drafter takes option(s): {', '.join(unused)}")
+    defaults = GenerationConfig(num_draft_tokens=_draft_tokens(str(args.num_draft_tokens)))
+    fast_path = False if args.no_fast_path else None
+    target = load_model(args.model, fast_path=fast_path, device=args.device)
+    if isinstance(options.get("draft_model"), str):
+        draft = target if options["draft_model"] == args.model else load_model(
+            options["draft_model"], fast_path=fast_path, device=args.device
+        )
+        for taken in per_drafter.values():
+            if "draft_model" in taken:
+                taken["draft_model"] = draft
+    drafters = {name: create_drafter(name, target, **per_drafter[name]) for name in names}
+    drafters.setdefault("none", create_drafter("none", target))
+    generator = SpeculativeGenerator(target, drafters[names[0]], defaults)
+    config = ServerConfig(
+        model_name=args.model, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None, drain_s=args.drain_timeout,
+    )
+    return Service(generator, drafters, config)
+
+
+def _options_for(name: str, options: dict) -> dict:
+    import inspect
+
+    from specdecode.drafters import drafter_class
+
+    accepted = set(inspect.signature(drafter_class(name).__init__).parameters) - {"self", "target"}
+    return {key: value for key, value in options.items() if key in accepted}
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdecode.server.app import create_app
+
+    service = build_service(args)
+    print(
+        f"[serve] {args.model} with drafters {', '.join(service.drafters)} on http://{args.host}:{args.port} "
+        f"(batch {args.max_batch_size}, queue {args.max_queue}{', API key required' if service.config.api_key else ''})",
+        file=sys.stderr,
+    )
+    config = uvicorn.Config(
+        create_app(service), host=args.host, port=args.port, log_level="warning",
+        timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
+    )
+    uvicorn.Server(config).run()
+    return 0

@@ -1,0 +1,131 @@
+"""Request bodies of the OpenAI-compatible endpoints (validated strictly) and the response objects.
+
+Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
+``top_k`` (a vLLM extension), ``seed``, ``stop``, ``n`` (1 only), ``stream`` and
+``stream_options.include_usage``, plus our ``speculative`` object choosing the drafter and draft length
+per request.  A field of the wrong type, a value out of range or an unknown field is a 400 with an
+OpenAI-style error object, never a 500.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specdecode.stats import GenerationStats
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+Count = Annotated[int, Field(ge=1)]
+
+
+class SpeculativeOptions(BaseModel):
+    """``"speculative": {...}``: one of the drafters the server was started with (or ``"none"``) and how
+    deep it drafts (an integer >= 0, ``"auto"`` or ``"heuristic"``)."""
+
+    model_config = _STRICT
+    drafter: str | None = None
+    num_draft_tokens: Annotated[int, Field(ge=0, le=64)] | Literal["auto", "heuristic"] | None = None
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM uses -1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: Literal[1] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    speculative: SpeculativeOptions | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+
+class CompletionRequest(_Common):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    echo: Literal[False] = False
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(reason: str) -> str:
+    """Ours ("eos", "stop", "length", "abort") → OpenAI's ("stop", "length", "abort")."""
+    return "stop" if reason in {"eos", "stop"} else reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ResponseShape:
+    """Builds one endpoint's response objects: ``chat`` for ``/v1/chat/completions``, else ``/v1/completions``."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+
+    def complete(self, text: str, reason: str, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            body = self._envelope("chat.completion", [choice])
+        else:
+            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+        body["usage"] = usage(prompt_tokens, stats.new_tokens)
+        body.update(extra)
+        return body
+
+    def chunk(self, text: str | None, reason: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant"} if first else {}
+            if text:
+                delta["content"] = text
+            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": reason}])
+        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}])
+
+    def usage_chunk(self, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(prompt_tokens, stats.new_tokens)
+        body.update(extra)
+        return body

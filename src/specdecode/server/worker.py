@@ -1,0 +1,192 @@
+"""The batched engine behind the server, stepping in a thread of its own.
+
+The event loop never runs a model: handlers submit requests and cancel them through thread-safe calls,
+the worker thread admits them between steps, runs :meth:`BatchEngine.step` and hands each request's
+accepted tokens back to the event loop that waits for them (``call_soon_threadsafe``).  A cancelled
+request (client gone, stop string found) leaves the batch before the next step and its cache slot is free
+at once.  If a step fails (a bug), every request then in the engine gets an error instead of a hang and
+the worker goes on with a fresh engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdecode.config import GenerationConfig
+from specdecode.drafters.base import Drafter
+from specdecode.engine import BatchEngine, BatchRequest
+from specdecode.generator import SpeculativeGenerator
+from specdecode.stats import GenerationStats
+
+log = logging.getLogger("specdecode.server")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than the server accepts (``--max-queue``)."""
+
+
+@dataclass
+class Update:
+    """What a request gained in one step (or how it ended)."""
+
+    tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "eos" or "length" when finished
+    stats: GenerationStats | None = None  # complete when finished
+    error: str | None = None  # set when the engine failed
+
+
+@dataclass(eq=False)
+class Submission:
+    """One request's way into the worker and back: its updates arrive on ``updates`` in its event loop."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    drafter: Drafter
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.perf_counter)
+    done: bool = False
+    cancel_reason: str = "abort"
+
+    def deliver(self, update: Update) -> None:
+        self.loop.call_soon_threadsafe(self.updates.put_nowait, update)
+
+
+class EngineWorker:
+    """Owns a :class:`BatchEngine` and the thread that steps it."""
+
+    def __init__(
+        self,
+        generator: SpeculativeGenerator,
+        max_batch_size: int,
+        max_queue: int,
+        on_step: Callable[[int, int], None] = lambda running, waiting: None,
+        on_finish: Callable[[Submission, GenerationStats, str], None] = lambda submission, stats, reason: None,
+    ) -> None:
+        self.generator = generator
+        self.max_batch_size = max_batch_size
+        self.max_queue = max_queue
+        self.on_step = on_step
+        self.on_finish = on_finish
+        self.engine = self._new_engine()
+        self._changed = threading.Condition()
+        self._incoming: list[Submission] = []
+        self._cancelled: list[Submission] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
+
+    def _new_engine(self) -> BatchEngine:
+        generator = self.generator
+        return BatchEngine(
+            generator.target.backend,
+            generator.drafter,
+            lambda config: generator.draft_length_policy(config.num_draft_tokens),
+            generator.eos_ids,
+            self.max_batch_size,
+        )
+
+    # -- called from the event loop --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.engine.waiting) + len(self._incoming)
+
+    def submit(self, submission: Submission) -> None:
+        with self._changed:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            free = self.max_batch_size - len(self.engine.running)
+            if self.waiting >= self.max_queue + max(free, 0):
+                raise QueueFull(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
+            self._incoming.append(submission)
+            self._changed.notify()
+
+    def cancel(self, submission: Submission, reason: str = "abort") -> None:
+        """Drop a request that is still in the engine (no-op once it finished); it ends with ``reason``
+        ("abort": the client left; "stop": a stop string ended it)."""
+        with self._changed:
+            if not submission.done:
+                submission.cancel_reason = reason
+                self._cancelled.append(submission)
+                self._changed.notify()
+
+    def shutdown(self, drain_s: float) -> None:
+        """Stop taking requests, let the running ones finish for up to ``drain_s`` seconds, cancel the rest."""
+        with self._changed:
+            self._stopping = True
+            self._changed.notify()
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline and (self.running or self.waiting):
+            time.sleep(0.05)
+        with self._changed:
+            self._cancelled.extend(self._incoming)
+            self._cancelled.extend(tag for tag, _ in self.engine.running.values())
+            self._cancelled.extend(request.tag for request in self.engine.waiting)
+            self._changed.notify()
+        self._thread.join(timeout=10)
+
+    # -- the worker thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not (self._incoming or self._cancelled or not self.engine.idle or self._stopping):
+                    self._changed.wait()
+                if self._stopping and self.engine.idle and not self._incoming and not self._cancelled:
+                    return
+                incoming, self._incoming = self._incoming, []
+                cancelled, self._cancelled = self._cancelled, []
+            for submission in cancelled:
+                sequence = next((seq for tag, seq in self.engine.running.values() if tag is submission), None)
+                stats = sequence.stats if sequence is not None else None
+                reason = submission.cancel_reason
+                self.engine.cancel(submission)
+                self._end(submission, Update([], finished=True, finish_reason=reason, stats=stats), stats)
+            for submission in incoming:
+                if not submission.done:
+                    request = BatchRequest(submission.prompt_ids, submission.config, submission, submission.drafter)
+                    self.engine.submit(request)
+            if self.engine.idle:
+                continue
+            try:
+                events = self.engine.step()
+            except Exception:  # a bug: fail what is in flight, keep serving
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all("internal error while decoding")
+                continue
+            for event in events:
+                submission: Submission = event.tag
+                if submission.done:
+                    continue
+                if event.finished:
+                    stats = event.sequence.stats
+                    reason = event.sequence.outcome.finish_reason
+                    self._end(submission, Update(event.new_tokens, True, reason, stats), stats)
+                else:
+                    submission.deliver(Update(event.new_tokens))
+            self.on_step(len(self.engine.running), self.waiting)
+
+    def _end(self, submission: Submission, update: Update, stats: GenerationStats | None) -> None:
+        if submission.done:
+            return
+        submission.done = True
+        submission.deliver(update)
+        if stats is not None:
+            self.on_finish(submission, stats, update.finish_reason or "abort")
+
+    def _fail_all(self, message: str) -> None:
+        tags = [tag for tag, _ in self.engine.running.values()] + [r.tag for r in self.engine.waiting]
+        for submission in tags:
+            self._end(submission, Update([], finished=True, error=message), stats=None)
+        self.engine = self._new_engine()

@@ -1,0 +1,273 @@
+"""`specdecode serve` for real: uvicorn on a random loopback port, driven by the official `openai` client and
+by raw HTTP for what the client cannot send (bad JSON, wrong types, no API key)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specdecode.cli import main
+from specdecode.generator import SpeculativeGenerator
+from specdecode.server.app import ServerConfig, Service, create_app
+
+CHAT = [{"role": "user", "content": "w1 w2 w3 w4 w1 w2 w3"}]
+TEXT = "w5 w6 w7 w5 w6 w7 w5"
+
+
+class RunningServer:
+    """uvicorn serving an app in a background thread on a free loopback port."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port,
+                                                    log_level="error", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def make_service(target, drafter="pld", **config) -> Service:
+    from specdecode.drafters import create_drafter
+
+    generator = SpeculativeGenerator.build(target, drafter)
+    drafters = {drafter: generator.drafter, "none": create_drafter("none", target), "suffix": create_drafter("suffix", target)}
+    return Service(generator, drafters, ServerConfig(model_name="tiny", **config))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target):
+    with RunningServer(make_service(tiny_target)) as running:
+        yield running
+
+
+def solo(target, prompt, chat: bool, n: int, **params):
+    return SpeculativeGenerator.build(target, "none").generate(prompt, chat=chat, max_new_tokens=n, **params)
+
+
+def test_chat_and_completions_equal_solo_greedy_output_streamed_or_not(server, tiny_target):
+    client = server.client()
+    want_chat = solo(tiny_target, CHAT, True, 24)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, temperature=0)
+    assert chat.choices[0].message.content == want_chat.text
+    assert chat.usage.completion_tokens == len(want_chat.token_ids)
+    assert chat.usage.prompt_tokens == want_chat.prompt_tokens
+    spec = chat.model_extra["metrics"]["speculative_decoding"]
+    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length",
+            "draft_acceptance_rate", "acceptance_per_position"} <= set(spec)
+
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat.text
+    assert chunks[-1].usage.completion_tokens == len(want_chat.token_ids)
+    assert "speculative_decoding" in chunks[-1].model_extra["metrics"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in {"stop", "length"}
+
+    want_text = solo(tiny_target, TEXT, False, 20, ignore_eos=False)
+    done = client.completions.create(model="tiny", prompt=TEXT, max_tokens=20)
+    assert done.choices[0].text == want_text.text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=20, stream=True) if c.choices)
+    assert streamed == want_text.text
+
+
+def test_stop_strings_and_per_request_speculation(server, tiny_target):
+    client = server.client()
+    full = solo(tiny_target, TEXT, False, 30)
+    stop = " ".join(full.text.split()[3:5])
+    cut = client.completions.create(model="tiny", prompt=TEXT, max_tokens=30, stop=[stop])
+    assert cut.choices[0].text == full.text[: full.text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=30, stop=[stop], stream=True) if c.choices)
+    assert streamed == cut.choices[0].text
+    plain = client.completions.create(model="tiny", prompt=TEXT, max_tokens=30,
+                                      extra_body={"speculative": {"drafter": "none"}})
+    assert plain.model_extra["metrics"]["speculative_decoding"]["num_drafts"] == 0
+    deep = client.completions.create(model="tiny", prompt=TEXT, max_tokens=30,
+                                     extra_body={"speculative": {"drafter": "suffix", "num_draft_tokens": 6}})
+    assert plain.choices[0].text == deep.choices[0].text == full.text
+
+
+def test_metrics_agree_with_responses(server, tiny_target):
+    client = server.client()
+    before = _scrape(server.url)
+    done = client.completions.create(model="tiny", prompt=TEXT, max_tokens=16)
+    after = _scrape(server.url)
+    spec = done.model_extra["metrics"]["speculative_decoding"]
+    assert after["specdecode:spec_decode_num_draft_tokens_total"] - before.get(
+        "specdecode:spec_decode_num_draft_tokens_total", 0) == spec["num_draft_tokens"]
+    assert after["specdecode:spec_decode_num_accepted_tokens_total"] - before.get(
+        "specdecode:spec_decode_num_accepted_tokens_total", 0) == spec["num_accepted_tokens"]
+    assert after["specdecode:generation_tokens_total"] - before.get("specdecode:generation_tokens_total", 0) == 16
+    assert after["specdecode:num_requests_running"] == 0
+    assert "specdecode:time_to_first_token_seconds_count" in after
+    assert "specdecode:inter_token_latency_seconds_count" in after
+
+
+def _scrape(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+BAD = [
+    ("not json", 400),
+    (json.dumps({"messages": CHAT, "temperature": "hot"}), 400),
+    (json.dumps({"messages": CHAT, "temperature": 5}), 400),
+    (json.dumps({"messages": CHAT, "max_tokens": 0}), 400),
+    (json.dumps({"messages": CHAT, "n": 2}), 400),
+    (json.dumps({"messages": []}), 400),
+    (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), 400),
+    (json.dumps({"messages": CHAT, "colour": "blue"}), 400),
+    (json.dumps({"messages": CHAT, "speculative": {"drafter": "nope"}}), 400),
+    (json.dumps({"messages": CHAT, "speculative": {"num_draft_tokens": "many"}}), 400),
+    (json.dumps({"messages": [{"role": "user", "content": "w1 " * 400}]}), 400),  # longer than the context
+    (json.dumps({"messages": CHAT, "model": "gpt-9"}), 404),
+    (json.dumps([1, 2, 3]), 400),
+]
+
+
+@pytest.mark.parametrize("body,status", BAD, ids=range(len(BAD)))
+def test_bad_input_gets_a_4xx_with_an_error_object(server, body, status):
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+
+
+def test_bad_completion_prompt_and_unknown_route(server):
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": [-1]}).status_code == 400
+    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": ""}).status_code == 400
+    assert httpx.get(f"{server.url}/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_api_key_guards_everything_but_health(tiny_target):
+    with RunningServer(make_service(tiny_target, api_key="sesame")) as running:
+        assert httpx.get(f"{running.url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            response = httpx.get(f"{running.url}{path}")
+            assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            running.client("wrong").models.list()
+        assert running.client("sesame").models.list().data[0].id == "tiny"
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_target):
+    with RunningServer(make_service(tiny_target, max_batch_size=1, max_queue=0)) as running:
+        with httpx.stream("POST", f"{running.url}/v1/completions",
+                          json={"prompt": TEXT, "max_tokens": 200, "stream": True}) as first:
+            next(first.iter_lines())  # the first request holds the only place
+            response = httpx.post(f"{running.url}/v1/completions", json={"prompt": TEXT, "max_tokens": 4})
+            assert response.status_code == 429 and response.headers["retry-after"]
+            assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_load_with_disconnects_leaves_no_sequence_and_no_5xx(tiny_target):
+    """200 requests, 16 at a time, a fifth of them dropped mid-stream: no 5xx, every completed greedy output
+    equal to its solo output, nothing left running, memory bounded."""
+    import psutil
+
+    prompts = [f"w{i % 50 + 1} w{i % 7 + 2} w{i % 5 + 3} w{i % 50 + 1} w{i % 7 + 2}" for i in range(200)]
+    expected = {p: solo(tiny_target, p, False, 12, ignore_eos=False).text for p in set(prompts)}
+    with RunningServer(make_service(tiny_target, max_batch_size=8, max_queue=64)) as running:
+        rss_before = psutil.Process().memory_info().rss
+
+        def one(index: int) -> tuple[int, str | None]:
+            body = {"prompt": prompts[index], "max_tokens": 12, "stream": True}
+            with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=60) as response:
+                if response.status_code != 200:
+                    return response.status_code, None
+                text = ""
+                for line in response.iter_lines():
+                    if index % 5 == 0:
+                        return 200, None  # disconnect after the first event
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        text += "".join(c["text"] for c in chunk["choices"])
+                return 200, text
+
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outcomes = list(pool.map(one, range(200)))
+        assert all(status < 500 for status, _ in outcomes)
+        completed = [(i, text) for i, (status, text) in enumerate(outcomes) if text is not None]
+        assert len(completed) >= 150
+        assert all(text == expected[prompts[i]] for i, text in completed)
+        deadline = time.monotonic() + 10
+        while running.service.worker.running or running.service.worker.waiting:
+            assert time.monotonic() < deadline, "sequences leaked"
+            time.sleep(0.05)
+        assert running.service.worker.engine.pool.active == 0
+        assert psutil.Process().memory_info().rss - rss_before < 200 * 2**20
+
+
+def test_serve_cli_exits_cleanly_on_sigterm_and_rejects_bad_flags(tiny_dirs, capsys):
+    assert main(["serve", "--model", str(tiny_dirs["target"]), "--drafter", "nope"]) == 2
+    assert main(["serve", "--model", str(tiny_dirs["target"]), "--max-batch-size", "0"]) == 2
+    assert main(["serve", "--model", str(tiny_dirs["target"]), "--drafter-option", "colour=blue"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("specdecode: error:") for line in err)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(tiny_dirs["target"]), "--port", str(port),
+         "--drafter", "pld,suffix", "--drain-timeout", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model=str(tiny_dirs["target"]), prompt=TEXT, max_tokens=5).choices[0].text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert "Traceback" not in process.stderr.read().decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
