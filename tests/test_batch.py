@@ -47,7 +47,7 @@ def solo(target, prompt, config, eos):
 def run_batch(target, drafter, requests, eos, batch_size, num_draft_tokens):
     policies = {}
 
-    def policy_for(config):
+    def policy_for(config, drafter):
         from specdecode.draft_length import make_policy
 
         return policies.setdefault(config.num_draft_tokens, make_policy(config.num_draft_tokens))
@@ -92,7 +92,11 @@ def test_requests_join_and_leave_between_steps(tiny_target):
 
 def test_cancel_frees_the_slot_and_the_rest_complete(tiny_target):
     engine = BatchEngine(
-        tiny_target.backend, create_drafter("pld", tiny_target), lambda c: FixedLength(3), frozenset(), max_batch_size=4
+        tiny_target.backend,
+        create_drafter("pld", tiny_target),
+        lambda config, drafter: FixedLength(3),
+        frozenset(),
+        max_batch_size=4,
     )
     config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     for index, prompt in enumerate(BATCH_PROMPTS[:4]):

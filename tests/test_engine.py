@@ -291,7 +291,7 @@ def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(
     plain = generator.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, num_draft_tokens=0)
     auto = generator.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, num_draft_tokens="auto")
     assert auto.token_ids == plain.token_ids
-    policy = generator._adaptive_policies["auto"]
+    policy = generator.draft_length_policy("auto")
     assert isinstance(policy, CostModelLength)
     measured = relative_cost_curve(tiny_target.backend)
     assert policy.curve == pytest.approx(measured)

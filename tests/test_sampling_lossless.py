@@ -198,7 +198,7 @@ def batched_transition_counts(sampling: SamplingParams, tokens_per_sequence: int
     depths = (0, 1, 3, 5)
     counts = np.zeros((len(depths), max(depths) + 1, V, V))
     previous = [0] * len(depths)
-    engine = BatchEngine(model, drafter, lambda config: make_policy(config.num_draft_tokens), frozenset(), 4)
+    engine = BatchEngine(model, drafter, lambda config, drafter: make_policy(config.num_draft_tokens), frozenset(), 4)
     for round_ in range(tokens_per_sequence // 1000):
         for index, k in enumerate(depths):
             seed = round_ * len(depths) + index

@@ -34,8 +34,11 @@ class RunningServer:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=self.port,
-                                                    log_level="error", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(service), host="127.0.0.1", port=self.port, log_level="error", timeout_graceful_shutdown=2
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -62,7 +65,11 @@ def make_service(target, drafter="pld", **config) -> Service:
     from specdecode.drafters import create_drafter
 
     generator = SpeculativeGenerator.build(target, drafter)
-    drafters = {drafter: generator.drafter, "none": create_drafter("none", target), "suffix": create_drafter("suffix", target)}
+    drafters = {
+        drafter: generator.drafter,
+        "none": create_drafter("none", target),
+        "suffix": create_drafter("suffix", target),
+    }
     return Service(generator, drafters, ServerConfig(model_name="tiny", **config))
 
 
@@ -84,11 +91,18 @@ def test_chat_and_completions_equal_solo_greedy_output_streamed_or_not(server, t
     assert chat.usage.completion_tokens == len(want_chat.token_ids)
     assert chat.usage.prompt_tokens == want_chat.prompt_tokens
     spec = chat.model_extra["metrics"]["speculative_decoding"]
-    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length",
-            "draft_acceptance_rate", "acceptance_per_position"} <= set(spec)
+    assert {
+        "num_drafts",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "mean_acceptance_length",
+        "draft_acceptance_rate",
+        "acceptance_per_position",
+    } <= set(spec)
 
-    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=24, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=24, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want_chat.text
     assert chunks[-1].usage.completion_tokens == len(want_chat.token_ids)
@@ -98,8 +112,11 @@ def test_chat_and_completions_equal_solo_greedy_output_streamed_or_not(server, t
     want_text = solo(tiny_target, TEXT, False, 20, ignore_eos=False)
     done = client.completions.create(model="tiny", prompt=TEXT, max_tokens=20)
     assert done.choices[0].text == want_text.text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=TEXT, max_tokens=20, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=TEXT, max_tokens=20, stream=True)
+        if c.choices
+    )
     assert streamed == want_text.text
 
 
@@ -109,14 +126,22 @@ def test_stop_strings_and_per_request_speculation(server, tiny_target):
     stop = " ".join(full.text.split()[3:5])
     cut = client.completions.create(model="tiny", prompt=TEXT, max_tokens=30, stop=[stop])
     assert cut.choices[0].text == full.text[: full.text.index(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=TEXT, max_tokens=30, stop=[stop], stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=TEXT, max_tokens=30, stop=[stop], stream=True)
+        if c.choices
+    )
     assert streamed == cut.choices[0].text
-    plain = client.completions.create(model="tiny", prompt=TEXT, max_tokens=30,
-                                      extra_body={"speculative": {"drafter": "none"}})
+    plain = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=30, extra_body={"speculative": {"drafter": "none"}}
+    )
     assert plain.model_extra["metrics"]["speculative_decoding"]["num_drafts"] == 0
-    deep = client.completions.create(model="tiny", prompt=TEXT, max_tokens=30,
-                                     extra_body={"speculative": {"drafter": "suffix", "num_draft_tokens": 6}})
+    deep = client.completions.create(
+        model="tiny",
+        prompt=TEXT,
+        max_tokens=30,
+        extra_body={"speculative": {"drafter": "suffix", "num_draft_tokens": 6}},
+    )
     assert plain.choices[0].text == deep.choices[0].text == full.text
 
 
@@ -126,10 +151,16 @@ def test_metrics_agree_with_responses(server, tiny_target):
     done = client.completions.create(model="tiny", prompt=TEXT, max_tokens=16)
     after = _scrape(server.url)
     spec = done.model_extra["metrics"]["speculative_decoding"]
-    assert after["specdecode:spec_decode_num_draft_tokens_total"] - before.get(
-        "specdecode:spec_decode_num_draft_tokens_total", 0) == spec["num_draft_tokens"]
-    assert after["specdecode:spec_decode_num_accepted_tokens_total"] - before.get(
-        "specdecode:spec_decode_num_accepted_tokens_total", 0) == spec["num_accepted_tokens"]
+    assert (
+        after["specdecode:spec_decode_num_draft_tokens_total"]
+        - before.get("specdecode:spec_decode_num_draft_tokens_total", 0)
+        == spec["num_draft_tokens"]
+    )
+    assert (
+        after["specdecode:spec_decode_num_accepted_tokens_total"]
+        - before.get("specdecode:spec_decode_num_accepted_tokens_total", 0)
+        == spec["num_accepted_tokens"]
+    )
     assert after["specdecode:generation_tokens_total"] - before.get("specdecode:generation_tokens_total", 0) == 16
     assert after["specdecode:num_requests_running"] == 0
     assert "specdecode:time_to_first_token_seconds_count" in after
@@ -164,8 +195,9 @@ BAD = [
 
 @pytest.mark.parametrize("body,status", BAD, ids=range(len(BAD)))
 def test_bad_input_gets_a_4xx_with_an_error_object(server, body, status):
-    response = httpx.post(f"{server.url}/v1/chat/completions", content=body,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
@@ -190,13 +222,16 @@ def test_api_key_guards_everything_but_health(tiny_target):
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_target):
-    with RunningServer(make_service(tiny_target, max_batch_size=1, max_queue=0)) as running:
-        with httpx.stream("POST", f"{running.url}/v1/completions",
-                          json={"prompt": TEXT, "max_tokens": 200, "stream": True}) as first:
-            next(first.iter_lines())  # the first request holds the only place
-            response = httpx.post(f"{running.url}/v1/completions", json={"prompt": TEXT, "max_tokens": 4})
-            assert response.status_code == 429 and response.headers["retry-after"]
-            assert response.json()["error"]["type"] == "rate_limit_error"
+    with (
+        RunningServer(make_service(tiny_target, max_batch_size=1, max_queue=0)) as running,
+        httpx.stream(
+            "POST", f"{running.url}/v1/completions", json={"prompt": TEXT, "max_tokens": 200, "stream": True}
+        ) as first,
+    ):
+        next(first.iter_lines())  # the first request holds the only place
+        response = httpx.post(f"{running.url}/v1/completions", json={"prompt": TEXT, "max_tokens": 4})
+        assert response.status_code == 429 and response.headers["retry-after"]
+        assert response.json()["error"]["type"] == "rate_limit_error"
 
 
 def test_load_with_disconnects_leaves_no_sequence_and_no_5xx(tiny_target):
@@ -248,9 +283,23 @@ def test_serve_cli_exits_cleanly_on_sigterm_and_rejects_bad_flags(tiny_dirs, cap
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "specdecode.cli", "serve", "--model", str(tiny_dirs["target"]), "--port", str(port),
-         "--drafter", "pld,suffix", "--drain-timeout", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "specdecode.cli",
+            "serve",
+            "--model",
+            str(tiny_dirs["target"]),
+            "--port",
+            str(port),
+            "--drafter",
+            "pld,suffix",
+            "--drain-timeout",
+            "5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
         deadline = time.monotonic() + 120

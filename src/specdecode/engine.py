@@ -316,7 +316,7 @@ class BatchEngine:
         self,
         target: CausalLM,
         drafter: Drafter,
-        policy_for: Callable[[GenerationConfig], DraftLengthPolicy],
+        policy_for: Callable[[GenerationConfig, Drafter], DraftLengthPolicy],
         eos_ids: frozenset[int],
         max_batch_size: int = 8,
     ) -> None:
@@ -357,13 +357,14 @@ class BatchEngine:
             # Room for the whole request (and a deep last draft) now, rather than regrowing mid-batch.
             most = len(request.prompt_ids) + request.config.max_new_tokens + MAX_DRAFT_MARGIN
             self.pool.reserve(self.max_batch_size, min(most, self.target.max_context))
+            drafter = request.drafter or self.drafter
             seq = start_sequence(
                 self.target,
-                request.drafter or self.drafter,
+                drafter,
                 request.prompt_ids,
                 request.config,
                 self.eos_ids,
-                self.policy_for(request.config),
+                self.policy_for(request.config, drafter),
                 self.pool.allocate(),
             )
             if seq.done:  # nothing fits after the prompt

@@ -61,7 +61,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.defaults = defaults or GenerationConfig()
         # Adaptive draft-length policies keep what they learned (costs, acceptance) across requests.
-        self._adaptive_policies: dict[str, DraftLengthPolicy] = {}
+        self._adaptive_policies: dict[tuple[str, Drafter], DraftLengthPolicy] = {}
 
     @classmethod
     def build(
@@ -73,15 +73,18 @@ class SpeculativeGenerator:
         self.drafter.reset()
         self._adaptive_policies.clear()
 
-    def draft_length_policy(self, spec: int | str) -> DraftLengthPolicy:
+    def draft_length_policy(self, spec: int | str, drafter: Drafter | None = None) -> DraftLengthPolicy:
+        """The policy requests with draft length ``spec`` decode with, kept per drafter (``None``: this
+        generator's): what an adaptive policy learns about one drafter's acceptance says nothing of another's."""
         if isinstance(spec, int):
             return make_policy(spec)
-        if spec not in self._adaptive_policies:
+        key = (spec, drafter or self.drafter)
+        if key not in self._adaptive_policies:
             # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
             # on first use, a second or so, and cached per loaded model: reset_drafter keeps it).
             curve = relative_cost_curve(self.target.backend) if spec == "auto" else None
-            self._adaptive_policies[spec] = make_policy(spec, curve)
-        return self._adaptive_policies[spec]
+            self._adaptive_policies[key] = make_policy(spec, curve)
+        return self._adaptive_policies[key]
 
     # -- prompt handling -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -191,7 +194,7 @@ class SpeculativeGenerator:
         engine = BatchEngine(
             self.target.backend,
             self.drafter,
-            lambda config: self.draft_length_policy(config.num_draft_tokens),
+            lambda config, drafter: self.draft_length_policy(config.num_draft_tokens, drafter),
             self.eos_ids,
             batch_size,
         )

@@ -1,5 +1,5 @@
-"""``specdecode bench`` (the Spec-Bench-style benchmark), ``specdecode bench forward-cost`` and
-``specdecode bench throughput``."""
+"""``specdecode bench`` (the Spec-Bench-style benchmark), ``specdecode bench forward-cost``,
+``specdecode bench throughput`` and ``specdecode bench serve``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from specdecode.models.registry import DEFAULT_MODEL
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and its optional sub-commands ``forward-cost`` and ``throughput`` to the top-level parser."""
+    """Add ``bench`` and its optional sub-commands ``forward-cost``, ``throughput`` and ``serve`` to the top-level
+    parser."""
     from specdecode.bench.runner import SUITES
 
     bench = subparsers.add_parser(
@@ -60,7 +61,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
-    commands = bench.add_subparsers(dest="bench_command", required=False, metavar="{forward-cost,throughput}")
+    commands = bench.add_subparsers(dest="bench_command", required=False, metavar="{forward-cost,throughput,serve}")
     cost = commands.add_parser(
         "forward-cost", help="time one forward over 1..N new tokens: the cost curve of verification"
     )
@@ -109,6 +110,37 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         "--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar"
     )
     throughput.set_defaults(run=run_throughput)
+
+    serve = commands.add_parser(
+        "serve",
+        help="the OpenAI-compatible server under closed-loop load: tokens/s, TTFT and ITL per method and concurrency",
+        description="Loads the model once and starts one uvicorn server in this process on a free loopback port; "
+        "per (method, concurrency C), C threads of the openai client replay every prompt, streamed. Results go to "
+        "--out (results.json, results.md, serve.png); a rerun skips the cells that directory holds.",
+    )
+    serve.add_argument("--model", default=keep, help=f"target model (default {DEFAULT_MODEL})")
+    serve.add_argument(
+        "--concurrency", default=keep, metavar="C,C,...", help="closed-loop clients sending at once (default 1,4,8)"
+    )
+    serve.add_argument(
+        "--methods", default=keep, help="comma-separated drafter specs, all served at once (default none,pld,suffix)"
+    )
+    serve.add_argument(
+        "--tasks",
+        default=keep,
+        help="comma-separated tasks (default: all); every prompt, multi-edit's requests too, is an independent request",
+    )
+    serve.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
+    serve.add_argument(
+        "--max-new-tokens", type=int, default=keep, metavar="N", help="max_tokens of every request (default 96)"
+    )
+    serve.add_argument(
+        "--max-batch-size", type=int, default=keep, metavar="B", help="the server's batch (default: largest C)"
+    )
+    serve.add_argument("--out", default=keep, help="output directory (default bench-out/serve)")
+    serve.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    serve.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
+    serve.set_defaults(run=run_bench_serve)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -186,6 +218,32 @@ def run_throughput(args: argparse.Namespace) -> int:
     print((settings.out / "results.md").read_text())
     print(
         f"[bench throughput] wrote {settings.out}/ (results.json, results.md, throughput.png) in "
+        f"{(time.perf_counter() - started) / 60:.1f} min",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    from specdecode.bench import serve
+
+    settings = serve.resolve_settings(
+        model=args.model,
+        methods=args.methods,
+        concurrency=getattr(args, "concurrency", None),
+        tasks=args.tasks,
+        prompts_per_task=args.prompts_per_task,
+        max_new_tokens=args.max_new_tokens,
+        max_batch_size=getattr(args, "max_batch_size", None),
+        seed=args.seed,
+        out=args.out,
+        threads=args.threads,
+    )
+    started = time.perf_counter()
+    serve.run_serve_bench(settings, progress=args.progress)
+    print((settings.out / "results.md").read_text())
+    print(
+        f"[bench serve] wrote {settings.out}/ (results.json, results.md, serve.png) in "
         f"{(time.perf_counter() - started) / 60:.1f} min",
         file=sys.stderr,
     )

@@ -139,7 +139,7 @@ def run_ours(
     engine = BatchEngine(
         generator.target.backend,
         generator.drafter,
-        lambda c: generator.draft_length_policy(c.num_draft_tokens),
+        lambda c, drafter: generator.draft_length_policy(c.num_draft_tokens, drafter),
         generator.eos_ids,
         batch_size,
     )

@@ -43,8 +43,14 @@ UNAUTHENTICATED = ("/health",)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
@@ -67,7 +73,10 @@ class Service:
         self.config = config
         self.metrics = ServerMetrics()
         self.worker = EngineWorker(
-            generator, config.max_batch_size, config.max_queue, on_step=self.metrics.record_load,
+            generator,
+            config.max_batch_size,
+            config.max_queue,
+            on_step=self.metrics.record_load,
             on_finish=lambda sub, stats, reason: self.metrics.record_finished(
                 len(sub.prompt_ids), stats, finish_reason(reason)
             ),
@@ -78,14 +87,21 @@ class Service:
         if name is None:
             return self.generator.drafter
         if name not in self.drafters:
-            raise ApiError(400, f"drafter {name!r} is not served here; choose from {', '.join(sorted(self.drafters))}",
-                           param="speculative.drafter")
+            raise ApiError(
+                400,
+                f"drafter {name!r} is not served here; choose from {', '.join(sorted(self.drafters))}",
+                param="speculative.drafter",
+            )
         return self.drafters[name]
 
     def submission(self, body: _Common, chat: bool) -> Submission:
         if body.model is not None and body.model != self.config.model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {self.config.model_name!r}",
-                           kind="not_found_error", param="model")
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {self.config.model_name!r}",
+                kind="not_found_error",
+                param="model",
+            )
         generator = self.generator
         prompt = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from specdecode.errors import SpecDecodeError
@@ -19,12 +20,16 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
     serve.add_argument(
-        "--drafter", default="pld",
+        "--drafter",
+        default="pld",
         help="drafter(s) to serve, comma-separated; the first is the default, 'none' is always available",
     )
     serve.add_argument("--draft-model", help="draft model for --drafter draft-model")
     serve.add_argument(
-        "--drafter-option", action="append", default=[], metavar="KEY=VALUE",
+        "--drafter-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="drafter option, given to every served drafter that takes it (repeatable)",
     )
     serve.add_argument("--num-draft-tokens", default="auto", help="default draft depth: an integer, auto, heuristic")
@@ -35,8 +40,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY)")
-    serve.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                       help="on SIGTERM, seconds in-flight requests may finish before they are cancelled")
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, seconds in-flight requests may finish before they are cancelled",
+    )
     serve.set_defaults(run=run_serve)
 
 
@@ -69,8 +79,10 @@ def build_service(args: argparse.Namespace):
     fast_path = False if args.no_fast_path else None
     target = load_model(args.model, fast_path=fast_path, device=args.device)
     if isinstance(options.get("draft_model"), str):
-        draft = target if options["draft_model"] == args.model else load_model(
-            options["draft_model"], fast_path=fast_path, device=args.device
+        draft = (
+            target
+            if options["draft_model"] == args.model
+            else load_model(options["draft_model"], fast_path=fast_path, device=args.device)
         )
         for taken in per_drafter.values():
             if "draft_model" in taken:
@@ -79,8 +91,11 @@ def build_service(args: argparse.Namespace):
     drafters.setdefault("none", create_drafter("none", target))
     generator = SpeculativeGenerator(target, drafters[names[0]], defaults)
     config = ServerConfig(
-        model_name=args.model, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-        api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None, drain_s=args.drain_timeout,
+        model_name=args.model,
+        max_batch_size=args.max_batch_size,
+        max_queue=args.max_queue,
+        api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
+        drain_s=args.drain_timeout,
     )
     return Service(generator, drafters, config)
 
@@ -100,14 +115,22 @@ def run_serve(args: argparse.Namespace) -> int:
     from specdecode.server.app import create_app
 
     service = build_service(args)
+    guarded = ", API key required" if service.config.api_key else ""
     print(
         f"[serve] {args.model} with drafters {', '.join(service.drafters)} on http://{args.host}:{args.port} "
-        f"(batch {args.max_batch_size}, queue {args.max_queue}{', API key required' if service.config.api_key else ''})",
+        f"(batch {args.max_batch_size}, queue {args.max_queue}{guarded})",
         file=sys.stderr,
     )
     config = uvicorn.Config(
-        create_app(service), host=args.host, port=args.port, log_level="warning",
+        create_app(service),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
         timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
     )
+    # uvicorn shuts down gracefully on SIGTERM and then re-raises it to the handler that was there before;
+    # a no-op handler there makes a drained shutdown exit 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run()
+    print("[serve] stopped", file=sys.stderr)
     return 0

@@ -111,7 +111,9 @@ class ResponseShape:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         else:
-            body = self._envelope("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}])
+            body = self._envelope(
+                "text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+            )
         body["usage"] = usage(prompt_tokens, stats.new_tokens)
         body.update(extra)
         return body
@@ -122,7 +124,9 @@ class ResponseShape:
             if text:
                 delta["content"] = text
             return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": reason}])
-        return self._envelope("text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}])
+        return self._envelope(
+            "text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
+        )
 
     def usage_chunk(self, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])

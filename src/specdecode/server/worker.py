@@ -86,7 +86,7 @@ class EngineWorker:
         return BatchEngine(
             generator.target.backend,
             generator.drafter,
-            lambda config: generator.draft_length_policy(config.num_draft_tokens),
+            lambda config, drafter: generator.draft_length_policy(config.num_draft_tokens, drafter),
             generator.eos_ids,
             self.max_batch_size,
         )

@@ -1,0 +1,427 @@
+"""``specdecode bench serve``: the OpenAI-compatible server under closed-loop load, per method and concurrency.
+
+The model is loaded once and served by ONE real uvicorn server in this process (the server's own
+:class:`~specdecode.server.app.Service` and app) on a free 127.0.0.1 port, with every listed method as a
+served drafter (keyed by its spec, e.g. ``pld`` or ``pld:k=4``).  Every cell (method, concurrency C) replays
+all prompts through the official ``openai`` client: C client threads pull from one shared queue of prompts
+and each sends its next request when its previous one has finished (closed loop).  Requests are streamed
+chat completions (a model without a chat template gets ``/v1/completions`` on the plain text) with
+``stream_options.include_usage``, temperature 0, ``max_tokens`` = ``max_new_tokens`` and the method in
+``extra_body={"speculative": {"drafter": METHOD}}``; the API has no ``ignore_eos``, so a request may end at
+EOS and only the tokens the final usage chunk reports are counted.
+
+Timing is client side: a cell's wall time runs from its first send to its last finish; TTFT from a request's
+send to its first content-bearing chunk; inter-token latency (ITL) is, for every later content-bearing chunk,
+the gap since the previous one divided by the tokens that chunk carried, counted once per token.  A chunk's
+tokens are counted by encoding its delta text with the served model's tokenizer (no special tokens, at least
+one) after the cell, outside the timed part; results.json keeps every request's chunk gaps and token counts.
+
+Every cell starts cold, like a fresh generator in ``bench throughput``: the served drafters and the
+adaptive draft-length policies are reset while the server is idle; each method gets one untimed warm-up
+request first.  The reference for equality is method ``none`` at C=1 (always measured, first).
+``results.json`` is written after every cell; a rerun with the same settings skips the cells it holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench import runner
+from specdecode.bench.runner import DEFAULT_K, MethodSpec, parse_int_list, parse_methods, save_json, torch_threads
+from specdecode.bench.serve_report import request_record, summarize_cell, write_report
+from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
+from specdecode.bench.throughput import prompt_fingerprint
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import fast_path_default, load_model
+
+SCHEMA_VERSION = 1
+RESULTS_FILE = "results.json"
+REFERENCE = "none"  # at concurrency 1: the outputs every cell is compared with
+WARMUP_TOKENS = 8
+REQUEST_TIMEOUT_S = 900.0
+DEFAULTS: dict[str, Any] = {
+    "model": "smollm2-135m",
+    "methods": "none,pld,suffix",
+    "concurrency": "1,4,8",
+    "tasks": TASK_NAMES,
+    "prompts_per_task": 1,
+    "max_new_tokens": 96,
+    "max_batch_size": None,  # the largest concurrency
+    "seed": 0,
+    "out": "bench-out/serve",
+}
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model: str
+    methods: tuple[MethodSpec, ...]
+    concurrency: tuple[int, ...]
+    tasks: tuple[str, ...]
+    prompts_per_task: int
+    max_new_tokens: int
+    max_batch_size: int
+    seed: int
+    threads: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or not all(_positive(c) for c in self.concurrency):
+            raise SpecDecodeError(f"--concurrency takes comma-separated positive integers, got {self.concurrency!r}")
+        for label, value in (
+            ("--prompts-per-task", self.prompts_per_task),
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--max-batch-size", self.max_batch_size),
+            ("--threads", self.threads),
+        ):
+            if not _positive(value):
+                raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
+        if not self.tasks:
+            raise SpecDecodeError("no benchmark tasks selected")
+        for task in self.tasks:
+            if task not in TASK_NAMES:
+                raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(methods=[m.spec for m in self.methods], concurrency=list(self.concurrency), out=str(self.out))
+        return {**data, "tasks": list(self.tasks)}
+
+
+def resolve_settings(**overrides: Any) -> ServeSettings:
+    """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
+    given = {key: value for key, value in overrides.items() if value is not None}
+    if unknown := sorted(set(given) - set(ServeSettings.__dataclass_fields__)):
+        raise SpecDecodeError(f"unknown serve benchmark setting(s): {', '.join(unknown)}")
+    values = {**DEFAULTS, "threads": os.cpu_count() or 1, **given}
+    methods = values["methods"]
+    if isinstance(methods, str):
+        methods = parse_methods(methods)
+    concurrency = values["concurrency"]
+    if isinstance(concurrency, str):
+        concurrency = parse_int_list(concurrency, "--concurrency")
+    concurrency = tuple(sorted(set(concurrency))) if all(_positive(c) for c in concurrency) else tuple(concurrency)
+    tasks = values["tasks"]
+    if isinstance(tasks, str):
+        tasks = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    batch = values["max_batch_size"]
+    return ServeSettings(
+        model=values["model"],
+        methods=tuple(methods),
+        concurrency=concurrency,
+        tasks=tuple(tasks),
+        prompts_per_task=values["prompts_per_task"],
+        max_new_tokens=values["max_new_tokens"],
+        max_batch_size=batch if batch is not None else max(concurrency, default=1),
+        seed=values["seed"],
+        threads=values["threads"],
+        out=Path(values["out"]),
+    )
+
+
+def cell_order(settings: ServeSettings) -> list[tuple[str, int]]:
+    """Every (method, concurrency) to measure, in order: the reference (``none`` at C=1) first."""
+    cells = [(REFERENCE, 1)]
+    return cells + [
+        (m.spec, c) for m in settings.methods for c in settings.concurrency if (m.spec, c) != (REFERENCE, 1)
+    ]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The server and its clients
+
+
+class InProcessServer:
+    """uvicorn serving ``service`` in a thread of this process, on a loopback socket bound here (no race for
+    the port)."""
+
+    def __init__(self, service: Any) -> None:
+        import uvicorn
+
+        from specdecode.server.app import create_app
+
+        self.service = service
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        app = create_app(service)
+        config = uvicorn.Config(app, port=self.port, log_level="error", access_log=False, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, name="specdecode-bench-server", daemon=True
+        )
+
+    def __enter__(self) -> InProcessServer:
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.__exit__()
+                raise SpecDecodeError("the benchmark's in-process server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+        self.socket.close()
+
+    def client(self) -> Any:
+        import openai
+
+        # trust_env=False: a proxy configured for the outside world must not see loopback requests.
+        http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, http_client=http
+        )
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine holds no request (the drafters may then be reset from this thread)."""
+        worker = self.service.worker
+        deadline = time.monotonic() + timeout_s
+        while worker.running or worker.waiting:
+            if time.monotonic() > deadline:
+                raise SpecDecodeError("the benchmark server still has requests in flight after a cell")
+            time.sleep(0.01)
+
+
+def stream_one(client: Any, model: str, chat: bool, text: str, method: MethodSpec, max_tokens: int) -> dict[str, Any]:
+    """One streamed request → its send/finish times, content chunks (arrival time, text), usage and metrics."""
+    speculative: dict[str, Any] = {"drafter": method.spec}
+    if method.k != DEFAULT_K:
+        speculative["num_draft_tokens"] = method.k
+    params = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"speculative": speculative},
+    }
+    times: list[float] = []
+    pieces: list[str] = []
+    reply: dict[str, Any] = {"completion_tokens": None, "metrics": None, "finish_reason": None}
+    sent = time.perf_counter()
+    if chat:
+        stream = client.chat.completions.create(messages=[{"role": "user", "content": text}], **params)
+    else:
+        stream = client.completions.create(prompt=text, **params)
+    with stream:
+        for chunk in stream:
+            now = time.perf_counter()
+            if chunk.choices:
+                choice = chunk.choices[0]
+                piece = choice.delta.content if chat else choice.text
+                if piece:
+                    times.append(now)
+                    pieces.append(piece)
+                reply["finish_reason"] = choice.finish_reason or reply["finish_reason"]
+            if chunk.usage is not None:
+                reply["completion_tokens"] = chunk.usage.completion_tokens
+                reply["metrics"] = (chunk.model_extra or {}).get("metrics")
+    finished = time.perf_counter()
+    if reply["completion_tokens"] is None:
+        raise SpecDecodeError("the stream ended without a usage chunk")
+    return {**reply, "sent": sent, "finished": finished, "times": times, "pieces": pieces}
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def run_cell(
+    client: Any, model: str, chat: bool, texts: Sequence[str], method: MethodSpec, concurrency: int, max_tokens: int
+) -> tuple[list[dict[str, Any]], float]:
+    """All prompts through ``concurrency`` closed-loop client threads → (replies in input order, wall s)."""
+    work: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index in range(len(texts)):
+        work.put(index)
+    replies: list[dict[str, Any] | None] = [None] * len(texts)
+    failures: list[tuple[int, BaseException]] = []
+
+    def client_loop() -> None:
+        while not failures:
+            try:
+                index = work.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                replies[index] = stream_one(client, model, chat, texts[index], method, max_tokens)
+            except Exception as exc:  # reported by the main thread
+                failures.append((index, exc))
+                return
+
+    threads = [threading.Thread(target=client_loop, name=f"bench-client-{i}", daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        index, exc = failures[0]
+        raise SpecDecodeError(
+            f"request {index} of method {method.spec!r} at concurrency {concurrency} failed: {_one_line(exc)}"
+        )
+    done = [r for r in replies if r is not None]
+    return done, max(r["finished"] for r in done) - min(r["sent"] for r in done)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The run
+
+
+def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None, progress: bool = True) -> dict:
+    """Measure every cell not yet in ``settings.out``; write results.json, results.md and serve.png.
+
+    ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
+    tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
+    if not any(task.prompts for task in tasks):
+        raise SpecDecodeError("the selected tasks have no prompts")
+    fingerprint = {
+        "model": settings.model,
+        "max_new_tokens": settings.max_new_tokens,
+        "max_batch_size": settings.max_batch_size,
+        "prompts": prompt_fingerprint(tasks),
+    }
+    path = settings.out / RESULTS_FILE
+    results = _load_previous(path, fingerprint) or {
+        "benchmark": "serve",
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": fingerprint,
+        "cells": [],
+        "measure_s": 0.0,
+    }
+    results["settings"] = settings.to_json()
+    done = {(c["method"], c["concurrency"]) for c in results["cells"]}
+    if pending := [cell for cell in cell_order(settings) if cell not in done]:
+        with torch_threads(settings.threads):
+            _measure(settings, tasks, pending, results, progress)
+    order = {cell: i for i, cell in enumerate(cell_order(settings))}
+    results["cells"].sort(key=lambda c: order.get((c["method"], c["concurrency"]), len(order)))
+    save_json(path, results)
+    write_report(results, settings.out)
+    return results
+
+
+def _load_previous(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
+    if previous.get("benchmark") != "serve" or previous.get("schema_version") != SCHEMA_VERSION:
+        raise SpecDecodeError(f"{path} holds results of another benchmark or version: choose another --out or empty it")
+    if previous.get("fingerprint") != fingerprint:
+        old = previous.get("fingerprint") or {}
+        raise SpecDecodeError(
+            f"{path} holds results of other settings (model {old.get('model')!r}, max_new_tokens "
+            f"{old.get('max_new_tokens')}, max batch size {old.get('max_batch_size')}, {len(old.get('prompts', []))} "
+            f"prompts; now {fingerprint['model']!r}, {fingerprint['max_new_tokens']}, {fingerprint['max_batch_size']}, "
+            f"{len(fingerprint['prompts'])}): choose another --out or empty it"
+        )
+    return previous
+
+
+def _measure(
+    settings: ServeSettings, tasks: Sequence[Task], pending: list[tuple[str, int]], results: dict, progress: bool
+) -> None:
+    from tqdm import tqdm
+
+    from specdecode.config import GenerationConfig
+    from specdecode.drafters import create_drafter
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.server.app import ServerConfig, Service
+
+    methods = {m.spec: m for m in settings.methods}
+    methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
+    needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
+    target = load_model(settings.model)
+    drafts = {name: load_model(name) for name in sorted({m.draft_model for m in needed} - {None})}
+    chat = bool(getattr(target.tokenizer, "chat_template", None))  # a base model gets /v1/completions
+    encoder = SpeculativeGenerator.build(target, "none")
+    keys, texts, lengths = [], [], []
+    for task in tasks:
+        for p in task.prompts:
+            ids = encoder.encode_prompt(p.text, chat=chat)
+            if len(ids) + settings.max_new_tokens > target.backend.max_context:
+                raise SpecDecodeError(
+                    f"prompt {p.id} is {len(ids)} tokens: with {settings.max_new_tokens} new tokens it exceeds "
+                    f"the {target.backend.max_context}-token context of {settings.model!r}"
+                )
+            keys.append(f"{task.name}/{p.id}")
+            texts.append(p.text)
+            lengths.append(len(ids))
+    drafters = {}
+    for method in needed:
+        options = dict(method.options)
+        if method.draft_model is not None:
+            options["draft_model"] = drafts[method.draft_model]
+        drafters[method.spec] = create_drafter(method.drafter, target, **options)
+    generator = SpeculativeGenerator(target, drafters[needed[0].spec], GenerationConfig())
+    max_queue = max(c for _, c in pending)
+    config = ServerConfig(settings.model, max_batch_size=settings.max_batch_size, max_queue=max_queue, drain_s=5.0)
+    service = Service(generator, drafters, config)
+    results["chat_template"] = chat
+    results["endpoint"] = "/v1/chat/completions" if chat else "/v1/completions"
+    results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
+    results["prompts"] = [{"prompt": key, "prompt_tokens": n} for key, n in zip(keys, lengths)]
+    versions = {}
+    for package in ("openai", "uvicorn", "fastapi"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    results["environment"] = {**runner.environment(settings.threads), **versions, "fast_path": fast_path_default()}
+    warm: set[str] = set()
+    started = time.perf_counter()
+    with (
+        InProcessServer(service) as server,
+        tqdm(total=len(pending), unit="cell", desc="bench serve", disable=not progress, dynamic_ncols=True) as bar,
+    ):
+        client = server.client()
+        for name, concurrency in pending:
+            bar.set_postfix_str(f"{name} C={concurrency}", refresh=False)
+            method = methods[name]
+            if name not in warm:  # first-call allocations, the cost curve, the HTTP path: not measured
+                try:
+                    stream_one(client, settings.model, chat, texts[0], method, WARMUP_TOKENS)
+                except Exception as exc:
+                    raise SpecDecodeError(f"warm-up request of method {name!r} failed: {_one_line(exc)}") from exc
+                warm.add(name)
+            server.wait_idle()
+            for drafter in drafters.values():  # every cell starts cold
+                drafter.reset()
+            generator.reset_drafter()  # also forgets what the adaptive draft-length policies learned
+            replies, wall_s = run_cell(
+                client, settings.model, chat, texts, method, concurrency, settings.max_new_tokens
+            )
+            server.wait_idle()
+            records = [request_record(key, reply, target.tokenizer) for key, reply in zip(keys, replies)]
+            cell = summarize_cell(name, concurrency, records, wall_s, _reference(results))
+            results["cells"].append(cell)
+            now = time.perf_counter()
+            results["measure_s"] = round(results["measure_s"] + now - started, 2)
+            started = now
+            save_json(settings.out / RESULTS_FILE, results)
+            bar.update()
+    results["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+
+
+def _reference(results: dict[str, Any]) -> dict[str, str] | None:
+    """The texts of method ``none`` at C=1 by prompt key, once measured."""
+    cell = next((c for c in results["cells"] if (c["method"], c["concurrency"]) == (REFERENCE, 1)), None)
+    return None if cell is None else {r["prompt"]: r["text"] for r in cell["per_request"]}

@@ -1,0 +1,259 @@
+"""``specdecode bench serve`` on the tiny target: a real uvicorn server in-process driven by the real ``openai``
+client — every cell, equality with ``none`` at C=1 (and with solo decoding), client-side TTFT/ITL, resume,
+refusal of other settings, the report files, and CLI parsing and errors.
+
+Timings are never asserted beyond being positive and ordered."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from specdecode.bench import serve, serve_report
+from specdecode.bench.cli import add_bench_command
+from specdecode.bench.tasks import Prompt, Task
+from specdecode.cli import main
+from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
+
+MAX_NEW = 8
+CELLS = [("none", 1), ("none", 2), ("pld", 1), ("pld", 2)]
+KEYS = ["edit/edit/0", "edit/edit/1", "mt-bench/mt/0"]
+
+
+def _tiny_tasks() -> list[Task]:
+    """3 prompts from 2 tasks in the tiny tokenizer's vocabulary (repetitive ones: prompt lookup drafts)."""
+    words = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3 here w7 w8 w9 w7 w8"
+    return [
+        Task("edit", "edit", [Prompt(f"edit/{i}", f"{words} w{10 + i} w{20 + i}", True) for i in range(2)]),
+        Task("mt-bench", "chat", [Prompt("mt/0", "w30 w31 w32 stop", False)]),
+    ]
+
+
+def _settings(tiny_dirs, out, **overrides):
+    values = {
+        "model": str(tiny_dirs["target"]),
+        "methods": "none,pld",
+        "concurrency": "2,1",
+        "tasks": "edit,mt-bench",
+        "max_new_tokens": MAX_NEW,
+        "threads": 1,
+        "out": str(out),
+    } | overrides
+    return serve.resolve_settings(**values)
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_dirs, tmp_path_factory):
+    settings = _settings(tiny_dirs, tmp_path_factory.mktemp("serve"))
+    return settings, serve.run_serve_bench(settings, tasks=_tiny_tasks(), progress=False)
+
+
+def _cells(results):
+    return {(c["method"], c["concurrency"]): c for c in results["cells"]}
+
+
+def test_every_cell_measured_lossless_with_client_side_latencies(finished, tiny_target):
+    settings, results = finished
+    cells = _cells(results)
+    assert list(cells) == CELLS  # the reference (none at C=1) first
+    for (method, concurrency), cell in cells.items():
+        assert [r["prompt"] for r in cell["per_request"]] == KEYS
+        assert cell["requests"] == 3
+        assert cell["completion_tokens"] == sum(r["completion_tokens"] for r in cell["per_request"]) > 0
+        assert cell["tokens_per_s"] > 0 and cell["wall_s"] > 0
+        # Greedy outputs through the server equal none's at C=1, whatever the drafter and the concurrency.
+        assert cell["equal_to_none_c1"] == 1.0, (method, concurrency)
+        assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] <= cell["wall_s"]
+        assert 0 < cell["itl_p50_s"] <= cell["itl_p95_s"] <= cell["wall_s"]
+        assert cell["latency_p95_s"] <= cell["wall_s"] + 1e-3
+        assert cell["mean_acceptance_length"] >= 1.0
+        for record in cell["per_request"]:
+            assert record["completion_tokens"] <= MAX_NEW and record["finish_reason"] in {"stop", "length"}
+            assert len(record["chunk_gaps_s"]) == len(record["chunk_tokens"]) - 1
+            assert all(gap >= 0 for gap in record["chunk_gaps_s"]) and min(record["chunk_tokens"]) >= 1
+            # The tiny tokenizer maps a word to a token, so the re-encoded chunks hold every generated token but
+            # those without text (EOS, or a special token the detokeniser skips: one here, in edit/0).
+            assert 0 <= record["completion_tokens"] - sum(record["chunk_tokens"]) <= 1
+        assert cell["chunk_tokens"] == sum(sum(r["chunk_tokens"]) for r in cell["per_request"])
+    assert cells["none", 1]["mean_acceptance_length"] == cells["none", 2]["mean_acceptance_length"] == 1.0
+    # The reference is what solo plain decoding of the same chat prompt gives.
+    solo = SpeculativeGenerator.build(tiny_target, "none")
+    reference = {r["prompt"]: r["text"] for r in cells["none", 1]["per_request"]}
+    for task in _tiny_tasks():
+        for p in task.prompts:
+            want = solo.generate(p.text, chat=True, max_new_tokens=MAX_NEW)
+            assert reference[f"{task.name}/{p.id}"] == want.text
+    assert results["fingerprint"] == {
+        "model": settings.model,
+        "max_new_tokens": MAX_NEW,
+        "max_batch_size": 2,  # the largest concurrency
+        "prompts": results["fingerprint"]["prompts"],
+    }
+    assert len(results["fingerprint"]["prompts"]) == 3
+    assert results["settings"]["methods"] == ["none", "pld"] and results["settings"]["concurrency"] == [1, 2]
+    assert results["endpoint"] == "/v1/chat/completions" and [p["prompt"] for p in results["prompts"]] == KEYS
+    env = results["environment"]
+    assert env["cpu_capability"] and env["threads"] == 1 and env["openai"] and env["uvicorn"]
+
+
+def test_files_written(finished):
+    settings, results = finished
+    on_disk = json.loads((settings.out / "results.json").read_text())
+    assert on_disk["cells"] == results["cells"]
+    text = (settings.out / "results.md").read_text()
+    for heading in (
+        "## Tokens/s (all requests)",
+        "## Tokens/s over `none` at the same C",
+        "## Time to first token p95 (ms)",
+        "## Inter-token latency p95 (ms)",
+        "## Mean acceptance length",
+        "## Outputs identical to `none` at C=1",
+    ):
+        assert heading in text
+    assert "One run on one machine" in text and "share this CPU" in text
+    assert results["environment"]["cpu_capability"] in text
+    assert "| `pld` |" in text and "| method | C=1 | C=2 |" in text and "| `none` | 1.00x | 1.00x |" in text
+    assert (settings.out / "serve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
+    settings, results = finished
+
+    def fail(*args, **kwargs):
+        pytest.fail("everything is measured: nothing may run")
+
+    for name in ("load_model", "run_cell", "stream_one", "InProcessServer"):
+        monkeypatch.setattr(serve, name, fail)
+    again = serve.run_serve_bench(settings, tasks=_tiny_tasks(), progress=False)
+    assert again["cells"] == results["cells"]
+
+    # A directory missing one cell measures that cell only, after one warm-up of its method.
+    out = tmp_path / "partial"
+    out.mkdir()
+    partial = json.loads((settings.out / "results.json").read_text())
+    partial["cells"] = [c for c in partial["cells"] if (c["method"], c["concurrency"]) != ("pld", 2)]
+    (out / "results.json").write_text(json.dumps(partial))
+    monkeypatch.undo()
+    cells, requests = [], []
+    real_run_cell, real_stream_one = serve.run_cell, serve.stream_one
+
+    def spy_cell(client, model, chat, texts, method, concurrency, max_tokens):
+        cells.append((method.spec, concurrency, len(texts)))
+        return real_run_cell(client, model, chat, texts, method, concurrency, max_tokens)
+
+    def spy_request(client, model, chat, text, method, max_tokens):
+        requests.append((method.spec, max_tokens))
+        return real_stream_one(client, model, chat, text, method, max_tokens)
+
+    monkeypatch.setattr(serve, "run_cell", spy_cell)
+    monkeypatch.setattr(serve, "stream_one", spy_request)
+    resumed = serve.run_serve_bench(_settings({"target": settings.model}, out), tasks=_tiny_tasks(), progress=False)
+    assert cells == [("pld", 2, 3)]
+    assert requests == [("pld", serve.WARMUP_TOKENS)] + [("pld", MAX_NEW)] * 3
+    assert list(_cells(resumed)) == CELLS and _cells(resumed)["pld", 2]["equal_to_none_c1"] == 1.0
+
+
+def test_other_settings_are_refused(finished):
+    settings, _ = finished
+    for change in ({"max_new_tokens": MAX_NEW + 1}, {"max_batch_size": 4}):
+        other = _settings({"target": settings.model}, settings.out, **change)
+        with pytest.raises(SpecDecodeError, match="other settings") as info:
+            serve.run_serve_bench(other, tasks=_tiny_tasks(), progress=False)
+        assert "\n" not in str(info.value)
+    with pytest.raises(SpecDecodeError, match="other settings"):
+        serve.run_serve_bench(settings, tasks=_tiny_tasks()[:1], progress=False)  # other prompts
+
+
+def test_itl_divides_each_gap_by_the_tokens_its_chunk_carried():
+    record = {"chunk_tokens": [2, 3, 1], "chunk_gaps_s": [0.3, 0.1]}
+    assert serve_report.itl_samples(record) == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    assert serve_report.itl_samples({"chunk_tokens": [4], "chunk_gaps_s": []}) == []
+
+
+# --------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="specdecode")
+    add_bench_command(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def test_cli_parses_flags_and_defaults():
+    args = _parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--model",
+            "m",
+            "--concurrency",
+            "1,4",
+            "--methods",
+            "none,pld:k=5",
+            "--tasks",
+            "edit",
+            "--prompts-per-task",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--max-batch-size",
+            "3",
+            "--out",
+            "o",
+            "--threads",
+            "1",
+            "--no-progress",
+        ]
+    )
+    assert args.run.__name__ == "run_bench_serve" and args.bench_command == "serve"
+    assert (args.model, args.concurrency, args.methods, args.tasks, args.prompts_per_task) == (
+        "m",
+        "1,4",
+        "none,pld:k=5",
+        "edit",
+        2,
+    )
+    assert (args.max_new_tokens, args.max_batch_size, args.out, args.threads, args.progress) == (16, 3, "o", 1, False)
+    defaults = _parser().parse_args(["bench", "--model", "m2", "serve"])
+    assert (defaults.model, defaults.progress, getattr(defaults, "concurrency", None)) == ("m2", True, None)
+    settings = serve.resolve_settings()
+    assert settings.concurrency == (1, 4, 8) and settings.max_batch_size == 8 and settings.max_new_tokens == 96
+    assert [m.spec for m in settings.methods] == ["none", "pld", "suffix"] and settings.model == "smollm2-135m"
+    assert str(settings.out) == "bench-out/serve" and len(settings.tasks) == 8 and settings.prompts_per_task == 1
+    assert serve.resolve_settings(concurrency="8,2,2").concurrency == (2, 8)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--concurrency", "0"], "--concurrency takes comma-separated positive integers"),
+        (["--concurrency", "x"], "--concurrency takes comma-separated positive integers"),
+        (["--concurrency", "1,-2"], "--concurrency takes comma-separated positive integers"),
+        (["--methods", "none,nonsense"], "nonsense"),
+        (["--tasks", "edit,nope"], "unknown benchmark task 'nope'"),
+        (["--max-batch-size", "0"], "--max-batch-size must be a positive integer"),
+        (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+    ],
+)
+def test_cli_errors_are_one_line(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("bad flags: nothing is loaded"))
+    monkeypatch.setattr(serve, "load_tasks", lambda *a, **k: pytest.fail("bad flags: no prompts are loaded"))
+    assert main(["bench", "serve", *flags, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdecode: error: ") and message in err and "\n" not in err
+
+
+def test_cli_end_to_end_prints_the_report(finished, monkeypatch, capsys):
+    """The CLI on the finished directory: it resumes (nothing to measure) and prints results.md."""
+    settings, _ = finished
+    monkeypatch.setattr(serve, "load_tasks", lambda names, n, seed: _tiny_tasks())
+    monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("nothing to measure"))
+    flags = f"--model {settings.model} --methods none,pld --concurrency 1,2 --tasks edit,mt-bench --max-new-tokens "
+    flags += f"{MAX_NEW} --threads 1 --out {settings.out} --no-progress"
+    assert main(["bench", "serve", *flags.split()]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# specdecode server under load") and "## Tokens/s (all requests)" in out
