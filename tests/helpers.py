@@ -4,11 +4,18 @@ bigram "model" with the chi-square machinery the lossless-sampling tests use."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import numpy as np
+import pytest
 import torch
 from scipy.stats import chisquare
 
 from conftest import tiny_llama
+from specdecode.bench.cli import add_bench_command
+from specdecode.bench.tasks import Prompt, Task
+from specdecode.cli import main
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import DecodeOutcome, speculative_decode
@@ -53,6 +60,81 @@ def run(target, drafter, prompt, **config) -> tuple[list[int], DecodeOutcome]:
 def session_for(drafter: Drafter, prompt: list[int], sampling: SamplingParams | None = None, **request) -> DraftSession:
     """A drafting session of ``drafter`` for a request with ``prompt`` (and ``seed``, ``stop_rule``, ...)."""
     return drafter.session(DraftRequest(tuple(prompt), sampling or SamplingParams(), **request))
+
+
+# -- tiny cell benchmarks (bench throughput, bench serve) -------------------------------------------
+
+BENCH_MAX_NEW = 8  # new tokens per request in the tiny cell benchmarks
+
+
+def tiny_bench_tasks() -> list[Task]:
+    """3 prompts from 2 tasks in the tiny tokenizer's vocabulary: repetitive ones (prompt lookup drafts) of
+    different lengths (the transformers batched peer pads)."""
+    words = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3 here w7 w8 w9 w7 w8"
+    return [
+        Task("edit", "edit", [Prompt(f"edit/{i}", f"{words} w{10 + i} w{20 + i}", True) for i in range(2)]),
+        Task("mt-bench", "chat", [Prompt("mt/0", "w30 w31 w32 stop", False)]),
+    ]
+
+
+def tiny_bench_settings(resolve_settings, tiny_dirs, out, **values):
+    """``resolve_settings`` of a cell benchmark for the tiny target: none and pld on the tasks of
+    :func:`tiny_bench_tasks`, :data:`BENCH_MAX_NEW` tokens, one thread, results in ``out``; ``values`` add to
+    or override these."""
+    defaults = {
+        "model": str(tiny_dirs["target"]),
+        "methods": "none,pld",
+        "tasks": "edit,mt-bench",
+        "max_new_tokens": BENCH_MAX_NEW,
+        "threads": 1,
+        "out": str(out),
+    }
+    return resolve_settings(**(defaults | values))
+
+
+def cells_by(results, column: str) -> dict:
+    """A cell benchmark's cells by (method, value of ``column``), in the results' order."""
+    return {(c["method"], c[column]): c for c in results["cells"]}
+
+
+def saved_report(settings, results) -> str:
+    """Check that results.json in ``settings.out`` holds the cells a run returned; results.md's text."""
+    on_disk = json.loads((settings.out / "results.json").read_text())
+    assert on_disk["cells"] == results["cells"]
+    return (settings.out / "results.md").read_text()
+
+
+def forbid(monkeypatch, module, *names: str) -> None:
+    """Make ``module``'s ``names`` fail the test when called: everything is measured, nothing may run."""
+
+    def fail(*args, **kwargs):
+        pytest.fail("everything is measured: nothing may run")
+
+    for name in names:
+        monkeypatch.setattr(module, name, fail)
+
+
+def without_cell(settings, out, column: str, missing: tuple[str, int]):
+    """``out`` holding the results.json of ``settings.out`` less the cell ``missing`` (method, ``column`` value)."""
+    out.mkdir()
+    partial = json.loads((settings.out / "results.json").read_text())
+    partial["cells"] = [c for c in partial["cells"] if (c["method"], c[column]) != missing]
+    (out / "results.json").write_text(json.dumps(partial))
+    return out
+
+
+def assert_one_line_error(capsys, argv: list[str], message: str) -> None:
+    """``specdecode argv`` exits 2 with ``message`` in a one-line error."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("specdecode: error: ") and message in err and "\n" not in err
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    """The ``specdecode`` parser with only the ``bench`` command and its sub-commands."""
+    parser = argparse.ArgumentParser(prog="specdecode")
+    add_bench_command(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 # -- tiny architectures ------------------------------------------------------------------------------

@@ -6,53 +6,41 @@ Timings are never asserted beyond being positive and ordered."""
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import pytest
 
+from helpers import (
+    BENCH_MAX_NEW,
+    assert_one_line_error,
+    bench_parser,
+    cells_by,
+    forbid,
+    saved_report,
+    tiny_bench_settings,
+    tiny_bench_tasks,
+    without_cell,
+)
 from specdecode.bench import serve, serve_report
-from specdecode.bench.cli import add_bench_command
-from specdecode.bench.tasks import Prompt, Task
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 
-MAX_NEW = 8
+MAX_NEW = BENCH_MAX_NEW
 CELLS = [("none", 1), ("none", 2), ("pld", 1), ("pld", 2)]
 KEYS = ["edit/edit/0", "edit/edit/1", "mt-bench/mt/0"]
 
 
-def _tiny_tasks() -> list[Task]:
-    """3 prompts from 2 tasks in the tiny tokenizer's vocabulary (repetitive ones: prompt lookup drafts)."""
-    words = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3 here w7 w8 w9 w7 w8"
-    return [
-        Task("edit", "edit", [Prompt(f"edit/{i}", f"{words} w{10 + i} w{20 + i}", True) for i in range(2)]),
-        Task("mt-bench", "chat", [Prompt("mt/0", "w30 w31 w32 stop", False)]),
-    ]
-
-
 def _settings(tiny_dirs, out, **overrides):
-    values = {
-        "model": str(tiny_dirs["target"]),
-        "methods": "none,pld",
-        "concurrency": "2,1",
-        "tasks": "edit,mt-bench",
-        "max_new_tokens": MAX_NEW,
-        "threads": 1,
-        "out": str(out),
-    } | overrides
-    return serve.resolve_settings(**values)
+    return tiny_bench_settings(serve.resolve_settings, tiny_dirs, out, **{"concurrency": "2,1", **overrides})
 
 
 @pytest.fixture(scope="module")
 def finished(tiny_dirs, tmp_path_factory):
     settings = _settings(tiny_dirs, tmp_path_factory.mktemp("serve"))
-    return settings, serve.run_serve_bench(settings, tasks=_tiny_tasks(), progress=False)
+    return settings, serve.run_serve_bench(settings, tasks=tiny_bench_tasks(), progress=False)
 
 
 def _cells(results):
-    return {(c["method"], c["concurrency"]): c for c in results["cells"]}
+    return cells_by(results, "concurrency")
 
 
 def test_every_cell_measured_lossless_with_client_side_latencies(finished, tiny_target):
@@ -82,7 +70,7 @@ def test_every_cell_measured_lossless_with_client_side_latencies(finished, tiny_
     # The reference is what solo plain decoding of the same chat prompt gives.
     solo = SpeculativeGenerator.build(tiny_target, "none")
     reference = {r["prompt"]: r["text"] for r in cells["none", 1]["per_request"]}
-    for task in _tiny_tasks():
+    for task in tiny_bench_tasks():
         for p in task.prompts:
             want = solo.generate(p.text, chat=True, max_new_tokens=MAX_NEW)
             assert reference[f"{task.name}/{p.id}"] == want.text
@@ -101,9 +89,7 @@ def test_every_cell_measured_lossless_with_client_side_latencies(finished, tiny_
 
 def test_files_written(finished):
     settings, results = finished
-    on_disk = json.loads((settings.out / "results.json").read_text())
-    assert on_disk["cells"] == results["cells"]
-    text = (settings.out / "results.md").read_text()
+    text = saved_report(settings, results)
     for heading in (
         "## Tokens/s (all requests)",
         "## Tokens/s over `none` at the same C",
@@ -121,21 +107,12 @@ def test_files_written(finished):
 
 def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
     settings, results = finished
-
-    def fail(*args, **kwargs):
-        pytest.fail("everything is measured: nothing may run")
-
-    for name in ("load_model", "run_cell", "stream_one", "InProcessServer"):
-        monkeypatch.setattr(serve, name, fail)
-    again = serve.run_serve_bench(settings, tasks=_tiny_tasks(), progress=False)
+    forbid(monkeypatch, serve, "load_model", "run_cell", "stream_one", "InProcessServer")
+    again = serve.run_serve_bench(settings, tasks=tiny_bench_tasks(), progress=False)
     assert again["cells"] == results["cells"]
 
     # A directory missing one cell measures that cell only, after one warm-up of its method.
-    out = tmp_path / "partial"
-    out.mkdir()
-    partial = json.loads((settings.out / "results.json").read_text())
-    partial["cells"] = [c for c in partial["cells"] if (c["method"], c["concurrency"]) != ("pld", 2)]
-    (out / "results.json").write_text(json.dumps(partial))
+    out = without_cell(settings, tmp_path / "partial", "concurrency", ("pld", 2))
     monkeypatch.undo()
     cells, requests = [], []
     real_run_cell, real_stream_one = serve.run_cell, serve.stream_one
@@ -150,7 +127,9 @@ def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
 
     monkeypatch.setattr(serve, "run_cell", spy_cell)
     monkeypatch.setattr(serve, "stream_one", spy_request)
-    resumed = serve.run_serve_bench(_settings({"target": settings.model}, out), tasks=_tiny_tasks(), progress=False)
+    resumed = serve.run_serve_bench(
+        _settings({"target": settings.model}, out), tasks=tiny_bench_tasks(), progress=False
+    )
     assert cells == [("pld", 2, 3)]
     assert requests == [("pld", serve.WARMUP_TOKENS)] + [("pld", MAX_NEW)] * 3
     assert list(_cells(resumed)) == CELLS and _cells(resumed)["pld", 2]["equal_to_none_c1"] == 1.0
@@ -161,10 +140,10 @@ def test_other_settings_are_refused(finished):
     for change in ({"max_new_tokens": MAX_NEW + 1}, {"max_batch_size": 4}):
         other = _settings({"target": settings.model}, settings.out, **change)
         with pytest.raises(SpecDecodeError, match="other settings") as info:
-            serve.run_serve_bench(other, tasks=_tiny_tasks(), progress=False)
+            serve.run_serve_bench(other, tasks=tiny_bench_tasks(), progress=False)
         assert "\n" not in str(info.value)
     with pytest.raises(SpecDecodeError, match="other settings"):
-        serve.run_serve_bench(settings, tasks=_tiny_tasks()[:1], progress=False)  # other prompts
+        serve.run_serve_bench(settings, tasks=tiny_bench_tasks()[:1], progress=False)  # other prompts
 
 
 def test_itl_divides_each_gap_by_the_tokens_its_chunk_carried():
@@ -177,14 +156,8 @@ def test_itl_divides_each_gap_by_the_tokens_its_chunk_carried():
 # CLI
 
 
-def _parser():
-    parser = argparse.ArgumentParser(prog="specdecode")
-    add_bench_command(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def test_cli_parses_flags_and_defaults():
-    args = _parser().parse_args(
+    args = bench_parser().parse_args(
         [
             "bench",
             "serve",
@@ -218,7 +191,7 @@ def test_cli_parses_flags_and_defaults():
         2,
     )
     assert (args.max_new_tokens, args.max_batch_size, args.out, args.threads, args.progress) == (16, 3, "o", 1, False)
-    defaults = _parser().parse_args(["bench", "--model", "m2", "serve"])
+    defaults = bench_parser().parse_args(["bench", "--model", "m2", "serve"])
     assert (defaults.model, defaults.progress, getattr(defaults, "concurrency", None)) == ("m2", True, None)
     settings = serve.resolve_settings()
     assert settings.concurrency == (1, 4, 8) and settings.max_batch_size == 8 and settings.max_new_tokens == 96
@@ -242,15 +215,13 @@ def test_cli_parses_flags_and_defaults():
 def test_cli_errors_are_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("bad flags: nothing is loaded"))
     monkeypatch.setattr(serve, "load_tasks", lambda *a, **k: pytest.fail("bad flags: no prompts are loaded"))
-    assert main(["bench", "serve", *flags, "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("specdecode: error: ") and message in err and "\n" not in err
+    assert_one_line_error(capsys, ["bench", "serve", *flags, "--no-progress"], message)
 
 
 def test_cli_end_to_end_prints_the_report(finished, monkeypatch, capsys):
     """The CLI on the finished directory: it resumes (nothing to measure) and prints results.md."""
     settings, _ = finished
-    monkeypatch.setattr(serve, "load_tasks", lambda names, n, seed: _tiny_tasks())
+    monkeypatch.setattr(serve, "load_tasks", lambda names, n, seed: tiny_bench_tasks())
     monkeypatch.setattr(serve, "load_model", lambda *a, **k: pytest.fail("nothing to measure"))
     flags = f"--model {settings.model} --methods none,pld --concurrency 1,2 --tasks edit,mt-bench --max-new-tokens "
     flags += f"{MAX_NEW} --threads 1 --out {settings.out} --no-progress"

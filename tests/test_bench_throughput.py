@@ -5,52 +5,40 @@ Timings are never asserted beyond being positive and ordered."""
 
 from __future__ import annotations
 
-import argparse
-import json
-
 import pytest
 
+from helpers import (
+    BENCH_MAX_NEW,
+    assert_one_line_error,
+    bench_parser,
+    cells_by,
+    forbid,
+    saved_report,
+    tiny_bench_settings,
+    tiny_bench_tasks,
+    without_cell,
+)
 from specdecode.bench import peers, throughput, throughput_report
-from specdecode.bench.cli import add_bench_command
-from specdecode.bench.tasks import Prompt, Task
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
-MAX_NEW = 8
+MAX_NEW = BENCH_MAX_NEW
 OURS = [("none", 1), ("none", 2), ("pld", 1), ("pld", 2)]
 PEER = [(throughput.PEER, 1), (throughput.PEER, 2)]
 
 
-def _tiny_tasks() -> list[Task]:
-    """3 prompts from 2 tasks, in the tiny tokenizer's vocabulary, of different lengths (the peer pads)."""
-    words = "w1 w2 w3 w4 w5 w1 w2 w3 w4 w5 w1 w2 w3 here w7 w8 w9 w7 w8"
-    return [
-        Task("edit", "edit", [Prompt(f"edit/{i}", f"{words} w{10 + i} w{20 + i}", True) for i in range(2)]),
-        Task("mt-bench", "chat", [Prompt("mt/0", "w30 w31 w32 stop", False)]),
-    ]
-
-
 def _settings(tiny_dirs, out, **overrides):
-    values = {
-        "model": str(tiny_dirs["target"]),
-        "methods": "none,pld",
-        "batch_sizes": "1,2",
-        "tasks": "edit,mt-bench",
-        "max_new_tokens": MAX_NEW,
-        "threads": 1,
-        "out": str(out),
-    } | overrides
-    return throughput.resolve_settings(**values)
+    return tiny_bench_settings(throughput.resolve_settings, tiny_dirs, out, **{"batch_sizes": "1,2", **overrides})
 
 
 @pytest.fixture(scope="module")
 def finished(tiny_dirs, tmp_path_factory):
     settings = _settings(tiny_dirs, tmp_path_factory.mktemp("throughput"))
-    return settings, throughput.run_throughput(settings, tasks=_tiny_tasks(), progress=False)
+    return settings, throughput.run_throughput(settings, tasks=tiny_bench_tasks(), progress=False)
 
 
 def _cells(results):
-    return {(c["method"], c["batch_size"]): c for c in results["cells"]}
+    return cells_by(results, "batch_size")
 
 
 def test_every_cell_measured_and_lossless(finished):
@@ -82,9 +70,7 @@ def test_every_cell_measured_and_lossless(finished):
 
 def test_files_written(finished):
     settings, results = finished
-    on_disk = json.loads((settings.out / "results.json").read_text())
-    assert on_disk["cells"] == results["cells"]
-    text = (settings.out / "results.md").read_text()
+    text = saved_report(settings, results)
     for heading in (
         "Tokens/s (all requests)",
         "Latency p95",
@@ -100,21 +86,12 @@ def test_files_written(finished):
 
 def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
     settings, results = finished
-
-    def fail(*args, **kwargs):
-        pytest.fail("everything is measured: nothing may run")
-
-    for name in ("load_model", "run_ours", "run_peer"):
-        monkeypatch.setattr(throughput, name, fail)
-    again = throughput.run_throughput(settings, tasks=_tiny_tasks(), progress=False)
+    forbid(monkeypatch, throughput, "load_model", "run_ours", "run_peer")
+    again = throughput.run_throughput(settings, tasks=tiny_bench_tasks(), progress=False)
     assert again["cells"] == results["cells"]
 
     # A directory missing one cell measures that cell only.
-    out = tmp_path / "partial"
-    out.mkdir()
-    partial = json.loads((settings.out / "results.json").read_text())
-    partial["cells"] = [c for c in partial["cells"] if (c["method"], c["batch_size"]) != ("pld", 2)]
-    (out / "results.json").write_text(json.dumps(partial))
+    out = without_cell(settings, tmp_path / "partial", "batch_size", ("pld", 2))
     monkeypatch.undo()
     measured = []
     real_run_ours = throughput.run_ours
@@ -124,7 +101,9 @@ def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
         return real_run_ours(generator, method, prompts, batch_size, max_new_tokens)
 
     monkeypatch.setattr(throughput, "run_ours", spy)
-    resumed = throughput.run_throughput(_settings({"target": settings.model}, out), tasks=_tiny_tasks(), progress=False)
+    resumed = throughput.run_throughput(
+        _settings({"target": settings.model}, out), tasks=tiny_bench_tasks(), progress=False
+    )
     assert measured == [("pld", 2, 2, throughput.WARMUP_TOKENS), ("pld", 2, 3, MAX_NEW)]  # warm-up, then the cell
     assert list(_cells(resumed)) == OURS + PEER and _cells(resumed)["pld", 2]["equal_to_solo_plain"] == 1.0
 
@@ -133,15 +112,15 @@ def test_other_settings_are_refused(finished):
     settings, _ = finished
     other = _settings({"target": settings.model}, settings.out, max_new_tokens=MAX_NEW + 1)
     with pytest.raises(SpecDecodeError, match="other settings") as info:
-        throughput.run_throughput(other, tasks=_tiny_tasks(), progress=False)
+        throughput.run_throughput(other, tasks=tiny_bench_tasks(), progress=False)
     assert "\n" not in str(info.value)
     with pytest.raises(SpecDecodeError, match="other settings"):
-        throughput.run_throughput(settings, tasks=_tiny_tasks()[:1], progress=False)  # other prompts
+        throughput.run_throughput(settings, tasks=tiny_bench_tasks()[:1], progress=False)  # other prompts
 
 
 def test_solo_plain_reference_always_runs_first(tiny_dirs, tmp_path):
     settings = _settings(tiny_dirs, tmp_path, methods="pld:k=3", batch_sizes="2", peers=False, max_new_tokens=4)
-    results = throughput.run_throughput(settings, tasks=_tiny_tasks(), progress=False)
+    results = throughput.run_throughput(settings, tasks=tiny_bench_tasks(), progress=False)
     assert list(_cells(results)) == [("none", 1), ("pld:k=3", 2)]
     assert _cells(results)["pld:k=3", 2]["equal_to_solo_plain"] == 1.0
     assert "| `none` |" in (tmp_path / "results.md").read_text()
@@ -168,14 +147,8 @@ def test_percentile():
 # CLI
 
 
-def _parser():
-    parser = argparse.ArgumentParser(prog="specdecode")
-    add_bench_command(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def test_cli_parses_flags():
-    args = _parser().parse_args(
+    args = bench_parser().parse_args(
         [
             "bench",
             "throughput",
@@ -217,7 +190,7 @@ def test_cli_parses_flags():
         1,
         False,
     )
-    defaults = _parser().parse_args(["bench", "--model", "m2", "throughput"])
+    defaults = bench_parser().parse_args(["bench", "--model", "m2", "throughput"])
     assert (defaults.model, defaults.peers, defaults.progress, getattr(defaults, "batch_sizes", None)) == (
         "m2",
         None,
@@ -245,15 +218,13 @@ def test_cli_parses_flags():
 )
 def test_cli_errors_are_one_line(flags, message, capsys, monkeypatch):
     monkeypatch.setattr(throughput, "load_model", lambda *a, **k: pytest.fail("bad flags: nothing is loaded"))
-    assert main(["bench", "throughput", *flags, "--no-progress"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("specdecode: error: ") and message in err and "\n" not in err
+    assert_one_line_error(capsys, ["bench", "throughput", *flags, "--no-progress"], message)
 
 
 def test_cli_end_to_end_prints_the_report(finished, monkeypatch, capsys):
     """The CLI on the finished directory: it resumes (nothing to measure) and prints results.md."""
     settings, _ = finished
-    monkeypatch.setattr(throughput, "load_tasks", lambda names, n, seed: _tiny_tasks())
+    monkeypatch.setattr(throughput, "load_tasks", lambda names, n, seed: tiny_bench_tasks())
     monkeypatch.setattr(throughput, "load_model", lambda *a, **k: pytest.fail("nothing to measure"))
     assert (
         main(

@@ -222,13 +222,17 @@ def test_api_key_guards_everything_but_health(tiny_target):
 
 
 def test_full_queue_answers_429_with_retry_after(tiny_target):
-    with (
-        RunningServer(make_service(tiny_target, max_batch_size=1, max_queue=0)) as running,
-        httpx.stream(
-            "POST", f"{running.url}/v1/completions", json={"prompt": TEXT, "max_tokens": 200, "stream": True}
-        ) as first,
-    ):
-        next(first.iter_lines())  # the first request holds the only place
+    service = make_service(tiny_target, max_batch_size=1, max_queue=0, drain_s=0.0)
+    service.worker.start = lambda: None  # a worker that never steps: the first request keeps the only place
+    with RunningServer(service) as running:
+        first = threading.Thread(
+            target=lambda: httpx.post(f"{running.url}/v1/completions", json={"prompt": TEXT}, timeout=5), daemon=True
+        )
+        first.start()
+        deadline = time.monotonic() + 10
+        while not service.worker.waiting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         response = httpx.post(f"{running.url}/v1/completions", json={"prompt": TEXT, "max_tokens": 4})
         assert response.status_code == 429 and response.headers["retry-after"]
         assert response.json()["error"]["type"] == "rate_limit_error"

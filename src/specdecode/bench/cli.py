@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
@@ -146,29 +148,27 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import resolve_settings, run_benchmark
 
+    flags = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "repeats", "seed", "out", "peers")
     settings = resolve_settings(
-        args.suite,
-        model=args.model,
-        methods=args.methods,
-        tasks=args.tasks,
-        prompts_per_task=args.prompts_per_task,
-        max_new_tokens=args.max_new_tokens,
-        repeats=args.repeats,
-        seed=args.seed,
-        out=args.out,
-        peers=args.peers,
-        threads=args.threads,
-        draft_lengths=args.draft_lengths,
-        sweep_tasks=args.sweep_tasks,
-        drafter_state=args.drafter_state,
+        args.suite, **_flags(args, *flags, "threads", "draft_lengths", "sweep_tasks", "drafter_state")
     )
+    return _run_and_print("bench", "results.json, results.md, plots", settings, run_benchmark, args.progress)
+
+
+def _flags(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The named flags' values for ``resolve_settings``: None where not given (a sub-command's suppressed flag
+    given neither to it nor to ``bench`` is absent from ``args``)."""
+    return {name: getattr(args, name, None) for name in names}
+
+
+def _run_and_print(label: str, files: str, settings: Any, run: Callable[..., Any], progress: bool) -> int:
+    """Run a benchmark into ``settings.out``, print its results.md, and say on stderr what it wrote and how long
+    it took."""
     started = time.perf_counter()
-    run_benchmark(settings, progress=args.progress)
-    report = settings.out / "results.md"
-    print(report.read_text())
+    run(settings, progress=progress)
+    print((settings.out / "results.md").read_text())
     print(
-        f"[bench] wrote {settings.out}/ (results.json, results.md, plots) in "
-        f"{(time.perf_counter() - started) / 60:.1f} min",
+        f"[{label}] wrote {settings.out}/ ({files}) in {(time.perf_counter() - started) / 60:.1f} min",
         file=sys.stderr,
     )
     return 0
@@ -201,50 +201,16 @@ def run_forward_cost(args: argparse.Namespace) -> int:
 def run_throughput(args: argparse.Namespace) -> int:
     from specdecode.bench import throughput
 
-    settings = throughput.resolve_settings(
-        model=args.model,
-        methods=args.methods,
-        batch_sizes=getattr(args, "batch_sizes", None),
-        tasks=args.tasks,
-        prompts_per_task=args.prompts_per_task,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        out=args.out,
-        peers=args.peers,
-        threads=args.threads,
-    )
-    started = time.perf_counter()
-    throughput.run_throughput(settings, progress=args.progress)
-    print((settings.out / "results.md").read_text())
-    print(
-        f"[bench throughput] wrote {settings.out}/ (results.json, results.md, throughput.png) in "
-        f"{(time.perf_counter() - started) / 60:.1f} min",
-        file=sys.stderr,
-    )
-    return 0
+    flags = ("model", "methods", "batch_sizes", "tasks", "prompts_per_task", "max_new_tokens", "seed", "out", "peers")
+    settings = throughput.resolve_settings(**_flags(args, *flags, "threads"))
+    files = "results.json, results.md, throughput.png"
+    return _run_and_print("bench throughput", files, settings, throughput.run_throughput, args.progress)
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     from specdecode.bench import serve
 
-    settings = serve.resolve_settings(
-        model=args.model,
-        methods=args.methods,
-        concurrency=getattr(args, "concurrency", None),
-        tasks=args.tasks,
-        prompts_per_task=args.prompts_per_task,
-        max_new_tokens=args.max_new_tokens,
-        max_batch_size=getattr(args, "max_batch_size", None),
-        seed=args.seed,
-        out=args.out,
-        threads=args.threads,
-    )
-    started = time.perf_counter()
-    serve.run_serve_bench(settings, progress=args.progress)
-    print((settings.out / "results.md").read_text())
-    print(
-        f"[bench serve] wrote {settings.out}/ (results.json, results.md, serve.png) in "
-        f"{(time.perf_counter() - started) / 60:.1f} min",
-        file=sys.stderr,
-    )
-    return 0
+    flags = ("model", "methods", "concurrency", "tasks", "prompts_per_task", "max_new_tokens", "max_batch_size")
+    settings = serve.resolve_settings(**_flags(args, *flags, "seed", "out", "threads"))
+    files = "results.json, results.md, serve.png"
+    return _run_and_print("bench serve", files, settings, serve.run_serve_bench, args.progress)

@@ -16,22 +16,32 @@ which also detokenises as it streams; theirs: ``model.generate()``).  Every call
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-import json
 import os
 import platform
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdecode.bench import peers
+from specdecode.bench.common import (
+    PromptEncoder,
+    check_known_tasks,
+    check_positive_ints,
+    drafter_options,
+    given_settings,
+    load_average,
+    package_versions,
+    read_previous,
+    save_json,
+    split_names,
+    torch_threads,
+)
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Prompt, Task, load_tasks
 from specdecode.config import GenerationConfig
 from specdecode.drafters import drafter_class
@@ -220,17 +230,13 @@ class BenchSettings:
     drafter_state: str = "request"
 
     def __post_init__(self) -> None:
-        for label, value in (
+        check_positive_ints(
             ("prompts per task", self.prompts_per_task),
             ("max-new-tokens", self.max_new_tokens),
             ("repeats", self.repeats),
             ("threads", self.threads),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
-        for task in (*self.tasks, *self.sweep_tasks):
-            if task not in TASK_NAMES:
-                raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
+        )
+        check_known_tasks((*self.tasks, *self.sweep_tasks))
         if not self.tasks:
             raise SpecDecodeError("no benchmark tasks selected")
         if self.drafter_state not in DRAFTER_STATES:
@@ -258,12 +264,10 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
     if suite not in SUITES:
         raise SpecDecodeError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     base = SUITES[suite]
-    given = {key: value for key, value in overrides.items() if value is not None}
-    if unknown := sorted(set(given) - {f.name for f in BenchSettings.__dataclass_fields__.values()}):
-        raise SpecDecodeError(f"unknown benchmark setting(s): {', '.join(unknown)}")
+    given = given_settings(overrides, BenchSettings, "benchmark setting")
     tasks = given.get("tasks", base.tasks)
     if isinstance(tasks, str):
-        tasks = tuple(t.strip() for t in tasks.split(",") if t.strip())
+        tasks = split_names(tasks)
     methods = given.get("methods", base.methods)
     if isinstance(methods, str):
         methods = parse_methods(methods)
@@ -272,7 +276,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         lengths = () if lengths.strip() in {"", "0", "none"} else parse_int_list(lengths, "--draft-lengths")
     sweep_tasks = given.get("sweep_tasks")
     if isinstance(sweep_tasks, str):
-        sweep_tasks = tuple(t.strip() for t in sweep_tasks.split(",") if t.strip())
+        sweep_tasks = split_names(sweep_tasks)
     if sweep_tasks is None:  # the suite's sweep tasks still selected, else the first grounded one, else any
         sweep_tasks = tuple(t for t in base.sweep_tasks if t in tasks) or next(
             ((t,) for t in tasks if t in GROUNDED_TASKS), tuple(tasks[:1])
@@ -378,10 +382,7 @@ class Contestant:
 
 
 def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel]) -> Contestant:
-    options = dict(method.options)
-    if method.draft_model is not None:
-        options["draft_model"] = drafts[method.draft_model]
-    generator = SpeculativeGenerator.build(target, method.drafter, **options)
+    generator = SpeculativeGenerator.build(target, method.drafter, **drafter_options(method, drafts))
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> Measurement:
         start = time.perf_counter()
@@ -495,12 +496,7 @@ def environment(threads: int) -> dict[str, Any]:
         cpu = names[0].split(":", 1)[1].strip() if names else cpu
     except OSError:
         pass
-    versions = {}
-    for package in ("torch", "transformers", "specdecode"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
+    versions = package_versions(("torch", "transformers", "specdecode"))
     return {
         "cpu": cpu,
         # The widest vector instructions torch uses here (AVX2, AVX512...): what the CPU fast path gains
@@ -511,7 +507,7 @@ def environment(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         **versions,
-        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+        "load_average_start": load_average(),
     }
 
 
@@ -546,25 +542,11 @@ def _plan(settings: BenchSettings, tasks: Sequence[Task], runs: dict[str, dict[s
     return items
 
 
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """Decode with exactly ``threads`` threads (recorded in the results), then restore the caller's."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
     path = settings.out / RESULTS_FILE
-    if not path.exists():
+    previous = read_previous(path)
+    if previous is None:
         return None
-    try:
-        previous = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
     if previous.get("schema_version") == 1:  # before drafter_state existed every run reset per request
         previous["fingerprint"] = {**previous.get("fingerprint", {}), "drafter_state": "request"}
         previous["schema_version"] = 2
@@ -577,14 +559,6 @@ def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
             f"{settings.fingerprint}): choose another --out or delete it"
         )
     return previous
-
-
-def save_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: an interrupted run never leaves a half-written file to resume from."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def settings_json(settings: BenchSettings) -> dict[str, Any]:
@@ -642,21 +616,10 @@ def _measure(
             {name: load_model(name, fast_path=False) for name in draft_names},
         )
     contestants = build_contestants(settings, target, drafts, peer_models)
-    chat = bool(getattr(target.tokenizer, "chat_template", None))  # a base model gets the plain text
-    encoder = SpeculativeGenerator.build(target, "none")
+    encode = PromptEncoder(target, settings.model, settings.max_new_tokens)  # a base model gets the plain text
     results["environment"] = environment(settings.threads)
     results["environment"]["fast_path"] = fast_path_default()
-    results["chat_template"] = chat
-
-    def encode(prompt: Prompt) -> list[int]:
-        ids = encoder.encode_prompt(prompt.text, chat=chat)
-        if len(ids) + settings.max_new_tokens > target.backend.max_context:
-            raise SpecDecodeError(
-                f"prompt {prompt.id} is {len(ids)} tokens: with {settings.max_new_tokens} new tokens it exceeds "
-                f"the {target.backend.max_context}-token context of {settings.model!r}"
-            )
-        return ids
-
+    results["chat_template"] = encode.chat
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
     for task in tasks:
         results["prompts"][task.name] = [
@@ -691,4 +654,4 @@ def _measure(
             results["measure_s"] = round(results["measure_s"] + now - started, 2)
             started = now
             save_json(settings.out / RESULTS_FILE, results)
-    results["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["environment"]["load_average_end"] = load_average()

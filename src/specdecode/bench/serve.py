@@ -24,23 +24,19 @@ request first.  The reference for equality is method ``none`` at C=1 (always mea
 
 from __future__ import annotations
 
-import json
-import os
 import queue
 import socket
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import runner
-from specdecode.bench.runner import DEFAULT_K, MethodSpec, parse_int_list, parse_methods, save_json, torch_threads
+from specdecode.bench import common, runner
+from specdecode.bench.runner import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
-from specdecode.bench.throughput import prompt_fingerprint
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import fast_path_default, load_model
 
@@ -62,10 +58,6 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 @dataclass(frozen=True)
 class ServeSettings:
     model: str
@@ -80,21 +72,15 @@ class ServeSettings:
     out: Path
 
     def __post_init__(self) -> None:
-        if not self.concurrency or not all(_positive(c) for c in self.concurrency):
+        if not self.concurrency or not all(common.is_positive_int(c) for c in self.concurrency):
             raise SpecDecodeError(f"--concurrency takes comma-separated positive integers, got {self.concurrency!r}")
-        for label, value in (
+        common.check_positive_ints(
             ("--prompts-per-task", self.prompts_per_task),
             ("--max-new-tokens", self.max_new_tokens),
             ("--max-batch-size", self.max_batch_size),
             ("--threads", self.threads),
-        ):
-            if not _positive(value):
-                raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
-        if not self.tasks:
-            raise SpecDecodeError("no benchmark tasks selected")
-        for task in self.tasks:
-            if task not in TASK_NAMES:
-                raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
+        )
+        common.check_tasks(self.tasks)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -104,26 +90,21 @@ class ServeSettings:
 
 def resolve_settings(**overrides: Any) -> ServeSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    given = {key: value for key, value in overrides.items() if value is not None}
-    if unknown := sorted(set(given) - set(ServeSettings.__dataclass_fields__)):
-        raise SpecDecodeError(f"unknown serve benchmark setting(s): {', '.join(unknown)}")
-    values = {**DEFAULTS, "threads": os.cpu_count() or 1, **given}
-    methods = values["methods"]
-    if isinstance(methods, str):
-        methods = parse_methods(methods)
-    concurrency = values["concurrency"]
-    if isinstance(concurrency, str):
-        concurrency = parse_int_list(concurrency, "--concurrency")
-    concurrency = tuple(sorted(set(concurrency))) if all(_positive(c) for c in concurrency) else tuple(concurrency)
-    tasks = values["tasks"]
-    if isinstance(tasks, str):
-        tasks = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    parsers = {
+        "methods": parse_methods,
+        "concurrency": lambda text: parse_int_list(text, "--concurrency"),
+        "tasks": common.split_names,
+    }
+    values = common.resolve_values(ServeSettings, DEFAULTS, overrides, "serve benchmark setting", parsers)
+    concurrency = tuple(values["concurrency"])
+    if all(common.is_positive_int(c) for c in concurrency):  # else ServeSettings reports them as given
+        concurrency = tuple(sorted(set(concurrency)))
     batch = values["max_batch_size"]
     return ServeSettings(
         model=values["model"],
-        methods=tuple(methods),
+        methods=tuple(values["methods"]),
         concurrency=concurrency,
-        tasks=tuple(tasks),
+        tasks=tuple(values["tasks"]),
         prompts_per_task=values["prompts_per_task"],
         max_new_tokens=values["max_new_tokens"],
         max_batch_size=batch if batch is not None else max(concurrency, default=1),
@@ -288,51 +269,25 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    if not any(task.prompts for task in tasks):
-        raise SpecDecodeError("the selected tasks have no prompts")
-    fingerprint = {
-        "model": settings.model,
-        "max_new_tokens": settings.max_new_tokens,
-        "max_batch_size": settings.max_batch_size,
-        "prompts": prompt_fingerprint(tasks),
-    }
+    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size")
     path = settings.out / RESULTS_FILE
-    results = _load_previous(path, fingerprint) or {
-        "benchmark": "serve",
-        "schema_version": SCHEMA_VERSION,
-        "fingerprint": fingerprint,
-        "cells": [],
-        "measure_s": 0.0,
-    }
-    results["settings"] = settings.to_json()
-    done = {(c["method"], c["concurrency"]) for c in results["cells"]}
-    if pending := [cell for cell in cell_order(settings) if cell not in done]:
-        with torch_threads(settings.threads):
-            _measure(settings, tasks, pending, results, progress)
-    order = {cell: i for i, cell in enumerate(cell_order(settings))}
-    results["cells"].sort(key=lambda c: order.get((c["method"], c["concurrency"]), len(order)))
-    save_json(path, results)
-    write_report(results, settings.out)
-    return results
+    results = _load_previous(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
+
+    def measure(pending: list[tuple[str, int]]) -> None:
+        _measure(settings, tasks, pending, results, progress)
+
+    return common.run_cells(results, settings, cell_order(settings), "concurrency", measure, write_report, path)
 
 
 def _load_previous(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    if not path.exists():
+    previous = common.read_previous(path)
+    if previous is None:
         return None
-    try:
-        previous = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
     if previous.get("benchmark") != "serve" or previous.get("schema_version") != SCHEMA_VERSION:
         raise SpecDecodeError(f"{path} holds results of another benchmark or version: choose another --out or empty it")
     if previous.get("fingerprint") != fingerprint:
-        old = previous.get("fingerprint") or {}
-        raise SpecDecodeError(
-            f"{path} holds results of other settings (model {old.get('model')!r}, max_new_tokens "
-            f"{old.get('max_new_tokens')}, max batch size {old.get('max_batch_size')}, {len(old.get('prompts', []))} "
-            f"prompts; now {fingerprint['model']!r}, {fingerprint['max_new_tokens']}, {fingerprint['max_batch_size']}, "
-            f"{len(fingerprint['prompts'])}): choose another --out or empty it"
-        )
+        extra = [("max batch size", "max_batch_size")]
+        raise common.other_settings_error(path, previous.get("fingerprint"), fingerprint, extra)
     return previous
 
 
@@ -351,26 +306,11 @@ def _measure(
     needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
     target = load_model(settings.model)
     drafts = {name: load_model(name) for name in sorted({m.draft_model for m in needed} - {None})}
-    chat = bool(getattr(target.tokenizer, "chat_template", None))  # a base model gets /v1/completions
-    encoder = SpeculativeGenerator.build(target, "none")
-    keys, texts, lengths = [], [], []
-    for task in tasks:
-        for p in task.prompts:
-            ids = encoder.encode_prompt(p.text, chat=chat)
-            if len(ids) + settings.max_new_tokens > target.backend.max_context:
-                raise SpecDecodeError(
-                    f"prompt {p.id} is {len(ids)} tokens: with {settings.max_new_tokens} new tokens it exceeds "
-                    f"the {target.backend.max_context}-token context of {settings.model!r}"
-                )
-            keys.append(f"{task.name}/{p.id}")
-            texts.append(p.text)
-            lengths.append(len(ids))
-    drafters = {}
-    for method in needed:
-        options = dict(method.options)
-        if method.draft_model is not None:
-            options["draft_model"] = drafts[method.draft_model]
-        drafters[method.spec] = create_drafter(method.drafter, target, **options)
+    encode = common.PromptEncoder(target, settings.model, settings.max_new_tokens)
+    chat = encode.chat  # a base model gets /v1/completions
+    encoded = encode.encode_tasks(tasks)
+    keys, texts = [e.key for e in encoded], [e.text for e in encoded]
+    drafters = {m.spec: create_drafter(m.drafter, target, **common.drafter_options(m, drafts)) for m in needed}
     generator = SpeculativeGenerator(target, drafters[needed[0].spec], GenerationConfig())
     max_queue = max(c for _, c in pending)
     config = ServerConfig(settings.model, max_batch_size=settings.max_batch_size, max_queue=max_queue, drain_s=5.0)
@@ -378,13 +318,8 @@ def _measure(
     results["chat_template"] = chat
     results["endpoint"] = "/v1/chat/completions" if chat else "/v1/completions"
     results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
-    results["prompts"] = [{"prompt": key, "prompt_tokens": n} for key, n in zip(keys, lengths)]
-    versions = {}
-    for package in ("openai", "uvicorn", "fastapi"):
-        try:
-            versions[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            versions[package] = None
+    results["prompts"] = [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded]
+    versions = common.package_versions(("openai", "uvicorn", "fastapi"))
     results["environment"] = {**runner.environment(settings.threads), **versions, "fast_path": fast_path_default()}
     warm: set[str] = set()
     started = time.perf_counter()
@@ -412,13 +347,9 @@ def _measure(
             server.wait_idle()
             records = [request_record(key, reply, target.tokenizer) for key, reply in zip(keys, replies)]
             cell = summarize_cell(name, concurrency, records, wall_s, _reference(results))
-            results["cells"].append(cell)
-            now = time.perf_counter()
-            results["measure_s"] = round(results["measure_s"] + now - started, 2)
-            started = now
-            save_json(settings.out / RESULTS_FILE, results)
+            started = common.add_cell(results, cell, settings.out / RESULTS_FILE, started)
             bar.update()
-    results["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["environment"]["load_average_end"] = common.load_average()
 
 
 def _reference(results: dict[str, Any]) -> dict[str, str] | None:

@@ -7,8 +7,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.report import _fmt, _table, ratio
-from specdecode.bench.throughput_report import percentile
+from specdecode.bench import common
+from specdecode.bench.report import _fmt, ratio
 
 
 def itl_samples(record: Mapping[str, Any]) -> list[float]:
@@ -39,7 +39,7 @@ def request_record(key: str, reply: dict[str, Any], tokenizer: Any) -> dict[str,
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
-    return round(percentile(values, q), 6) if values else None
+    return round(common.percentile(values, q), 6) if values else None
 
 
 def summarize_cell(
@@ -79,20 +79,15 @@ def summarize_cell(
     }
 
 
-def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], dict[tuple[str, int], Mapping[str, Any]]]:
-    cells = {(c["method"], c["concurrency"]): c for c in results["cells"]}
-    names = list(dict.fromkeys(c["method"] for c in results["cells"]))
-    return names, sorted({c for _, c in cells}), cells
+def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], common.Cells]:
+    cells, levels = common.cells_by(results, "concurrency")
+    return list(dict.fromkeys(c["method"] for c in results["cells"])), levels, cells
 
 
 def markdown(results: Mapping[str, Any]) -> str:
     s = results["settings"]
-    env = results.get("environment", {})
     names, levels, cells = _rows(results)
-
-    def get(name: str, c: int, key: str) -> Any:
-        cell = cells.get((name, c))
-        return None if cell is None else cell.get(key)
+    get = common.cell_getter(cells)
 
     def ms(key: str) -> Callable[[str, int], str]:
         return lambda n, c: _fmt(None if get(n, c, key) is None else 1000 * get(n, c, key), ".1f")
@@ -100,18 +95,16 @@ def markdown(results: Mapping[str, Any]) -> str:
     def over_none(key: str) -> Callable[[str, int], str]:
         return lambda n, c: _fmt(ratio(get(n, c, key), get("none", c, key)), ".2f", "x")
 
-    requests = len(results.get("prompts", [])) or next((c["requests"] for c in results["cells"]), 0)
-    load = env.get("load_average_start"), env.get("load_average_end")
+    requests = common.request_count(results)
     endpoint = results.get("endpoint", "/v1/chat/completions")
     lines = [
         f"# specdecode server under load: model `{s['model']}`",
         "",
-        f"One run on one machine: {env.get('cpu')} with CPU capability **{env.get('cpu_capability')}**, "
-        f"{env.get('cores')} cores, {env.get('threads')} torch threads, fast path "
-        f"{'on' if env.get('fast_path') else 'off'}; load average (1/5/15 min) at start {load[0]}, at end {load[1]}. "
-        f"torch {env.get('torch')}, transformers {env.get('transformers')}, openai {env.get('openai')}, uvicorn "
-        f"{env.get('uvicorn')}, specdecode {env.get('specdecode')}. **The server and its client share this CPU**: "
-        "the client threads' HTTP and JSON work is taken from the decoding.",
+        common.machine_line(
+            results.get("environment", {}), ("torch", "transformers", "openai", "uvicorn", "specdecode")
+        )
+        + " **The server and its client share this CPU**: the client threads' HTTP and JSON work is taken from the "
+        "decoding.",
         "",
         f"One real uvicorn server in-process (`{endpoint}`, max batch size {s['max_batch_size']}) serving every "
         f"method; {requests} requests ({', '.join(s['tasks'])}; {s['prompts_per_task']} prompt(s) per task, seed "
@@ -139,43 +132,28 @@ def markdown(results: Mapping[str, Any]) -> str:
         ("Outputs identical to `none` at C=1", lambda n, c: _fmt(
             None if get(n, c, "equal_to_none_c1") is None else 100 * get(n, c, "equal_to_none_c1"), ".0f", "%")),
     ]  # fmt: skip
-    for title, value in tables:
-        rows = ([f"`{n}`", *(value(n, c) for c in levels)] for n in names)
-        lines += ["", f"## {title}", "", *_table(["method", *(f"C={c}" for c in levels)], rows)]
+    lines += common.metric_sections(tables, names, levels, "C")
     return "\n".join(lines) + "\n"
 
 
 def plot_serve(results: Mapping[str, Any], path: Path) -> None:
     """Tokens/s and p95 inter-token latency against concurrency, one line per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names, levels, cells = _rows(results)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (left, right) = common.pyplot().subplots(1, 2, figsize=(11, 4.5))
     for name in names:
         points = sorted((c, cell) for (n, c), cell in cells.items() if n == name)
         left.plot([c for c, _ in points], [cell["tokens_per_s"] for _, cell in points], marker="o", label=name)
         itl = [(c, cell["itl_p95_s"]) for c, cell in points if cell.get("itl_p95_s") is not None]
         right.plot([c for c, _ in itl], [1000 * v for _, v in itl], marker="o", label=name)
     for ax, label in ((left, "tokens/s (all requests)"), (right, "p95 inter-token latency (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.set_xlabel("concurrency C (closed-loop clients)")
-        ax.set_ylabel(label)
+        common.log2_axis(ax, levels, "concurrency C (closed-loop clients)", label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     env = results.get("environment", {})
     fig.suptitle(f"{Path(results['settings']['model']).name}: server under load ({env.get('cpu_capability')})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def write_report(results: Mapping[str, Any], out: Path) -> list[Path]:
     """``results.md`` and ``serve.png`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown(results))
-    plot_serve(results, out / "serve.png")
-    return [out / "results.md", out / "serve.png"]
+    return common.write_markdown_and_plot(results, out, markdown, plot_serve, "serve.png")

@@ -14,17 +14,14 @@ cell; a rerun with the same model, ``max_new_tokens`` and prompts skips the cell
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import peers, runner
-from specdecode.bench.runner import MethodSpec, parse_int_list, parse_methods, save_json, torch_threads
+from specdecode.bench import common, peers, runner
+from specdecode.bench.runner import MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.bench.throughput_report import summarize_cell, write_report
 from specdecode.engine import BatchEngine, BatchRequest
@@ -64,20 +61,13 @@ class ThroughputSettings:
     out: Path
 
     def __post_init__(self) -> None:
-        for label, value in (
+        common.check_positive_ints(
             ("--prompts-per-task", self.prompts_per_task),
             ("--max-new-tokens", self.max_new_tokens),
             ("--threads", self.threads),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
-        if not self.tasks:
-            raise SpecDecodeError("no benchmark tasks selected")
-        for task in self.tasks:
-            if task not in TASK_NAMES:
-                raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
-        sizes = self.batch_sizes
-        if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        )
+        common.check_tasks(self.tasks)
+        if not self.batch_sizes or not all(common.is_positive_int(b) for b in self.batch_sizes):
             raise SpecDecodeError(f"--batch-sizes takes comma-separated positive integers, got {self.batch_sizes!r}")
 
     def to_json(self) -> dict[str, Any]:
@@ -88,24 +78,17 @@ class ThroughputSettings:
 
 def resolve_settings(**overrides: Any) -> ThroughputSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    given = {key: value for key, value in overrides.items() if value is not None}
-    if unknown := sorted(set(given) - set(ThroughputSettings.__dataclass_fields__)):
-        raise SpecDecodeError(f"unknown throughput setting(s): {', '.join(unknown)}")
-    values = {**DEFAULTS, "threads": os.cpu_count() or 1, **given}
-    methods = values["methods"]
-    if isinstance(methods, str):
-        methods = parse_methods(methods)
-    sizes = values["batch_sizes"]
-    if isinstance(sizes, str):
-        sizes = parse_int_list(sizes, "--batch-sizes")
-    tasks = values["tasks"]
-    if isinstance(tasks, str):
-        tasks = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    parsers = {
+        "methods": parse_methods,
+        "batch_sizes": lambda text: parse_int_list(text, "--batch-sizes"),
+        "tasks": common.split_names,
+    }
+    values = common.resolve_values(ThroughputSettings, DEFAULTS, overrides, "throughput setting", parsers)
     return ThroughputSettings(
         model=values["model"],
-        methods=tuple(methods),
-        batch_sizes=tuple(sorted(set(sizes))),
-        tasks=tuple(tasks),
+        methods=tuple(values["methods"]),
+        batch_sizes=tuple(sorted(set(values["batch_sizes"]))),
+        tasks=tuple(values["tasks"]),
         prompts_per_task=values["prompts_per_task"],
         max_new_tokens=values["max_new_tokens"],
         seed=values["seed"],
@@ -177,28 +160,13 @@ def run_peer(
 # The run
 
 
-def prompt_fingerprint(tasks: Sequence[Task]) -> list[str]:
-    """``task/id#hash`` of every request, in order: what a resumed run must share with the first."""
-    return [
-        f"{task.name}/{p.id}#{hashlib.sha256(p.text.encode()).hexdigest()[:12]}" for task in tasks for p in task.prompts
-    ]
-
-
 def _load_previous(settings: ThroughputSettings, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
     path = settings.out / RESULTS_FILE
-    if not path.exists():
-        return None
-    try:
-        previous = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
-    if previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != fingerprint:
-        old = previous.get("fingerprint") or {}
-        raise SpecDecodeError(
-            f"{path} holds results of other settings (model {old.get('model')!r}, max_new_tokens "
-            f"{old.get('max_new_tokens')}, {len(old.get('prompts', []))} prompts; now {fingerprint['model']!r}, "
-            f"{fingerprint['max_new_tokens']}, {len(fingerprint['prompts'])}): choose another --out or empty it"
-        )
+    previous = common.read_previous(path)
+    if previous is not None and (
+        previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != fingerprint
+    ):
+        raise common.other_settings_error(path, previous.get("fingerprint"), fingerprint)
     return previous
 
 
@@ -209,29 +177,15 @@ def run_throughput(
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    if not any(task.prompts for task in tasks):
-        raise SpecDecodeError("the selected tasks have no prompts")
-    fingerprint = {
-        "model": settings.model,
-        "max_new_tokens": settings.max_new_tokens,
-        "prompts": prompt_fingerprint(tasks),
-    }
-    results = _load_previous(settings, fingerprint) or {
-        "schema_version": SCHEMA_VERSION,
-        "fingerprint": fingerprint,
-        "cells": [],
-        "measure_s": 0.0,
-    }
-    results["settings"] = settings.to_json()
-    done = {(c["method"], c["batch_size"]) for c in results["cells"]}
-    if pending := [cell for cell in cell_order(settings) if cell not in done]:
-        with torch_threads(settings.threads):
-            _measure(settings, tasks, pending, results, progress)
-    order = {cell: i for i, cell in enumerate(cell_order(settings))}
-    results["cells"].sort(key=lambda c: order.get((c["method"], c["batch_size"]), len(order)))
-    save_json(settings.out / RESULTS_FILE, results)
-    write_report(results, settings.out)
-    return results
+    fingerprint = common.run_fingerprint(settings, tasks)
+    results = _load_previous(settings, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint)
+
+    def measure(pending: list[tuple[str, int]]) -> None:
+        _measure(settings, tasks, pending, results, progress)
+
+    return common.run_cells(
+        results, settings, cell_order(settings), "batch_size", measure, write_report, settings.out / RESULTS_FILE
+    )
 
 
 def _measure(
@@ -247,30 +201,17 @@ def _measure(
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
     drafts = {name: load_model(name) for name in sorted({m.draft_model for m in methods.values()} - {None})}
-    chat = bool(getattr(target.tokenizer, "chat_template", None))  # a base model gets the plain text
-    encoder = SpeculativeGenerator.build(target, "none")
-    keys, prompts = [], []
-    for task in tasks:
-        for p in task.prompts:
-            ids = encoder.encode_prompt(p.text, chat=chat)
-            if len(ids) + settings.max_new_tokens > target.backend.max_context:
-                raise SpecDecodeError(
-                    f"prompt {p.id} is {len(ids)} tokens: with {settings.max_new_tokens} new tokens it exceeds "
-                    f"the {target.backend.max_context}-token context of {settings.model!r}"
-                )
-            keys.append(f"{task.name}/{p.id}")
-            prompts.append(ids)
-    results["chat_template"] = chat
+    encode = common.PromptEncoder(target, settings.model, settings.max_new_tokens)
+    encoded = encode.encode_tasks(tasks)
+    keys, prompts = [e.key for e in encoded], [e.ids for e in encoded]
+    results["chat_template"] = encode.chat
     results["prompts"] = [{"prompt": key, "prompt_tokens": len(ids)} for key, ids in zip(keys, prompts)]
     results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
     peer_model: LoadedModel | None = None
     warm: set[str] = set()
 
     def generator_for(method: MethodSpec) -> SpeculativeGenerator:
-        options = dict(method.options)
-        if method.draft_model is not None:
-            options["draft_model"] = drafts[method.draft_model]
-        return SpeculativeGenerator.build(target, method.drafter, **options)
+        return SpeculativeGenerator.build(target, method.drafter, **common.drafter_options(method, drafts))
 
     started = time.perf_counter()
     with tqdm(
@@ -301,13 +242,9 @@ def _measure(
                 if (name, batch_size) == (REFERENCE, 1):
                     reference = dict(zip(keys, tokens))
                 cell = summarize_cell(name, "ours", batch_size, keys, tokens, latencies, wall_s, accepted, reference)
-            results["cells"].append(cell)
-            now = time.perf_counter()
-            results["measure_s"] = round(results["measure_s"] + now - started, 2)
-            started = now
-            save_json(settings.out / RESULTS_FILE, results)
+            started = common.add_cell(results, cell, settings.out / RESULTS_FILE, started)
             bar.update()
-    results["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    results["environment"]["load_average_end"] = common.load_average()
 
 
 def _reference(results: dict[str, Any]) -> dict[str, list[int]] | None:

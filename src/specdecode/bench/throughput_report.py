@@ -3,22 +3,13 @@ JSON alone, its ``results.md`` and ``throughput.png``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.report import _fmt, _table, ratio
-
-Cells = dict[tuple[str, int], Mapping[str, Any]]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+from specdecode.bench import common
+from specdecode.bench.common import percentile  # also importable from here, where it was first defined
+from specdecode.bench.report import _fmt, ratio
 
 
 def summarize_cell(
@@ -59,10 +50,10 @@ def summarize_cell(
     }
 
 
-def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], Cells]:
+def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], common.Cells]:
     """Row names (our methods in order, ``none`` first when only its reference cell exists, the peer last),
     column batch sizes, and the cells by (method, batch size)."""
-    cells = {(c["method"], c["batch_size"]): c for c in results["cells"]}
+    cells, sizes = common.cells_by(results, "batch_size")
     names = list(
         dict.fromkeys(
             [
@@ -71,36 +62,23 @@ def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], Cells]:
             ]
         )
     )
-    sizes = sorted({b for _, b in cells})
     return names, sizes, cells
-
-
-def _metric_table(names: list[str], sizes: list[int], value: Callable[[str, int], str]) -> list[str]:
-    return _table(["method", *(f"B={b}" for b in sizes)], ([f"`{n}`", *(value(n, b) for b in sizes)] for n in names))
 
 
 def markdown(results: Mapping[str, Any]) -> str:
     s = results["settings"]
-    env = results.get("environment", {})
     names, sizes, cells = _rows(results)
     peer = next((c["method"] for c in results["cells"] if c["kind"] == "peer"), None)
-
-    def get(name: str, b: int, key: str) -> Any:
-        cell = cells.get((name, b))
-        return None if cell is None else cell.get(key)
+    get = common.cell_getter(cells)
 
     def tps(name: str, b: int) -> float | None:
         return get(name, b, "tokens_per_s")
 
-    requests = len(results.get("prompts", [])) or next((c["requests"] for c in results["cells"]), 0)
-    load = env.get("load_average_start"), env.get("load_average_end")
+    requests = common.request_count(results)
     lines = [
         f"# specdecode batched throughput: model `{s['model']}`",
         "",
-        f"One run on one machine: {env.get('cpu')} with CPU capability **{env.get('cpu_capability')}**, "
-        f"{env.get('cores')} cores, {env.get('threads')} torch threads, fast path "
-        f"{'on' if env.get('fast_path') else 'off'}; load average (1/5/15 min) at start {load[0]}, at end {load[1]}. "
-        f"torch {env.get('torch')}, transformers {env.get('transformers')}, specdecode {env.get('specdecode')}.",
+        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode")),
         "",
         f"{requests} requests ({', '.join(s['tasks'])}; {s['prompts_per_task']} prompt(s) per task, seed "
         f"{s['seed']}; chat template {'on' if results.get('chat_template') else 'off'}), all submitted at once; "
@@ -133,42 +111,27 @@ def markdown(results: Mapping[str, Any]) -> str:
                 lambda n, b: _fmt(ratio(tps(n, b), tps(peer, b)), ".2f", "x"),
             )
         )
-    for title, value in tables:
-        lines += ["", f"## {title}", "", *_metric_table(names, sizes, value)]
+    lines += common.metric_sections(tables, names, sizes, "B")
     return "\n".join(lines) + "\n"
 
 
 def plot_throughput(results: Mapping[str, Any], path: Path) -> None:
     """Tokens/s against batch size, one line per method and the peer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names, _, cells = _rows(results)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names, sizes, cells = _rows(results)
+    fig, ax = common.pyplot().subplots(figsize=(7, 4.5))
     for name in names:
         points = sorted((b, c["tokens_per_s"]) for (n, b), c in cells.items() if n == name)
         kind = next(c["kind"] for (n, _), c in cells.items() if n == name)
         style = "--" if kind == "peer" else "-"
         ax.plot([b for b, _ in points], [t for _, t in points], style, marker="o", label=name)
-    sizes = sorted({b for _, b in cells})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(b) for b in sizes])
-    ax.set_xlabel("batch size B (sequences decoding together)")
-    ax.set_ylabel("tokens/s (all requests)")
+    common.log2_axis(ax, sizes, "batch size B (sequences decoding together)", "tokens/s (all requests)")
     env = results.get("environment", {})
     ax.set_title(f"{Path(results['settings']['model']).name}: batched throughput ({env.get('cpu_capability')})")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def write_report(results: Mapping[str, Any], out: Path) -> list[Path]:
     """``results.md`` and ``throughput.png`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown(results))
-    plot_throughput(results, out / "throughput.png")
-    return [out / "results.md", out / "throughput.png"]
+    return common.write_markdown_and_plot(results, out, markdown, plot_throughput, "throughput.png")

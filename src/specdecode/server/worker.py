@@ -135,7 +135,8 @@ class EngineWorker:
             self._cancelled.extend(tag for tag, _ in self.engine.running.values())
             self._cancelled.extend(request.tag for request in self.engine.waiting)
             self._changed.notify()
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
 
     # -- the worker thread -----------------------------------------------------------------------------
     def _run(self) -> None:
