@@ -367,6 +367,10 @@ def make_policy(spec: int | str, curve: Sequence[float] | None = None) -> DraftL
     raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
 
 
+#: How much longer than a plain step (no drafts) a batched step may take, as a fraction.
+STEP_COST_SLACK = 0.25
+
+
 def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int]:
     """Each sequence's draft depth for one batched step (``limits``: at most this deep).
 
@@ -392,11 +396,16 @@ def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int
     tokens = sum(t[0] for t in tokens_at)
     other = sum(m.overhead.value for m in models)  # overheads, plus the drafts chosen so far
     verify = reference.verify_seconds(width)
+    # Every sequence waits for the whole step: keep it within STEP_COST_SLACK of a plain step, so that a
+    # sequence whose draft is rejected does not wait much longer for its one token than without drafting.
+    longest = verify * (1.0 + STEP_COST_SLACK)
     while True:
         rate, best = tokens / (other + verify), None
         for j, cap in enumerate(caps):
             now = chosen[j]
             for k in range(now + 1, cap + 1):
+                if reference.verify_seconds(width + k - now) > longest:
+                    break
                 trial = (tokens - tokens_at[j][now] + tokens_at[j][k]) / (
                     other - draft_at[j][now] + draft_at[j][k] + reference.verify_seconds(width + k - now)
                 )
