@@ -186,18 +186,23 @@ class SpeculativeGenerator:
         config = self.config_for(**params)
         return self.run_batch([(prompt, config) for prompt in prompts], chat=chat, batch_size=batch_size)
 
+    def batch_engine(self, max_batch_size: int) -> BatchEngine:
+        """A continuous-batching engine over this generator's target, drafter and draft-length policies
+        (callers that need per-request events, like the server, drive it themselves)."""
+        return BatchEngine(
+            self.target.backend,
+            self.drafter,
+            lambda config, drafter: self.draft_length_policy(config.num_draft_tokens, drafter),
+            self.eos_ids,
+            max_batch_size,
+        )
+
     def run_batch(
         self, requests: Sequence[tuple[Prompt, GenerationConfig]], *, chat: bool = False, batch_size: int = 8
     ) -> list[GenerationResult | SpecDecodeError]:
         """Like :meth:`generate_batch`, with each prompt's own generation config (sampling, seed, limits)."""
         results: list[GenerationResult | SpecDecodeError | None] = [None] * len(requests)
-        engine = BatchEngine(
-            self.target.backend,
-            self.drafter,
-            lambda config, drafter: self.draft_length_policy(config.num_draft_tokens, drafter),
-            self.eos_ids,
-            batch_size,
-        )
+        engine = self.batch_engine(batch_size)
         texts: dict[int, TextAssembler] = {}
         for index, (prompt, config) in enumerate(requests):
             try:

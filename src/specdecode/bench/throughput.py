@@ -24,7 +24,7 @@ from specdecode.bench import common, peers, runner
 from specdecode.bench.runner import MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.bench.throughput_report import summarize_cell, write_report
-from specdecode.engine import BatchEngine, BatchRequest
+from specdecode.engine import BatchRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
@@ -118,14 +118,7 @@ def run_ours(
 ) -> tuple[list[list[int]], list[float], float, list[float]]:
     """All prompts submitted at once to one engine of ``batch_size`` → (tokens, latencies, wall s, accepted)."""
     config = generator.config_for(max_new_tokens=max_new_tokens, num_draft_tokens=method.k, ignore_eos=True)
-    # As SpeculativeGenerator.run_batch builds it (it gives no finish times, so the engine is driven here).
-    engine = BatchEngine(
-        generator.target.backend,
-        generator.drafter,
-        lambda c, drafter: generator.draft_length_policy(c.num_draft_tokens, drafter),
-        generator.eos_ids,
-        batch_size,
-    )
+    engine = generator.batch_engine(batch_size)  # driven here for each request's finish time
     tokens: list[list[int]] = [[] for _ in prompts]
     latencies = [0.0] * len(prompts)
     accepted = [0.0] * len(prompts)

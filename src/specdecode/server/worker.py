@@ -82,14 +82,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="specdecode-engine", daemon=True)
 
     def _new_engine(self) -> BatchEngine:
-        generator = self.generator
-        return BatchEngine(
-            generator.target.backend,
-            generator.drafter,
-            lambda config, drafter: generator.draft_length_policy(config.num_draft_tokens, drafter),
-            generator.eos_ids,
-            self.max_batch_size,
-        )
+        return self.generator.batch_engine(self.max_batch_size)
 
     # -- called from the event loop --------------------------------------------------------------------
     def start(self) -> None:
