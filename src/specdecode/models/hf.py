@@ -1,252 +1,27 @@
 """Generic backend: any Hugging Face ``AutoModelForCausalLM`` whose attention goes through transformers'
 attention interface (Llama/SmolLM2, Qwen2, Gemma3, Mistral, Phi3, ...), batched the way vLLM does it.
 
-**Ragged batches, flattened.**  A batched forward concatenates every sequence's new tokens into one
-row of ``T = sum(n_i)`` tokens with their own positions and runs the model's own modules on it: the
-linear layers, norms, rotary embeddings and LM head see ``T`` rows and never a padding row.  Only
-attention is per sequence: the model's attention modules are pointed at :func:`ragged_attention`
-(registered with transformers' ``AttentionInterface``), which writes each sequence's new keys and values
-into that sequence's slot of a :class:`SlotPool` and attends from its queries to its own slot only —
-its cached positions plus its new tokens under its own causal or tree mask (and sliding window).  So no
-sequence can see another, there is no padding to mask, and a sequence's attention is the very same
-computation whether it runs alone or in a batch of eight.  Called by transformers itself (``generate``),
-the function falls back to transformers' SDPA attention, so the wrapped model keeps working as before.
-
-**The cache.**  Per layer one tensor ``[slots, kv_heads, capacity, head_dim]`` for keys and one for
-values, grown by doubling; a sequence's cache is a slot and a length.  Cropping is setting the length;
-compacting a verified tree gathers the accepted path within the slot.  Writes beyond the length are
-allowed (they are overwritten by the next forward), which is what lets self-speculative drafts append
-their positions with layers skipped and crop them away again: a skipped layer writes nothing, and every
-position the verification reads was written by the full model.
+A batched forward is one call of the model's own forward over the flattened tokens of every sequence,
+with their own positions; attention is per sequence, over that sequence's slot of the cache pool
+(:mod:`specdecode.models.ragged`), so linear layers never see padding and no sequence sees another.
 
 **Self-speculation** (``skip_layers`` / ``exit_layer``, :class:`LayerwiseExecution`) runs the model's own
 forward over only the executed decoder layers (``model.model.layers`` is swapped for them for that one
-call; modules keep their ``layer_idx``).  Exiting at layer L is running layers 0..L-1 only.
+call; modules keep their ``layer_idx``).  Exiting at layer L is running layers 0..L-1 only; a skipped layer
+writes nothing into the cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
 
-from specdecode.models.base import CausalLM, ForwardOutput, KVCache, KVPool, LayerwiseExecution, SequenceInput
-
-ATTENTION = "specdecode_ragged"
-CAUSAL = "causal"  # RaggedBatch.mask: a causal block over nothing cached
-
-
-class SlotPool(KVPool):
-    """Keys and values of up to ``slots`` sequences, each in its own slot; grows on demand."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (keys, values)
-        self.slots = 0
-        self.capacity = 0
-        self.free: list[int] = []
-        self.lengths: dict[int, int] = {}  # slot -> length, for slots in use
-
-    @property
-    def active(self) -> int:
-        return len(self.lengths)
-
-    def allocate(self) -> SlotCache:
-        if not self.free:
-            self._grow(max(1, 2 * self.slots), self.capacity)
-        slot = self.free.pop()
-        self.lengths[slot] = 0
-        return SlotCache(self, slot)
-
-    def release(self, slot: int) -> None:
-        if self.lengths.pop(slot, None) is not None:
-            self.free.append(slot)
-
-    def reserve(self, slots: int, length: int) -> None:
-        """Room for ``slots`` sequences of ``length`` positions (grown by doubling, so that growing often
-        costs little in all)."""
-        if slots > self.slots or length > self.capacity:
-            grown_slots = self.slots if slots <= self.slots else max(slots, 2 * self.slots)
-            grown_capacity = self.capacity if length <= self.capacity else max(length, 2 * self.capacity, 64)
-            self._grow(grown_slots, grown_capacity)
-
-    @torch.inference_mode()
-    def _grow(self, slots: int, capacity: int) -> None:
-        for layer, pair in self.layers.items():
-            grown = []
-            for old in pair:
-                new = old.new_zeros((slots, old.shape[1], capacity, old.shape[3]))
-                new[: old.shape[0], :, : old.shape[2]] = old
-                grown.append(new)
-            self.layers[layer] = (grown[0], grown[1])
-        self.free.extend(range(slots - 1, self.slots - 1, -1))
-        self.slots, self.capacity = slots, capacity
-
-    def write(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor, batch: RaggedBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store [1, kv_heads, T, d] new keys/values at each sequence's slot and positions; the layer's storage."""
-        if layer not in self.layers:
-            shape = (self.slots, keys.shape[1], self.capacity, keys.shape[3])
-            self.layers[layer] = (keys.new_zeros(shape), values.new_zeros(shape))
-        stored_keys, stored_values = self.layers[layer]
-        for seq in batch.sequences:  # a slice copy each: cheaper than one scatter for the batch sizes we run
-            end = seq.past + seq.rows.stop - seq.rows.start
-            stored_keys[seq.slot, :, seq.past : end] = keys[0, :, seq.rows]
-            stored_values[seq.slot, :, seq.past : end] = values[0, :, seq.rows]
-        return stored_keys, stored_values
-
-    @torch.inference_mode()
-    def move(self, slot: int, start: int, source_columns: torch.Tensor) -> None:
-        """Columns ``source_columns`` of ``slot`` (ascending, all >= start) become ``start, start + 1, ...``."""
-        target = slice(start, start + len(source_columns))
-        for stored in self.layers.values():
-            for tensor in stored:
-                tensor[slot, :, target] = tensor[slot, :, source_columns]
-
-
-class SlotCache(KVCache):
-    """One sequence's cache: a slot of a :class:`SlotPool` and how many of its positions are valid."""
-
-    def __init__(self, pool: SlotPool, slot: int) -> None:
-        self.pool = pool
-        self.slot = slot
-
-    @property
-    def length(self) -> int:
-        return self.pool.lengths[self.slot]
-
-    def crop(self, length: int) -> None:
-        self.pool.lengths[self.slot] = min(self.length, max(0, length))
-
-    def _gather(self, start: int, offsets: list[int]) -> None:
-        columns = torch.tensor(offsets, dtype=torch.long, device=self.pool.device) + start
-        self.pool.move(self.slot, start, columns)
-        self.pool.lengths[self.slot] = start + len(offsets)
-
-    def release(self) -> None:
-        self.pool.release(self.slot)
-
-
-@dataclass
-class _Sequence:
-    slot: int
-    rows: slice  # its new tokens among the flattened batch
-    past: int  # cached positions before this forward
-    positions: torch.Tensor  # [n] positions of its new tokens
-    tree_mask: torch.Tensor | None
-
-
-@dataclass
-class RaggedBatch:
-    """Where each sequence's tokens are in the flattened batch and what each may attend to; built once per
-    forward, read by every layer's attention."""
-
-    sequences: list[_Sequence]
-    _masks: dict[tuple[int, int | None, int], torch.Tensor | None] = field(default_factory=dict)
-
-    def mask(self, index: int, window: int | None, groups: int) -> torch.Tensor | str | None:
-        """[groups * n, past + n] bool: what sequence ``index``'s query rows (``groups`` query heads per key
-        head stacked, see :func:`ragged_attention`) may attend to; None when everything is visible, ``CAUSAL``
-        for a plain causal block with nothing cached (a prompt), which SDPA computes faster without a mask."""
-        key = (index, window, groups)
-        if key not in self._masks:
-            self._masks[key] = self._build_mask(self.sequences[index], window, groups)
-        return self._masks[key]
-
-    @staticmethod
-    def _build_mask(seq: _Sequence, window: int | None, groups: int) -> torch.Tensor | str | None:
-        n = len(seq.positions)
-        device = seq.positions.device
-        if seq.past == 0 and seq.tree_mask is None and n > 1 and (window is None or window >= n):
-            return CAUSAL
-        if seq.tree_mask is not None:
-            new = seq.tree_mask.to(device=device, dtype=torch.bool)
-        else:
-            new = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        allowed = torch.cat([torch.ones(n, seq.past, dtype=torch.bool, device=device), new], dim=1)
-        if window is not None:
-            # Cached column c holds position c (caches only ever keep accepted chains); new column j holds
-            # positions[j].  A query at p sees keys at positions p - window < k <= p.
-            key_positions = torch.cat([torch.arange(seq.past, device=device), seq.positions])
-            allowed &= key_positions[None, :] > seq.positions[:, None] - window
-        if bool(allowed.all()):
-            return None
-        return allowed.repeat(groups, 1) if groups > 1 else allowed
-
-
-class _RaggedCacheView:
-    """What transformers' attention modules see as ``past_key_values`` during a ragged forward."""
-
-    def __init__(self, pool: SlotPool, batch: RaggedBatch) -> None:
-        self.pool = pool
-        self.batch = batch
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, cache_kwargs=None):
-        return self.pool.write(layer_idx, keys, values, self.batch)
-
-
-def ragged_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    ragged: RaggedBatch | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Attention of each sequence's queries to its own slot.  ``query`` [1, heads, T, d]; ``key``/``value``
-    the layer's slot storage [slots, kv_heads, capacity, d].  Returns [1, T, heads, d].
-
-    Grouped-query attention without copying keys: the ``groups`` query heads that share a key head are
-    stacked along the query axis ([1, kv_heads, groups * n, d]), so one SDPA call per sequence reads the
-    slot's keys in place."""
-    if ragged is None:  # transformers' own code paths (generate, ...): its standard SDPA attention
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            sliding_window=sliding_window,
-            **kwargs,
-        )
-    if getattr(module.config, "attn_logit_softcapping", None):
-        raise NotImplementedError("attention logit softcapping is not supported by the ragged attention")
-    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
-    groups = heads // kv_heads
-    outputs = []
-    for index, seq in enumerate(ragged.sequences):
-        n = seq.rows.stop - seq.rows.start
-        end = seq.past + n
-        keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
-        mask = ragged.mask(index, sliding_window, groups)
-        if mask is CAUSAL:
-            out = nn.functional.scaled_dot_product_attention(
-                query[:, :, seq.rows], keys, values, is_causal=True, scale=scaling, enable_gqa=groups > 1
-            )
-        else:
-            q = query[:, :, seq.rows].reshape(1, kv_heads, groups * n, dim)
-            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        outputs.append(out.view(1, heads, n, dim))
-    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
-    return out.transpose(1, 2), None
-
-
-AttentionInterface.register(ATTENTION, ragged_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # transformers' own paths build standard SDPA masks
+from specdecode.models.base import CausalLM, ForwardOutput, KVCache, LayerwiseExecution, SequenceInput
+from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 
 
 def _config_max_context(config) -> int:
@@ -325,7 +100,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
             pos = (
                 item.positions.to(device) if item.positions is not None else torch.arange(past, past + n, device=device)
             )
-            sequences.append(_Sequence(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask))
+            sequences.append(SequenceSlice(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask))
             tokens.append(item.tokens.to(device))
             positions.append(pos)
             wanted = torch.arange(n, device=device)
@@ -340,7 +115,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
             position_ids=torch.cat(positions).view(1, -1),
             cache_position=torch.arange(start, device=device),
             attention_mask=_NO_MASK,
-            past_key_values=_RaggedCacheView(pool, batch),
+            past_key_values=RaggedCacheView(pool, batch),
             use_cache=True,
             logits_to_keep=rows,
             output_hidden_states=output_hidden,
