@@ -84,20 +84,28 @@ def _generation_config(args: argparse.Namespace):
     )
 
 
+def load_models(args: argparse.Namespace, draft_model: str | None):
+    """The target (``--model``) and, if named, the draft model, with ``--no-fast-path`` and ``--device``
+    applied; a model drafting for itself is loaded once."""
+    from specdecode.models.loading import load_model
+
+    fast_path = False if args.no_fast_path else None
+    target = load_model(args.model, fast_path=fast_path, device=args.device)
+    if draft_model is None or draft_model == args.model:
+        return target, target if draft_model else None
+    return target, load_model(draft_model, fast_path=fast_path, device=args.device)
+
+
 def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     from specdecode.drafters import check_drafter_options
     from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
 
     options = dict(_parse_option(o) for o in args.drafter_option)
     options["draft_model"] = args.draft_model
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
-    fast_path = False if args.no_fast_path else None
-    target = load_model(args.model, fast_path=fast_path, device=args.device)
-    if isinstance(options.get("draft_model"), str) and options["draft_model"] != args.model:
-        options["draft_model"] = load_model(options["draft_model"], fast_path=fast_path, device=args.device)
-    elif options.get("draft_model") == args.model:
-        options["draft_model"] = target  # a model drafting for itself: load it once
+    target, draft = load_models(args, options.get("draft_model"))
+    if draft is not None:
+        options["draft_model"] = draft
     return SpeculativeGenerator.build(target, drafter, defaults, **options)
 
 

@@ -53,13 +53,16 @@ def drafter_class(name: str) -> type[Drafter]:
     return _REGISTRY[name]
 
 
+def accepted_options(name: str) -> frozenset[str]:
+    """The options drafter ``name`` takes (its constructor's keyword arguments)."""
+    return frozenset(inspect.signature(drafter_class(name).__init__).parameters) - {"self", "target"}
+
+
 def check_drafter_options(name: str, **options: Any) -> dict[str, Any]:
     """The given (non-None) options, after checking that drafter ``name`` exists and takes them all:
     an option it does not take is an error, not silently ignored.  Cheap: call it before loading models."""
-    cls = drafter_class(name)
     given = {key: value for key, value in options.items() if value is not None}
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "target"}
-    unknown = sorted(set(given) - accepted)
+    unknown = sorted(set(given) - accepted_options(name))
     if unknown:
         pretty = ", ".join(opt.replace("_", "-") for opt in unknown)
         raise SpecDecodeError(f"drafter {name!r} does not take option(s): {pretty}")
@@ -72,6 +75,7 @@ def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
 
 
 __all__ = [
+    "accepted_options",
     "DraftRequest",
     "DraftSession",
     "Drafter",

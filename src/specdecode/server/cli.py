@@ -52,11 +52,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 def build_service(args: argparse.Namespace):
     """The generator, every served drafter and the service around them (models loaded once)."""
-    from specdecode.cli import _draft_tokens, _parse_option
+    from specdecode.cli import _draft_tokens, _parse_option, load_models
     from specdecode.config import GenerationConfig
-    from specdecode.drafters import create_drafter, drafter_class
+    from specdecode.drafters import accepted_options, create_drafter, drafter_class
     from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
     from specdecode.server.app import ServerConfig, Service
 
     names = [name.strip() for name in args.drafter.split(",") if name.strip()]
@@ -64,26 +63,21 @@ def build_service(args: argparse.Namespace):
         raise SpecDecodeError("--drafter names no drafter")
     for name in names:
         drafter_class(name)  # unknown names fail before the model loads
-    for label, value in (("--max-batch-size", args.max_batch_size), ("--max-queue", args.max_queue)):
-        if value < 1 and not (label == "--max-queue" and value == 0):
-            raise SpecDecodeError(f"{label} must be a positive integer, got {value}")
+    if args.max_batch_size < 1:
+        raise SpecDecodeError(f"--max-batch-size must be a positive integer, got {args.max_batch_size}")
+    if args.max_queue < 0:
+        raise SpecDecodeError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
     options = dict(_parse_option(o) for o in args.drafter_option)
     if args.draft_model:
         options["draft_model"] = args.draft_model
-    per_drafter = {name: _options_for(name, options) for name in names}
+    per_drafter = {name: {k: v for k, v in options.items() if k in accepted_options(name)} for name in names}
     if unused := sorted(set(options) - {key for taken in per_drafter.values() for key in taken}):
         raise SpecDecodeError(f"no served drafter takes option(s): {', '.join(unused)}")
     defaults = GenerationConfig(num_draft_tokens=_draft_tokens(str(args.num_draft_tokens)))
-    fast_path = False if args.no_fast_path else None
-    target = load_model(args.model, fast_path=fast_path, device=args.device)
-    if isinstance(options.get("draft_model"), str):
-        draft = (
-            target
-            if options["draft_model"] == args.model
-            else load_model(options["draft_model"], fast_path=fast_path, device=args.device)
-        )
+    target, draft = load_models(args, options.get("draft_model"))
+    if draft is not None:
         for taken in per_drafter.values():
             if "draft_model" in taken:
                 taken["draft_model"] = draft
@@ -98,15 +92,6 @@ def build_service(args: argparse.Namespace):
         drain_s=args.drain_timeout,
     )
     return Service(generator, drafters, config)
-
-
-def _options_for(name: str, options: dict) -> dict:
-    import inspect
-
-    from specdecode.drafters import drafter_class
-
-    accepted = set(inspect.signature(drafter_class(name).__init__).parameters) - {"self", "target"}
-    return {key: value for key, value in options.items() if key in accepted}
 
 
 def run_serve(args: argparse.Namespace) -> int:
