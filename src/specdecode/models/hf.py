@@ -106,7 +106,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
             wanted = torch.arange(n, device=device)
             logit_rows.append(wanted[item.logits_rows] if item.logits_rows is not None else wanted)
             start += n
-        pool.reserve(pool.slots, max(s.past + s.rows.stop - s.rows.start for s in sequences))
+        pool.reserve(pool.slots, max(seq.end for seq in sequences))
         batch = RaggedBatch(sequences)
         every_row = all(item.logits_rows is None for item in inputs)
         rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
@@ -122,7 +122,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
             ragged=batch,
         )
         for item, seq in zip(inputs, sequences):
-            pool.lengths[item.cache.slot] = seq.past + seq.rows.stop - seq.rows.start
+            pool.lengths[item.cache.slot] = seq.end
         logits = out.logits[0].float()
         hidden = out.hidden_states[-1][0] if output_hidden else None
         outputs, offset = [], 0

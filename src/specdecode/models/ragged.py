@@ -87,9 +87,8 @@ class SlotPool(KVPool):
             self.layers[layer] = (keys.new_zeros(shape), values.new_zeros(shape))
         stored_keys, stored_values = self.layers[layer]
         for seq in batch.sequences:  # a slice copy each: cheaper than one scatter for the batch sizes we run
-            end = seq.past + seq.rows.stop - seq.rows.start
-            stored_keys[seq.slot, :, seq.past : end] = keys[0, :, seq.rows]
-            stored_values[seq.slot, :, seq.past : end] = values[0, :, seq.rows]
+            stored_keys[seq.slot, :, seq.past : seq.end] = keys[0, :, seq.rows]
+            stored_values[seq.slot, :, seq.past : seq.end] = values[0, :, seq.rows]
         return stored_keys, stored_values
 
     @torch.inference_mode()
@@ -134,6 +133,16 @@ class SequenceSlice:
     positions: torch.Tensor  # [n] positions of its new tokens
     tree_mask: torch.Tensor | None
 
+    @property
+    def new(self) -> int:
+        """How many new tokens it brings."""
+        return self.rows.stop - self.rows.start
+
+    @property
+    def end(self) -> int:
+        """Its cache length after this forward."""
+        return self.past + self.new
+
 
 @dataclass
 class RaggedBatch:
@@ -154,7 +163,7 @@ class RaggedBatch:
 
     @staticmethod
     def _build_mask(seq: SequenceSlice, window: int | None, groups: int) -> torch.Tensor | str | None:
-        n = len(seq.positions)
+        n = seq.new
         device = seq.positions.device
         if seq.past == 0 and seq.tree_mask is None and n > 1 and (window is None or window >= n):
             return CAUSAL
@@ -220,8 +229,7 @@ def ragged_attention(
     groups = heads // kv_heads
     outputs = []
     for index, seq in enumerate(ragged.sequences):
-        n = seq.rows.stop - seq.rows.start
-        end = seq.past + n
+        n, end = seq.new, seq.end
         keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
         mask = ragged.mask(index, sliding_window, groups)
         if mask is CAUSAL:
