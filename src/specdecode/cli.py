@@ -37,9 +37,10 @@ def _draft_tokens(text: str) -> int | str:
     return int(text) if text.lstrip("-").isdigit() else text
 
 
-def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
+    """What to load and how to draft (``generate``, ``batch``, ``demo`` and ``serve``; read by :func:`load_models`)."""
     parser.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-    parser.add_argument("--drafter", default="pld", help="drafting method (see `specdecode drafters`)")
+    parser.add_argument("--drafter", default="pld", help=drafter_help)
     parser.add_argument("--draft-model", help="draft model for --drafter draft-model")
     parser.add_argument(
         "--drafter-option",
@@ -56,6 +57,16 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
         "default %(default)s",
     )
+    parser.add_argument(
+        "--no-fast-path",
+        action="store_true",
+        help="keep transformers' default linear kernels (the fast CPU path is on by default)",
+    )
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
+
+
+def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser, "drafting method (see `specdecode drafters`)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -64,12 +75,6 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument(
-        "--no-fast-path",
-        action="store_true",
-        help="keep transformers' default linear kernels (the fast CPU path is on by default)",
-    )
-    parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
 
 
 def _generation_config(args: argparse.Namespace):

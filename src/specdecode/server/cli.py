@@ -8,7 +8,6 @@ import signal
 import sys
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.registry import DEFAULT_MODEL
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -18,23 +17,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         description="One process: the batched engine steps in a worker thread; requests join the batch "
         "between steps. Binds 127.0.0.1 unless --host says otherwise.",
     )
-    serve.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-    serve.add_argument(
-        "--drafter",
-        default="pld",
-        help="drafter(s) to serve, comma-separated; the first is the default, 'none' is always available",
+    from specdecode.cli import add_model_flags  # here: specdecode.cli imports this module
+
+    add_model_flags(
+        serve,
+        "drafter(s) to serve, comma-separated; the first is the default, 'none' is always served; "
+        "each --drafter-option goes to every served drafter that takes it",
     )
-    serve.add_argument("--draft-model", help="draft model for --drafter draft-model")
-    serve.add_argument(
-        "--drafter-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="drafter option, given to every served drafter that takes it (repeatable)",
-    )
-    serve.add_argument("--num-draft-tokens", default="auto", help="default draft depth: an integer, auto, heuristic")
-    serve.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    serve.add_argument("--no-fast-path", action="store_true", help="keep transformers' default CPU kernels")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
@@ -52,7 +41,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 def build_service(args: argparse.Namespace):
     """The generator, every served drafter and the service around them (models loaded once)."""
-    from specdecode.cli import _draft_tokens, _parse_option, load_models
+    from specdecode.cli import _parse_option, load_models
     from specdecode.config import GenerationConfig
     from specdecode.drafters import accepted_options, create_drafter, drafter_class
     from specdecode.generator import SpeculativeGenerator
@@ -75,7 +64,7 @@ def build_service(args: argparse.Namespace):
     per_drafter = {name: {k: v for k, v in options.items() if k in accepted_options(name)} for name in names}
     if unused := sorted(set(options) - {key for taken in per_drafter.values() for key in taken}):
         raise SpecDecodeError(f"no served drafter takes option(s): {', '.join(unused)}")
-    defaults = GenerationConfig(num_draft_tokens=_draft_tokens(str(args.num_draft_tokens)))
+    defaults = GenerationConfig(num_draft_tokens=args.num_draft_tokens)
     target, draft = load_models(args, options.get("draft_model"))
     if draft is not None:
         for taken in per_drafter.values():
