@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -215,3 +216,46 @@ def test_real_process_exit_code_and_no_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "specdecode: error: top-p must be in (0, 1], got 2.0"
+
+
+def test_help_models_and_drafters_import_neither_torch_nor_transformers():
+    """They must answer at once: torch + transformers take seconds to import (tools/check_startup.py times it)."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from specdecode.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    for argv in (['models'], ['drafters'], ['--help'], ['generate', '--help'], ['bench', '--help']):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers'}))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": src}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_drafter_listing_read_from_source_matches_the_registry():
+    from specdecode.cli import drafter_summaries
+    from specdecode.drafters import available_drafters, drafter_class
+
+    expected = {}
+    for name in available_drafters():
+        cls = drafter_class(name)
+        doc = (cls.__doc__ or sys.modules[cls.__module__].__doc__ or "").strip()
+        expected[name] = doc.splitlines()[0] if doc else ""
+    assert drafter_summaries() == expected
+
+
+def test_train_listed_without_its_parser_has_the_same_help():
+    from specdecode.cli import build_parser
+
+    def command_helps(parser) -> dict[str, str]:
+        (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return {action.dest: action.help for action in commands._choices_actions}
+
+    assert command_helps(build_parser(with_train=False)) == command_helps(build_parser())

@@ -10,18 +10,34 @@ Quick start::
 
 from __future__ import annotations
 
-from specdecode.config import GenerationConfig, SamplingParams
+from typing import TYPE_CHECKING
+
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig, SamplingParams
 from specdecode.errors import SpecDecodeError
-from specdecode.generator import GenerationResult, SpeculativeGenerator, StreamEvent
+
+if TYPE_CHECKING:
+    from specdecode.generator import GenerationResult, SpeculativeGenerator, StreamEvent
 
 DEFAULT_MODEL = "smollm2-135m"
+
+#: Names served from ``specdecode.generator`` on first access: importing it loads torch and transformers
+#: (seconds), which ``specdecode --help``, ``models`` and ``drafters`` must not pay for.
+_LAZY = frozenset({"GenerationResult", "SpeculativeGenerator", "StreamEvent"})
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from specdecode import generator
+
+        return getattr(generator, name)
+    raise AttributeError(f"module 'specdecode' has no attribute {name!r}")
 
 
 def load(
     model: str = DEFAULT_MODEL,
     drafter: str = "pld",
     *,
-    num_draft_tokens: int | str = GenerationConfig().num_draft_tokens,
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
     max_new_tokens: int = 128,
     fast_path: bool | None = None,
     device: str | None = None,
@@ -35,6 +51,7 @@ def load(
     (default), ``cuda`` or ``cuda:N``.  ``generate_batch`` on the result decodes many prompts together.
     """
     from specdecode.drafters import check_drafter_options
+    from specdecode.generator import SpeculativeGenerator
     from specdecode.models.loading import load_model
 
     # An unknown drafter or an option it does not take fails before the (slow) model load, as in the CLI.

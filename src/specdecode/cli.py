@@ -7,16 +7,19 @@ User mistakes print one line ``specdecode: error: ...`` and exit 2; no traceback
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
+import pkgutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from specdecode.bench.cli import add_bench_command
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.server.cli import add_serve_command
-from specdecode.train.cli import add_train_command
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -52,7 +55,7 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
     parser.add_argument(
         "--num-draft-tokens",
         type=_draft_tokens,
-        default=GenerationConfig().num_draft_tokens,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
         metavar="K",
         help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
         "default %(default)s",
@@ -248,16 +251,47 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_drafters(args: argparse.Namespace) -> int:
-    from specdecode.drafters import available_drafters, drafter_class
+def drafter_summaries() -> dict[str, str]:
+    """Registered drafter name → first line of its docstring (else its module's), read from the source of the
+    drafters package without importing it: the drafters import torch and transformers, seconds spent for a
+    listing.  Finds what ``drafters._discover`` registers: classes decorated ``@register_drafter("name")`` in
+    every module but ``base``."""
+    spec = importlib.util.find_spec("specdecode.drafters")
+    summaries = {}
+    for module in pkgutil.iter_modules(spec.submodule_search_locations if spec else []):
+        path = Path(module.module_finder.path, f"{module.name}.py")
+        if module.name == "base" or not path.is_file():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            names = [_registered_name(decorator) for decorator in getattr(node, "decorator_list", [])]
+            for name in filter(None, names):
+                doc = (ast.get_docstring(node) or ast.get_docstring(tree) or "").strip()
+                summaries[name] = doc.splitlines()[0] if doc else ""
+    return dict(sorted(summaries.items()))
 
-    for name in available_drafters():
-        doc = (drafter_class(name).__doc__ or sys.modules[drafter_class(name).__module__].__doc__ or "").strip()
-        print(f"{name:<14} {doc.splitlines()[0] if doc else ''}")
+
+def _registered_name(decorator: ast.expr) -> str | None:
+    """``"name"`` for a ``@register_drafter("name")`` decorator, else None."""
+    if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "register_drafter":
+        first = decorator.args[0] if decorator.args else None
+        return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
+    return None
+
+
+def cmd_drafters(args: argparse.Namespace) -> int:
+    for name, summary in drafter_summaries().items():
+        print(f"{name:<14} {summary}")
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: ``specdecode train``'s line in ``specdecode --help``, shown without building its parser (see build_parser).
+TRAIN_HELP = "train drafter weights on the target model's own outputs"
+
+
+def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
+    """The ``specdecode`` parser.  ``with_train=False`` lists ``train`` by name only: its flags' defaults come
+    from the drafters package, which imports torch (seconds), so :func:`main` builds them only to run it."""
     parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -289,12 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_command(commands)
     add_serve_command(commands)
-    add_train_command(commands)
+    if with_train:
+        from specdecode.train.cli import add_train_command
+
+        add_train_command(commands)
+    else:
+        commands.add_parser("train", help=TRAIN_HELP, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(with_train=argv[:1] == ["train"])
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:

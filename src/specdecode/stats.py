@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from specdecode.types import StepObservation
+if TYPE_CHECKING:  # types.py imports torch; the server's protocol module imports this one
+    from specdecode.types import StepObservation
 
 
 @dataclass
