@@ -102,6 +102,7 @@ def test_draft_model_flag(capsys, tiny_dirs):
 
 BAD_INPUTS = {
     "empty prompt": (["generate", ""], "prompt is empty"),
+    "blank prompt": (["generate", " \n\t "], "prompt is blank (only whitespace)"),
     "max-new-tokens 0": (["generate", "w1", "--max-new-tokens", "0"], "max-new-tokens must be a positive"),
     "max-new-tokens negative": (["generate", "w1", "--max-new-tokens", "-3"], "max-new-tokens must be a positive"),
     "temperature < 0": (["generate", "w1", "--temperature", "-0.5"], "temperature must be >= 0"),
@@ -259,3 +260,18 @@ def test_train_listed_without_its_parser_has_the_same_help():
         return {action.dest: action.help for action in commands._choices_actions}
 
     assert command_helps(build_parser(with_train=False)) == command_helps(build_parser())
+
+
+def test_batch_refuses_blank_prompts_line_by_line(tmp_path, capsys, tiny_dirs):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "  "}, {"prompt": "w1 w2"}, {"messages": [{"role": "user", "content": "\t"}]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    argv = ["batch", str(path), "--model", str(tiny_dirs["target"]), "--json", "--max-new-tokens", "3"]
+    code, out, err = run_cli(capsys, *argv)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 2 and [row.get("error") for row in rows] == [
+        "line 1: prompt is blank (only whitespace)",
+        None,
+        "line 3: prompt is blank (only whitespace)",
+    ]
+    assert rows[1]["token_ids"] and err.count("specdecode: error: line") == 2 and "Traceback" not in err

@@ -188,6 +188,7 @@ BAD = [
     (json.dumps({"messages": CHAT, "speculative": {"drafter": "nope"}}), 400),
     (json.dumps({"messages": CHAT, "speculative": {"num_draft_tokens": "many"}}), 400),
     (json.dumps({"messages": [{"role": "user", "content": "w1 " * 400}]}), 400),  # longer than the context
+    (json.dumps({"messages": [{"role": "user", "content": " \n\t "}]}), 400),  # blank
     (json.dumps({"messages": CHAT, "model": "gpt-9"}), 404),
     (json.dumps([1, 2, 3]), 400),
 ]
@@ -206,6 +207,8 @@ def test_bad_input_gets_a_4xx_with_an_error_object(server, body, status):
 def test_bad_completion_prompt_and_unknown_route(server):
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": [-1]}).status_code == 400
     assert httpx.post(f"{server.url}/v1/completions", json={"prompt": ""}).status_code == 400
+    blank = httpx.post(f"{server.url}/v1/completions", json={"prompt": "   \n"})
+    assert blank.status_code == 400 and blank.json()["error"]["message"] == "prompt is blank (only whitespace)"
     assert httpx.get(f"{server.url}/v1/nothing").json()["error"]["type"] == "not_found_error"
     assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "tiny"
 

@@ -118,9 +118,10 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from specdecode.generator import check_prompt_text
+
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt:
-        raise SpecDecodeError("prompt is empty")
+    check_prompt_text(prompt)  # before the (slow) model load
     generator = _build_generator(args, args.drafter, _generation_config(args))
     if args.json:
         result = generator.generate(prompt, chat=args.chat)

@@ -91,8 +91,7 @@ class SpeculativeGenerator:
         """Text, chat messages or token ids → validated token ids."""
         tokenizer = self.target.tokenizer
         if isinstance(prompt, str):
-            if not prompt:
-                raise SpecDecodeError("prompt is empty")
+            check_prompt_text(prompt)
             if chat:
                 ids = self._apply_chat_template([{"role": "user", "content": prompt}])
             else:
@@ -121,8 +120,8 @@ class SpeculativeGenerator:
             role_ok = message.get("role") in {"system", "user", "assistant"}
             if not role_ok or not isinstance(message.get("content"), str):
                 raise SpecDecodeError("chat messages need a role (system, user or assistant) and string content")
-        if not any(m["content"] for m in messages):
-            raise SpecDecodeError("prompt is empty")
+        if not any(m["content"].strip() for m in messages):
+            raise SpecDecodeError("prompt is empty" if not any(m["content"] for m in messages) else _BLANK)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
@@ -231,6 +230,15 @@ class SpeculativeGenerator:
         while len(token_ids) > 1 and _find_stop(self._decode(token_ids[:-1]), stops, 0) is not None:
             token_ids = token_ids[:-1]
         return token_ids
+
+
+_BLANK = "prompt is blank (only whitespace)"
+
+
+def check_prompt_text(prompt: str) -> None:
+    """Refuse an empty or whitespace-only prompt: a model continues it with junk, which helps no one."""
+    if not prompt.strip():
+        raise SpecDecodeError("prompt is empty" if not prompt else _BLANK)
 
 
 class TextAssembler:
