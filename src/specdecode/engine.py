@@ -96,6 +96,7 @@ class Checked:
 
     verdict: Verdict
     logits: torch.Tensor
+    hidden: torch.Tensor | None = None  # the features the sequence's drafting session asked for
 
 
 class Verifier(Protocol):
@@ -104,7 +105,9 @@ class Verifier(Protocol):
         context plus the accepted path."""
 
 
-def verification_input(context: list[int], draft: Draft, cache: KVCache) -> SequenceInput:
+def verification_input(
+    context: list[int], draft: Draft, cache: KVCache, hidden_layers: tuple[int, ...] = ()
+) -> SequenceInput:
     """One target forward's input for a sequence: the last context token and the draft.
 
     A chain needs nothing but the tokens (positions follow the cache, the causal mask does the rest).  A
@@ -112,10 +115,12 @@ def verification_input(context: list[int], draft: Draft, cache: KVCache) -> Sequ
     its ancestors."""
     tokens = torch.tensor([context[-1], *draft.tokens], dtype=torch.long)
     if draft.is_chain:
-        return SequenceInput(tokens, cache)
+        return SequenceInput(tokens, cache, hidden_layers=hidden_layers)
     base = len(context) - 1
     positions = torch.tensor([base, *(base + d for d in draft.depths())], dtype=torch.long)
-    return SequenceInput(tokens, cache, positions=positions, tree_mask=ancestor_mask(draft))
+    return SequenceInput(
+        tokens, cache, positions=positions, tree_mask=ancestor_mask(draft), hidden_layers=hidden_layers
+    )
 
 
 def ancestor_mask(draft: Draft) -> torch.Tensor:
@@ -138,7 +143,10 @@ class TargetVerifier:
         self.target = target
 
     def __call__(self, sequences: list[Sequence], drafts: list[Draft]) -> list[Checked]:
-        inputs = [verification_input(seq.context, draft, seq.cache) for seq, draft in zip(sequences, drafts)]
+        inputs = [
+            verification_input(seq.context, draft, seq.cache, seq.session.hidden_layers)
+            for seq, draft in zip(sequences, drafts)
+        ]
         outputs = self.target.forward_batch(inputs)
         checked = []
         for seq, draft, out in zip(sequences, drafts, outputs):
@@ -149,7 +157,7 @@ class TargetVerifier:
                 verdict = verify_speculative_sampling(sampling_probs(out.logits, sampling), draft, seq.generator)
             # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
             seq.cache.keep(len(seq.context) - 1, [0, *(1 + node for node in verdict.path)])
-            checked.append(Checked(verdict, out.logits))
+            checked.append(Checked(verdict, out.logits, out.hidden))
         return checked
 
 
@@ -199,7 +207,8 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf
         seq.context.extend(new_tokens)
         stats.new_tokens += len(new_tokens)
         tock = clock()
-        seq.session.observe(seq.context, StepFeedback(draft=draft, path=verdict.path, target_logits=check.logits))
+        feedback = StepFeedback(draft=draft, path=verdict.path, target_logits=check.logits, target_hidden=check.hidden)
+        seq.session.observe(seq.context, feedback)
         seq.step_end = clock()
         stats.draft_s += seq.step_end - tock
         stats.wall_s = seq.step_end - seq.started
@@ -248,7 +257,10 @@ def start_sequence(
         started=started,
     )
     if len(prompt_ids) > 1:
-        target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long), cache, logits_rows=slice(-1, None))
+        prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long)
+        out = target.forward(prompt, cache, logits_rows=slice(-1, None), hidden_layers=session.hidden_layers)
+        if session.hidden_layers:
+            session.observe_prompt(out.hidden)
     seq.step_end = time.perf_counter()
     seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
     seq.done = len(prompt_ids) >= target.max_context

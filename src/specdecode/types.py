@@ -120,11 +120,14 @@ class StepFeedback:
     target_logits: [nodes + 1, vocab] raw target logits; row 0 follows the last context token, row
         ``i + 1`` follows draft node i (e.g. Token Recycling reads their top-k).  Empty when no target
         ran (policy replay).
+    target_hidden: [nodes + 1, features] the target's hidden states of the same rows, for a session that
+        asked for them (``DraftSession.hidden_layers``); None otherwise.
     """
 
     draft: Draft
     path: tuple[int, ...]
     target_logits: torch.Tensor
+    target_hidden: torch.Tensor | None = None
 
     @property
     def num_accepted(self) -> int:

@@ -225,10 +225,14 @@ def sharegpt_prompts(records: Iterable[object]) -> list[Prompt]:
     return [Prompt(id=f"sharegpt/{record_id}", text=text) for text, record_id in by_text.items()]
 
 
-def _sharegpt_pool() -> dict[str, list[Prompt]]:
+def sharegpt_records() -> list[object]:
+    """Every complete ShareGPT record (conversations with their answers; training reads those)."""
     # The file is cut mid-record and possibly mid-character: drop the broken tail bytes.
-    text = _read_member(_SHAREGPT).decode("utf-8", errors="ignore")
-    return {"": sharegpt_prompts(decode_json_records(text))}
+    return decode_json_records(_read_member(_SHAREGPT).decode("utf-8", errors="ignore"))
+
+
+def _sharegpt_pool() -> dict[str, list[Prompt]]:
+    return {"": sharegpt_prompts(sharegpt_records())}
 
 
 # --------------------------------------------------------------------------------------------------------

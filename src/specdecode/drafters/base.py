@@ -70,7 +70,18 @@ class DraftSession(ABC):
     """One request's drafting: ``propose`` → (verification) → ``observe`` per step, ``finish`` at the end.
 
     ``context`` always holds prompt + every token accepted so far, so a session may keep incremental
-    state but can always resynchronise from it."""
+    state but can always resynchronise from it.
+
+    A session that drafts from the target's features (trained heads) names them in ``hidden_layers``
+    (numbered as in :class:`~specdecode.models.base.HiddenStates`): the engine then asks the prompt's
+    prefill and every verification forward for them and hands them over — ``observe_prompt`` with the
+    prompt's, ``StepFeedback.target_hidden`` with each step's — at no extra forward."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def observe_prompt(self, hidden: torch.Tensor) -> None:  # noqa: B027
+        """The prompt but its last token has run through the target; ``hidden``: their features, one row
+        per token (only called for sessions with ``hidden_layers``)."""
 
     @abstractmethod
     def propose(self, context: list[int], max_tokens: int) -> Draft:

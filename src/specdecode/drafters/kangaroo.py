@@ -34,7 +34,7 @@ from specdecode.drafters._self_draft import (
 )
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
-from specdecode.models import registry
+from specdecode.models.artifacts import trained_artifact_path
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft
@@ -102,16 +102,8 @@ class KangarooAdapter(nn.Module):
 
 
 def default_adapter_path(model_name: str) -> Path | None:
-    """Where ``specdecode train kangaroo`` saves by default: next to the cached checkpoint of a registry
-    model, inside a local model directory, beside a ``.gguf`` file; None for other models (hub ids)."""
-    if registry.is_registered(model_name):
-        return registry.ensure_model(model_name, progress=False).parent / ADAPTER_FILE
-    path = Path(model_name).expanduser()
-    if path.is_dir():
-        return path / ADAPTER_FILE
-    if path.is_file() and path.suffix == ".gguf":
-        return path.with_name(f"{path.stem}.{ADAPTER_FILE}")
-    return None
+    """Where ``specdecode train kangaroo`` saves by default and the drafter looks."""
+    return trained_artifact_path(model_name, ADAPTER_FILE)
 
 
 @register_drafter("kangaroo")

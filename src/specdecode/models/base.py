@@ -28,7 +28,9 @@ from specdecode.errors import SpecDecodeError
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [rows, vocab] float32, one row per requested position
-    hidden: torch.Tensor | None = None  # [n_new, d_model] final hidden states, if requested
+    #: [n_new, d_model * len(layers)]: the hidden states a sequence asked for (``SequenceInput.hidden_layers``
+    #: or ``forward_layers(output_hidden=True)``), for every new token, layers side by side; else None.
+    hidden: torch.Tensor | None = None
 
 
 class KVCache(ABC):
@@ -84,6 +86,8 @@ class SequenceInput:
     tree_mask: [n, n] bool, ``tree_mask[i, j]`` = new token i may attend to new token j; default causal.
         Every new token always sees the sequence's whole cache, and nothing of any other sequence.
     logits_rows: which of the n rows get logits (default: all).
+    hidden_layers: also return these hidden states of every new token (a backend with :class:`HiddenStates`;
+        see there for the numbering), concatenated in this order in ``ForwardOutput.hidden``.
     """
 
     tokens: torch.Tensor
@@ -91,6 +95,7 @@ class SequenceInput:
     positions: torch.Tensor | None = None
     tree_mask: torch.Tensor | None = None
     logits_rows: torch.Tensor | slice | None = None
+    hidden_layers: tuple[int, ...] = ()
 
 
 class CausalLM(ABC):
@@ -123,9 +128,47 @@ class CausalLM(ABC):
         positions: torch.Tensor | None = None,
         tree_mask: torch.Tensor | None = None,
         logits_rows: torch.Tensor | slice | None = None,
+        hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """One sequence's forward (see :class:`SequenceInput`)."""
-        return self.forward_batch([SequenceInput(tokens, cache, positions, tree_mask, logits_rows)])[0]
+        item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers)
+        return self.forward_batch([item])[0]
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """One decoder layer's sizes and constants (Llama-style: RMSNorm, rotary attention, gated MLP)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+
+
+class HiddenStates(ABC):
+    """Capability: the target's hidden states out of a forward it runs anyway, and its token embedding.
+
+    What trained draft heads (EAGLE, Medusa, Hydra) draft from: they read the features of the tokens the
+    target just verified, at no extra forward.  A backend with this capability honours
+    ``SequenceInput.hidden_layers``: index ``i < num_layers`` is the residual stream entering decoder layer
+    ``i`` (0: the token embeddings; EAGLE-3 reads three of these), ``num_layers`` is the final hidden state
+    after the model's final norm — what its LM head reads."""
+
+    num_layers: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    @abstractmethod
+    def decoder_shape(self) -> DecoderShape:
+        """The shape of one of the model's decoder layers, so that a head can mirror it."""
+
+    @abstractmethod
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's input embeddings of ``tokens`` [n] → [n, hidden_size] (whatever scaling the model
+        applies included), without gradient."""
 
 
 class LayerwiseExecution(ABC):

@@ -20,7 +20,15 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from specdecode.models.base import CausalLM, ForwardOutput, KVCache, LayerwiseExecution, SequenceInput
+from specdecode.models.base import (
+    CausalLM,
+    DecoderShape,
+    ForwardOutput,
+    HiddenStates,
+    KVCache,
+    LayerwiseExecution,
+    SequenceInput,
+)
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 
 
@@ -41,7 +49,7 @@ def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-class HFCausalLM(CausalLM, LayerwiseExecution):
+class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     def __init__(self, model: PreTrainedModel, name: str) -> None:
         self.model = model.eval()
         self.name = name
@@ -79,14 +87,32 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
         # With layers skipped or an exit given, ``hidden`` is the residual stream before the final norm.
         capture = output_hidden and (bool(skipped) or exit_layer is not None)
         residual: list[torch.Tensor] = []
+        final = (self.num_layers,) if output_hidden and not capture else ()
         with self._capture_residual(residual, capture), self._executing_only(skipped):
-            out = self._run([SequenceInput(tokens, cache, logits_rows=logits_rows)], output_hidden and not capture)[0]
+            out = self._run([SequenceInput(tokens, cache, logits_rows=logits_rows, hidden_layers=final)])[0]
         if capture:
             out.hidden = residual[0][0]
         return out
 
+    def decoder_shape(self) -> DecoderShape:
+        config = self.config
+        heads = int(config.num_attention_heads)
+        return DecoderShape(
+            hidden_size=self.hidden_size,
+            num_heads=heads,
+            num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(config, "head_dim", None) or self.hidden_size // heads),
+            intermediate_size=int(config.intermediate_size),
+            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+            rope_theta=float(getattr(config, "rope_theta", 10000.0)),
+        )
+
     @torch.inference_mode()
-    def _run(self, inputs: list[SequenceInput], output_hidden: bool = False) -> list[ForwardOutput]:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(tokens.to(self.device))
+
+    @torch.inference_mode()
+    def _run(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
         pools = {id(item.cache.pool) for item in inputs if isinstance(item.cache, SlotCache)}
         if len(pools) != 1 or not all(isinstance(item.cache, SlotCache) for item in inputs):
             raise ValueError("a batched forward needs the caches of one pool of this backend")
@@ -110,31 +136,63 @@ class HFCausalLM(CausalLM, LayerwiseExecution):
         batch = RaggedBatch(sequences)
         every_row = all(item.logits_rows is None for item in inputs)
         rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
-        out = self.model(
-            input_ids=torch.cat(tokens).view(1, -1),
-            position_ids=torch.cat(positions).view(1, -1),
-            cache_position=torch.arange(start, device=device),
-            attention_mask=_NO_MASK,
-            past_key_values=RaggedCacheView(pool, batch),
-            use_cache=True,
-            logits_to_keep=rows,
-            output_hidden_states=output_hidden,
-            ragged=batch,
-        )
+        captured: dict[int, torch.Tensor] = {}
+        with self._capture_layers({i for item in inputs for i in item.hidden_layers}, captured):
+            out = self.model(
+                input_ids=torch.cat(tokens).view(1, -1),
+                position_ids=torch.cat(positions).view(1, -1),
+                cache_position=torch.arange(start, device=device),
+                attention_mask=_NO_MASK,
+                past_key_values=RaggedCacheView(pool, batch),
+                use_cache=True,
+                logits_to_keep=rows,
+                ragged=batch,
+            )
         for item, seq in zip(inputs, sequences):
             pool.lengths[item.cache.slot] = seq.end
         logits = out.logits[0].float()
-        hidden = out.hidden_states[-1][0] if output_hidden else None
         outputs, offset = [], 0
-        for seq, wanted in zip(sequences, logit_rows):
+        for item, seq, wanted in zip(inputs, sequences, logit_rows):
             count = len(wanted)
-            outputs.append(
-                ForwardOutput(
-                    logits=logits[offset : offset + count], hidden=hidden[seq.rows] if hidden is not None else None
-                )
-            )
+            hidden = None
+            if item.hidden_layers:
+                hidden = torch.cat([captured[i][0, seq.rows] for i in item.hidden_layers], dim=-1)
+            outputs.append(ForwardOutput(logits=logits[offset : offset + count], hidden=hidden))
             offset += count
         return outputs
+
+    @contextmanager
+    def _capture_layers(self, layers: set[int], sink: dict[int, torch.Tensor]) -> Iterator[None]:
+        """Record hidden states during one forward (numbering as in :class:`HiddenStates`): the input of
+        decoder layer i, or for ``num_layers`` the final norm's output.  Hooks see the whole flattened batch."""
+        if not layers:
+            yield
+            return
+        if any(not 0 <= i <= self.num_layers for i in layers):
+            raise ValueError(f"hidden layers must be in 0..{self.num_layers}, got {sorted(layers)}")
+        decoder = self._decoder()
+
+        def entering(index: int):
+            def hook(module, args, kwargs):
+                sink[index] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        def final(module, args, output):
+            sink[self.num_layers] = output
+
+        hooks = [
+            decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True)
+            for i in layers
+            if i < self.num_layers
+        ]
+        if self.num_layers in layers:
+            hooks.append(decoder.norm.register_forward_hook(final))
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     # -- the output stage ----------------------------------------------------------------------------
     def exit_logits(

@@ -1,20 +1,15 @@
-"""``specdecode train kangaroo --model M``: fit a Kangaroo adapter and save it where the drafter looks."""
+"""``specdecode train {kangaroo,eagle} --model M``: fit drafter weights and save them where the drafter looks."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
-
-#: Prompt sources: chat, code and conversation sets (cached wheels) and the stdlib-grounded tasks.
-DEFAULT_TASKS = "mt-bench,humaneval,sharegpt,champ,summarize,rag,edit"
-#: The first prompts of each task (seed 0) are the ones ``specdecode bench`` measures; training skips them.
-BENCH_PROMPTS_SKIPPED = 8
+from specdecode.train.data import DEFAULT_TASKS
 
 
 def add_train_command(subparsers: argparse._SubParsersAction) -> None:
@@ -38,37 +33,13 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     kangaroo.add_argument("--seed", type=int, default=0)
     kangaroo.add_argument("--out", help="adapter file (default: next to the cached model, where the drafter looks)")
     kangaroo.set_defaults(run=cmd_train_kangaroo)
-
-
-def _prompt_ids(target, tasks: list[str], n: int, seed: int) -> list[list[int]]:
-    """Up to ``n`` prompts spread over ``tasks``, after the ones the benchmark uses; a task whose data
-    cannot be loaded (e.g. offline without its cached wheel) is left out with a warning."""
-    from specdecode.bench.tasks import load_task
-
-    per_task = -(-n // len(tasks))
-    by_task = []
-    for name in tasks:
-        try:
-            prompts = load_task(name, BENCH_PROMPTS_SKIPPED + per_task, seed).prompts[BENCH_PROMPTS_SKIPPED:]
-        except SpecDecodeError as exc:
-            print(f"specdecode: warning: task {name!r} left out: {exc}", file=sys.stderr)
-            continue
-        by_task.append([p.text for p in prompts])
-    texts = [group[i] for i in range(per_task) for group in by_task if i < len(group)][:n]
-    if not texts:
-        raise SpecDecodeError(f"no training prompts could be loaded from tasks {', '.join(tasks)}")
-    tokenizer = target.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        return [
-            tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)
-            for t in texts
-        ]
-    return [tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
+    add_eagle_command(methods)
 
 
 def cmd_train_kangaroo(args: argparse.Namespace) -> int:
     from specdecode.drafters.kangaroo import default_adapter_path
     from specdecode.models.loading import load_model
+    from specdecode.train.data import prompt_ids
     from specdecode.train.kangaroo import TrainConfig, train_adapter
 
     for flag in ("prompts", "new_tokens", "max_prompt_tokens", "epochs", "inner_size"):
@@ -97,7 +68,7 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
     )
     started = time.perf_counter()
-    result = train_adapter(target, _prompt_ids(target, tasks, args.prompts, args.seed), config, progress=True)
+    result = train_adapter(target, prompt_ids(target, tasks, args.prompts, args.seed), config, progress=True)
     result.adapter.save(out, target.backend)
     print(
         f"kangaroo adapter for {args.model}: exit after {result.adapter.exit_layer}/{target.backend.num_layers} "
@@ -108,3 +79,37 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
     hint = "" if not args.out else f" --drafter-option adapter={out}"
     print(f'use it: specdecode generate "..." --model {args.model} --drafter kangaroo{hint}')
     return 0
+
+
+def add_eagle_command(methods: argparse._SubParsersAction) -> None:
+    eagle = methods.add_parser(
+        "eagle", help="the EAGLE-3 draft head of the eagle drafter (one layer over the target's features)"
+    )
+    eagle.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    eagle.add_argument("--prompts", type=int, default=96, help="prompts the model answers itself (self-distillation)")
+    eagle.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
+    eagle.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
+    eagle.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
+    eagle.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
+    eagle.add_argument("--draft-vocab", type=int, default=8192, help="VocabTrim: the head's vocabulary (0: all)")
+    eagle.add_argument("--ttt-steps", type=int, default=4, help="drafting steps unrolled in training")
+    eagle.add_argument("--epochs", type=int, default=4)
+    eagle.add_argument("--lr", type=float, default=1e-3)
+    eagle.add_argument("--seed", type=int, default=0)
+    eagle.add_argument("--out", help="head directory (default: next to the cached model, where the drafter looks)")
+    eagle.set_defaults(run=cmd_train_eagle)
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from specdecode.train.eagle_run import run_eagle_training
+
+    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", "ttt_steps"):
+        if getattr(args, flag) <= 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("conversations", "draft_vocab"):
+        if getattr(args, flag) < 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise SpecDecodeError("--tasks names no task")
+    return run_eagle_training(args, tasks)

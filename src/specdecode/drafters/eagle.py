@@ -1,0 +1,233 @@
+"""EAGLE: a trained one-layer head drafts from the target's own features, as a dynamic tree.
+
+After Li et al., EAGLE (2024), EAGLE-2 (dynamic draft trees) and EAGLE-3 (fused low/middle/high
+features, training-time test).  The head (:mod:`specdecode.heads.eagle`) costs a few percent of a target
+forward; it reads the features the target computed while verifying, which the engine hands over
+(``hidden_layers``), so nothing runs twice.
+
+Per step: the positions verified last step are fed to the head with their true features, in one call;
+its last output predicts the first draft token.  Greedy requests then grow an EAGLE-2 tree: at each depth
+the ``top_k`` nodes with the highest cumulative draft log-probability are expanded (one head call per
+depth, each node seeing its ancestors only), each into its ``top_k`` likeliest tokens; at the end the
+``tree_nodes`` best nodes of the whole tree are verified (a parent always scores at least as high as its
+children, so they form a tree).  Sampled requests draft a chain sampled from the head's distribution
+(returned with the draft, so rejection sampling stays exact); so do greedy ones with ``tree_nodes=0``.
+Tokens outside the head's draft vocabulary are never drafted — which cannot change the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from specdecode.drafters import register_drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.eagle import EagleHead, HeadCache
+from specdecode.heads.storage import load_eagle, to_backend
+from specdecode.models.artifacts import trained_artifact_path
+from specdecode.models.base import HiddenStates, require_capability
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import sample, sampling_probs
+from specdecode.types import Draft, StepFeedback
+
+HEAD_DIR = "eagle-head"
+
+
+@register_drafter("eagle")
+class EagleDrafter(Drafter):
+    """EAGLE-3 head over the target's features; EAGLE-2 dynamic trees (needs training)."""
+
+    provides_probs = True
+    needs_training: ClassVar[bool] = True
+
+    def __init__(
+        self, target: LoadedModel, head: str | EagleHead | None = None, top_k: int = 4, tree_nodes: int = 16
+    ) -> None:
+        super().__init__(target)
+        self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise SpecDecodeError(f"eagle: top-k must be a positive integer, got {top_k!r}")
+        if not isinstance(tree_nodes, int) or tree_nodes < 0:
+            raise SpecDecodeError(f"eagle: tree-nodes must be an integer >= 0 (0: a chain), got {tree_nodes!r}")
+        loaded = head if isinstance(head, EagleHead) else self._load(target, head)
+        self._check(loaded, target)
+        self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
+        self.target_ids = self.head.target_ids.to(self.backend.device)
+        self.top_k = min(top_k, self.head.config.draft_vocab_size)
+        self.tree_nodes = tree_nodes
+
+    @staticmethod
+    def _load(target: LoadedModel, head: str | None) -> EagleHead:
+        path = Path(head).expanduser() if head else trained_artifact_path(target.name, HEAD_DIR)
+        if path is None or not (path / "config.json").is_file():
+            where = f" (looked in {path})" if path else ""
+            raise SpecDecodeError(
+                f"drafter 'eagle' needs a head trained for {target.name!r}{where}: run "
+                f"`specdecode train eagle --model {target.name}` first, or pass --drafter-option head=DIR"
+            )
+        return load_eagle(path)
+
+    def _check(self, head: EagleHead, target: LoadedModel) -> None:
+        config, backend = head.config, self.backend
+        if (config.hidden_size, config.target_num_layers, config.target_vocab_size) != (
+            backend.hidden_size,
+            backend.num_layers,
+            target.backend.vocab_size,
+        ):
+            raise SpecDecodeError(
+                f"eagle: the head is for a target with d={config.hidden_size}, {config.target_num_layers} layers "
+                f"and {config.target_vocab_size} tokens; {target.name!r} has d={backend.hidden_size}, "
+                f"{backend.num_layers} layers and {target.backend.vocab_size} tokens"
+            )
+
+    def session(self, request: DraftRequest) -> EagleSession:
+        return EagleSession(self, request)
+
+
+@dataclass
+class _Node:
+    token: int  # target id
+    parent: int  # index in the tree's node list, -1 for children of the context
+    score: float  # cumulative draft log-probability
+    confidence: float  # draft probability given the parent
+    depth: int
+    source: torch.Tensor  # [H] the head output that predicted this token (its input feature when expanded)
+    slot: int = -1  # head cache position once expanded
+
+
+class EagleSession(DraftSession):
+    """One request: the head's cache of it and the target features not yet fed to the head."""
+
+    def __init__(self, drafter: EagleDrafter, request: DraftRequest) -> None:
+        self.drafter = drafter
+        self.head = drafter.head
+        self.backend = drafter.backend
+        self.hidden_layers = self.head.config.aux_layers
+        self.sampling = request.sampling
+        self.request = request
+        self.generator = request.torch_generator()
+        self.cache = HeadCache(self.head.config, self.backend.device, self.backend.dtype)
+        self.committed = 0  # head cache positions holding true pairs (target feature j, token j + 1)
+        self.pending: list[torch.Tensor] = []  # target features of the positions after those
+        self._last: torch.Tensor | None = None  # the head output at the last committed position
+
+    def observe_prompt(self, hidden: torch.Tensor) -> None:
+        self.pending.append(hidden)
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        if feedback.target_hidden is not None:
+            self.pending.append(feedback.target_hidden[feedback.accepted_rows])
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        root = self._catch_up(context)
+        if root is None or max_tokens <= 0:
+            return Draft(tokens=[])
+        if self.sampling.greedy and self.drafter.tree_nodes > 0:
+            return self._tree(root, len(context), max_tokens)
+        return self._chain(root, len(context), max_tokens)
+
+    def _catch_up(self, context: list[int]) -> torch.Tensor | None:
+        """Feed every position whose target feature is now known (all but the last context token) and
+        return the head's output at the last one, which predicts the first draft token."""
+        self.cache.crop(self.committed)  # last step's draft entries were built on guesses
+        known = len(context) - 1
+        if not self.pending:
+            return self._last if known == self.committed and known > 0 else None
+        features = torch.cat(self.pending)
+        self.pending = []
+        if self.committed + features.shape[0] != known:
+            raise RuntimeError(f"eagle: {self.committed} + {features.shape[0]} features for {known} positions")
+        device = self.backend.device
+        tokens = torch.tensor(context[self.committed + 1 :], dtype=torch.long, device=device)
+        positions = torch.arange(self.committed + 1, known + 1, device=device)
+        out = self.head.extend(self.head.fuse(features), self.backend.embed(tokens), positions, self.cache)
+        self.committed = known
+        self._last = out[-1]
+        return self._last
+
+    def _distribution(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the draft vocabulary [..., draft_vocab]."""
+        return torch.log_softmax(self.head.logits(hidden), dim=-1)
+
+    def _chain(self, hidden: torch.Tensor, length: int, max_tokens: int) -> Draft:
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        confidence: list[float] = []
+        greedy = self.sampling.greedy
+        for depth in range(max_tokens):
+            logits = self.head.logits(hidden)
+            if greedy:
+                choice = int(logits.argmax())
+                probs = torch.softmax(logits, dim=-1)
+                token, conf = int(self.drafter.target_ids[choice]), float(probs[choice])
+            else:
+                full = logits.new_full((self.backend_vocab,), float("-inf"))
+                full[self.drafter.target_ids] = logits
+                probs = sampling_probs(full, self.sampling)
+                token = sample(probs, self.generator)
+                conf = float(probs[token])
+                rows.append(probs)
+            tokens.append(token)
+            confidence.append(conf)
+            if depth + 1 == max_tokens or self.request.stop(confidence):
+                break
+            embeds = self.backend.embed(torch.tensor([token], device=hidden.device))
+            position = torch.tensor([length + depth], device=hidden.device)
+            hidden = self.head.extend(hidden[None], embeds, position, self.cache)[0]
+        return Draft(tokens, probs=torch.stack(rows) if rows else None, confidence=confidence)
+
+    @property
+    def backend_vocab(self) -> int:
+        return self.head.config.target_vocab_size
+
+    def _tree(self, root: torch.Tensor, length: int, max_depth: int) -> Draft:
+        top_k, budget = self.drafter.top_k, self.drafter.tree_nodes
+        nodes: list[_Node] = []
+        frontier = self._children(root, -1, 0.0, 1, nodes)
+        for depth in range(1, max_depth):
+            expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
+            outputs = self._expand(expand, nodes, length + depth - 1)
+            frontier = []
+            for index, out in zip(expand, outputs):
+                frontier += self._children(out, index, nodes[index].score, depth + 1, nodes)
+        # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
+        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))[:budget]
+        order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].score))
+        index_of = {old: new for new, old in enumerate(order)}
+        return Draft(
+            tokens=[nodes[i].token for i in order],
+            parents=[index_of[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order],
+            confidence=[nodes[i].confidence for i in order],
+        )
+
+    def _children(self, hidden: torch.Tensor, parent: int, score: float, depth: int, nodes: list[_Node]) -> list[int]:
+        """Add the ``top_k`` likeliest continuations of the node whose head output is ``hidden``."""
+        logprobs, ids = self._distribution(hidden).topk(self.drafter.top_k)
+        start = len(nodes)
+        for logprob, draft_id in zip(logprobs.tolist(), self.drafter.target_ids[ids].tolist()):
+            nodes.append(_Node(draft_id, parent, score + logprob, math.exp(logprob), depth, hidden))
+        return list(range(start, len(nodes)))
+
+    def _expand(self, expand: list[int], nodes: list[_Node], position: int) -> torch.Tensor:
+        """One head call over nodes of one depth: each is fed (its predictor's output, its token) at
+        ``position`` and sees the committed context and its own ancestors only; returns their outputs [n, H]."""
+        device = self.backend.device
+        past, n = self.cache.length, len(expand)
+        mask = torch.zeros(n, past + n, dtype=torch.bool, device=device)
+        mask[:, : self.committed] = True
+        for row, index in enumerate(expand):
+            nodes[index].slot = past + row
+            ancestor = index
+            while ancestor >= 0:
+                mask[row, nodes[ancestor].slot] = True
+                ancestor = nodes[ancestor].parent
+        hidden = torch.stack([nodes[i].source for i in expand])
+        tokens = torch.tensor([nodes[i].token for i in expand], dtype=torch.long, device=device)
+        positions = torch.full((n,), position, dtype=torch.long, device=device)
+        return self.head.extend(hidden, self.backend.embed(tokens), positions, self.cache, mask)

@@ -1,0 +1,103 @@
+"""Training text for drafter weights: prompts and conversations the benchmark never draws.
+
+Two sources, both kept apart from every benchmark prompt (the benchmark takes the first prompts of each
+task in a seeded order; training starts after :data:`BENCH_PROMPTS_SKIPPED` of them):
+- **self-distillation**: the target's own greedy answers to task prompts, generated losslessly with
+  prompt lookup (the same tokens as plain greedy decoding, faster) — exactly what a drafter is asked to
+  predict at inference;
+- **ShareGPT conversations** (human and assistant turns, rendered with the model's chat template),
+  which only need a prefill: many more tokens per second of a CPU than generating.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+from specdecode.config import GenerationConfig
+from specdecode.errors import SpecDecodeError
+from specdecode.models.loading import LoadedModel
+
+#: Prompt sources: chat, code and conversation sets (cached wheels) and the stdlib-grounded tasks.
+DEFAULT_TASKS = "mt-bench,humaneval,sharegpt,champ,summarize,rag,edit"
+#: The first prompts of each task (seed 0) are the ones ``specdecode bench`` measures; training skips them.
+BENCH_PROMPTS_SKIPPED = 8
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+def _encode_user_prompt(target: LoadedModel, text: str) -> list[int]:
+    tokenizer = target.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def prompt_ids(target: LoadedModel, tasks: list[str], n: int, seed: int) -> list[list[int]]:
+    """Up to ``n`` prompts spread over ``tasks``, after the ones the benchmark uses, as the model's input
+    ids (chat template applied where the model has one); a task whose data cannot be loaded (e.g. offline
+    without its cached wheel) is left out with a warning."""
+    from specdecode.bench.tasks import load_task
+
+    per_task = -(-n // len(tasks))
+    by_task = []
+    for name in tasks:
+        try:
+            prompts = load_task(name, BENCH_PROMPTS_SKIPPED + per_task, seed).prompts[BENCH_PROMPTS_SKIPPED:]
+        except SpecDecodeError as exc:
+            print(f"specdecode: warning: task {name!r} left out: {exc}", file=sys.stderr)
+            continue
+        by_task.append([p.text for p in prompts])
+    texts = [group[i] for i in range(per_task) for group in by_task if i < len(group)][:n]
+    if not texts:
+        raise SpecDecodeError(f"no training prompts could be loaded from tasks {', '.join(tasks)}")
+    return [_encode_user_prompt(target, text) for text in texts]
+
+
+def self_distilled(
+    target: LoadedModel, prompts: list[list[int]], new_tokens: int, max_prompt_tokens: int, progress: bool
+) -> list[list[int]]:
+    """Each prompt (cut to its last ``max_prompt_tokens``) followed by the target's greedy answer."""
+    from specdecode.drafters import create_drafter
+    from specdecode.engine import speculative_decode
+
+    lookup = create_drafter("pld", target)
+    generation = GenerationConfig(max_new_tokens=new_tokens, num_draft_tokens=8)
+    eos = frozenset(target.backend.eos_token_ids)
+    out = []
+    for prompt in tqdm(prompts, desc="self-distilling", unit="prompt", disable=not progress):
+        prompt = prompt[-max_prompt_tokens:]
+        answer = [t for chunk in speculative_decode(target.backend, lookup, prompt, generation, eos) for t in chunk]
+        out.append(prompt + answer)
+    return out
+
+
+def sharegpt_conversations(target: LoadedModel, n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
+    """Up to ``n`` ShareGPT conversations none of whose opening turns the benchmark draws, rendered with the
+    model's chat template (plain text joined by blank lines without one), cut to ``max_tokens``."""
+    from specdecode.bench.tasks import load_task, sharegpt_records
+
+    benchmark = {p.text for p in load_task("sharegpt", 4 * BENCH_PROMPTS_SKIPPED, seed).prompts}
+    tokenizer = target.tokenizer
+    out: list[list[int]] = []
+    for record in sharegpt_records():
+        if len(out) >= n:
+            break
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if not turns:
+            continue
+        messages = [
+            {"role": _ROLES[t.get("from")], "content": str(t.get("value", ""))}
+            for t in turns
+            if isinstance(t, dict) and t.get("from") in _ROLES and str(t.get("value", "")).strip()
+        ]
+        if len(messages) < 2 or messages[0]["role"] != "user" or messages[0]["content"].strip() in benchmark:
+            continue
+        if getattr(tokenizer, "chat_template", None):
+            ids = list(tokenizer.apply_chat_template(messages, tokenize=True))
+        else:
+            ids = tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
+        if len(ids) >= 16:
+            out.append(ids[:max_tokens])
+    return out
