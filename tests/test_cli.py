@@ -275,3 +275,43 @@ def test_batch_refuses_blank_prompts_line_by_line(tmp_path, capsys, tiny_dirs):
         "line 3: prompt is blank (only whitespace)",
     ]
     assert rows[1]["token_ids"] and err.count("specdecode: error: line") == 2 and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def no_template_dir(tiny_dirs, tmp_path_factory) -> Path:
+    """The tiny target without a chat template (like gemma3-270m, a base model)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("plain") / "target"
+    shutil.copytree(tiny_dirs["target"], path, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    return path
+
+
+def _prompt_tokens(capsys, *argv: str) -> int:
+    code, out, err = run_cli(capsys, "generate", *argv, "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    return json.loads(out)["prompt_tokens"]
+
+
+def test_chat_template_is_the_default_for_text_prompts(capsys, tiny_dirs, no_template_dir):
+    """As llama.cpp and most chat CLIs: an instruct model given a bare prompt often answers nothing."""
+    model = ["--model", str(tiny_dirs["target"])]
+    templated = _prompt_tokens(capsys, "w1 w2", *model)
+    assert (
+        templated == _prompt_tokens(capsys, "w1 w2", *model, "--chat") == 9  # <s> user : w1 w2 </s> <s> assistant :
+    )
+    assert _prompt_tokens(capsys, "w1 w2", *model, "--no-chat") == 2  # w1 w2 (this tokenizer adds no BOS)
+    # A model without a template takes the text as it is, unless --chat insists on one.
+    assert _prompt_tokens(capsys, "w1 w2", "--model", str(no_template_dir)) == 2
+    code, _, err = run_cli(capsys, "generate", "w1 w2", "--model", str(no_template_dir), "--chat")
+    assert code == 2 and "has no chat template" in err and len(err.strip().splitlines()) == 1
+
+
+def test_batch_and_demo_apply_the_chat_template_by_default(tmp_path, capsys, tiny_dirs):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "w1 w2"}) + "\n")
+    argv = ["batch", str(path), "--model", str(tiny_dirs["target"]), "--json", "--max-new-tokens", "2"]
+    rows = [json.loads(run_cli(capsys, *argv, *chat)[1]) for chat in ([], ["--no-chat"])]
+    assert [row["prompt_tokens"] for row in rows] == [9, 2]  # as in the test above
+    code, out, err = run_cli(capsys, "demo", "--model", str(tiny_dirs["target"]), "--max-new-tokens", "3", "--no-chat")
+    assert code == 0 and "speedup" in out, err

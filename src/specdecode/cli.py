@@ -77,7 +77,21 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    chat = parser.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        action="store_const",
+        const=True,
+        help="wrap the prompt in the model's chat template (the default when it has one; with --chat, an error "
+        "when it has none)",
+    )
+    chat.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_const",
+        const=False,
+        help="give the prompt to the model as it is, without the chat template",
+    )
 
 
 def _generation_config(args: argparse.Namespace):
@@ -153,7 +167,7 @@ def _read_batch_lines(path: str) -> list[str]:
         raise SpecDecodeError(f"cannot read {path}: {exc}") from exc
 
 
-def _batch_request(generator, line: str, chat: bool):
+def _batch_request(generator, line: str, chat: bool | None):
     """One JSONL line → (prompt, generation config, chat), or SpecDecodeError saying what is wrong."""
     try:
         item = json.loads(line)
@@ -228,9 +242,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     defaults = _generation_config(args)
     speculative = _build_generator(args, args.drafter, defaults)
     plain = type(speculative).build(speculative.target, "none", defaults)
-    plain.generate(prompt, chat=True, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
-    base = plain.generate(prompt, chat=True)
-    fast = speculative.generate(prompt, chat=True)
+    plain.generate(prompt, chat=args.chat, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
+    base = plain.generate(prompt, chat=args.chat)
+    fast = speculative.generate(prompt, chat=args.chat)
     print(fast.text)
     print("-" * 60)
     print(f"plain decoding        : {base.stats.summary()}")

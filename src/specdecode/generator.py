@@ -87,12 +87,17 @@ class SpeculativeGenerator:
         return self._adaptive_policies[key]
 
     # -- prompt handling -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
-        """Text, chat messages or token ids → validated token ids."""
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = False) -> list[int]:
+        """Text, chat messages or token ids → validated token ids.
+
+        ``chat`` is for text: True wraps it in the model's chat template as one user message (an error if the
+        model has none), False tokenizes it as it is, None uses the template when the model has one — what
+        the CLI does by default, since an instruct model given a bare prompt often answers nothing at all.
+        Chat messages always go through the template; token ids are taken as they are."""
         tokenizer = self.target.tokenizer
         if isinstance(prompt, str):
             check_prompt_text(prompt)
-            if chat:
+            if chat or (chat is None and self.has_chat_template):
                 ids = self._apply_chat_template([{"role": "user", "content": prompt}])
             else:
                 ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -112,9 +117,13 @@ class SpeculativeGenerator:
             )
         return ids
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.target.tokenizer, "chat_template", None))
+
     def _apply_chat_template(self, messages: list[dict]) -> list[int]:
         tokenizer = self.target.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+        if not self.has_chat_template:
             raise SpecDecodeError(f"model {self.target.name!r} has no chat template; use a plain prompt (no --chat)")
         for message in messages:
             role_ok = message.get("role") in {"system", "user", "assistant"}
@@ -148,7 +157,9 @@ class SpeculativeGenerator:
         return frozenset(ids)
 
     # -- generation ------------------------------------------------------------------------------
-    def stream_events(self, prompt: Prompt, *, chat: bool = False, **params) -> Iterator[StreamEvent]:
+    def stream_events(self, prompt: Prompt, *, chat: bool | None = False, **params) -> Iterator[StreamEvent]:
+        """Events as tokens are verified, the last one carrying the result.  ``chat`` as in :meth:`encode_prompt`
+        (the Python API tokenizes text as it is unless asked; the CLI passes None: the template if there is one)."""
         config = self.config_for(**params)
         prompt_ids = self.encode_prompt(prompt, chat=chat)
         outcome = DecodeOutcome()
@@ -163,20 +174,20 @@ class SpeculativeGenerator:
                 break
         yield text.finish(outcome)
 
-    def stream(self, prompt: Prompt, *, chat: bool = False, **params) -> Iterator[str]:
+    def stream(self, prompt: Prompt, *, chat: bool | None = False, **params) -> Iterator[str]:
         """Yield text as soon as it is verified."""
         for event in self.stream_events(prompt, chat=chat, **params):
             if event.text:
                 yield event.text
 
-    def generate(self, prompt: Prompt, *, chat: bool = False, **params) -> GenerationResult:
+    def generate(self, prompt: Prompt, *, chat: bool | None = False, **params) -> GenerationResult:
         for event in self.stream_events(prompt, chat=chat, **params):
             if event.result is not None:
                 return event.result
         raise AssertionError("stream_events always ends with a result")
 
     def generate_batch(
-        self, prompts: Sequence[Prompt], *, chat: bool = False, batch_size: int = 8, **params
+        self, prompts: Sequence[Prompt], *, chat: bool | None = False, batch_size: int = 8, **params
     ) -> list[GenerationResult | SpecDecodeError]:
         """Decode many prompts together, ``batch_size`` at a time (continuous batching: a finished sequence's
         place goes to the next prompt at once).  Results come in input order; a prompt that cannot be
@@ -197,7 +208,11 @@ class SpeculativeGenerator:
         )
 
     def run_batch(
-        self, requests: Sequence[tuple[Prompt, GenerationConfig]], *, chat: bool = False, batch_size: int = 8
+        self,
+        requests: Sequence[tuple[Prompt, GenerationConfig]],
+        *,
+        chat: bool | None = False,
+        batch_size: int = 8,
     ) -> list[GenerationResult | SpecDecodeError]:
         """Like :meth:`generate_batch`, with each prompt's own generation config (sampling, seed, limits)."""
         results: list[GenerationResult | SpecDecodeError | None] = [None] * len(requests)
