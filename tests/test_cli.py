@@ -315,3 +315,18 @@ def test_batch_and_demo_apply_the_chat_template_by_default(tmp_path, capsys, tin
     assert [row["prompt_tokens"] for row in rows] == [9, 2]  # as in the test above
     code, out, err = run_cli(capsys, "demo", "--model", str(tiny_dirs["target"]), "--max-new-tokens", "3", "--no-chat")
     assert code == 0 and "speedup" in out, err
+
+
+def test_registered_draft_model_with_another_vocabulary_is_refused_before_any_download(capsys, monkeypatch, tmp_path):
+    from specdecode.cli import check_registry_vocabularies
+    from specdecode.models import loading, registry
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # nothing cached: any load would download
+    for module, name in ((loading, "load_model"), (registry, "ensure_model")):
+        monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("nothing may be loaded or downloaded"))
+    argv = ["generate", "hi", "--model", "smollm2-135m", "--drafter", "draft-model", "--draft-model", "gemma3-270m"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("specdecode: error: vocabulary mismatch: draft model 'gemma3-270m' has 262,144 tokens")
+    check_registry_vocabularies("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")  # one tokenizer: no error
+    check_registry_vocabularies("smollm2-135m", "./my-local-draft")  # not in the registry: checked once loaded

@@ -11,13 +11,14 @@ import ast
 import importlib.util
 import json
 import pkgutil
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from specdecode.bench.cli import add_bench_command
 from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.server.cli import add_serve_command
 
@@ -106,11 +107,41 @@ def _generation_config(args: argparse.Namespace):
     )
 
 
+def registry_vocab_size(name: str) -> int | None:
+    """The vocabulary size the offline registry gives for model ``name`` (its description's "vocab N"), or
+    None for a model it does not list."""
+    from specdecode.models import registry
+
+    spec = next((spec for spec in registry.MODELS if spec.name == name), None)
+    found = re.search(r"\bvocab ([\d,]+)", spec.description) if spec else None
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def check_registry_vocabularies(target: str, draft: str) -> None:
+    """Refuse a registered draft model whose vocabulary the registry says differs from the registered target's,
+    before anything is downloaded or converted (a gigabyte, for some); equal sizes are checked token by token
+    once both are loaded."""
+    from specdecode.models import registry
+
+    target_size, draft_size = registry_vocab_size(target), registry_vocab_size(draft)
+    if target_size is None or draft_size is None or target_size == draft_size:
+        return
+    same = [name for name in registry.model_names() if name != target and registry_vocab_size(name) == target_size]
+    hint = f"registered ones with its vocabulary: {', '.join(same)}" if same else "none of the registered ones has it"
+    raise VocabularyMismatchError(
+        f"vocabulary mismatch: draft model {draft!r} has {draft_size:,} tokens, target {target!r} {target_size:,} "
+        f"(from the registry, before downloading anything); choose a draft model with the target's vocabulary ({hint})"
+    )
+
+
 def load_models(args: argparse.Namespace, draft_model: str | None):
     """The target (``--model``) and, if named, the draft model, with ``--no-fast-path`` and ``--device``
-    applied; a model drafting for itself is loaded once."""
+    applied; a model drafting for itself is loaded once.  Registered models with different vocabularies are
+    refused before either is loaded."""
     from specdecode.models.loading import load_model
 
+    if draft_model is not None:
+        check_registry_vocabularies(args.model, draft_model)
     fast_path = False if args.no_fast_path else None
     target = load_model(args.model, fast_path=fast_path, device=args.device)
     if draft_model is None or draft_model == args.model:
