@@ -1,0 +1,230 @@
+"""The EAGLE head and drafter: hidden states out of the target, greedy equality for any head weights
+(trees, chains, batches), training that matches drafting, storage round trips, and exact sampling."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import (
+    DRAWS,
+    PASS_P,
+    PROMPTS,
+    BigramLM,
+    V,
+    chain_pvalues,
+    hf_greedy,
+    run,
+)
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.draft_length import make_policy
+from specdecode.drafters import create_drafter
+from specdecode.drafters.eagle import EagleDrafter
+from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.eagle import EagleConfig, EagleHead, HeadCache, default_aux_layers
+from specdecode.heads.storage import load_eagle, save_eagle
+from specdecode.models.base import DecoderShape, ForwardOutput, HiddenStates
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import sampling_probs
+from specdecode.train.eagle import EagleTrainConfig, compute_features, make_windows, train_eagle, unrolled_logits
+
+
+def random_head(backend, draft_vocab: int, seed: int = 0) -> EagleHead:
+    config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, backend.vocab_size, draft_vocab)
+    torch.manual_seed(seed)
+    head = EagleHead(config)
+    head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
+    return head
+
+
+@pytest.fixture(scope="module")
+def trained_head(tiny_target) -> EagleHead:
+    """A head trained for a second or two on the tiny target's own greedy continuations."""
+    backend = tiny_target.backend
+    generator = torch.Generator().manual_seed(0)
+    sequences = []
+    for _ in range(12):
+        prompt = torch.randint(0, backend.vocab_size, (5,), generator=generator).tolist()
+        sequences.append(prompt + hf_greedy(tiny_target, prompt, 30))
+    features = compute_features(backend, sequences, default_aux_layers(backend.num_layers), progress=False)
+    config = EagleTrainConfig(epochs=8, window=32, batch_windows=4, lr=3e-3, draft_vocab=64)
+    return train_eagle(backend, features, config).head
+
+
+def test_target_hands_out_hidden_states_of_any_layer(tiny_target):
+    backend = tiny_target.backend
+    tokens = torch.tensor(PROMPTS[0])
+    layers = (0, backend.num_layers)
+    out = backend.forward(tokens, backend.new_cache(), hidden_layers=layers)
+    width = backend.hidden_size
+    assert out.hidden.shape == (len(tokens), 2 * width)
+    torch.testing.assert_close(out.hidden[:, :width], backend.embed(tokens))
+    final = backend.forward_layers(tokens, backend.new_cache(), output_hidden=True).hidden
+    torch.testing.assert_close(out.hidden[:, width:], final)
+    # In a batch each sequence gets its own rows, as alone.
+    other = torch.tensor(PROMPTS[1])
+    batch_pool = backend.new_pool()
+    from specdecode.models.base import SequenceInput
+
+    outs = backend.forward_batch(
+        [SequenceInput(tokens, batch_pool.allocate(), hidden_layers=(1,)), SequenceInput(other, batch_pool.allocate())]
+    )
+    alone = backend.forward(tokens, backend.new_cache(), hidden_layers=(1,))
+    assert outs[1].hidden is None
+    torch.testing.assert_close(outs[0].hidden, alone.hidden, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 10])
+@pytest.mark.parametrize("draft_length", [3, "auto"])
+def test_greedy_output_is_plain_greedy_for_any_head(tiny_target, trained_head, tree_nodes, draft_length):
+    for head in (random_head(tiny_target.backend, 40), trained_head):
+        drafter = create_drafter("eagle", tiny_target, head=head, tree_nodes=tree_nodes)
+        for prompt in PROMPTS:
+            tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=draft_length)
+            assert tokens == hf_greedy(tiny_target, prompt, 24)
+
+
+def test_trained_head_gets_drafts_accepted(tiny_target, trained_head):
+    drafter = create_drafter("eagle", tiny_target, head=trained_head, tree_nodes=10)
+    accepted = 0
+    for prompt in PROMPTS[:2]:
+        _, outcome = run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)
+        accepted += outcome.stats.accepted_tokens
+    untrained = create_drafter("eagle", tiny_target, head=random_head(tiny_target.backend, 64), tree_nodes=10)
+    baseline = sum(
+        run(tiny_target, untrained, p, max_new_tokens=24, num_draft_tokens=4)[1].stats.accepted_tokens
+        for p in PROMPTS[:2]
+    )
+    assert accepted > baseline
+
+
+def test_batched_greedy_equals_solo(tiny_target, trained_head):
+    drafter = create_drafter("eagle", tiny_target, head=trained_head)
+    engine = BatchEngine(
+        tiny_target.backend,
+        drafter,
+        lambda config, d: make_policy(config.num_draft_tokens),
+        frozenset(),
+        max_batch_size=3,
+    )
+    for i, prompt in enumerate(PROMPTS):
+        engine.submit(BatchRequest(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True), tag=i))
+    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    for event in engine.run():
+        got[event.tag] += event.new_tokens
+    for i, prompt in enumerate(PROMPTS):
+        assert got[i] == hf_greedy(tiny_target, prompt, 20)
+
+
+def test_training_unroll_matches_drafting(tiny_target, trained_head):
+    """The training-time-test attention sees exactly what a chain draft sees at inference: the logits of
+    step k at row j equal a chain drafted from position j, fed the same tokens."""
+    backend, head = tiny_target.backend, trained_head
+    ids = PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 10)
+    (features,) = compute_features(backend, [ids], head.config.aux_layers, progress=False)
+    steps = 3
+    windows = make_windows([features], window=32, steps=steps)
+    with torch.no_grad():
+        unrolled = unrolled_logits(head, backend.embed, windows)
+    for row in (0, 4, 7):
+        cache = HeadCache(head.config, backend.device, backend.dtype)
+        with torch.no_grad():
+            pairs = head.fuse(features.aux[: row + 1])
+            tokens = features.ids[1 : row + 2]
+            out = head.extend(pairs, backend.embed(tokens), torch.arange(1, row + 2), cache)[-1]
+            for step in range(steps):
+                torch.testing.assert_close(head.logits(out), unrolled[step][0, row], rtol=1e-4, atol=1e-4)
+                token = features.ids[row + 2 + step : row + 3 + step]
+                out = head.extend(out[None], backend.embed(token), torch.tensor([row + 2 + step]), cache)[0]
+
+
+def test_head_round_trips_through_the_speculators_layout(tiny_target, trained_head, tmp_path):
+    save_eagle(trained_head, tmp_path / "head", verifier="tiny")
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["draft_vocab_size"] == 64
+    loaded = load_eagle(tmp_path / "head")
+    drafts = []
+    for head in (trained_head, loaded):
+        drafter = create_drafter("eagle", tiny_target, head=head)
+        tokens, outcome = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=4)
+        stats = outcome.stats
+        drafts.append((tokens, stats.drafted_tokens, stats.accepted_tokens, stats.acceptance_by_position))
+    assert drafts[0] == drafts[1]
+    for name, value in trained_head.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+
+
+def test_a_tampered_head_is_refused(trained_head, tmp_path):
+    save_eagle(trained_head, tmp_path / "head", verifier="tiny")
+    (tmp_path / "head" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SpecDecodeError, match="SHA-256"):
+        load_eagle(tmp_path / "head")
+
+
+def test_missing_or_mismatched_head_gives_clear_errors(tiny_target, tiny_draft, tmp_path):
+    with pytest.raises(SpecDecodeError, match="specdecode train eagle"):
+        create_drafter("eagle", tiny_target, head=str(tmp_path / "nowhere"))
+    other = random_head(tiny_draft.backend, 16)  # the tiny draft model has another depth
+    with pytest.raises(SpecDecodeError, match="the head is for a target"):
+        create_drafter("eagle", tiny_target, head=other)
+    with pytest.raises(SpecDecodeError, match="top-k"):
+        create_drafter("eagle", tiny_target, head=random_head(tiny_target.backend, 16), top_k=0)
+
+
+# -- exact sampling with a head, on a toy model whose distribution is known --------------------------
+
+
+class BigramFeatures(BigramLM, HiddenStates):
+    """The bigram toy with hidden states: every layer's "feature" of a token is a fixed random vector."""
+
+    hidden_size = 8
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__(table)
+        self.vectors = torch.randn(V, self.hidden_size, generator=torch.Generator().manual_seed(5))
+        self.dtype = torch.float32
+
+    def decoder_shape(self) -> DecoderShape:
+        return DecoderShape(8, 2, 1, 4, 16, 1e-6, 10000.0)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.vectors[tokens]
+
+    def forward_batch(self, inputs):
+        outputs = super().forward_batch(inputs)
+        return [
+            ForwardOutput(out.logits, torch.cat([self.vectors[item.tokens]] * len(item.hidden_layers), dim=-1))
+            if item.hidden_layers
+            else out
+            for item, out in zip(inputs, outputs)
+        ]
+
+
+def test_sampling_with_a_head_reproduces_the_target_distribution():
+    g = torch.Generator().manual_seed(3)
+    table = 2.0 * torch.randn(V, V, generator=g)
+    model = BigramFeatures(table)
+    target = LoadedModel(name="bigram", backend=model, tokenizer=None)
+    head = random_head(model, V - 1, seed=1)  # one token is never drafted: output must not change
+    drafter = EagleDrafter(target, head=head)
+    sampling = SamplingParams(temperature=0.9, top_k=4)
+    counts = np.zeros((4, V, V))
+    produced, seed = 0, 0
+    while produced < DRAWS // 2:
+        config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=SamplingParams(0.9, 4, seed=seed))
+        previous = 0
+        for chunk in speculative_decode(model, drafter, [0, 1], config):
+            for position, token in enumerate(chunk):
+                counts[position, previous, token] += 1
+                previous = token
+            produced += len(chunk)
+        seed += 1
+    pvalues = chain_pvalues(counts, sampling_probs(table, sampling).numpy())
+    assert len(pvalues) >= 8
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues
+    assert counts[1:].sum() > 0  # drafts were accepted
