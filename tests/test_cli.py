@@ -330,3 +330,47 @@ def test_registered_draft_model_with_another_vocabulary_is_refused_before_any_do
     assert err.startswith("specdecode: error: vocabulary mismatch: draft model 'gemma3-270m' has 262,144 tokens")
     check_registry_vocabularies("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")  # one tokenizer: no error
     check_registry_vocabularies("smollm2-135m", "./my-local-draft")  # not in the registry: checked once loaded
+
+
+def test_third_party_log_lines_only_with_verbose(tiny_dirs, tmp_path):
+    """transformers warns about this model's generation config on load: a line a user cannot act on."""
+    import shutil
+
+    model = shutil.copytree(tiny_dirs["target"], tmp_path / "noisy")
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "do_sample": False, "temperature": 0.5}))
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    argv = [sys.executable, "-m", "specdecode", "generate", "w1", "--model", str(model), "--max-new-tokens", "2"]
+    quiet, verbose = (
+        subprocess.run(
+            [*argv, *flags, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": src},
+        )
+        for flags in ([], ["--verbose"])
+    )
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert json.loads(quiet.stdout)["token_ids"] and quiet.stderr == ""
+    assert "generation flags are not valid" in verbose.stderr
+
+
+def test_quiet_third_party_hides_python_warnings_and_restores_what_it_changed():
+    import logging
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    from specdecode.verbosity import quiet_third_party
+
+    before, env_before = transformers_logging.get_verbosity(), os.environ.get("TRANSFORMERS_VERBOSITY")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_third_party():
+            warnings.warn("noise from a library", UserWarning, stacklevel=1)
+            assert transformers_logging.get_verbosity() == logging.ERROR
+        with quiet_third_party(quiet=False):
+            warnings.warn("shown with --verbose", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["shown with --verbose"]
+    assert transformers_logging.get_verbosity() == before and os.environ.get("TRANSFORMERS_VERBOSITY") == env_before

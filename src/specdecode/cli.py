@@ -21,6 +21,7 @@ from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.server.cli import add_serve_command
+from specdecode.verbosity import quiet_third_party
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -67,6 +68,9 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
         help="keep transformers' default linear kernels (the fast CPU path is on by default)",
     )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
+    parser.add_argument(
+        "--verbose", action="store_true", help="also show other libraries' warnings and log lines (hidden by default)"
+    )
 
 
 def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
@@ -384,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return run(args)
+        with quiet_third_party(quiet=not getattr(args, "verbose", True)):
+            return run(args)
     except SpecDecodeError as exc:
         print(f"specdecode: error: {exc}", file=sys.stderr)
         return 2
