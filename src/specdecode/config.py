@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
 
+#: VocabTrim's default: the draft heads of the self-speculative drafters and trained heads keep
+#: this many token ids (most frequent first) instead of the target's whole vocabulary.
+DEFAULT_DRAFT_VOCAB = 8192
+
 #: ``--num-draft-tokens`` when none is given: K, "auto" (cost model) or "heuristic" (transformers' schedule).
 #: The one place the default lives (the CLI, ``specdecode.load`` and the benchmark's default K read it).  In
 #: replay of the quick suite (tools/replay_draft_length.py) "auto" came within 3% of the best fixed K on every

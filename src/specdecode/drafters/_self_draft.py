@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.draft_model import common_prefix_length
 from specdecode.errors import SpecDecodeError
@@ -40,9 +41,6 @@ from specdecode.types import Draft
 #: Runs the target on the tokens to feed, on top of the given cache, under the current layer subset;
 #: returns the last row's logits over the draft head's vocabulary (``HeadRows.ids``).
 LogitsFn = Callable[[torch.Tensor, KVCache], torch.Tensor]
-
-#: Default size of the frequent part of a draft head's vocabulary.
-DEFAULT_DRAFT_VOCAB = 8192
 
 
 def require_layer_backend(backend: object, drafter: str) -> LayerwiseExecution:

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.train.data import DEFAULT_TASKS
@@ -91,7 +91,9 @@ def add_eagle_command(methods: argparse._SubParsersAction) -> None:
     eagle.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
     eagle.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
     eagle.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
-    eagle.add_argument("--draft-vocab", type=int, default=8192, help="VocabTrim: the head's vocabulary (0: all)")
+    eagle.add_argument(
+        "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="VocabTrim: the head's vocabulary (0: all)"
+    )
     eagle.add_argument("--ttt-steps", type=int, default=4, help="drafting steps unrolled in training")
     eagle.add_argument("--epochs", type=int, default=4)
     eagle.add_argument("--lr", type=float, default=1e-3)

@@ -12,12 +12,15 @@ task in a seeded order; training starts after :data:`BENCH_PROMPTS_SKIPPED` of t
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from specdecode.config import GenerationConfig
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
 
 #: Prompt sources: chat, code and conversation sets (cached wheels) and the stdlib-grounded tasks.
 DEFAULT_TASKS = "mt-bench,humaneval,sharegpt,champ,summarize,rag,edit"

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleConfig, EagleHead
 from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
@@ -34,7 +35,7 @@ from specdecode.models.base import HiddenStates, LayerwiseExecution, require_cap
 
 @dataclass
 class EagleTrainConfig:
-    draft_vocab: int = 8192  # VocabTrim: the head's vocabulary (0: the target's whole vocabulary)
+    draft_vocab: int = DEFAULT_DRAFT_VOCAB  # VocabTrim: the head's vocabulary (0: the target's whole vocabulary)
     ttt_steps: int = 4  # drafting steps unrolled in training
     epochs: int = 4
     window: int = 256  # rows per training window (a window's first row sees no earlier context)
