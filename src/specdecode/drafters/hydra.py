@@ -1,0 +1,90 @@
+"""Hydra: sequentially dependent draft heads — each head also sees the tokens drafted before it.
+
+After Ankner et al., "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding" (2024).  Like
+Medusa (:mod:`specdecode.drafters.medusa`, whose session bookkeeping this shares) the heads read the
+target's final hidden state of the last position whose feature is known; head k also reads the
+embeddings of the last context token and of the k-1 draft tokens on its path, so its guess depends on
+what was drafted (:mod:`specdecode.heads.medusa`).  Medusa's depth-2+ guesses cannot follow a depth-1
+alternative; Hydra's can, which is where its higher acceptance comes from.
+
+Greedy requests grow a tree by expanding the best nodes, as EAGLE-2 does: at each depth the ``top_k``
+nodes with the highest cumulative log-probability are expanded in one batched head call (each on its own
+path) into their ``top_k`` likeliest tokens, and the ``tree_nodes`` best nodes overall are verified (a
+parent scores at least as high as its children, so they form a tree).  Sampled requests draft a chain,
+each token sampled from its head's distribution given the path drawn so far, returned with the draft so
+rejection sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.drafters import register_drafter
+from specdecode.drafters.base import DraftRequest
+from specdecode.drafters.medusa import HeadsSession, MedusaDrafter
+from specdecode.types import Draft
+
+
+@register_drafter("hydra")
+class HydraDrafter(MedusaDrafter):
+    """Hydra heads (each also reads the path drafted so far); EAGLE-2-style trees (needs training)."""
+
+    kind = "hydra"
+
+    def session(self, request: DraftRequest) -> HydraSession:
+        return HydraSession(self, request)
+
+
+@dataclass
+class _Node:
+    token: int  # target id
+    parent: int  # index in the tree's node list, -1 for children of the context
+    score: float  # cumulative draft log-probability
+    confidence: float  # draft probability given the parent
+    path: list[int]  # draft tokens from the root to this node, itself included
+
+
+class HydraSession(HeadsSession):
+    def _start(self, context: list[int]) -> None:
+        self.root = context[-1]
+
+    def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
+        device = self.backend.device
+        tokens = torch.tensor([[self.root, *path] for path in paths], dtype=torch.long, device=device)
+        embeds = self.backend.embed(tokens.flatten()).unflatten(0, tokens.shape)  # [n, k + 1, H]
+        hidden = self.last.expand(len(paths), -1)
+        return self.heads.logits(self.heads.head(k, hidden, embeds))
+
+    def _tree(self, depth: int) -> Draft:
+        top_k, budget = self.drafter.top_k, self.drafter.tree_nodes
+        nodes: list[_Node] = []
+        frontier = self._children([-1], [[]], [0.0], 0, nodes)
+        for k in range(1, depth):
+            expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
+            paths = [nodes[i].path for i in expand]
+            frontier = self._children(expand, paths, [nodes[i].score for i in expand], k, nodes)
+        # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
+        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, len(nodes[i].path)))[:budget]
+        order = sorted(best, key=lambda i: (len(nodes[i].path), -nodes[i].score))
+        index_of = {old: new for new, old in enumerate(order)}
+        return Draft(
+            tokens=[nodes[i].token for i in order],
+            parents=[index_of[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order],
+            confidence=[nodes[i].confidence for i in order],
+        )
+
+    def _children(
+        self, parents: list[int], paths: list[list[int]], scores: list[float], k: int, nodes: list[_Node]
+    ) -> list[int]:
+        """Head ``k`` after each path (one batched call): each parent's ``top_k`` likeliest continuations."""
+        logprobs, ids = torch.log_softmax(self._head_logits(k, paths), dim=-1).topk(self.drafter.top_k, dim=-1)
+        start = len(nodes)
+        for parent, path, score, row, row_ids in zip(
+            parents, paths, scores, logprobs.tolist(), self.drafter.target_ids[ids].tolist()
+        ):
+            for logprob, token in zip(row, row_ids):
+                nodes.append(_Node(token, parent, score + logprob, math.exp(logprob), [*path, token]))
+        return list(range(start, len(nodes)))

@@ -1,0 +1,205 @@
+"""Medusa: K trained heads on the target's last final hidden state, a tree from the heads' own confidences.
+
+After Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads"
+(2024).  The session keeps one vector: the target's final hidden state of the last position whose
+feature is known (the verification forward hands it over, ``hidden_layers``, at no extra forward) — the
+one the target's LM head turned into the last context token.  Head k reads it and guesses the token k
+positions after that one (:mod:`specdecode.heads.medusa`); all heads run in one call per step.
+
+Greedy requests verify a tree: best-first over the Cartesian product of each head's ``top_k`` guesses,
+scored by the sum of the heads' log-probabilities, the ``tree_nodes`` best paths' nodes.  A prefix
+scores at least as high as its extensions, so the best nodes form a tree — Medusa's tree, chosen per step
+from the heads' confidences instead of a static one calibrated offline.  Sampled requests (and greedy
+ones with ``tree_nodes=0``) draft a chain, one token sampled from each head's processed distribution
+over the full vocabulary (zero outside the draft vocabulary), returned with the draft so rejection
+sampling stays exact.  Tokens outside the draft vocabulary are never drafted: that cannot change output.
+
+:mod:`specdecode.drafters.hydra` shares the session's bookkeeping, with sequentially dependent heads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import abstractmethod
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from specdecode.drafters import register_drafter
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.medusa import DraftHeads, load_heads
+from specdecode.heads.storage import to_backend
+from specdecode.models.artifacts import trained_artifact_path
+from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import sample, sampling_probs
+from specdecode.types import Draft, StepFeedback
+
+
+@register_drafter("medusa")
+class MedusaDrafter(Drafter):
+    """Medusa heads over the target's final hidden state; a tree from the heads' top-k (needs training)."""
+
+    provides_probs = True
+    needs_training: ClassVar[bool] = True
+    kind: ClassVar[str] = "medusa"
+
+    def __init__(
+        self, target: LoadedModel, heads: str | DraftHeads | None = None, top_k: int = 4, tree_nodes: int = 16
+    ) -> None:
+        super().__init__(target)
+        self.backend = require_capability(target.backend, HiddenStates, f"drafter {self.kind!r}")
+        if not isinstance(top_k, int) or top_k < 1:
+            raise SpecDecodeError(f"{self.kind}: top-k must be a positive integer, got {top_k!r}")
+        if not isinstance(tree_nodes, int) or tree_nodes < 0:
+            raise SpecDecodeError(f"{self.kind}: tree-nodes must be an integer >= 0 (0: a chain), got {tree_nodes!r}")
+        loaded = heads if isinstance(heads, DraftHeads) else self._load(target, heads)
+        if loaded.config.kind != self.kind:
+            raise SpecDecodeError(f"drafter {self.kind!r} got {loaded.config.kind} heads")
+        self._check(loaded, target)
+        self.heads = to_backend(loaded, self.backend.device, self.backend.dtype)
+        self.target_ids = self.heads.target_ids.to(self.backend.device)
+        self.top_k = min(top_k, self.heads.config.draft_vocab_size)
+        self.tree_nodes = tree_nodes
+
+    @classmethod
+    def _load(cls, target: LoadedModel, heads: str | None) -> DraftHeads:
+        path = Path(heads).expanduser() if heads else trained_artifact_path(target.name, f"{cls.kind}-heads")
+        if path is None or not (path / "config.json").is_file():
+            where = f" (looked in {path})" if path else ""
+            raise SpecDecodeError(
+                f"drafter {cls.kind!r} needs heads trained for {target.name!r}{where}: run "
+                f"`specdecode train {cls.kind} --model {target.name}` first, or pass --drafter-option heads=DIR"
+            )
+        return load_heads(path, cls.kind)
+
+    def _check(self, heads: DraftHeads, target: LoadedModel) -> None:
+        """Refuse heads trained for another target: other sizes, or (when the backend exposes its LM head)
+        a stored LM head that is not this target's."""
+        config, backend = heads.config, self.backend
+        retrain = f"retrain with `specdecode train {self.kind} --model {target.name}`"
+        if (config.hidden_size, config.target_num_layers, config.target_vocab_size) != (
+            backend.hidden_size,
+            backend.num_layers,
+            target.backend.vocab_size,
+        ):
+            raise SpecDecodeError(
+                f"{self.kind}: the heads were trained for another target (d={config.hidden_size}, "
+                f"{config.target_num_layers} layers, {config.target_vocab_size} tokens; {target.name!r} has "
+                f"d={backend.hidden_size}, {backend.num_layers} layers, {target.backend.vocab_size} tokens): {retrain}"
+            )
+        if isinstance(target.backend, LayerwiseExecution):
+            own = target.backend.output_weight().index_select(0, heads.target_ids.to(backend.device))
+            if not torch.allclose(own.float().cpu(), heads.lm_head.weight.float(), rtol=1e-2, atol=1e-3):
+                raise SpecDecodeError(
+                    f"{self.kind}: the heads were trained for another target (their LM head is not "
+                    f"{target.name!r}'s): {retrain}"
+                )
+
+    def session(self, request: DraftRequest) -> MedusaSession:
+        return MedusaSession(self, request)
+
+
+class HeadsSession(DraftSession):
+    """One request: the target's last known final hidden state, and chain drafting shared by Medusa and
+    Hydra (a subclass says what a head predicts after a path, and how a tree grows)."""
+
+    def __init__(self, drafter: MedusaDrafter, request: DraftRequest) -> None:
+        self.drafter = drafter
+        self.heads = drafter.heads
+        self.backend = drafter.backend
+        self.hidden_layers = (self.backend.num_layers,)
+        self.sampling = request.sampling
+        self.request = request
+        self.generator = request.torch_generator()
+        self.known = 0  # positions whose final hidden state the session has been given
+        self.last: torch.Tensor | None = None  # [H] the final hidden state of position known - 1
+
+    def observe_prompt(self, hidden: torch.Tensor) -> None:
+        self.last, self.known = hidden[-1], hidden.shape[0]
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        if feedback.target_hidden is not None:
+            rows = feedback.target_hidden[feedback.accepted_rows]
+            self.last, self.known = rows[-1], self.known + rows.shape[0]
+
+    @torch.inference_mode()
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        depth = min(max_tokens, self.heads.config.num_heads)
+        if self.last is None or depth <= 0 or self.known != len(context) - 1:
+            return Draft(tokens=[])  # no feature of the position before the last token: nothing to draft from
+        self._start(context)
+        if self.sampling.greedy and self.drafter.tree_nodes > 0:
+            return self._tree(depth)
+        return self._chain(depth)
+
+    def _start(self, context: list[int]) -> None:
+        """Prepare a step's drafting (after ``self.last`` is current)."""
+
+    @abstractmethod
+    def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
+        """Head ``k``'s draft-vocabulary logits [len(paths), draft_vocab] after each path of k draft tokens."""
+
+    @abstractmethod
+    def _tree(self, depth: int) -> Draft:
+        """A greedy request's draft tree, at most ``depth`` deep."""
+
+    def _chain(self, depth: int) -> Draft:
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        confidence: list[float] = []
+        for k in range(depth):
+            logits = self._head_logits(k, [tokens])[0]
+            if self.sampling.greedy:
+                choice = int(logits.argmax())
+                token, conf = int(self.drafter.target_ids[choice]), float(torch.softmax(logits, -1)[choice])
+            else:
+                full = logits.new_full((self.heads.config.target_vocab_size,), float("-inf"))
+                full[self.drafter.target_ids] = logits
+                probs = sampling_probs(full, self.sampling)
+                token = sample(probs, self.generator)
+                conf = float(probs[token])
+                rows.append(probs)
+            tokens.append(token)
+            confidence.append(conf)
+            if self.request.stop(confidence):
+                break
+        return Draft(tokens, probs=torch.stack(rows) if rows else None, confidence=confidence)
+
+
+class MedusaSession(HeadsSession):
+    """Medusa: every head's guess is computed at once from the one hidden state, whatever was drafted."""
+
+    def _start(self, context: list[int]) -> None:
+        outputs = torch.stack([self.heads.head(k, self.last) for k in range(self.heads.config.num_heads)])
+        self.logits = self.heads.logits(outputs)  # [K, draft_vocab]: one LM-head call for all heads
+
+    def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
+        return self.logits[k].expand(len(paths), -1)
+
+    def _tree(self, depth: int) -> Draft:
+        """The ``tree_nodes`` best paths of the heads' top-k Cartesian product, best first: a node enters
+        when popped, and only then are its children (the next head's top-k) candidates."""
+        logprobs, ids = torch.log_softmax(self.logits[:depth], dim=-1).topk(self.drafter.top_k, dim=-1)
+        logprobs, tokens = logprobs.tolist(), self.drafter.target_ids[ids].tolist()
+        # Heap entries: (-score, depth, tie-break, parent index, rank in its head's top-k).
+        heap = [(-logprobs[0][r], 1, r, -1, r) for r in range(len(tokens[0]))]
+        heapq.heapify(heap)
+        out_tokens: list[int] = []
+        parents: list[int] = []
+        confidence: list[float] = []
+        counter = len(heap)
+        while heap and len(out_tokens) < self.drafter.tree_nodes:
+            negative, level, _, parent, rank = heapq.heappop(heap)
+            index = len(out_tokens)
+            out_tokens.append(tokens[level - 1][rank])
+            parents.append(parent)
+            confidence.append(math.exp(logprobs[level - 1][rank]))
+            if level < depth:
+                for child, logprob in enumerate(logprobs[level]):
+                    heapq.heappush(heap, (negative - logprob, level + 1, counter, index, child))
+                    counter += 1
+        return Draft(tokens=out_tokens, parents=parents, confidence=confidence)

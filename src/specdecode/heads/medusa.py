@@ -1,0 +1,161 @@
+"""Medusa and Hydra draft heads: small blocks over the target's final hidden state, one per draft depth.
+
+Medusa (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads",
+2024): head k reads the final hidden state h of the last position whose feature is known and predicts
+the token k positions after the last context token, through one residual block ``h + SiLU(W h + b)``
+and an LM head.  The heads are independent of one another, so all of them run in one batched call.
+
+Hydra (Ankner et al., "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding", 2024): head k
+also reads the embeddings of the last context token and of the k-1 tokens drafted before it — its
+block is ``h + SiLU(W [h; e_0; ...; e_{k-1}] + b)`` — so that its guess follows what was drafted, which
+Medusa's heads cannot do (their guesses for depths 2+ ignore depth 1's token).
+
+The LM head is the target's own, restricted to a VocabTrim draft vocabulary (the ids the target emits
+most often) and frozen: one ``lm_head`` shared by every head, so a head costs a few H x H products and
+the restricted head's matmul on a CPU rather than a full-vocabulary projection per head.
+
+Storage follows vLLM's ``MedusaModel`` names (``speculators`` 0.9 has no Medusa or Hydra layout):
+``blocks.{k}.layers.0.{weight,bias}``, ``token_map`` (the target id of each draft id); the shared
+``lm_head.weight`` [draft_vocab, H] is stored once where vLLM stores ``lm_heads.{k}`` per head.
+``config.json`` + ``model.safetensors`` + a SHA-256 ``manifest.json``, as for EAGLE heads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.storage import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, _sha256
+from specdecode.models.base import HiddenStates, LayerwiseExecution
+
+KINDS = ("medusa", "hydra")
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    """Everything needed to build :class:`DraftHeads` (saved with them)."""
+
+    kind: str  # "medusa" or "hydra"
+    hidden_size: int
+    num_heads: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    target_num_layers: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown head kind {self.kind!r}")
+
+    def input_width(self, head: int) -> int:
+        """Inputs of head ``head`` (0-based): the hidden state, and for Hydra ``head + 1`` embeddings."""
+        return self.hidden_size * (1 if self.kind == "medusa" else head + 2)
+
+
+class ResidualBlock(nn.Module):
+    """Medusa's block, ``h + SiLU(W x + b)`` with x = h (Medusa) or [h; embeddings] (Hydra)."""
+
+    def __init__(self, inputs: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(inputs, hidden)])
+
+    def forward(self, hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        return hidden + F.silu(self.layers[0](inputs))
+
+
+class DraftHeads(nn.Module):
+    """K Medusa or Hydra heads sharing one frozen, vocabulary-trimmed LM head."""
+
+    def __init__(self, config: HeadsConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            ResidualBlock(config.input_width(k), config.hidden_size) for k in range(config.num_heads)
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
+
+    def head(self, k: int, hidden: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Head ``k``'s (0-based) output [..., H] for hidden states [..., H]; Hydra heads also take the
+        embeddings [..., k + 1, H] of the last context token and the k tokens drafted before."""
+        if self.config.kind == "medusa":
+            return self.blocks[k](hidden, hidden)
+        if embeds is None or embeds.shape[-2] != k + 1:
+            raise ValueError(f"hydra head {k} needs {k + 1} embeddings")
+        return self.blocks[k](hidden, torch.cat([hidden, embeds.flatten(-2)], dim=-1))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab] of head outputs."""
+        return self.lm_head(out).float()
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """[draft_vocab] the target id of each draft id."""
+        return self.token_map
+
+
+def heads_for_target(backend: object, kind: str, num_heads: int, draft_ids: torch.Tensor) -> DraftHeads:
+    """Fresh heads for ``backend`` drafting the target ids ``draft_ids``, with the target's own LM head
+    rows of those ids as the shared (frozen) LM head."""
+    if not isinstance(backend, HiddenStates) or not isinstance(backend, LayerwiseExecution):
+        raise SpecDecodeError(f"{kind} heads need a backend with hidden states and a reusable LM head")
+    weight = backend.output_weight()
+    ids = torch.as_tensor(draft_ids, dtype=torch.long).sort().values
+    config = HeadsConfig(kind, backend.hidden_size, num_heads, weight.shape[0], ids.numel(), backend.num_layers)
+    heads = DraftHeads(config)
+    with torch.no_grad():
+        heads.lm_head.weight.copy_(weight.index_select(0, ids.to(weight.device)).float())
+        heads.token_map.copy_(ids)
+    return heads
+
+
+def save_heads(heads: DraftHeads, directory: Path, verifier: str) -> None:
+    """Write ``heads`` to ``directory`` (created; files replaced atomically one by one)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in heads.state_dict().items()}
+    c = heads.config
+    config = {
+        "architectures": ["MedusaModel" if c.kind == "medusa" else "HydraModel"],
+        "model_type": c.kind,
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.target_vocab_size,
+        "truncated_vocab_size": c.draft_vocab_size,
+        "num_heads": c.num_heads,
+        "num_hidden_layers": 1,
+        "verifier": verifier,
+        "specdecode": asdict(c) | {"shared_lm_head": True},
+    }
+    for name, write in (
+        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
+        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2) + "\n")),
+    ):
+        tmp = directory / (name + ".tmp")
+        write(tmp)
+        tmp.replace(directory / name)
+    manifest = {name: _sha256(directory / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    (directory / MANIFEST_FILE).write_text(json.dumps({"sha256": manifest}, indent=2) + "\n")
+
+
+def load_heads(directory: Path, kind: str) -> DraftHeads:
+    """Read heads of ``kind`` written by :func:`save_heads`, after checking the SHA-256 manifest."""
+    try:
+        data = json.loads((directory / CONFIG_FILE).read_text())
+        if data.get("model_type") != kind:
+            raise SpecDecodeError(f"{directory} holds {data.get('model_type')!r} heads, not {kind!r} ones")
+        for name, digest in json.loads((directory / MANIFEST_FILE).read_text())["sha256"].items():
+            if _sha256(directory / name) != digest:
+                raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
+        fields = {key: value for key, value in data["specdecode"].items() if key != "shared_lm_head"}
+        heads = DraftHeads(HeadsConfig(**fields))
+        state = load_file(str(directory / WEIGHTS_FILE))
+        heads.load_state_dict({**state, "token_map": state["token_map"].long()})
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+        raise SpecDecodeError(f"cannot read {kind} heads {directory}: {exc}") from exc
+    return heads.eval()

@@ -1,0 +1,240 @@
+"""Train Medusa or Hydra heads for a target on a CPU: cached final hidden states, KL to the target.
+
+Data as for EAGLE (:mod:`specdecode.train.data`, :func:`specdecode.train.eagle.compute_features`): the
+target's own greedy answers and ShareGPT conversations the benchmark never draws, run through the target
+once; only the final hidden state of every position is kept.  Row j of a sequence is position j's hidden
+state; head k (1-based) learns the target's distribution of token j+1+k — what the target's LM head
+gives at position j+k — by KL over the draft vocabulary (VocabTrim, as in
+:mod:`specdecode.train.eagle`), summed over heads with Medusa's weights 0.8^(k-1) (Cai et al.: later
+heads are less certain, and Medusa-1 down-weights them).  Hydra heads are fed the data's tokens j+1..j+k
+(teacher forcing, as in Ankner et al.), which on self-distilled data are what a correct draft holds.
+
+Rows are taken in contiguous runs so that the teacher's distribution of each position is computed once
+for all heads.  The blocks start at zero (Medusa's initialisation): untrained heads repeat the target's
+own next-token distribution, a sensible start.  The shared LM head is the target's, frozen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.medusa import DraftHeads, heads_for_target
+from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
+from specdecode.train.eagle import Features, _Teacher, draft_vocabulary
+
+HEAD_WEIGHT = 0.8  # Medusa-1's per-head loss decay
+
+
+@dataclass
+class HeadsTrainConfig:
+    kind: str = "medusa"  # or "hydra"
+    num_heads: int = 4
+    draft_vocab: int = 8192  # VocabTrim: the heads' vocabulary (0: the target's whole vocabulary)
+    epochs: int = 4
+    run: int = 256  # contiguous rows per batch
+    lr: float = 1e-3
+    holdout: float = 0.05  # fraction of sequences kept out for the acceptance figures
+    seed: int = 0
+    checkpoint_seconds: float = 120.0
+
+
+@dataclass
+class HeadsTrainResult:
+    heads: DraftHeads
+    rows: int
+    held_out_rows: int
+    #: acceptance[k]: on held-out rows, how often head k's top-1 equals the target's (over the whole
+    #: vocabulary) given that heads 0..k-1 were right and the data followed them.
+    acceptance: list[float]
+    epoch_losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def expected_accepted(self) -> float:
+        """Tokens a greedy chain of ``len(acceptance)`` drafts would get accepted on average."""
+        total, survive = 0.0, 1.0
+        for rate in self.acceptance:
+            survive *= rate
+            total += survive
+        return total
+
+
+@dataclass
+class Stream:
+    """Every sequence end to end: ids [N + K + 1], final hidden states [N + K + 1, H] (padded so that a
+    run's look-ahead never falls off the end), and for each of the N real rows the index of its
+    sequence's last position."""
+
+    ids: torch.Tensor
+    finals: torch.Tensor
+    last: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.last.numel()
+
+
+def make_stream(features: list[Features], heads: int) -> Stream:
+    if not any(item.ids.numel() >= 2 for item in features):
+        raise SpecDecodeError("heads: no training rows (sequences need at least 2 tokens)")
+    ids = torch.cat([item.ids for item in features])
+    finals = torch.cat([item.final for item in features])
+    ends = torch.cumsum(torch.tensor([item.ids.numel() for item in features]), 0) - 1
+    last = torch.repeat_interleave(ends, torch.tensor([item.ids.numel() for item in features]))
+    return Stream(
+        ids=torch.cat([ids, ids.new_zeros(heads + 1)]),
+        finals=torch.cat([finals, finals.new_zeros(heads + 1, finals.shape[1])]),
+        last=last,
+    )
+
+
+def run_logits(
+    heads: DraftHeads, embed, stream: Stream, start: int, stop: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Rows start..stop-1: every head's draft logits [B, draft_vocab] and validity [B] (the token it
+    predicts lies in the row's sequence)."""
+    hidden = stream.finals[start:stop]
+    count, rows = stop - start, torch.arange(start, stop)
+    embeds = embed(stream.ids[start + 1 : stop + heads.config.num_heads]) if heads.config.kind == "hydra" else None
+    logits, valid = [], []
+    for k in range(heads.config.num_heads):
+        path = torch.stack([embeds[i : i + count] for i in range(k + 1)], dim=1) if embeds is not None else None
+        logits.append(heads.logits(heads.head(k, hidden, path)))
+        valid.append(rows + k + 1 <= stream.last[start:stop])
+    return logits, valid
+
+
+@torch.no_grad()
+def held_out_acceptance(heads: DraftHeads, backend: LayerwiseExecution, embed, stream: Stream, run: int) -> list[float]:
+    """Per head: P(top-1 == the target's full-vocabulary top-1 | earlier heads right, data followed them)."""
+    k_heads = heads.config.num_heads
+    right, tried = torch.zeros(k_heads), torch.zeros(k_heads)
+    full_head = backend.lm_head()
+    for start in range(0, stream.rows, run):
+        stop = min(start + run, stream.rows)
+        logits, valid = run_logits(heads, embed, stream, start, stop)
+        truths = backend.head_logits(stream.finals[start + 1 : stop + k_heads], full_head).argmax(-1)
+        still = torch.ones(stop - start, dtype=torch.bool)
+        for k in range(k_heads):
+            truth = truths[k : k + stop - start]
+            mask = still & valid[k]
+            tried[k] += mask.sum()
+            correct = mask & (heads.target_ids[logits[k].argmax(-1)] == truth)
+            right[k] += correct.sum()
+            still = correct & (stream.ids[start + k + 2 : stop + k + 2] == truth)
+    return (right / tried.clamp(min=1)).tolist()
+
+
+def train_heads(
+    target_backend: object,
+    features: list[Features],
+    config: HeadsTrainConfig,
+    progress: bool = False,
+    checkpoint: Path | None = None,
+) -> HeadsTrainResult:
+    """Fit fresh heads (or resume ``checkpoint``) to ``features`` computed for ``target_backend``."""
+    started = time.perf_counter()
+    backend = require_capability(target_backend, HiddenStates, f"{config.kind} training")
+    layerwise = require_capability(target_backend, LayerwiseExecution, f"{config.kind} training")
+    if not features:
+        raise SpecDecodeError(f"{config.kind}: no training data")
+    order = torch.randperm(len(features), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    n_eval = max(1, round(config.holdout * len(order))) if len(order) > 1 else 0
+    held = [features[i] for i in order[:n_eval]] or features
+    train = [features[i] for i in order[n_eval:]] or features
+
+    ids = draft_vocabulary(train, config.draft_vocab, layerwise.output_weight().shape[0])
+    heads = heads_for_target(target_backend, config.kind, config.num_heads, ids)
+    with torch.no_grad():
+        for block in heads.blocks:
+            block.layers[0].weight.zero_()
+            block.layers[0].bias.zero_()
+    teacher = _Teacher(layerwise, ids)
+    stream, held_stream = make_stream(train, config.num_heads), make_stream(held, config.num_heads)
+
+    def embed(tokens: torch.Tensor) -> torch.Tensor:
+        return backend.embed(tokens).clone()  # out of inference mode: autograd may save it
+
+    trainable = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
+    runs = math.ceil(stream.rows / config.run)
+    total = config.epochs * runs
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    )
+    done, losses = 0, []
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if state["config"] == heads.config and state["total"] == total:
+            heads.load_state_dict(state["heads"])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            done, losses = state["done"], state["losses"]
+    last_save = time.perf_counter()
+    heads.train()
+    with tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar:
+        for epoch in range(done // runs, config.epochs):
+            permutation = torch.randperm(runs, generator=torch.Generator().manual_seed(config.seed + epoch))
+            running, weight = 0.0, 0
+            for position, run in enumerate(permutation.tolist()):
+                if epoch * runs + position < done:
+                    continue
+                start, stop = run * config.run, min((run + 1) * config.run, stream.rows)
+                target = teacher.log_probs(stream.finals[start + 1 : stop + config.num_heads])
+                logits, valid = run_logits(heads, embed, stream, start, stop)
+                loss = torch.zeros(())
+                for k, (draft, ok) in enumerate(zip(logits, valid)):
+                    truth = target[k : k + stop - start]
+                    kl = (truth.exp() * (truth - torch.log_softmax(draft, dim=-1))).sum(-1)
+                    loss = loss + HEAD_WEIGHT**k * (kl * ok).sum() / ok.sum().clamp(min=1)
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+                optimizer.step()
+                schedule.step()
+                done += 1
+                running += float(loss.detach())
+                weight += 1
+                bar.update()
+                bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
+                if checkpoint is not None and time.perf_counter() - last_save > config.checkpoint_seconds:
+                    _save_checkpoint(checkpoint, heads, optimizer, schedule, done, total, losses)
+                    last_save = time.perf_counter()
+            losses.append(running / max(weight, 1))
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, heads, optimizer, schedule, done, total, losses)
+    heads.eval()
+    acceptance = held_out_acceptance(heads, layerwise, embed, held_stream, config.run)
+    valid_rows = (torch.arange(stream.rows) + 1 <= stream.last).sum()
+    held_rows = (torch.arange(held_stream.rows) + 1 <= held_stream.last).sum()
+    return HeadsTrainResult(
+        heads=heads,
+        rows=int(valid_rows),
+        held_out_rows=int(held_rows),
+        acceptance=acceptance,
+        epoch_losses=losses,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _save_checkpoint(path: Path, heads: DraftHeads, optimizer, schedule, done: int, total: int, losses) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "config": heads.config,
+        "heads": heads.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "schedule": schedule.state_dict(),
+        "done": done,
+        "total": total,
+        "losses": losses,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)

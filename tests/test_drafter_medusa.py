@@ -1,0 +1,224 @@
+"""The medusa and hydra drafters: greedy equality for any head weights (trees, chains, auto length,
+batches), training that gets drafts accepted, storage round trips and clear errors, and exact sampling."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import DRAWS, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, hf_greedy, run
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.draft_length import make_policy
+from specdecode.drafters import create_drafter
+from specdecode.drafters.base import DraftRequest
+from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
+from specdecode.models.base import DecoderShape, ForwardOutput, HiddenStates
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import sampling_probs
+from specdecode.train.eagle import compute_features
+from specdecode.train.medusa import HeadsTrainConfig, train_heads
+
+KINDS = ("medusa", "hydra")
+
+
+def random_heads(backend, kind: str, draft_vocab: int, seed: int = 0, num_heads: int = 4) -> DraftHeads:
+    torch.manual_seed(seed)
+    return heads_for_target(backend, kind, num_heads, torch.randperm(backend.vocab_size)[:draft_vocab])
+
+
+@pytest.fixture(scope="module")
+def features(tiny_target):
+    """The tiny target's own greedy continuations, through the target once.  A random tiny model's text
+    is close to noise that no head predicts on unseen prompts, so the test prompts' continuations are
+    in the data (each twice: holding one out for the acceptance figures leaves its twin), with others."""
+    backend = tiny_target.backend
+    generator = torch.Generator().manual_seed(0)
+    prompts = [*PROMPTS, *PROMPTS]
+    prompts += [torch.randint(0, backend.vocab_size, (5,), generator=generator).tolist() for _ in range(10)]
+    sequences = [prompt + hf_greedy(tiny_target, prompt, 30) for prompt in prompts]
+    return compute_features(backend, sequences, (), progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, features) -> dict[str, DraftHeads]:
+    """Heads of each kind trained for a second or two."""
+    config = {"epochs": 20, "run": 64, "lr": 1e-2, "draft_vocab": 64}
+    return {
+        kind: train_heads(tiny_target.backend, features, HeadsTrainConfig(kind=kind, **config)).heads for kind in KINDS
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tree_nodes", [0, 10])
+@pytest.mark.parametrize("draft_length", [3, "auto"])
+def test_greedy_output_is_plain_greedy_for_any_heads(tiny_target, trained, kind, tree_nodes, draft_length):
+    for heads in (random_heads(tiny_target.backend, kind, 40), trained[kind]):
+        drafter = create_drafter(kind, tiny_target, heads=heads, tree_nodes=tree_nodes, top_k=3)
+        for prompt in PROMPTS:
+            tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=draft_length)
+            assert tokens == hf_greedy(tiny_target, prompt, 24)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trained_heads_get_more_drafts_accepted(tiny_target, trained, kind):
+    def accepted(heads: DraftHeads, tree_nodes: int) -> int:
+        drafter = create_drafter(kind, tiny_target, heads=heads, tree_nodes=tree_nodes)
+        return sum(
+            run(tiny_target, drafter, p, max_new_tokens=24, num_draft_tokens=4)[1].stats.accepted_tokens
+            for p in PROMPTS[:2]
+        )
+
+    untrained = random_heads(tiny_target.backend, kind, 64)
+    for tree_nodes in (0, 10):
+        assert accepted(trained[kind], tree_nodes) > accepted(untrained, tree_nodes)
+
+
+def test_training_reports_acceptance_per_head(tiny_target, features):
+    config = HeadsTrainConfig(kind="hydra", num_heads=3, epochs=2, run=64, draft_vocab=0)
+    result = train_heads(tiny_target.backend, features, config)
+    assert len(result.acceptance) == 3 and all(0.0 <= rate <= 1.0 for rate in result.acceptance)
+    assert result.heads.config.draft_vocab_size == tiny_target.backend.vocab_size
+    assert result.rows > 0 and result.held_out_rows > 0 and len(result.epoch_losses) == 2
+
+
+def test_medusa_tree_is_the_best_paths_of_the_heads_top_k(tiny_target, trained):
+    """Medusa's tree: exactly the ``tree_nodes`` best paths of the heads' top-k product, parents first."""
+    drafter = create_drafter("medusa", tiny_target, heads=trained["medusa"], tree_nodes=9, top_k=3)
+    context = PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 6)
+    session = drafter.session(DraftRequest(tuple(PROMPTS[0])))
+    backend = tiny_target.backend
+    out = backend.forward(torch.tensor(context[:-1]), backend.new_cache(), hidden_layers=session.hidden_layers)
+    session.observe_prompt(out.hidden)
+    draft = session.propose(context, 3)
+    logprobs, ids = torch.log_softmax(session.logits[:3], dim=-1).topk(3, dim=-1)
+    tokens = drafter.target_ids[ids].tolist()
+    scores = {}
+    for ranks in itertools.product(range(3), repeat=3):
+        for depth in (1, 2, 3):
+            path = tuple(tokens[d][ranks[d]] for d in range(depth))
+            scores[path] = sum(float(logprobs[d, ranks[d]]) for d in range(depth))
+    expected = sorted(scores, key=scores.get, reverse=True)[:9]
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(draft.tokens, draft.parent_list):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    assert sorted(paths) == sorted(expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_equals_solo(tiny_target, trained, kind):
+    drafter = create_drafter(kind, tiny_target, heads=trained[kind])
+    engine = BatchEngine(
+        tiny_target.backend,
+        drafter,
+        lambda config, d: make_policy(config.num_draft_tokens),
+        frozenset(),
+        max_batch_size=3,
+    )
+    for i, prompt in enumerate(PROMPTS):
+        engine.submit(BatchRequest(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True), tag=i))
+    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
+    for event in engine.run():
+        got[event.tag] += event.new_tokens
+    for i, prompt in enumerate(PROMPTS):
+        assert got[i] == hf_greedy(tiny_target, prompt, 20)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_round_trip_through_storage(tiny_target, trained, kind, tmp_path):
+    save_heads(trained[kind], tmp_path / "heads", verifier="tiny")
+    config = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert config["model_type"] == kind and config["truncated_vocab_size"] == 64
+    loaded = load_heads(tmp_path / "heads", kind)
+    for name, value in trained[kind].state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    drafts = []
+    for heads in (trained[kind], str(tmp_path / "heads")):
+        drafter = create_drafter(kind, tiny_target, heads=heads)
+        tokens, outcome = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=4)
+        drafts.append((tokens, outcome.stats.drafted_tokens, outcome.stats.accepted_tokens))
+    assert drafts[0] == drafts[1]
+    (tmp_path / "heads" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SpecDecodeError, match="SHA-256"):
+        load_heads(tmp_path / "heads", kind)
+
+
+def test_missing_or_mismatched_heads_give_clear_errors(tiny_target, tiny_draft, trained, tmp_path):
+    for kind in KINDS:
+        with pytest.raises(SpecDecodeError, match=f"specdecode train {kind} --model"):
+            create_drafter(kind, tiny_target, heads=str(tmp_path / "nowhere"))
+    save_heads(trained["medusa"], tmp_path / "medusa", verifier="tiny")
+    with pytest.raises(SpecDecodeError, match="not 'hydra' ones"):
+        create_drafter("hydra", tiny_target, heads=str(tmp_path / "medusa"))
+    other = random_heads(tiny_draft.backend, "medusa", 16)  # the tiny draft model has another depth
+    with pytest.raises(SpecDecodeError, match="trained for another target"):
+        create_drafter("medusa", tiny_target, heads=other)
+    foreign = random_heads(tiny_target.backend, "hydra", 16)
+    with torch.no_grad():
+        foreign.lm_head.weight.mul_(2.0)  # same sizes, another model's LM head
+    with pytest.raises(SpecDecodeError, match="their LM head is not"):
+        create_drafter("hydra", tiny_target, heads=foreign)
+    with pytest.raises(SpecDecodeError, match="top-k"):
+        create_drafter("medusa", tiny_target, heads=trained["medusa"], top_k=0)
+
+
+# -- exact sampling with heads, on a toy model whose distribution is known ---------------------------
+
+
+class BigramFeatures(BigramLM, HiddenStates):
+    """The bigram toy with hidden states: every layer's "feature" of a token is a fixed random vector."""
+
+    hidden_size = 8
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__(table)
+        self.vectors = torch.randn(V, self.hidden_size, generator=torch.Generator().manual_seed(5))
+        self.dtype = torch.float32
+
+    def decoder_shape(self) -> DecoderShape:
+        return DecoderShape(8, 2, 1, 4, 16, 1e-6, 10000.0)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.vectors[tokens]
+
+    def forward_batch(self, inputs):
+        outputs = super().forward_batch(inputs)
+        return [
+            ForwardOutput(out.logits, torch.cat([self.vectors[item.tokens]] * len(item.hidden_layers), dim=-1))
+            if item.hidden_layers
+            else out
+            for item, out in zip(inputs, outputs)
+        ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_with_heads_reproduces_the_target_distribution(kind):
+    g = torch.Generator().manual_seed(3)
+    table = 2.0 * torch.randn(V, V, generator=g)
+    model = BigramFeatures(table)
+    target = LoadedModel(name="bigram", backend=model, tokenizer=None)
+    torch.manual_seed(1)
+    heads = DraftHeads(HeadsConfig(kind, model.hidden_size, 3, V, V - 1, model.num_layers))
+    heads.token_map.copy_(torch.randperm(V)[: V - 1].sort().values)  # one token is never drafted
+    drafter = create_drafter(kind, target, heads=heads)
+    sampling = SamplingParams(temperature=0.9, top_k=4)
+    counts = np.zeros((4, V, V))
+    produced, seed = 0, 0
+    while produced < DRAWS // 2:
+        config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=SamplingParams(0.9, 4, seed=seed))
+        previous = 0
+        for chunk in speculative_decode(model, drafter, [0, 1], config):
+            for position, token in enumerate(chunk):
+                counts[position, previous, token] += 1
+                previous = token
+            produced += len(chunk)
+        seed += 1
+    pvalues = chain_pvalues(counts, sampling_probs(table, sampling).numpy())
+    assert len(pvalues) >= 8
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues
+    assert counts[1:].sum() > 0  # drafts were accepted
