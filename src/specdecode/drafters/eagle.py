@@ -9,10 +9,11 @@ Per step: the positions verified last step are fed to the head with their true f
 its last output predicts the first draft token.  Greedy requests then grow an EAGLE-2 tree: at each depth
 the ``top_k`` nodes with the highest cumulative draft log-probability are expanded (one head call per
 depth, each node seeing its ancestors only), each into its ``top_k`` likeliest tokens; at the end the
-``tree_nodes`` best nodes of the whole tree are verified (a parent always scores at least as high as its
-children, so they form a tree).  Sampled requests draft a chain sampled from the head's distribution
-(returned with the draft, so rejection sampling stays exact); so do greedy ones with ``tree_nodes=0``.
-Tokens outside the head's draft vocabulary are never drafted — which cannot change the output.
+best nodes of the whole tree are verified (a parent always scores at least as high as its children, so
+they form a tree): ``tree_nodes`` of them, or by default as many as pay for their verification cost.
+Sampled requests draft a chain sampled from the head's distribution (returned with the draft, so
+rejection sampling stays exact); so do greedy ones with ``tree_nodes=0``.  Tokens outside the head's
+draft vocabulary are never drafted, which cannot change the output.
 """
 
 from __future__ import annotations
@@ -31,11 +32,17 @@ from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.storage import load_eagle, to_backend
 from specdecode.models.artifacts import trained_artifact_path
 from specdecode.models.base import HiddenStates, require_capability
+from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft, StepFeedback
 
 HEAD_DIR = "eagle-head"
+#: Most nodes an automatically sized tree verifies.
+MAX_TREE_NODES = 48
+#: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
+#: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
+DRAFT_SHARE = 0.3
 
 
 @register_drafter("eagle")
@@ -46,20 +53,55 @@ class EagleDrafter(Drafter):
     needs_training: ClassVar[bool] = True
 
     def __init__(
-        self, target: LoadedModel, head: str | EagleHead | None = None, top_k: int = 4, tree_nodes: int = 16
+        self,
+        target: LoadedModel,
+        head: str | EagleHead | None = None,
+        top_k: int = 4,
+        tree_nodes: int | str = "auto",
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"eagle: top-k must be a positive integer, got {top_k!r}")
-        if not isinstance(tree_nodes, int) or tree_nodes < 0:
-            raise SpecDecodeError(f"eagle: tree-nodes must be an integer >= 0 (0: a chain), got {tree_nodes!r}")
+        if tree_nodes != "auto" and (not isinstance(tree_nodes, int) or tree_nodes < 0):
+            raise SpecDecodeError(
+                f"eagle: tree-nodes must be 'auto' or an integer >= 0 (0: a chain), got {tree_nodes!r}"
+            )
         loaded = head if isinstance(head, EagleHead) else self._load(target, head)
         self._check(loaded, target)
         self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.tree_nodes = tree_nodes
+        self._curve: tuple[float, ...] | None = None
+
+    def verification_cost(self, width: int) -> float:
+        """A verification forward over ``width`` inputs relative to one (measured once per target)."""
+        if self._curve is None:
+            self._curve = relative_cost_curve(self.target.backend) or (1.0,)
+        curve = self._curve
+        if width <= len(curve):
+            return curve[width - 1]
+        slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
+        return curve[-1] + slope * (width - len(curve))
+
+    def tree_size(self, probabilities: list[float]) -> int:
+        """How many of the nodes (their path probabilities, best first) to verify.
+
+        Fixed, or with ``tree_nodes=auto`` the count that maximises expected tokens per step over its cost:
+        a node's path probability is the draft's estimate that verification reaches it, so N nodes yield
+        about 1 + (the sum of the N best), and cost ``DRAFT_SHARE`` (drafting and bookkeeping, already
+        spent) plus the measured verification cost of N + 1 inputs — EAGLE-2's reranking, sized by the
+        target's own cost curve instead of a constant."""
+        if self.tree_nodes != "auto":
+            return min(self.tree_nodes, len(probabilities))
+        best, best_rate, gain = 1, 0.0, 1.0
+        for count, probability in enumerate(probabilities[:MAX_TREE_NODES], start=1):
+            gain += probability
+            rate = gain / (DRAFT_SHARE + self.verification_cost(count + 1))
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return best
 
     @staticmethod
     def _load(target: LoadedModel, head: str | None) -> EagleHead:
@@ -70,7 +112,7 @@ class EagleDrafter(Drafter):
                 f"drafter 'eagle' needs a head trained for {target.name!r}{where}: run "
                 f"`specdecode train eagle --model {target.name}` first, or pass --drafter-option head=DIR"
             )
-        return load_eagle(path)
+        return load_eagle(path, target_num_layers=target.backend.num_layers)
 
     def _check(self, head: EagleHead, target: LoadedModel) -> None:
         config, backend = head.config, self.backend
@@ -128,7 +170,7 @@ class EagleSession(DraftSession):
         root = self._catch_up(context)
         if root is None or max_tokens <= 0:
             return Draft(tokens=[])
-        if self.sampling.greedy and self.drafter.tree_nodes > 0:
+        if self.sampling.greedy and self.drafter.tree_nodes != 0:
             return self._tree(root, len(context), max_tokens)
         return self._chain(root, len(context), max_tokens)
 
@@ -187,7 +229,7 @@ class EagleSession(DraftSession):
         return self.head.config.target_vocab_size
 
     def _tree(self, root: torch.Tensor, length: int, max_depth: int) -> Draft:
-        top_k, budget = self.drafter.top_k, self.drafter.tree_nodes
+        top_k = self.drafter.top_k
         nodes: list[_Node] = []
         frontier = self._children(root, -1, 0.0, 1, nodes)
         for depth in range(1, max_depth):
@@ -197,7 +239,8 @@ class EagleSession(DraftSession):
             for index, out in zip(expand, outputs):
                 frontier += self._children(out, index, nodes[index].score, depth + 1, nodes)
         # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
-        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))[:budget]
+        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))
+        best = ranked[: self.drafter.tree_size([math.exp(nodes[i].score) for i in ranked])]
         order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].score))
         index_of = {old: new for new, old in enumerate(order)}
         return Draft(
