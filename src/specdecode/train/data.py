@@ -12,6 +12,7 @@ task in a seeded order; training starts after :data:`BENCH_PROMPTS_SKIPPED` of t
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -58,22 +59,21 @@ def prompt_ids(target: LoadedModel, tasks: list[str], n: int, seed: int) -> list
     return [_encode_user_prompt(target, text) for text in texts]
 
 
-def self_distilled(
-    target: LoadedModel, prompts: list[list[int]], new_tokens: int, max_prompt_tokens: int, progress: bool
-) -> list[list[int]]:
-    """Each prompt (cut to its last ``max_prompt_tokens``) followed by the target's greedy answer."""
+def self_distill(
+    target: LoadedModel, prompts: list[list[int]], new_tokens: int, max_prompt_tokens: int, skip: int = 0
+) -> Iterator[list[int]]:
+    """Each prompt (cut to its last ``max_prompt_tokens``) followed by the target's greedy answer, yielded
+    one by one as generated (with a progress bar), after ``skip`` prompts already done."""
     from specdecode.drafters import create_drafter
     from specdecode.engine import speculative_decode
 
     lookup = create_drafter("pld", target)
     generation = GenerationConfig(max_new_tokens=new_tokens, num_draft_tokens=8)
     eos = frozenset(target.backend.eos_token_ids)
-    out = []
-    for prompt in tqdm(prompts, desc="self-distilling", unit="prompt", disable=not progress):
+    for prompt in tqdm(prompts[skip:], desc="self-distilling", unit="prompt", initial=skip, total=len(prompts)):
         prompt = prompt[-max_prompt_tokens:]
         answer = [t for chunk in speculative_decode(target.backend, lookup, prompt, generation, eos) for t in chunk]
-        out.append(prompt + answer)
-    return out
+        yield prompt + answer
 
 
 def sharegpt_conversations(target: LoadedModel, n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:

@@ -22,8 +22,16 @@ def _work_dir(out: Path) -> Path:
     return out.with_name(out.name + ".work")
 
 
+#: Sequences per cached feature shard: an interrupted collection loses at most this many forwards.
+SHARD = 16
+
+
 def _features(target, args: argparse.Namespace, tasks: list[str], work: Path, aux_layers) -> list:
-    from specdecode.train.data import prompt_ids, self_distilled, sharegpt_conversations
+    """The training data's target features, computed once: self-distilled answers are appended to a file
+    as they are generated and features are saved in shards, so an interrupted run resumes where it was."""
+    from tqdm import tqdm
+
+    from specdecode.train.data import prompt_ids, self_distill, sharegpt_conversations
     from specdecode.train.eagle import Features, compute_features
 
     key = {
@@ -37,20 +45,40 @@ def _features(target, args: argparse.Namespace, tasks: list[str], work: Path, au
         "aux": list(aux_layers),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    cached = work / f"features-{digest}.pt"
-    if cached.is_file():
-        print(f"using cached target features {cached}")
-        return [Features(**item) for item in torch.load(cached, weights_only=True)]
-    sequences = self_distilled(
-        target, prompt_ids(target, tasks, args.prompts, args.seed), args.new_tokens, args.max_tokens, progress=True
+    work.mkdir(parents=True, exist_ok=True)
+    whole = work / f"features-{digest}.pt"  # written by earlier versions in one piece
+    if whole.is_file():
+        print(f"using cached target features {whole}")
+        return [Features(**item) for item in torch.load(whole, weights_only=True)]
+
+    distilled_file = work / f"distilled-{digest}.jsonl"
+    sequences = (
+        [json.loads(line) for line in distilled_file.read_text().splitlines()] if distilled_file.is_file() else []
     )
+    prompts = prompt_ids(target, tasks, args.prompts, args.seed)
+    with distilled_file.open("a") as sink:
+        for sequence in self_distill(target, prompts, args.new_tokens, args.max_tokens, skip=len(sequences)):
+            sink.write(json.dumps(sequence) + "\n")
+            sink.flush()
+            sequences.append(sequence)
     if args.conversations:
         sequences += sharegpt_conversations(target, args.conversations, args.max_tokens, args.seed)
-    features = compute_features(target.backend, sequences, aux_layers, progress=True)
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(cached.name + ".tmp")
-    torch.save([{"ids": f.ids, "aux": f.aux, "final": f.final} for f in features], tmp)
-    tmp.replace(cached)
+
+    shards = work / f"features-{digest}"
+    shards.mkdir(exist_ok=True)
+    features: list[Features] = []
+    with tqdm(total=len(sequences), desc="target features", unit="seq") as bar:
+        for start in range(0, len(sequences), SHARD):
+            shard = shards / f"{start // SHARD:05d}.pt"
+            if shard.is_file():
+                part = [Features(**item) for item in torch.load(shard, weights_only=True)]
+            else:
+                part = compute_features(target.backend, sequences[start : start + SHARD], aux_layers, progress=False)
+                tmp = shard.with_name(shard.name + ".tmp")
+                torch.save([{"ids": f.ids, "aux": f.aux, "final": f.final} for f in part], tmp)
+                tmp.replace(shard)
+            features += part
+            bar.update(len(part))
     return features
 
 
