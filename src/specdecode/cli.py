@@ -19,6 +19,7 @@ from pathlib import Path
 from specdecode.bench.cli import add_bench_command
 from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
+from specdecode.heads.cli import add_export_command
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.server.cli import add_serve_command
 from specdecode.verbosity import quiet_third_party
@@ -373,6 +374,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
     add_bench_command(commands)
     add_serve_command(commands)
+    add_export_command(commands)
     if with_train:
         from specdecode.train.cli import add_train_command
 

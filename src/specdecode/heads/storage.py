@@ -1,74 +1,158 @@
 """Saving and loading trained draft heads in vLLM's ``speculators`` layout.
 
-A head directory holds ``config.json`` (the ``speculators`` config: ``speculators_model_type``, the
-decoder layer's config, draft and target vocabulary sizes, the target layers fused, the verifier's
-name), ``model.safetensors`` (the state dict under ``speculators``' names) and ``manifest.json`` (SHA-256
-of both, checked on load).  So a head trained here loads in vLLM, and a head trained elsewhere for a
-model we can load drafts here (``--drafter-option head=DIR``).
+A head directory holds ``config.json`` (the ``speculators`` 0.9 config of an EAGLE-3 head: the decoder
+layer's config, draft and target vocabulary sizes, the target layers fused, the verifier's name),
+``model.safetensors`` (the state dict under ``speculators``' names) and ``manifest.json`` (SHA-256 of both,
+checked on load).  So a head trained here loads in vLLM and ``speculators``, and a head trained with
+``speculators`` for a model we can load drafts here (``--drafter-option head=DIR``).
+
+What the two readers expect, from ``speculators`` 0.9.0 (``Eagle3SpeculatorConfig``, ``Eagle3DraftModel``,
+``DraftVocabMixin``) and vLLM (``llama_eagle3.py``, ``transformers_utils/configs/speculators``):
+
+- ``norm_before_residual`` written out: ``speculators`` reads a missing one as false, vLLM as true;
+- ``d2t`` int64 offsets [draft_vocab] and ``t2d`` bool [target_vocab], both or neither: neither when the
+  draft vocabulary is the whole vocabulary (``speculators`` then has no such buffers);
+- no ``embed_tokens.weight``: vLLM and ``speculators`` then take the verifier's embedding, as we do;
+- vLLM's ``fc`` always reads three target layers, and the decoder layer is built as Llama's.
+
+Heads written by ``speculators`` carry copies of the verifier's weights (``embed_tokens``,
+``verifier_lm_head``, ``verifier_norm``), which we ignore, and no ``manifest.json``.  Options of theirs
+that we do not implement (``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``, more
+than one layer, Qwen3's q/k norms, scaled RoPE, sliding windows, biases) are refused rather than drafted from wrongly.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.eagle import EagleConfig, EagleHead
+from specdecode.heads.eagle import EagleConfig, EagleHead, default_aux_layers
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
+SPECULATORS_VERSION = "0.9.0"
+# speculators' copies of the verifier's weights: the target's own are used instead.
+VERIFIER_TENSORS = frozenset({"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"})
+# speculators' EAGLE-3 options, each false in the heads we can run.
+UNSUPPORTED_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
-def eagle_speculators_config(config: EagleConfig, verifier: str, speculative_tokens: int = 5) -> dict:
-    """``config.json`` of an EAGLE-3 head in ``speculators``' format (0.9)."""
+@dataclass(frozen=True)
+class Verifier:
+    """The target a head drafts for, as ``speculators_config.verifier`` names it (``name_or_path``: a
+    Hugging Face id or a path; ``architectures``: those of its config.json)."""
+
+    name_or_path: str
+    architectures: tuple[str, ...] = ()
+    max_position_embeddings: int | None = None
+
+
+def eagle_speculators_config(config: EagleConfig, verifier: Verifier, speculative_tokens: int = 5) -> dict:
+    """``config.json`` of an EAGLE-3 head in ``speculators``' format (0.9), as its config classes write it.
+
+    ``target_num_layers`` goes in a ``specdecode`` section (``speculators`` keeps unknown keys): a head
+    fuses layers by index, and the depth lets us refuse a head made for another model."""
+    layer = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "vocab_size": config.target_vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+    if verifier.max_position_embeddings is not None:
+        layer["max_position_embeddings"] = verifier.max_position_embeddings
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
-        "speculators_version": "0.9.0",
+        "speculators_version": SPECULATORS_VERSION,
         "draft_vocab_size": config.draft_vocab_size,
         "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
         "target_hidden_size": config.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(config.aux_layers),
-        "transformer_layer_config": {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": config.hidden_size,
-            "num_attention_heads": config.num_heads,
-            "num_key_value_heads": config.num_kv_heads,
-            "head_dim": config.head_dim,
-            "intermediate_size": config.intermediate_size,
-            "num_hidden_layers": 1,
-            "rms_norm_eps": config.rms_norm_eps,
-            "rope_theta": config.rope_theta,
-            "vocab_size": config.target_vocab_size,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-        },
+        "transformer_layer_config": layer,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
-            "verifier": {"name_or_path": verifier, "architectures": []},
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)},
         },
         "specdecode": {"target_num_layers": config.target_num_layers},
     }
 
 
-def _eagle_config_from(data: dict) -> EagleConfig:
+def _refuse_unsupported(data: dict, layer: dict) -> None:
+    """Raise for any option of the head that drafting here would not reproduce."""
+    if "norm_before_residual" not in data:
+        raise SpecDecodeError(
+            "the head's config.json does not say norm_before_residual (speculators reads that as false, "
+            "vLLM as true): add it"
+        )
+    flags = [name for name in ("norm_before_residual", *UNSUPPORTED_FLAGS) if data.get(name)]
+    if flags:
+        raise SpecDecodeError(f"EAGLE-3 heads with {', '.join(flags)} are not supported")
+    model_type = layer.get("model_type")
+    if model_type != "llama":
+        raise SpecDecodeError(
+            f"only Llama-style EAGLE-3 decoder layers are supported, this head's is {model_type or 'unnamed'!r}"
+        )
+    if int(layer.get("num_hidden_layers", 1)) != 1:
+        raise SpecDecodeError(f"only one-layer EAGLE-3 heads are supported, this one has {layer['num_hidden_layers']}")
+    for name in ("attention_bias", "mlp_bias"):
+        if layer.get(name):
+            raise SpecDecodeError(f"EAGLE-3 heads with {name} are not supported")
+    if layer.get("hidden_act", "silu") != "silu":
+        raise SpecDecodeError(f"EAGLE-3 heads with hidden_act {layer['hidden_act']!r} are not supported")
+    if any(kind != "full_attention" for kind in layer.get("layer_types") or ()):
+        raise SpecDecodeError(f"EAGLE-3 heads with sliding-window attention ({layer['layer_types']}) are not supported")
+    rope = layer.get("rope_scaling") or layer.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise SpecDecodeError(f"EAGLE-3 heads with scaled RoPE ({rope}) are not supported")
+    target_hidden = data.get("target_hidden_size")
+    if target_hidden is not None and int(target_hidden) != int(layer["hidden_size"]):
+        raise SpecDecodeError(
+            f"EAGLE-3 heads whose width ({layer['hidden_size']}) differs from the target's ({target_hidden}) "
+            "are not supported"
+        )
+
+
+def _eagle_config_from(data: dict, target_num_layers: int | None) -> EagleConfig:
     layer = data["transformer_layer_config"]
+    _refuse_unsupported(data, layer)
     heads = int(layer["num_attention_heads"])
     hidden = int(layer["hidden_size"])
-    aux = data.get("eagle_aux_hidden_state_layer_ids")
-    target_layers = data.get("specdecode", {}).get("target_num_layers")
-    if not aux or target_layers is None:
-        raise SpecDecodeError("the head's config names no target layers (eagle_aux_hidden_state_layer_ids)")
+    # Our own heads record the target's depth; speculators' leave it to the verifier they are used with.
+    depth = data.get("specdecode", {}).get("target_num_layers", target_num_layers)
+    if depth is None:
+        raise SpecDecodeError("the head's config names no target depth: load it with its target model")
+    aux = data.get("eagle_aux_hidden_state_layer_ids") or default_aux_layers(int(depth))
+    rope = layer.get("rope_parameters") or {}
     return EagleConfig(
         hidden_size=hidden,
         num_heads=heads,
@@ -76,11 +160,11 @@ def _eagle_config_from(data: dict) -> EagleConfig:
         head_dim=int(layer.get("head_dim") or hidden // heads),
         intermediate_size=int(layer["intermediate_size"]),
         rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(layer.get("rope_theta", 10000.0)),
+        rope_theta=float(layer.get("rope_theta", rope.get("rope_theta", 10000.0))),
         target_vocab_size=int(layer["vocab_size"]),
         draft_vocab_size=int(data["draft_vocab_size"]),
         aux_layers=tuple(int(i) for i in aux),
-        target_num_layers=int(target_layers),
+        target_num_layers=int(depth),
     )
 
 
@@ -92,10 +176,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_eagle(head: EagleHead, directory: Path, verifier: str) -> None:
+def save_eagle(head: EagleHead, directory: Path, verifier: str | Verifier) -> None:
     """Write ``head`` to ``directory`` (created; files replaced atomically one by one)."""
+    if isinstance(verifier, str):
+        verifier = Verifier(verifier)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in head.state_dict().items()}
+    if head.config.draft_vocab_size == head.config.target_vocab_size:
+        # The whole vocabulary: speculators has no vocabulary maps then, and would not expect them.
+        del tensors["d2t"], tensors["t2d"]
     config = eagle_speculators_config(head.config, verifier)
     for name, write in (
         (WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
@@ -108,8 +197,41 @@ def save_eagle(head: EagleHead, directory: Path, verifier: str) -> None:
     (directory / MANIFEST_FILE).write_text(json.dumps({"sha256": manifest}, indent=2) + "\n")
 
 
-def load_eagle(directory: Path) -> EagleHead:
-    """Read a head written by :func:`save_eagle` or by ``speculators`` (EAGLE-3, one layer)."""
+def _vocabulary(head: EagleHead, state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Set the head's draft vocabulary from ``d2t``/``t2d`` (taken out of ``state``), checking they agree.
+
+    Our heads keep draft ids in ascending target order; a ``d2t`` in another order (the format allows it)
+    is brought into ours by reordering ``lm_head``'s rows, which drafts exactly the same tokens."""
+    d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
+    config = head.config
+    if d2t is None and t2d is None:
+        if config.draft_vocab_size != config.target_vocab_size:
+            raise SpecDecodeError(
+                f"EAGLE head {directory} drafts {config.draft_vocab_size} of {config.target_vocab_size} tokens "
+                "but has no d2t/t2d to say which"
+            )
+        return
+    if d2t is None or t2d is None:
+        raise SpecDecodeError(f"EAGLE head {directory} has only one of d2t and t2d")
+    if d2t.shape != (config.draft_vocab_size,) or t2d.shape != (config.target_vocab_size,):
+        raise SpecDecodeError(
+            f"EAGLE head {directory}: d2t {tuple(d2t.shape)} and t2d {tuple(t2d.shape)} do not fit a draft "
+            f"vocabulary of {config.draft_vocab_size} in {config.target_vocab_size}"
+        )
+    ids = d2t.long() + torch.arange(config.draft_vocab_size)
+    if ids.min() < 0 or ids.max() >= config.target_vocab_size or ids.unique().numel() != ids.numel():
+        raise SpecDecodeError(f"EAGLE head {directory}: d2t maps to ids outside the target vocabulary or twice")
+    head.set_draft_vocabulary(ids)
+    if not torch.equal(head.t2d, t2d.bool()):
+        raise SpecDecodeError(f"EAGLE head {directory}: t2d does not mark the ids d2t maps to")
+    state["lm_head.weight"] = state["lm_head.weight"][ids.argsort()]
+
+
+def load_eagle(directory: Path, target_num_layers: int | None = None) -> EagleHead:
+    """Read a head written by :func:`save_eagle` or by ``speculators`` (EAGLE-3, one layer).
+
+    ``target_num_layers``: the depth of the target it will draft for, which ``speculators``' heads leave
+    out (and may leave the fused layers to: vLLM's default is layers 2, L/2 and L-3)."""
     try:
         data = json.loads((directory / CONFIG_FILE).read_text())
         if data.get("speculators_model_type") != "eagle3":
@@ -121,20 +243,27 @@ def load_eagle(directory: Path) -> EagleHead:
             for name, digest in json.loads(manifest.read_text())["sha256"].items():
                 if _sha256(directory / name) != digest:
                     raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
-        config = _eagle_config_from(data)
+        config = _eagle_config_from(data, target_num_layers)
         head = EagleHead(config)
         state = load_file(str(directory / WEIGHTS_FILE))
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise SpecDecodeError(f"cannot read EAGLE head {directory}: {exc}") from exc
-    # Heads trained elsewhere may leave out the vocabulary maps (full vocabulary) or carry verifier weights.
-    state = {name: tensor for name, tensor in state.items() if name in head.state_dict()}
-    if "d2t" in state:
-        state["d2t"] = state["d2t"].long()
-    if "t2d" in state:
-        state["t2d"] = state["t2d"].bool()
-    missing = set(head.state_dict()) - set(state) - {"d2t", "t2d"}
+    unknown = set(state) - set(head.state_dict()) - VERIFIER_TENSORS
+    if unknown:
+        raise SpecDecodeError(f"EAGLE head {directory} has weights we do not implement: {', '.join(sorted(unknown))}")
+    expected = {name: tensor.shape for name, tensor in head.state_dict().items() if name not in ("d2t", "t2d")}
+    missing = set(expected) - set(state)
     if missing:
         raise SpecDecodeError(f"EAGLE head {directory} lacks weights: {', '.join(sorted(missing))}")
+    wrong = [
+        f"{name} {tuple(state[name].shape)} (expected {tuple(shape)})"
+        for name, shape in expected.items()
+        if state[name].shape != shape
+    ]
+    if wrong:
+        raise SpecDecodeError(f"EAGLE head {directory} has weights of the wrong shape: {', '.join(wrong)}")
+    _vocabulary(head, state, directory)
+    state = {name: tensor for name, tensor in state.items() if name not in VERIFIER_TENSORS}
     head.load_state_dict(state, strict=False)
     return head.eval()
 
