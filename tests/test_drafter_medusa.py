@@ -3,14 +3,16 @@ batches), training that gets drafts accepted, storage round trips and clear erro
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import DRAWS, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, hf_greedy, run
+from helpers import DRAWS, PASS_P, PROMPTS, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.draft_length import make_policy
 from specdecode.drafters import create_drafter
@@ -19,8 +21,9 @@ from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
 from specdecode.models.base import DecoderShape, ForwardOutput, HiddenStates
-from specdecode.models.loading import LoadedModel
+from specdecode.models.loading import LoadedModel, load_model
 from specdecode.sampling import sampling_probs
+from specdecode.train.cli import add_train_command
 from specdecode.train.eagle import compute_features
 from specdecode.train.medusa import HeadsTrainConfig, train_heads
 
@@ -167,6 +170,28 @@ def test_missing_or_mismatched_heads_give_clear_errors(tiny_target, tiny_draft, 
         create_drafter("medusa", tiny_target, heads=trained["medusa"], top_k=0)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_command_saves_heads_where_the_drafter_looks(tiny_dirs, tmp_path, monkeypatch, capsys, kind):
+    model_dir = shutil.copytree(tiny_dirs["target"], tmp_path / "model")
+    assert_one_line_error(capsys, ["generate", "w1", "--model", str(model_dir), "--drafter", kind], f"train {kind}")
+    prompts = [[5 + i, 17, 22, 9] for i in range(4)]
+    monkeypatch.setattr("specdecode.train.data.prompt_ids", lambda target, tasks, n, seed: prompts[:n])
+    parser = argparse.ArgumentParser()
+    add_train_command(parser.add_subparsers(dest="command", required=True))
+    flags = ["--prompts", "4", "--new-tokens", "12", "--conversations", "0", "--epochs", "2", "--num-heads", "3"]
+    args = parser.parse_args(["train", kind, "--model", str(model_dir), *flags])
+    assert args.run(args) == 0
+    assert "top-1 acceptance per head" in capsys.readouterr().out
+    assert {"config.json", "model.safetensors", "manifest.json"} <= {
+        p.name for p in (model_dir / f"{kind}-heads").iterdir()
+    }
+    target = load_model(str(model_dir))
+    drafter = create_drafter(kind, target)  # found without options
+    assert drafter.heads.config.num_heads == 3
+    tokens, _ = run(target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=3)
+    assert tokens == hf_greedy(target, PROMPTS[0], 12)
+
+
 # -- exact sampling with heads, on a toy model whose distribution is known ---------------------------
 
 
@@ -222,3 +247,21 @@ def test_sampling_with_heads_reproduces_the_target_distribution(kind):
     assert len(pvalues) >= 8
     assert min(pvalues) > PASS_P / len(pvalues), pvalues
     assert counts[1:].sum() > 0  # drafts were accepted
+
+
+@pytest.mark.real_model
+def test_untrained_heads_keep_smollm2_greedy_output():
+    """Greedy equality on a real model for heads whose weights mean nothing (random blocks, the target's
+    LM head rows of 4096 random ids): medusa's tree, hydra's tree and chain."""
+    from specdecode.generator import SpeculativeGenerator
+
+    smollm2 = load_model("smollm2-135m")
+    prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    plain = SpeculativeGenerator.build(smollm2, "none")
+    prompt_ids = plain.encode_prompt(prompt, chat=True)
+    expected = hf_greedy(smollm2, prompt_ids, 32)
+    for kind, tree_nodes in (("medusa", 16), ("hydra", 16), ("hydra", 0)):
+        heads = random_heads(smollm2.backend, kind, 4096)
+        generator = SpeculativeGenerator.build(smollm2, kind, heads=heads, tree_nodes=tree_nodes)
+        result = generator.generate(prompt_ids, max_new_tokens=32, ignore_eos=True, num_draft_tokens=4)
+        assert result.token_ids == expected, (kind, tree_nodes)

@@ -34,6 +34,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     kangaroo.add_argument("--out", help="adapter file (default: next to the cached model, where the drafter looks)")
     kangaroo.set_defaults(run=cmd_train_kangaroo)
     add_eagle_command(methods)
+    add_heads_commands(methods)
 
 
 def cmd_train_kangaroo(args: argparse.Namespace) -> int:
@@ -115,3 +116,41 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     if not tasks:
         raise SpecDecodeError("--tasks names no task")
     return run_eagle_training(args, tasks)
+
+
+def add_heads_commands(methods: argparse._SubParsersAction) -> None:
+    """``train medusa`` and ``train hydra``: the eagle command's data flags, and the number of heads."""
+    helps = {
+        "medusa": "the heads of the medusa drafter (K residual blocks over the target's final hidden state)",
+        "hydra": "the heads of the hydra drafter (each also reads the tokens drafted before it)",
+    }
+    for kind, text in helps.items():
+        sub = methods.add_parser(kind, help=text)
+        sub.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+        sub.add_argument("--prompts", type=int, default=96, help="prompts the model answers itself (self-distillation)")
+        sub.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
+        sub.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
+        sub.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
+        sub.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
+        sub.add_argument("--draft-vocab", type=int, default=8192, help="VocabTrim: the heads' vocabulary (0: all)")
+        sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
+        sub.add_argument("--epochs", type=int, default=4)
+        sub.add_argument("--lr", type=float, default=1e-3)
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--out", help="heads directory (default: next to the cached model, where the drafter looks)")
+        sub.set_defaults(run=cmd_train_heads)
+
+
+def cmd_train_heads(args: argparse.Namespace) -> int:
+    from specdecode.train.medusa_run import run_heads_training
+
+    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", "num_heads"):
+        if getattr(args, flag) <= 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("conversations", "draft_vocab"):
+        if getattr(args, flag) < 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise SpecDecodeError("--tasks names no task")
+    return run_heads_training(args, tasks, args.method)
