@@ -48,7 +48,7 @@ class _Node:
 
 
 class HydraSession(HeadsSession):
-    def _start(self, context: list[int]) -> None:
+    def _start(self, context: list[int], depth: int) -> None:
         self.root = context[-1]
 
     def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:

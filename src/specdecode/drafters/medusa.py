@@ -131,13 +131,13 @@ class HeadsSession(DraftSession):
         depth = min(max_tokens, self.heads.config.num_heads)
         if self.last is None or depth <= 0 or self.known != len(context) - 1:
             return Draft(tokens=[])  # no feature of the position before the last token: nothing to draft from
-        self._start(context)
+        self._start(context, depth)
         if self.sampling.greedy and self.drafter.tree_nodes > 0:
             return self._tree(depth)
         return self._chain(depth)
 
-    def _start(self, context: list[int]) -> None:
-        """Prepare a step's drafting (after ``self.last`` is current)."""
+    def _start(self, context: list[int], depth: int) -> None:
+        """Prepare a step's drafting, ``depth`` deep (after ``self.last`` is current)."""
 
     @abstractmethod
     def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
@@ -173,9 +173,9 @@ class HeadsSession(DraftSession):
 class MedusaSession(HeadsSession):
     """Medusa: every head's guess is computed at once from the one hidden state, whatever was drafted."""
 
-    def _start(self, context: list[int]) -> None:
-        outputs = torch.stack([self.heads.head(k, self.last) for k in range(self.heads.config.num_heads)])
-        self.logits = self.heads.logits(outputs)  # [K, draft_vocab]: one LM-head call for all heads
+    def _start(self, context: list[int], depth: int) -> None:
+        outputs = torch.stack([self.heads.head(k, self.last) for k in range(depth)])
+        self.logits = self.heads.logits(outputs)  # [depth, draft_vocab]: one LM-head call for all heads
 
     def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
         return self.logits[k].expand(len(paths), -1)
@@ -183,7 +183,7 @@ class MedusaSession(HeadsSession):
     def _tree(self, depth: int) -> Draft:
         """The ``tree_nodes`` best paths of the heads' top-k Cartesian product, best first: a node enters
         when popped, and only then are its children (the next head's top-k) candidates."""
-        logprobs, ids = torch.log_softmax(self.logits[:depth], dim=-1).topk(self.drafter.top_k, dim=-1)
+        logprobs, ids = torch.log_softmax(self.logits, dim=-1).topk(self.drafter.top_k, dim=-1)
         logprobs, tokens = logprobs.tolist(), self.drafter.target_ids[ids].tolist()
         # Heap entries: (-score, depth, tie-break, parent index, rank in its head's top-k).
         heap = [(-logprobs[0][r], 1, r, -1, r) for r in range(len(tokens[0]))]
