@@ -13,12 +13,10 @@ for the context, as in SWIFT, which is an approximation that only changes what g
 engine (a drafter driven by hand) the drafter keeps a private copy of that cache, synced to the context with
 full-model forwards.
 
-Draft logits come from a :class:`DraftHead`: the target's own LM head restricted to a vocabulary subset (the
-first ``draft_vocab`` token ids — BPE and SentencePiece vocabularies put frequent pieces first — plus every
-token of the prompt). The full head is a large share of a shallow draft (49k rows on SmolLM2, 262k on Gemma
-3); the subset costs a few percent of it and covers ~97% of generated tokens. Greedy verification stays
-exact whatever is drafted; sampled drafts return a full-vocabulary distribution that is zero outside the
-subset, so speculative sampling stays lossless.
+Draft logits come from a VocabTrim head (:class:`~specdecode.drafters._vocab.DraftHead`): the target's
+own LM head restricted to the first ``draft_vocab`` token ids plus the prompt's.  The full head is a large
+share of a shallow draft (49k rows on SmolLM2, 262k on Gemma 3); the subset costs a few percent of it and
+covers ~97% of generated tokens.
 """
 
 from __future__ import annotations
@@ -27,14 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from specdecode.config import DEFAULT_DRAFT_VOCAB
+from specdecode.drafters._vocab import DraftHead
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.draft_model import common_prefix_length
-from specdecode.errors import SpecDecodeError
 from specdecode.models.base import KVCache, LayerwiseExecution, require_capability
-from specdecode.models.fastpath import PackedLinear, fast_path_supported
 from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft
 
@@ -80,63 +75,6 @@ def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a step yields when each of k draft tokens is accepted with probability ``acceptance``
     given its predecessors were (plus the target's own token)."""
     return sum(acceptance**i for i in range(k + 1))
-
-
-class DraftHead:
-    """The target's LM head restricted to the first ``size`` token ids (or a given ``base`` set, e.g. the
-    tokens a trained adapter saw) plus each request's prompt tokens.
-
-    ``size`` 0 (or at least the vocabulary) keeps the full head.  :meth:`for_prompt` copies the rows a
-    request needs (prepacked for oneDNN where the CPU supports it); the last set is reused while prompts
-    bring no new tokens."""
-
-    def __init__(
-        self, backend: LayerwiseExecution, size: int = DEFAULT_DRAFT_VOCAB, base: torch.Tensor | None = None
-    ) -> None:
-        if size < 0:
-            raise SpecDecodeError(f"draft_vocab must be >= 0, got {size!r}")
-        self.backend = backend
-        too_big = base is None and size >= backend.vocab_size
-        self.full = size == 0 or too_big or getattr(backend.lm_head(), "bias", None) is not None
-        self.base = base if base is not None else torch.arange(min(size, backend.vocab_size))
-        self._packed = fast_path_supported() and backend.device.type == "cpu"
-        self._last: HeadRows | None = None
-
-    def for_prompt(self, prompt_ids: tuple[int, ...] | list[int]) -> HeadRows:
-        if self.full:
-            return HeadRows(self.backend, None, None)
-        ids = torch.unique(torch.cat([self.base, torch.tensor(list(prompt_ids), dtype=torch.long)]))
-        last = self._last
-        if last is not None and last.ids is not None and torch.equal(ids, last.ids):
-            return last
-        weight = self.backend.output_weight().index_select(0, ids.to(self.backend.device)).contiguous()
-        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        rows.weight = nn.Parameter(weight, requires_grad=False)
-        self._last = HeadRows(self.backend, ids, PackedLinear(rows, tied=False) if self._packed else rows)
-        return self._last
-
-
-@dataclass
-class HeadRows:
-    """One request's draft head: the rows of ``ids`` (None: the full vocabulary)."""
-
-    backend: LayerwiseExecution
-    ids: torch.Tensor | None
-    rows: nn.Module | None
-
-    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
-        """Head logits for final-normed hidden states [n, d]: over ``ids``, or the full vocabulary."""
-        return (self.rows or self.backend.lm_head())(normed)
-
-    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Subset logits → full-vocabulary logits, -inf outside the subset."""
-        if self.ids is None:
-            return logits
-        out = logits.new_full((self.backend.vocab_size,), float("-inf"))
-        return out.index_copy_(0, self.ids.to(logits.device), logits)
-
-    def token(self, index: int) -> int:
-        return index if self.ids is None else int(self.ids[index])
 
 
 class SelfDraftSession:

@@ -22,16 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import (
-    DEFAULT_DRAFT_VOCAB,
-    CostModel,
-    DraftHead,
-    SelfDraftSession,
-    expected_tokens,
-    require_layer_backend,
-    tail,
-)
+from specdecode.drafters._self_draft import CostModel, SelfDraftSession, expected_tokens, require_layer_backend, tail
+from specdecode.drafters._vocab import DraftHead
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel

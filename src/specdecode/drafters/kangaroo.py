@@ -24,14 +24,10 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import (
-    DEFAULT_DRAFT_VOCAB,
-    DraftHead,
-    SelfDraftSession,
-    require_layer_backend,
-    tail,
-)
+from specdecode.drafters._self_draft import SelfDraftSession, require_layer_backend, tail
+from specdecode.drafters._vocab import DraftHead
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.artifacts import trained_artifact_path

@@ -18,14 +18,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import (
-    DEFAULT_DRAFT_VOCAB,
-    CostModel,
-    DraftHead,
-    SelfDraftSession,
-    require_layer_backend,
-)
+from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require_layer_backend
+from specdecode.drafters._vocab import DraftHead
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel

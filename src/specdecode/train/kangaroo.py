@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_DRAFT_VOCAB, GenerationConfig
 from specdecode.drafters import create_drafter
-from specdecode.drafters._self_draft import DEFAULT_DRAFT_VOCAB, require_layer_backend
+from specdecode.drafters._self_draft import require_layer_backend
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError

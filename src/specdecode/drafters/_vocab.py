@@ -1,0 +1,79 @@
+"""VocabTrim for drafters that run an LM head: the head restricted to a subset of the vocabulary.
+
+After Goel et al., "VocabTrim: Vocabulary Pruning for Efficient Speculative Decoding in LLMs".  On a CPU
+the LM head of a small model is a large share of a drafting step (49k-262k rows); drafting over the
+first ``draft_vocab`` token ids (BPE and SentencePiece vocabularies put frequent pieces first) plus the
+request's prompt tokens costs a fraction of it.  A token outside the subset is simply never drafted:
+verification is exact whatever is drafted, and sampled drafts report a full-vocabulary distribution that
+is zero outside the subset, so rejection sampling stays exact.  Used by the self-speculative drafters and
+by ``draft-model``; trained heads (EAGLE) carry their own subset from training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdecode.config import DEFAULT_DRAFT_VOCAB
+from specdecode.errors import SpecDecodeError
+from specdecode.models.base import LayerwiseExecution
+from specdecode.models.fastpath import PackedLinear, fast_path_supported
+
+
+class DraftHead:
+    """The target's LM head restricted to the first ``size`` token ids (or a given ``base`` set, e.g. the
+    tokens a trained adapter saw) plus each request's prompt tokens.
+
+    ``size`` 0 (or at least the vocabulary) keeps the full head.  :meth:`for_prompt` copies the rows a
+    request needs (prepacked for oneDNN where the CPU supports it); the last set is reused while prompts
+    bring no new tokens."""
+
+    def __init__(
+        self, backend: LayerwiseExecution, size: int = DEFAULT_DRAFT_VOCAB, base: torch.Tensor | None = None
+    ) -> None:
+        if size < 0:
+            raise SpecDecodeError(f"draft_vocab must be >= 0, got {size!r}")
+        self.backend = backend
+        too_big = base is None and size >= backend.vocab_size
+        self.full = size == 0 or too_big or getattr(backend.lm_head(), "bias", None) is not None
+        self.base = base if base is not None else torch.arange(min(size, backend.vocab_size))
+        self._packed = fast_path_supported() and backend.device.type == "cpu"
+        self._last: HeadRows | None = None
+
+    def for_prompt(self, prompt_ids: tuple[int, ...] | list[int]) -> HeadRows:
+        if self.full:
+            return HeadRows(self.backend, None, None)
+        ids = torch.unique(torch.cat([self.base, torch.tensor(list(prompt_ids), dtype=torch.long)]))
+        last = self._last
+        if last is not None and last.ids is not None and torch.equal(ids, last.ids):
+            return last
+        weight = self.backend.output_weight().index_select(0, ids.to(self.backend.device)).contiguous()
+        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        rows.weight = nn.Parameter(weight, requires_grad=False)
+        self._last = HeadRows(self.backend, ids, PackedLinear(rows, tied=False) if self._packed else rows)
+        return self._last
+
+
+@dataclass
+class HeadRows:
+    """One request's draft head: the rows of ``ids`` (None: the full vocabulary)."""
+
+    backend: LayerwiseExecution
+    ids: torch.Tensor | None
+    rows: nn.Module | None
+
+    def __call__(self, normed: torch.Tensor) -> torch.Tensor:
+        """Head logits for final-normed hidden states [n, d]: over ``ids``, or the full vocabulary."""
+        return (self.rows or self.backend.lm_head())(normed)
+
+    def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Subset logits → full-vocabulary logits, -inf outside the subset."""
+        if self.ids is None:
+            return logits
+        out = logits.new_full((self.backend.vocab_size,), float("-inf"))
+        return out.index_copy_(0, self.ids.to(logits.device), logits)
+
+    def token(self, index: int) -> int:
+        return index if self.ids is None else int(self.ids[index])
