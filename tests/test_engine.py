@@ -48,6 +48,18 @@ def test_draft_equal_to_target_accepts_everything(tiny_target):
     assert tokens == hf_greedy(tiny_target, PROMPTS[0], 10 * (k + 1))
 
 
+def test_draft_model_with_a_trimmed_vocabulary(tiny_target, tiny_draft):
+    """VocabTrim: drafting over the draft model's first ids (and the prompt's) keeps greedy output exact,
+    and sampling works over the subset."""
+    for prompt in PROMPTS:
+        drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, draft_vocab=48)
+        tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=32, num_draft_tokens=3)
+        assert tokens == hf_greedy(tiny_target, prompt, 32)
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    tokens, _ = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=3, sampling=sampled)
+    assert len(tokens) == 12
+
+
 def test_plain_decoding_takes_one_step_per_token(tiny_target):
     tokens, outcome = run(tiny_target, create_drafter("none", tiny_target), PROMPTS[0], max_new_tokens=20)
     assert outcome.stats.steps == 20 and outcome.stats.mean_accepted_tokens == 1.0

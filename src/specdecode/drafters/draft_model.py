@@ -3,6 +3,10 @@
 It keeps its own KV cache.  Instead of being told what was rejected, it re-synchronises on every
 ``propose``: the cache is cut back to the longest prefix it shares with the accepted context and
 only the missing tokens are fed — so rollback is exact whatever the verifier decided.
+
+``draft_vocab=N`` drafts over the draft model's LM head restricted to its first N ids and the prompt's
+(VocabTrim, :mod:`specdecode.drafters._vocab`): on a CPU a 0.5B model's 152k-row head is a quarter of
+its forward.  Tokens outside are never drafted, which cannot change the output.
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._vocab import DraftHead, HeadRows
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import CausalLM
+from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
 from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft
@@ -30,7 +35,7 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class DraftModelDrafter(Drafter):
     provides_probs = True
 
-    def __init__(self, target: LoadedModel, draft_model: str | LoadedModel | None = None) -> None:
+    def __init__(self, target: LoadedModel, draft_model: str | LoadedModel | None = None, draft_vocab: int = 0) -> None:
         super().__init__(target)
         if draft_model is None:
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
@@ -40,16 +45,26 @@ class DraftModelDrafter(Drafter):
             else load_model(draft_model, device=target.backend.device)
         )
         check_same_vocabulary(target, self.draft)
+        # VocabTrim: the draft model's LM head over its first ``draft_vocab`` ids and the prompt's (0: all).
+        self.head = None
+        if draft_vocab:
+            backend = require_capability(self.draft.backend, LayerwiseExecution, "draft-model with draft_vocab")
+            require_capability(backend, HiddenStates, "draft-model with draft_vocab")
+            self.head = DraftHead(backend, draft_vocab)
 
     def session(self, request: DraftRequest) -> DraftModelSession:
-        return DraftModelSession(self.draft.backend, request)
+        rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
+        return DraftModelSession(self.draft.backend, request, rows)
 
 
 class DraftModelSession(DraftSession):
     """One request: the draft model's own cache of it, its sampling and random stream."""
 
-    def __init__(self, backend: CausalLM, request: DraftRequest) -> None:
+    def __init__(self, backend: CausalLM, request: DraftRequest, head: HeadRows | None = None) -> None:
         self.backend = backend
+        self.head = head if head is not None and head.ids is not None else None
+        self._final = (backend.num_layers,)
+        self._no_rows = torch.empty(0, dtype=torch.long)
         self.request = request
         self.sampling = request.sampling
         self.generator = request.torch_generator()
@@ -61,7 +76,10 @@ class DraftModelSession(DraftSession):
         model's probability of it (its confidence, for the draft-length policy's stop rule)."""
         if self.sampling.greedy:
             top = logits.float().softmax(-1).max(-1)
-            return int(top.indices), None, float(top.values)
+            index = int(top.indices)
+            return (self.head.token(index) if self.head else index), None, float(top.values)
+        if self.head is not None:
+            logits = self.head.full_vocab(logits)
         probs = sampling_probs(logits, self.sampling).cpu()
         token = sample(probs, self.generator)
         return token, probs, float(probs[token])
@@ -79,7 +97,7 @@ class DraftModelSession(DraftSession):
         prob_rows: list[torch.Tensor] = []
         confidence: list[float] = []
         for _ in range(max_tokens):
-            logits = backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+            logits = self._next_logits(pending)
             token, probs, p = self._choose(logits)
             tokens.append(token)
             confidence.append(p)
@@ -91,6 +109,13 @@ class DraftModelSession(DraftSession):
         # The last drafted token was never fed to the draft model, so the cache ends one before it.
         self.cached_tokens.extend(tokens[:-1])
         return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None, confidence=confidence)
+
+    def _next_logits(self, pending: torch.Tensor) -> torch.Tensor:
+        """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
+        if self.head is None:
+            return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+        out = self.backend.forward(pending, self.cache, logits_rows=self._no_rows, hidden_layers=self._final)
+        return self.backend.head_logits(out.hidden[-1:], self.head)[0]
 
     def finish(self, context: list[int]) -> None:
         self.cache.release()
