@@ -211,6 +211,9 @@ class BigramFeatures(BigramLM, HiddenStates):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.vectors[tokens]
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
     def forward_batch(self, inputs):
         outputs = super().forward_batch(inputs)
         return [

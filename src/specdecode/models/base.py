@@ -166,6 +166,11 @@ class HiddenStates(ABC):
         """The shape of one of the model's decoder layers, so that a head can mirror it."""
 
     @abstractmethod
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's final norm on [n, hidden_size] residual states (what its LM head reads), without
+        gradient: a head starts from the target's own output stage."""
+
+    @abstractmethod
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's input embeddings of ``tokens`` [n] → [n, hidden_size] (whatever scaling the model
         applies included), without gradient."""

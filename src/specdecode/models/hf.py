@@ -108,6 +108,10 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         )
 
     @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._decoder().norm(hidden.to(self.device))
+
+    @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(tokens.to(self.device))
 

@@ -171,6 +171,22 @@ class _Teacher:
             return torch.log_softmax(self.backend.head_logits(finals, lambda x: x @ self.weight.T), dim=-1)
 
 
+@torch.no_grad()
+def start_from_target(head: EagleHead, backend: HiddenStates, layerwise: LayerwiseExecution) -> None:
+    """Start the head from the target's own output stage: its LM head rows of the draft vocabulary (with the
+    final norm's scale folded in, the head's norm starting at 1) and ``fc`` passing the highest fused
+    layer's state through.  An untrained head then already reads its residual stream the way the target
+    reads its own, so a CPU-sized training budget goes into the one-position shift it has to learn."""
+    width = head.config.hidden_size
+    scale = backend.final_norm(torch.ones(1, width, dtype=backend.dtype))[0].float().clone()
+    weight = layerwise.output_weight()
+    rows = weight.index_select(0, head.target_ids.to(weight.device)).float().cpu()
+    head.lm_head.weight.copy_(rows * scale)
+    head.norm.weight.fill_(1.0)
+    head.fc.weight.zero_()
+    head.fc.weight[:, -width:] = torch.eye(width)
+
+
 def unrolled_logits(
     head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], batch: Windows
 ) -> list[torch.Tensor]:
@@ -247,6 +263,7 @@ def train_eagle(
     head_config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, vocab_size, ids.numel())
     head = EagleHead(head_config)
     head.set_draft_vocabulary(ids)
+    start_from_target(head, backend, layerwise)
     teacher = _Teacher(layerwise, ids)
     windows = make_windows(train, config.window, config.ttt_steps)
     held_windows = make_windows(held, config.window, config.ttt_steps)
