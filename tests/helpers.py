@@ -19,7 +19,15 @@ from specdecode.cli import main
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import DecodeOutcome, speculative_decode
-from specdecode.models.base import CausalLM, ForwardOutput, KVCache, KVPool, SequenceInput
+from specdecode.models.base import (
+    CausalLM,
+    DecoderShape,
+    ForwardOutput,
+    HiddenStates,
+    KVCache,
+    KVPool,
+    SequenceInput,
+)
 
 PROMPTS = [
     [5, 17, 22, 9, 30, 41],
@@ -273,3 +281,44 @@ class BigramLM(CausalLM):
             cache.tokens.extend(item.tokens.tolist())
             outputs.append(ForwardOutput(logits=logits[item.logits_rows] if item.logits_rows is not None else logits))
         return outputs
+
+
+class BigramFeatures(BigramLM, HiddenStates):
+    """The bigram toy with hidden states, for heads that draft from features: every layer's "feature" of a
+    token is a fixed random vector (the exact target distribution stays known)."""
+
+    hidden_size = 8
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__(table)
+        self.vectors = torch.randn(V, self.hidden_size, generator=torch.Generator().manual_seed(5))
+        self.dtype = torch.float32
+
+    def decoder_shape(self) -> DecoderShape:
+        return DecoderShape(8, 2, 1, 4, 16, 1e-6, 10000.0)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.vectors[tokens]
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def forward_batch(self, inputs):
+        outputs = super().forward_batch(inputs)
+        return [
+            ForwardOutput(out.logits, torch.cat([self.vectors[item.tokens]] * len(item.hidden_layers), dim=-1))
+            if item.hidden_layers
+            else out
+            for item, out in zip(inputs, outputs)
+        ]
+
+
+def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
+    """An untrained EAGLE head for ``backend`` drafting ``draft_vocab`` random token ids."""
+    from specdecode.heads.eagle import EagleConfig, EagleHead
+
+    config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, backend.vocab_size, draft_vocab)
+    torch.manual_seed(seed)
+    head = EagleHead(config)
+    head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
+    return head

@@ -13,10 +13,11 @@ from helpers import (
     DRAWS,
     PASS_P,
     PROMPTS,
-    BigramLM,
+    BigramFeatures,
     V,
     chain_pvalues,
     hf_greedy,
+    random_eagle_head,
     run,
 )
 from specdecode.config import GenerationConfig, SamplingParams
@@ -25,20 +26,11 @@ from specdecode.drafters import create_drafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.eagle import EagleConfig, EagleHead, HeadCache, default_aux_layers
+from specdecode.heads.eagle import EagleHead, HeadCache, default_aux_layers
 from specdecode.heads.storage import load_eagle, save_eagle
-from specdecode.models.base import DecoderShape, ForwardOutput, HiddenStates
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sampling_probs
 from specdecode.train.eagle import EagleTrainConfig, compute_features, make_windows, train_eagle, unrolled_logits
-
-
-def random_head(backend, draft_vocab: int, seed: int = 0) -> EagleHead:
-    config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, backend.vocab_size, draft_vocab)
-    torch.manual_seed(seed)
-    head = EagleHead(config)
-    head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
-    return head
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def test_target_hands_out_hidden_states_of_any_layer(tiny_target):
 @pytest.mark.parametrize("tree_nodes", [0, 10])
 @pytest.mark.parametrize("draft_length", [3, "auto"])
 def test_greedy_output_is_plain_greedy_for_any_head(tiny_target, trained_head, tree_nodes, draft_length):
-    for head in (random_head(tiny_target.backend, 40), trained_head):
+    for head in (random_eagle_head(tiny_target.backend, 40), trained_head):
         drafter = create_drafter("eagle", tiny_target, head=head, tree_nodes=tree_nodes)
         for prompt in PROMPTS:
             tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=draft_length)
@@ -94,7 +86,7 @@ def test_trained_head_gets_drafts_accepted(tiny_target, trained_head):
     for prompt in PROMPTS[:2]:
         _, outcome = run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)
         accepted += outcome.stats.accepted_tokens
-    untrained = create_drafter("eagle", tiny_target, head=random_head(tiny_target.backend, 64), tree_nodes=10)
+    untrained = create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 64), tree_nodes=10)
     baseline = sum(
         run(tiny_target, untrained, p, max_new_tokens=24, num_draft_tokens=4)[1].stats.accepted_tokens
         for p in PROMPTS[:2]
@@ -169,43 +161,14 @@ def test_a_tampered_head_is_refused(trained_head, tmp_path):
 def test_missing_or_mismatched_head_gives_clear_errors(tiny_target, tiny_draft, tmp_path):
     with pytest.raises(SpecDecodeError, match="specdecode train eagle"):
         create_drafter("eagle", tiny_target, head=str(tmp_path / "nowhere"))
-    other = random_head(tiny_draft.backend, 16)  # the tiny draft model has another depth
+    other = random_eagle_head(tiny_draft.backend, 16)  # the tiny draft model has another depth
     with pytest.raises(SpecDecodeError, match="the head is for a target"):
         create_drafter("eagle", tiny_target, head=other)
     with pytest.raises(SpecDecodeError, match="top-k"):
-        create_drafter("eagle", tiny_target, head=random_head(tiny_target.backend, 16), top_k=0)
+        create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 16), top_k=0)
 
 
 # -- exact sampling with a head, on a toy model whose distribution is known --------------------------
-
-
-class BigramFeatures(BigramLM, HiddenStates):
-    """The bigram toy with hidden states: every layer's "feature" of a token is a fixed random vector."""
-
-    hidden_size = 8
-
-    def __init__(self, table: torch.Tensor) -> None:
-        super().__init__(table)
-        self.vectors = torch.randn(V, self.hidden_size, generator=torch.Generator().manual_seed(5))
-        self.dtype = torch.float32
-
-    def decoder_shape(self) -> DecoderShape:
-        return DecoderShape(8, 2, 1, 4, 16, 1e-6, 10000.0)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.vectors[tokens]
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-    def forward_batch(self, inputs):
-        outputs = super().forward_batch(inputs)
-        return [
-            ForwardOutput(out.logits, torch.cat([self.vectors[item.tokens]] * len(item.hidden_layers), dim=-1))
-            if item.hidden_layers
-            else out
-            for item, out in zip(inputs, outputs)
-        ]
 
 
 def test_sampling_with_a_head_reproduces_the_target_distribution():
@@ -213,7 +176,7 @@ def test_sampling_with_a_head_reproduces_the_target_distribution():
     table = 2.0 * torch.randn(V, V, generator=g)
     model = BigramFeatures(table)
     target = LoadedModel(name="bigram", backend=model, tokenizer=None)
-    head = random_head(model, V - 1, seed=1)  # one token is never drafted: output must not change
+    head = random_eagle_head(model, V - 1, seed=1)  # one token is never drafted: output must not change
     drafter = EagleDrafter(target, head=head)
     sampling = SamplingParams(temperature=0.9, top_k=4)
     counts = np.zeros((4, V, V))

@@ -12,7 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import DRAWS, PASS_P, PROMPTS, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
+from helpers import (
+    DRAWS,
+    PASS_P,
+    PROMPTS,
+    BigramFeatures,
+    V,
+    assert_one_line_error,
+    chain_pvalues,
+    hf_greedy,
+    run,
+)
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.draft_length import make_policy
 from specdecode.drafters import create_drafter
@@ -20,7 +30,6 @@ from specdecode.drafters.base import DraftRequest
 from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
-from specdecode.models.base import DecoderShape, ForwardOutput, HiddenStates
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.sampling import sampling_probs
 from specdecode.train.cli import add_train_command
@@ -193,35 +202,6 @@ def test_train_command_saves_heads_where_the_drafter_looks(tiny_dirs, tmp_path, 
 
 
 # -- exact sampling with heads, on a toy model whose distribution is known ---------------------------
-
-
-class BigramFeatures(BigramLM, HiddenStates):
-    """The bigram toy with hidden states: every layer's "feature" of a token is a fixed random vector."""
-
-    hidden_size = 8
-
-    def __init__(self, table: torch.Tensor) -> None:
-        super().__init__(table)
-        self.vectors = torch.randn(V, self.hidden_size, generator=torch.Generator().manual_seed(5))
-        self.dtype = torch.float32
-
-    def decoder_shape(self) -> DecoderShape:
-        return DecoderShape(8, 2, 1, 4, 16, 1e-6, 10000.0)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.vectors[tokens]
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
-
-    def forward_batch(self, inputs):
-        outputs = super().forward_batch(inputs)
-        return [
-            ForwardOutput(out.logits, torch.cat([self.vectors[item.tokens]] * len(item.hidden_layers), dim=-1))
-            if item.hidden_layers
-            else out
-            for item, out in zip(inputs, outputs)
-        ]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -22,11 +22,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
+from helpers import PROMPTS, assert_one_line_error, hf_greedy, random_eagle_head, run
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.eagle import EagleConfig, EagleHead, HeadCache, default_aux_layers
+from specdecode.heads.eagle import EagleHead, HeadCache, default_aux_layers
 from specdecode.heads.storage import load_eagle, save_eagle
 from specdecode.train.eagle import EagleTrainConfig, compute_features, train_eagle
 
@@ -350,14 +350,6 @@ def speculators_style(head: EagleHead, directory: Path, **changes) -> Path:
     return directory
 
 
-def random_head(backend, draft_vocab: int) -> EagleHead:
-    config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, backend.vocab_size, draft_vocab)
-    torch.manual_seed(1)
-    head = EagleHead(config)
-    head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
-    return head
-
-
 def test_heads_from_other_tools_load_and_draft_losslessly(tiny_target, trained_head, tmp_path):
     backend = tiny_target.backend
     path = speculators_style(trained_head, tmp_path / "a", eagle_aux_hidden_state_layer_ids=None)
@@ -365,7 +357,7 @@ def test_heads_from_other_tools_load_and_draft_losslessly(tiny_target, trained_h
     with pytest.raises(SpecDecodeError, match="target depth"):
         load_eagle(path)
     assert drafts(tiny_target, str(path)) == drafts(tiny_target, trained_head)
-    full = speculators_style(random_head(backend, backend.vocab_size), tmp_path / "full")
+    full = speculators_style(random_eagle_head(backend, backend.vocab_size), tmp_path / "full")
     assert "d2t" not in load_file(str(full / "model.safetensors"))
     drafter = create_drafter("eagle", tiny_target, head=str(full), tree_nodes=10)
     for prompt in PROMPTS:

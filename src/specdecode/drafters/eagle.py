@@ -43,6 +43,9 @@ MAX_TREE_NODES = 48
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
 #: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
 DRAFT_SHARE = 0.3
+#: A tree grows one more level only while its likeliest open path has at least this probability: a head
+#: call costs a few percent of a target forward, and a path this unlikely rarely repays it.
+MIN_EXPAND_PROBABILITY = 0.05
 
 
 @register_drafter("eagle")
@@ -231,13 +234,13 @@ class EagleSession(DraftSession):
     def _tree(self, root: torch.Tensor, length: int, max_depth: int) -> Draft:
         top_k = self.drafter.top_k
         nodes: list[_Node] = []
-        frontier = self._children(root, -1, 0.0, 1, nodes)
+        frontier = self._children(root[None], [-1], nodes, depth=1)
         for depth in range(1, max_depth):
             expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
+            if math.exp(nodes[expand[0]].score) < MIN_EXPAND_PROBABILITY:
+                break  # no path this deep is likely enough to pay for another head call
             outputs = self._expand(expand, nodes, length + depth - 1)
-            frontier = []
-            for index, out in zip(expand, outputs):
-                frontier += self._children(out, index, nodes[index].score, depth + 1, nodes)
+            frontier = self._children(outputs, expand, nodes, depth=depth + 1)
         # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
         ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))
         best = ranked[: self.drafter.tree_size([math.exp(nodes[i].score) for i in ranked])]
@@ -249,12 +252,16 @@ class EagleSession(DraftSession):
             confidence=[nodes[i].confidence for i in order],
         )
 
-    def _children(self, hidden: torch.Tensor, parent: int, score: float, depth: int, nodes: list[_Node]) -> list[int]:
-        """Add the ``top_k`` likeliest continuations of the node whose head output is ``hidden``."""
-        logprobs, ids = self._distribution(hidden).topk(self.drafter.top_k)
+    def _children(self, hidden: torch.Tensor, parents: list[int], nodes: list[_Node], depth: int) -> list[int]:
+        """Add the ``top_k`` likeliest continuations of each parent (its head output a row of ``hidden``
+        [n, H]; -1: the context), all through one LM head call."""
+        logprobs, ids = self._distribution(hidden).topk(self.drafter.top_k, dim=-1)
+        tokens = self.drafter.target_ids[ids].tolist()
         start = len(nodes)
-        for logprob, draft_id in zip(logprobs.tolist(), self.drafter.target_ids[ids].tolist()):
-            nodes.append(_Node(draft_id, parent, score + logprob, math.exp(logprob), depth, hidden))
+        for row, parent in enumerate(parents):
+            base = nodes[parent].score if parent >= 0 else 0.0
+            for logprob, token in zip(logprobs[row].tolist(), tokens[row]):
+                nodes.append(_Node(token, parent, base + logprob, math.exp(logprob), depth, hidden[row]))
         return list(range(start, len(nodes)))
 
     def _expand(self, expand: list[int], nodes: list[_Node], position: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""``specdecode train {kangaroo,eagle} --model M``: fit drafter weights and save them where the drafter looks."""
+"""``specdecode train {kangaroo,eagle,medusa,hydra} --model M``: fit drafter weights and save them where the drafter looks."""
 
 from __future__ import annotations
 
@@ -82,31 +82,26 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_eagle_command(methods: argparse._SubParsersAction) -> None:
-    eagle = methods.add_parser(
-        "eagle", help="the EAGLE-3 draft head of the eagle drafter (one layer over the target's features)"
+def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> None:
+    """The flags every trained head shares: the target, the data it is built from, and the optimisation."""
+    command.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    command.add_argument("--prompts", type=int, default=96, help="prompts the model answers itself (self-distillation)")
+    command.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
+    command.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
+    command.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
+    command.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
+    command.add_argument(
+        "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help=f"VocabTrim: the {what}' vocabulary (0: all)"
     )
-    eagle.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-    eagle.add_argument("--prompts", type=int, default=96, help="prompts the model answers itself (self-distillation)")
-    eagle.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
-    eagle.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
-    eagle.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
-    eagle.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
-    eagle.add_argument(
-        "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="VocabTrim: the head's vocabulary (0: all)"
-    )
-    eagle.add_argument("--ttt-steps", type=int, default=4, help="drafting steps unrolled in training")
-    eagle.add_argument("--epochs", type=int, default=4)
-    eagle.add_argument("--lr", type=float, default=1e-3)
-    eagle.add_argument("--seed", type=int, default=0)
-    eagle.add_argument("--out", help="head directory (default: next to the cached model, where the drafter looks)")
-    eagle.set_defaults(run=cmd_train_eagle)
+    command.add_argument("--epochs", type=int, default=4)
+    command.add_argument("--lr", type=float, default=1e-3)
+    command.add_argument("--seed", type=int, default=0)
+    command.add_argument("--out", help=f"{what} directory (default: next to the cached model, where the drafter looks)")
 
 
-def cmd_train_eagle(args: argparse.Namespace) -> int:
-    from specdecode.train.eagle_run import run_eagle_training
-
-    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", "ttt_steps"):
+def _checked_tasks(args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
+    """The training tasks, after refusing flags out of range."""
+    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", *positive):
         if getattr(args, flag) <= 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
     for flag in ("conversations", "draft_vocab"):
@@ -115,7 +110,22 @@ def cmd_train_eagle(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise SpecDecodeError("--tasks names no task")
-    return run_eagle_training(args, tasks)
+    return tasks
+
+
+def add_eagle_command(methods: argparse._SubParsersAction) -> None:
+    eagle = methods.add_parser(
+        "eagle", help="the EAGLE-3 draft head of the eagle drafter (one layer over the target's features)"
+    )
+    _add_head_training_flags(eagle, "head's")
+    eagle.add_argument("--ttt-steps", type=int, default=4, help="drafting steps unrolled in training")
+    eagle.set_defaults(run=cmd_train_eagle)
+
+
+def cmd_train_eagle(args: argparse.Namespace) -> int:
+    from specdecode.train.eagle_run import run_eagle_training
+
+    return run_eagle_training(args, _checked_tasks(args, ("ttt_steps",)))
 
 
 def add_heads_commands(methods: argparse._SubParsersAction) -> None:
@@ -126,31 +136,12 @@ def add_heads_commands(methods: argparse._SubParsersAction) -> None:
     }
     for kind, text in helps.items():
         sub = methods.add_parser(kind, help=text)
-        sub.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-        sub.add_argument("--prompts", type=int, default=96, help="prompts the model answers itself (self-distillation)")
-        sub.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
-        sub.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
-        sub.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
-        sub.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
-        sub.add_argument("--draft-vocab", type=int, default=8192, help="VocabTrim: the heads' vocabulary (0: all)")
+        _add_head_training_flags(sub, "heads")
         sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
-        sub.add_argument("--epochs", type=int, default=4)
-        sub.add_argument("--lr", type=float, default=1e-3)
-        sub.add_argument("--seed", type=int, default=0)
-        sub.add_argument("--out", help="heads directory (default: next to the cached model, where the drafter looks)")
         sub.set_defaults(run=cmd_train_heads)
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:
     from specdecode.train.medusa_run import run_heads_training
 
-    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", "num_heads"):
-        if getattr(args, flag) <= 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
-    for flag in ("conversations", "draft_vocab"):
-        if getattr(args, flag) < 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise SpecDecodeError("--tasks names no task")
-    return run_heads_training(args, tasks, args.method)
+    return run_heads_training(args, _checked_tasks(args, ("num_heads",)), args.method)
