@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -29,8 +28,8 @@ from specdecode.drafters import register_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
-from specdecode.heads.storage import load_eagle, to_backend
-from specdecode.models.artifacts import trained_artifact_path
+from specdecode.heads.files import head_directory
+from specdecode.heads.storage import load_eagle, target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
@@ -108,26 +107,16 @@ class EagleDrafter(Drafter):
 
     @staticmethod
     def _load(target: LoadedModel, head: str | None) -> EagleHead:
-        path = Path(head).expanduser() if head else trained_artifact_path(target.name, HEAD_DIR)
-        if path is None or not (path / "config.json").is_file():
-            where = f" (looked in {path})" if path else ""
-            raise SpecDecodeError(
-                f"drafter 'eagle' needs a head trained for {target.name!r}{where}: run "
-                f"`specdecode train eagle --model {target.name}` first, or pass --drafter-option head=DIR"
-            )
+        path = head_directory(head, target.name, HEAD_DIR, "eagle", "a head", "head")
         return load_eagle(path, target_num_layers=target.backend.num_layers)
 
     def _check(self, head: EagleHead, target: LoadedModel) -> None:
-        config, backend = head.config, self.backend
-        if (config.hidden_size, config.target_num_layers, config.target_vocab_size) != (
-            backend.hidden_size,
-            backend.num_layers,
-            target.backend.vocab_size,
-        ):
+        mismatch = target_mismatch(head.config, self.backend, target.backend.vocab_size)
+        if mismatch is not None:
+            (d, layers, vocab), (own_d, own_layers, own_vocab) = mismatch
             raise SpecDecodeError(
-                f"eagle: the head is for a target with d={config.hidden_size}, {config.target_num_layers} layers "
-                f"and {config.target_vocab_size} tokens; {target.name!r} has d={backend.hidden_size}, "
-                f"{backend.num_layers} layers and {target.backend.vocab_size} tokens"
+                f"eagle: the head is for a target with d={d}, {layers} layers and {vocab} tokens; "
+                f"{target.name!r} has d={own_d}, {own_layers} layers and {own_vocab} tokens"
             )
 
     def session(self, request: DraftRequest) -> EagleSession:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import heapq
 import math
 from abc import abstractmethod
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -30,9 +29,9 @@ import torch
 from specdecode.drafters import register_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.files import head_directory
 from specdecode.heads.medusa import DraftHeads, load_heads
-from specdecode.heads.storage import to_backend
-from specdecode.models.artifacts import trained_artifact_path
+from specdecode.heads.storage import target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sample, sampling_probs
@@ -67,29 +66,19 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def _load(cls, target: LoadedModel, heads: str | None) -> DraftHeads:
-        path = Path(heads).expanduser() if heads else trained_artifact_path(target.name, f"{cls.kind}-heads")
-        if path is None or not (path / "config.json").is_file():
-            where = f" (looked in {path})" if path else ""
-            raise SpecDecodeError(
-                f"drafter {cls.kind!r} needs heads trained for {target.name!r}{where}: run "
-                f"`specdecode train {cls.kind} --model {target.name}` first, or pass --drafter-option heads=DIR"
-            )
-        return load_heads(path, cls.kind)
+        return load_heads(head_directory(heads, target.name, f"{cls.kind}-heads", cls.kind, "heads", "heads"), cls.kind)
 
     def _check(self, heads: DraftHeads, target: LoadedModel) -> None:
         """Refuse heads trained for another target: other sizes, or (when the backend exposes its LM head)
         a stored LM head that is not this target's."""
-        config, backend = heads.config, self.backend
+        backend = self.backend
         retrain = f"retrain with `specdecode train {self.kind} --model {target.name}`"
-        if (config.hidden_size, config.target_num_layers, config.target_vocab_size) != (
-            backend.hidden_size,
-            backend.num_layers,
-            target.backend.vocab_size,
-        ):
+        mismatch = target_mismatch(heads.config, backend, target.backend.vocab_size)
+        if mismatch is not None:
+            (d, layers, vocab), (own_d, own_layers, own_vocab) = mismatch
             raise SpecDecodeError(
-                f"{self.kind}: the heads were trained for another target (d={config.hidden_size}, "
-                f"{config.target_num_layers} layers, {config.target_vocab_size} tokens; {target.name!r} has "
-                f"d={backend.hidden_size}, {backend.num_layers} layers, {target.backend.vocab_size} tokens): {retrain}"
+                f"{self.kind}: the heads were trained for another target (d={d}, {layers} layers, {vocab} tokens; "
+                f"{target.name!r} has d={own_d}, {own_layers} layers, {own_vocab} tokens): {retrain}"
             )
         if isinstance(target.backend, LayerwiseExecution):
             own = target.backend.output_weight().index_select(0, heads.target_ids.to(backend.device))

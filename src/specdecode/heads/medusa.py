@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.storage import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, _sha256
+from specdecode.heads.files import CONFIG_FILE, WEIGHTS_FILE, check_manifest, write_head_files
 from specdecode.models.base import HiddenStates, LayerwiseExecution
 
 KINDS = ("medusa", "hydra")
@@ -118,7 +118,6 @@ def heads_for_target(backend: object, kind: str, num_heads: int, draft_ids: torc
 
 def save_heads(heads: DraftHeads, directory: Path, verifier: str) -> None:
     """Write ``heads`` to ``directory`` (created; files replaced atomically one by one)."""
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in heads.state_dict().items()}
     c = heads.config
     config = {
@@ -132,15 +131,7 @@ def save_heads(heads: DraftHeads, directory: Path, verifier: str) -> None:
         "verifier": verifier,
         "specdecode": asdict(c) | {"shared_lm_head": True},
     }
-    for name, write in (
-        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
-        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2) + "\n")),
-    ):
-        tmp = directory / (name + ".tmp")
-        write(tmp)
-        tmp.replace(directory / name)
-    manifest = {name: _sha256(directory / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
-    (directory / MANIFEST_FILE).write_text(json.dumps({"sha256": manifest}, indent=2) + "\n")
+    write_head_files(directory, tensors, config)
 
 
 def load_heads(directory: Path, kind: str) -> DraftHeads:
@@ -149,9 +140,7 @@ def load_heads(directory: Path, kind: str) -> DraftHeads:
         data = json.loads((directory / CONFIG_FILE).read_text())
         if data.get("model_type") != kind:
             raise SpecDecodeError(f"{directory} holds {data.get('model_type')!r} heads, not {kind!r} ones")
-        for name, digest in json.loads((directory / MANIFEST_FILE).read_text())["sha256"].items():
-            if _sha256(directory / name) != digest:
-                raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
+        check_manifest(directory)  # required: only heads written here exist in this layout
         fields = {key: value for key, value in data["specdecode"].items() if key != "shared_lm_head"}
         heads = DraftHeads(HeadsConfig(**fields))
         state = load_file(str(directory / WEIGHTS_FILE))

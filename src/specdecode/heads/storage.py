@@ -23,20 +23,19 @@ than one layer, Qwen3's q/k norms, scaled RoPE, sliding windows, biases) are ref
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleConfig, EagleHead, default_aux_layers
+from specdecode.heads.files import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, check_manifest, write_head_files
+from specdecode.models.base import HiddenStates
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-MANIFEST_FILE = "manifest.json"
 SPECULATORS_VERSION = "0.9.0"
 # speculators' copies of the verifier's weights: the target's own are used instead.
 VERIFIER_TENSORS = frozenset({"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"})
@@ -168,33 +167,15 @@ def _eagle_config_from(data: dict, target_num_layers: int | None) -> EagleConfig
     )
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_eagle(head: EagleHead, directory: Path, verifier: str | Verifier) -> None:
     """Write ``head`` to ``directory`` (created; files replaced atomically one by one)."""
     if isinstance(verifier, str):
         verifier = Verifier(verifier)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: tensor.detach().cpu().contiguous() for name, tensor in head.state_dict().items()}
     if head.config.draft_vocab_size == head.config.target_vocab_size:
         # The whole vocabulary: speculators has no vocabulary maps then, and would not expect them.
         del tensors["d2t"], tensors["t2d"]
-    config = eagle_speculators_config(head.config, verifier)
-    for name, write in (
-        (WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"})),
-        (CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2) + "\n")),
-    ):
-        tmp = directory / (name + ".tmp")
-        write(tmp)
-        tmp.replace(directory / name)
-    manifest = {name: _sha256(directory / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
-    (directory / MANIFEST_FILE).write_text(json.dumps({"sha256": manifest}, indent=2) + "\n")
+    write_head_files(directory, tensors, eagle_speculators_config(head.config, verifier))
 
 
 def _vocabulary(head: EagleHead, state: dict[str, torch.Tensor], directory: Path) -> None:
@@ -238,11 +219,8 @@ def load_eagle(directory: Path, target_num_layers: int | None = None) -> EagleHe
             raise SpecDecodeError(
                 f"not an EAGLE-3 head (speculators_model_type={data.get('speculators_model_type')!r})"
             )
-        manifest = directory / MANIFEST_FILE
-        if manifest.is_file():
-            for name, digest in json.loads(manifest.read_text())["sha256"].items():
-                if _sha256(directory / name) != digest:
-                    raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
+        if (directory / MANIFEST_FILE).is_file():  # speculators' heads have none
+            check_manifest(directory)
         config = _eagle_config_from(data, target_num_layers)
         head = EagleHead(config)
         state = load_file(str(directory / WEIGHTS_FILE))
@@ -274,3 +252,21 @@ def to_backend(head: EagleHead, device: torch.device, dtype: torch.dtype) -> Eag
     for param in head.parameters():
         param.requires_grad_(False)
     return head
+
+
+class TargetShape(Protocol):
+    """What a head config records of the target it was trained for (EAGLE, Medusa and Hydra configs do)."""
+
+    hidden_size: int
+    target_num_layers: int
+    target_vocab_size: int
+
+
+def target_mismatch(config: TargetShape, backend: HiddenStates, vocab_size: int) -> tuple[tuple[int, ...], ...] | None:
+    """(the head's, the target's) (hidden size, layers, vocabulary) when they differ, else None.
+
+    A head trained for another model would read features of the wrong width or draft ids out of range,
+    so every drafter refuses it up front, each in its own words."""
+    head = (config.hidden_size, config.target_num_layers, config.target_vocab_size)
+    own = (backend.hidden_size, backend.num_layers, vocab_size)
+    return None if head == own else (head, own)

@@ -1,0 +1,75 @@
+"""The files of a trained head directory, shared by every kind of head (EAGLE, Medusa, Hydra).
+
+Each kind writes the same three files — ``config.json``, ``model.safetensors`` and a ``manifest.json``
+holding the SHA-256 of both — and a drafter finds its head the same way: next to the target model unless
+an option names a directory.  Keeping that here means one layout, one integrity check and one error
+message pattern for all of them; what differs (the config's contents, how it is read) stays with each kind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specdecode.errors import SpecDecodeError
+from specdecode.models.artifacts import trained_artifact_path
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks so a large weights file never sits in memory twice."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Have ``write`` fill ``path``'s ``.tmp`` sibling, then rename it over ``path``: an interrupted write
+    leaves the previous file (or none) rather than a truncated one that would load as garbage."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def write_head_files(directory: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Write ``model.safetensors`` and ``config.json`` to ``directory`` (created; each replaced atomically),
+    then ``manifest.json`` with their SHA-256, which the loaders check before trusting either."""
+    directory.mkdir(parents=True, exist_ok=True)
+    replace_atomically(directory / WEIGHTS_FILE, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    replace_atomically(directory / CONFIG_FILE, lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+    manifest = {name: sha256_file(directory / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    (directory / MANIFEST_FILE).write_text(json.dumps({"sha256": manifest}, indent=2) + "\n")
+
+
+def check_manifest(directory: Path) -> None:
+    """Raise unless every file ``manifest.json`` lists has its recorded SHA-256 (a half-copied or edited
+    head would otherwise draft wrongly without a word).  A missing manifest raises ``OSError``."""
+    for name, digest in json.loads((directory / MANIFEST_FILE).read_text())["sha256"].items():
+        if sha256_file(directory / name) != digest:
+            raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
+
+
+def head_directory(option: str | None, model_name: str, artifact: str, drafter: str, what: str, flag: str) -> Path:
+    """Where a drafter's trained head is: the directory ``option`` names, or ``artifact`` next to the model.
+
+    Without one the drafter cannot run, so the error says how to make it: the ``specdecode train
+    {drafter}`` command, or the ``--drafter-option {flag}=DIR`` that points at an existing one.
+    ``what`` names the thing wanted ("a head", "heads")."""
+    path = Path(option).expanduser() if option else trained_artifact_path(model_name, artifact)
+    if path is None or not (path / CONFIG_FILE).is_file():
+        where = f" (looked in {path})" if path else ""
+        raise SpecDecodeError(
+            f"drafter {drafter!r} needs {what} trained for {model_name!r}{where}: run "
+            f"`specdecode train {drafter} --model {model_name}` first, or pass --drafter-option {flag}=DIR"
+        )
+    return path
