@@ -7,13 +7,15 @@ forward; it reads the features the target computed while verifying, which the en
 
 Per step: the positions verified last step are fed to the head with their true features, in one call;
 its last output predicts the first draft token.  Greedy requests then grow an EAGLE-2 tree: at each depth
-the ``top_k`` nodes with the highest cumulative draft log-probability are expanded (one head call per
-depth, each node seeing its ancestors only), each into its ``top_k`` likeliest tokens; at the end the
-best nodes of the whole tree are verified (a parent always scores at least as high as its children, so
-they form a tree): ``tree_nodes`` of them, or by default as many as pay for their verification cost.
-Sampled requests draft a chain sampled from the head's distribution (returned with the draft, so
-rejection sampling stays exact); so do greedy ones with ``tree_nodes=0``.  Tokens outside the head's
-draft vocabulary are never drafted, which cannot change the output.
+the ``top_k`` open nodes most likely to be accepted are expanded (one head call per depth, each node seeing
+its ancestors only), each into its ``top_k`` likeliest tokens; at the end the best nodes of the whole tree
+are verified (a parent is always at least as likely as its children, so they form a tree): ``tree_nodes``
+of them, or by default as many as pay for their verification cost.  "Likely" is the product of the head's
+probabilities along the path, each calibrated online against what verification accepted (EAGLE-2 uses
+them raw; a head trained on a CPU budget is overconfident).  Sampled requests draft a chain sampled from
+the head's distribution (returned with the draft, so rejection sampling stays exact); so do greedy ones
+with ``tree_nodes=0``.  Tokens outside the head's draft vocabulary are never drafted, which cannot change
+the output.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class EagleDrafter(Drafter):
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.tree_nodes = tree_nodes
         self._curve: tuple[float, ...] | None = None
+        self.calibration = Calibration()
 
     def verification_cost(self, width: int) -> float:
         """A verification forward over ``width`` inputs relative to one (measured once per target)."""
@@ -123,11 +126,45 @@ class EagleDrafter(Drafter):
         return EagleSession(self, request)
 
 
+class Calibration:
+    """How often a drafted node is accepted given that its parent was, by the head's confidence in it.
+
+    A head trained on a CPU budget is not calibrated (SmolLM2's was accepted far less often than its
+    probabilities said), and trees are sized and grown from these probabilities: sizing on raw ones
+    verifies nodes that do not pay.  Learned online from every verified tree (bins of confidence, each
+    starting at the confidence itself, worth ``PRIOR`` observations), shared by a drafter's sessions."""
+
+    BINS = 10
+    PRIOR = 4.0
+
+    def __init__(self) -> None:
+        self.accepted = [self.PRIOR * (b + 0.5) / self.BINS for b in range(self.BINS)]
+        self.seen = [self.PRIOR] * self.BINS
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.BINS), self.BINS - 1)
+
+    def __call__(self, confidence: float) -> float:
+        b = self._bin(confidence)
+        return self.accepted[b] / self.seen[b]
+
+    def learn(self, draft: Draft, path: tuple[int, ...]) -> None:
+        """Every node whose parent was accepted (or is the context) was tried: accepted iff on the path."""
+        if draft.confidence is None:
+            return
+        reached = {-1, *path}
+        for node, parent in enumerate(draft.parent_list):
+            if parent in reached:
+                b = self._bin(draft.confidence[node])
+                self.seen[b] += 1.0
+                self.accepted[b] += 1.0 if node in reached else 0.0
+
+
 @dataclass
 class _Node:
     token: int  # target id
     parent: int  # index in the tree's node list, -1 for children of the context
-    score: float  # cumulative draft log-probability
+    score: float  # calibrated probability that verification accepts the whole path to this node
     confidence: float  # draft probability given the parent
     depth: int
     source: torch.Tensor  # [H] the head output that predicted this token (its input feature when expanded)
@@ -154,6 +191,8 @@ class EagleSession(DraftSession):
         self.pending.append(hidden)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        if not feedback.draft.is_chain:
+            self.drafter.calibration.learn(feedback.draft, feedback.path)
         if feedback.target_hidden is not None:
             self.pending.append(feedback.target_hidden[feedback.accepted_rows])
 
@@ -226,13 +265,13 @@ class EagleSession(DraftSession):
         frontier = self._children(root[None], [-1], nodes, depth=1)
         for depth in range(1, max_depth):
             expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
-            if math.exp(nodes[expand[0]].score) < MIN_EXPAND_PROBABILITY:
+            if nodes[expand[0]].score < MIN_EXPAND_PROBABILITY:
                 break  # no path this deep is likely enough to pay for another head call
             outputs = self._expand(expand, nodes, length + depth - 1)
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
         # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
         ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))
-        best = ranked[: self.drafter.tree_size([math.exp(nodes[i].score) for i in ranked])]
+        best = ranked[: self.drafter.tree_size([nodes[i].score for i in ranked])]
         order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].score))
         index_of = {old: new for new, old in enumerate(order)}
         return Draft(
@@ -247,10 +286,12 @@ class EagleSession(DraftSession):
         logprobs, ids = self._distribution(hidden).topk(self.drafter.top_k, dim=-1)
         tokens = self.drafter.target_ids[ids].tolist()
         start = len(nodes)
+        calibrated = self.drafter.calibration
         for row, parent in enumerate(parents):
-            base = nodes[parent].score if parent >= 0 else 0.0
+            base = nodes[parent].score if parent >= 0 else 1.0
             for logprob, token in zip(logprobs[row].tolist(), tokens[row]):
-                nodes.append(_Node(token, parent, base + logprob, math.exp(logprob), depth, hidden[row]))
+                confidence = math.exp(logprob)
+                nodes.append(_Node(token, parent, base * calibrated(confidence), confidence, depth, hidden[row]))
         return list(range(start, len(nodes)))
 
     def _expand(self, expand: list[int], nodes: list[_Node], position: int) -> torch.Tensor:
