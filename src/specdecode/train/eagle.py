@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +30,16 @@ from tqdm import tqdm
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleConfig, EagleHead
-from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
+from specdecode.models.base import HiddenStates, LayerwiseExecution
+from specdecode.train.common import (
+    Teacher,
+    TrainResult,
+    fit,
+    kl_to_teacher,
+    split_holdout,
+    target_views,
+    trainable_embed,
+)
 
 
 @dataclass
@@ -55,25 +64,11 @@ class Features:
     final: torch.Tensor
 
 
-@dataclass
-class EagleTrainResult:
-    head: EagleHead
-    rows: int
-    held_out_rows: int
-    #: acceptance[k]: on held-out rows, how often the head's top-1 at drafting step k equals the target's
-    #: (over the whole vocabulary) given that steps 0..k-1 were right.
-    acceptance: list[float]
-    epoch_losses: list[float] = field(default_factory=list)
-    seconds: float = 0.0
+@dataclass(kw_only=True)
+class EagleTrainResult(TrainResult):
+    """The trained head with its figures (acceptance per drafting step; losses per step, as logged)."""
 
-    @property
-    def expected_accepted(self) -> float:
-        """Tokens a greedy chain of ``len(acceptance)`` drafts would get accepted on average."""
-        total, survive = 0.0, 1.0
-        for rate in self.acceptance:
-            survive *= rate
-            total += survive
-        return total
+    head: EagleHead
 
 
 @torch.inference_mode()
@@ -159,18 +154,6 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return out
 
 
-class _Teacher:
-    """The target's distribution over the draft vocabulary from its final hidden states."""
-
-    def __init__(self, backend: LayerwiseExecution, ids: torch.Tensor) -> None:
-        self.backend = backend
-        self.weight = backend.output_weight().index_select(0, ids).contiguous()
-
-    def log_probs(self, finals: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.log_softmax(self.backend.head_logits(finals, lambda x: x @ self.weight.T), dim=-1)
-
-
 @torch.no_grad()
 def start_from_target(head: EagleHead, backend: HiddenStates, layerwise: LayerwiseExecution) -> None:
     """Start the head from the target's own output stage: its LM head rows of the draft vocabulary (with the
@@ -248,15 +231,8 @@ def train_eagle(
 ) -> EagleTrainResult:
     """Fit a fresh head (or resume ``checkpoint``) to ``features`` computed for ``target_backend``."""
     started = time.perf_counter()
-    backend = require_capability(target_backend, HiddenStates, "eagle training")
-    layerwise = require_capability(target_backend, LayerwiseExecution, "eagle training")
-    if not features:
-        raise SpecDecodeError("eagle: no training data")
-    generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(len(features), generator=generator).tolist()
-    n_eval = max(1, round(config.holdout * len(order))) if len(order) > 1 else 0
-    held = [features[i] for i in order[:n_eval]] or features
-    train = [features[i] for i in order[n_eval:]] or features
+    backend, layerwise = target_views(target_backend, "eagle")
+    train, held = split_holdout(features, config.holdout, config.seed, "eagle")
 
     vocab_size = layerwise.output_weight().shape[0]
     ids = draft_vocabulary(train, config.draft_vocab, vocab_size)
@@ -264,60 +240,39 @@ def train_eagle(
     head = EagleHead(head_config)
     head.set_draft_vocabulary(ids)
     start_from_target(head, backend, layerwise)
-    teacher = _Teacher(layerwise, ids)
+    teacher = Teacher(layerwise, ids)
     windows = make_windows(train, config.window, config.ttt_steps)
     held_windows = make_windows(held, config.window, config.ttt_steps)
+    embed = trainable_embed(backend)
 
-    def embed(tokens: torch.Tensor) -> torch.Tensor:
-        return backend.embed(tokens).clone()  # out of inference mode: autograd may save it
+    def batch_loss(index: torch.Tensor) -> torch.Tensor:
+        """Every training-time-test step's KL, each averaged over its valid rows, summed over the steps."""
+        batch = _select(windows, index)
+        loss = torch.zeros(())
+        for step, logits in enumerate(unrolled_logits(head, embed, batch)):
+            kl = kl_to_teacher(teacher.log_probs(batch.finals[step]), logits)
+            valid = batch.valid[step]
+            loss = loss + (kl * valid).sum() / valid.sum().clamp(min=1)
+        return loss
 
-    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(windows.aux.shape[0] / config.batch_windows)
-    total = config.epochs * steps_per_epoch
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    count = windows.aux.shape[0]
+    losses = fit(
+        head,
+        list(head.parameters()),
+        epochs=config.epochs,
+        steps_per_epoch=math.ceil(count / config.batch_windows),
+        lr=config.lr,
+        epoch_batches=lambda epoch: torch.randperm(count, generator=torch.Generator().manual_seed(epoch)).split(
+            config.batch_windows
+        ),
+        batch_loss=batch_loss,
+        loss_scale=config.ttt_steps,
+        identity=head_config.to_dict(),
+        model_key="head",
+        checkpoint=checkpoint,
+        checkpoint_seconds=config.checkpoint_seconds,
+        progress=progress,
     )
-    done, losses = 0, []
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if state["config"] == head_config.to_dict() and state["total"] == total:
-            head.load_state_dict(state["head"])
-            optimizer.load_state_dict(state["optimizer"])
-            schedule.load_state_dict(state["schedule"])
-            done, losses = state["done"], state["losses"]
-    last_save = time.perf_counter()
-    head.train()
-    with tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar:
-        for epoch in range(done // steps_per_epoch, config.epochs):
-            permutation = torch.randperm(windows.aux.shape[0], generator=torch.Generator().manual_seed(epoch))
-            running, weight = 0.0, 0
-            for position, index in enumerate(permutation.split(config.batch_windows)):
-                if epoch * steps_per_epoch + position < done:
-                    continue
-                batch = _select(windows, index)
-                loss = torch.zeros(())
-                for step, logits in enumerate(unrolled_logits(head, embed, batch)):
-                    target = teacher.log_probs(batch.finals[step])
-                    kl = (target.exp() * (target - torch.log_softmax(logits, dim=-1))).sum(-1)
-                    valid = batch.valid[step]
-                    loss = loss + (kl * valid).sum() / valid.sum().clamp(min=1)
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-                optimizer.step()
-                schedule.step()
-                done += 1
-                running += float(loss.detach())
-                weight += 1
-                bar.update()
-                bar.set_postfix(loss=f"{float(loss.detach()) / config.ttt_steps:.3f}")
-                if checkpoint is not None and time.perf_counter() - last_save > config.checkpoint_seconds:
-                    _save_checkpoint(checkpoint, head, head_config, optimizer, schedule, done, total, losses)
-                    last_save = time.perf_counter()
-            losses.append(running / max(weight, 1) / config.ttt_steps)
-            if checkpoint is not None:
-                _save_checkpoint(checkpoint, head, head_config, optimizer, schedule, done, total, losses)
-    head.eval()
     acceptance = held_out_acceptance(head, layerwise, embed, held_windows, config.batch_windows)
     return EagleTrainResult(
         head=head,
@@ -327,19 +282,3 @@ def train_eagle(
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
-
-
-def _save_checkpoint(path: Path, head, head_config, optimizer, schedule, done, total, losses) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        "config": head_config.to_dict(),
-        "head": head.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "done": done,
-        "total": total,
-        "losses": losses,
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)

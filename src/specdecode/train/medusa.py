@@ -18,16 +18,24 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, heads_for_target
-from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
-from specdecode.train.eagle import Features, _Teacher, draft_vocabulary
+from specdecode.models.base import LayerwiseExecution
+from specdecode.train.common import (
+    Teacher,
+    TrainResult,
+    fit,
+    kl_to_teacher,
+    split_holdout,
+    target_views,
+    trainable_embed,
+)
+from specdecode.train.eagle import Features, draft_vocabulary
 
 HEAD_WEIGHT = 0.8  # Medusa-1's per-head loss decay
 
@@ -45,25 +53,12 @@ class HeadsTrainConfig:
     checkpoint_seconds: float = 120.0
 
 
-@dataclass
-class HeadsTrainResult:
-    heads: DraftHeads
-    rows: int
-    held_out_rows: int
-    #: acceptance[k]: on held-out rows, how often head k's top-1 equals the target's (over the whole
-    #: vocabulary) given that heads 0..k-1 were right and the data followed them.
-    acceptance: list[float]
-    epoch_losses: list[float] = field(default_factory=list)
-    seconds: float = 0.0
+@dataclass(kw_only=True)
+class HeadsTrainResult(TrainResult):
+    """The trained heads with their figures (acceptance per head, given the earlier heads were right and
+    the data followed them)."""
 
-    @property
-    def expected_accepted(self) -> float:
-        """Tokens a greedy chain of ``len(acceptance)`` drafts would get accepted on average."""
-        total, survive = 0.0, 1.0
-        for rate in self.acceptance:
-            survive *= rate
-            total += survive
-        return total
+    heads: DraftHeads
 
 
 @dataclass
@@ -141,14 +136,8 @@ def train_heads(
 ) -> HeadsTrainResult:
     """Fit fresh heads (or resume ``checkpoint``) to ``features`` computed for ``target_backend``."""
     started = time.perf_counter()
-    backend = require_capability(target_backend, HiddenStates, f"{config.kind} training")
-    layerwise = require_capability(target_backend, LayerwiseExecution, f"{config.kind} training")
-    if not features:
-        raise SpecDecodeError(f"{config.kind}: no training data")
-    order = torch.randperm(len(features), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    n_eval = max(1, round(config.holdout * len(order))) if len(order) > 1 else 0
-    held = [features[i] for i in order[:n_eval]] or features
-    train = [features[i] for i in order[n_eval:]] or features
+    backend, layerwise = target_views(target_backend, config.kind)
+    train, held = split_holdout(features, config.holdout, config.seed, config.kind)
 
     ids = draft_vocabulary(train, config.draft_vocab, layerwise.output_weight().shape[0])
     heads = heads_for_target(target_backend, config.kind, config.num_heads, ids)
@@ -156,61 +145,38 @@ def train_heads(
         for block in heads.blocks:
             block.layers[0].weight.zero_()
             block.layers[0].bias.zero_()
-    teacher = _Teacher(layerwise, ids)
+    teacher = Teacher(layerwise, ids)
     stream, held_stream = make_stream(train, config.num_heads), make_stream(held, config.num_heads)
+    embed = trainable_embed(backend)
 
-    def embed(tokens: torch.Tensor) -> torch.Tensor:
-        return backend.embed(tokens).clone()  # out of inference mode: autograd may save it
+    def batch_loss(run: int) -> torch.Tensor:
+        """Run ``run``'s KL per head, each averaged over its valid rows, summed with Medusa's weights."""
+        start, stop = run * config.run, min((run + 1) * config.run, stream.rows)
+        target = teacher.log_probs(stream.finals[start + 1 : stop + config.num_heads])
+        logits, valid = run_logits(heads, embed, stream, start, stop)
+        loss = torch.zeros(())
+        for k, (draft, ok) in enumerate(zip(logits, valid)):
+            kl = kl_to_teacher(target[k : k + stop - start], draft)
+            loss = loss + HEAD_WEIGHT**k * (kl * ok).sum() / ok.sum().clamp(min=1)
+        return loss
 
-    trainable = [p for p in heads.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=config.lr, weight_decay=0.0)
     runs = math.ceil(stream.rows / config.run)
-    total = config.epochs * runs
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
+    losses = fit(
+        heads,
+        [p for p in heads.parameters() if p.requires_grad],  # the shared LM head stays the target's
+        epochs=config.epochs,
+        steps_per_epoch=runs,
+        lr=config.lr,
+        epoch_batches=lambda epoch: torch.randperm(
+            runs, generator=torch.Generator().manual_seed(config.seed + epoch)
+        ).tolist(),
+        batch_loss=batch_loss,
+        identity=heads.config,
+        model_key="heads",
+        checkpoint=checkpoint,
+        checkpoint_seconds=config.checkpoint_seconds,
+        progress=progress,
     )
-    done, losses = 0, []
-    if checkpoint is not None and checkpoint.is_file():
-        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
-        if state["config"] == heads.config and state["total"] == total:
-            heads.load_state_dict(state["heads"])
-            optimizer.load_state_dict(state["optimizer"])
-            schedule.load_state_dict(state["schedule"])
-            done, losses = state["done"], state["losses"]
-    last_save = time.perf_counter()
-    heads.train()
-    with tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar:
-        for epoch in range(done // runs, config.epochs):
-            permutation = torch.randperm(runs, generator=torch.Generator().manual_seed(config.seed + epoch))
-            running, weight = 0.0, 0
-            for position, run in enumerate(permutation.tolist()):
-                if epoch * runs + position < done:
-                    continue
-                start, stop = run * config.run, min((run + 1) * config.run, stream.rows)
-                target = teacher.log_probs(stream.finals[start + 1 : stop + config.num_heads])
-                logits, valid = run_logits(heads, embed, stream, start, stop)
-                loss = torch.zeros(())
-                for k, (draft, ok) in enumerate(zip(logits, valid)):
-                    truth = target[k : k + stop - start]
-                    kl = (truth.exp() * (truth - torch.log_softmax(draft, dim=-1))).sum(-1)
-                    loss = loss + HEAD_WEIGHT**k * (kl * ok).sum() / ok.sum().clamp(min=1)
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-                optimizer.step()
-                schedule.step()
-                done += 1
-                running += float(loss.detach())
-                weight += 1
-                bar.update()
-                bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-                if checkpoint is not None and time.perf_counter() - last_save > config.checkpoint_seconds:
-                    _save_checkpoint(checkpoint, heads, optimizer, schedule, done, total, losses)
-                    last_save = time.perf_counter()
-            losses.append(running / max(weight, 1))
-            if checkpoint is not None:
-                _save_checkpoint(checkpoint, heads, optimizer, schedule, done, total, losses)
-    heads.eval()
     acceptance = held_out_acceptance(heads, layerwise, embed, held_stream, config.run)
     valid_rows = (torch.arange(stream.rows) + 1 <= stream.last).sum()
     held_rows = (torch.arange(held_stream.rows) + 1 <= held_stream.last).sum()
@@ -222,19 +188,3 @@ def train_heads(
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
-
-
-def _save_checkpoint(path: Path, heads: DraftHeads, optimizer, schedule, done: int, total: int, losses) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        "config": heads.config,
-        "heads": heads.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "schedule": schedule.state_dict(),
-        "done": done,
-        "total": total,
-        "losses": losses,
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)

@@ -1,0 +1,211 @@
+"""What the trainers of draft heads (EAGLE in :mod:`specdecode.train.eagle`, Medusa and Hydra in
+:mod:`specdecode.train.medusa`) share, so that they cannot drift apart where they mean the same thing.
+
+Both distil the target into a head on a CPU: the same held-out split of the data, the same teacher (the
+target's own LM head rows of the draft vocabulary), the same KL loss, optimiser and warm-up + cosine
+schedule, the same resumable checkpoints, and the same acceptance summary at the end.  What a batch is
+and how its loss is summed over drafting steps or heads stays with each trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.files import replace_atomically
+from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
+
+#: Optimiser steps over which the learning rate warms up linearly before the cosine decay.
+WARMUP_STEPS = 50
+
+Item = TypeVar("Item")
+Batch = TypeVar("Batch")
+
+
+class Teacher:
+    """The target's distribution over the draft vocabulary from its final hidden states: what every head
+    learns to reproduce (KL), through the target's own LM head rows so the teacher costs no extra forward."""
+
+    def __init__(self, backend: LayerwiseExecution, ids: torch.Tensor) -> None:
+        self.backend = backend
+        self.weight = backend.output_weight().index_select(0, ids).contiguous()
+
+    def log_probs(self, finals: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(self.backend.head_logits(finals, lambda x: x @ self.weight.T), dim=-1)
+
+
+def kl_to_teacher(teacher: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || draft) per row, from the teacher's log-probabilities and the draft's logits: the loss
+    every head is trained with (the full distribution carries more than the target's top-1 token)."""
+    return (teacher.exp() * (teacher - torch.log_softmax(logits, dim=-1))).sum(-1)
+
+
+@dataclass
+class TrainResult:
+    """What a head training reports besides the head itself."""
+
+    rows: int
+    held_out_rows: int
+    #: acceptance[k]: on held-out rows, how often the head's top-1 at drafting step (or head) k equals the
+    #: target's (over the whole vocabulary) given that steps 0..k-1 were right.
+    acceptance: list[float]
+    epoch_losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def expected_accepted(self) -> float:
+        """Tokens a greedy chain of ``len(acceptance)`` drafts would get accepted on average."""
+        total, survive = 0.0, 1.0
+        for rate in self.acceptance:
+            survive *= rate
+            total += survive
+        return total
+
+
+def target_views(target_backend: object, who: str) -> tuple[HiddenStates, LayerwiseExecution]:
+    """The target as the two capabilities training needs (features in, its LM head as the teacher), or a
+    clear error naming ``who`` (e.g. "eagle") before any data is touched."""
+    backend = require_capability(target_backend, HiddenStates, f"{who} training")
+    layerwise = require_capability(target_backend, LayerwiseExecution, f"{who} training")
+    return backend, layerwise
+
+
+def split_holdout(items: list[Item], holdout: float, seed: int, who: str) -> tuple[list[Item], list[Item]]:
+    """(training, held-out) sequences, a ``holdout`` fraction held out at random (``seed``) for the
+    acceptance figures; a single sequence serves as both, so a tiny run still reports something."""
+    if not items:
+        raise SpecDecodeError(f"{who}: no training data")
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = max(1, round(holdout * len(order))) if len(order) > 1 else 0
+    held = [items[i] for i in order[:n_eval]] or items
+    train = [items[i] for i in order[n_eval:]] or items
+    return train, held
+
+
+def trainable_embed(backend: HiddenStates) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's embedding as training uses it: cloned out of inference mode, since autograd may save it."""
+
+    def embed(tokens: torch.Tensor) -> torch.Tensor:
+        return backend.embed(tokens).clone()
+
+    return embed
+
+
+def fit(
+    model: nn.Module,
+    parameters: list[nn.Parameter],
+    *,
+    epochs: int,
+    steps_per_epoch: int,
+    lr: float,
+    epoch_batches: Callable[[int], Iterable[Batch]],
+    batch_loss: Callable[[Batch], torch.Tensor],
+    loss_scale: float = 1,
+    identity: object,
+    model_key: str,
+    checkpoint: Path | None,
+    checkpoint_seconds: float,
+    progress: bool,
+) -> list[float]:
+    """Train ``parameters`` of ``model`` (AdamW, warm-up then cosine decay, gradients clipped at 1) and
+    return the mean loss of every epoch, divided by ``loss_scale`` (EAGLE reports it per drafting step).
+
+    ``epoch_batches(epoch)`` gives that epoch's ``steps_per_epoch`` batches in order (the same order each
+    time it is asked, so a resumed run skips exactly the batches done); ``batch_loss`` is a batch's loss.
+    With a ``checkpoint`` the run saves there every ``checkpoint_seconds`` and after every epoch, and
+    resumes from it when it was made for the same ``identity`` (the head's config) and the same length."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    total = epochs * steps_per_epoch
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: min(1.0, (step + 1) / WARMUP_STEPS) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total)),
+    )
+    done, losses = 0, []
+    if checkpoint is not None and checkpoint.is_file():
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+        if state["config"] == identity and state["total"] == total:
+            model.load_state_dict(state[model_key])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            done, losses = state["done"], state["losses"]
+
+    def save() -> None:
+        state = {
+            "config": identity,
+            model_key: model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "schedule": schedule.state_dict(),
+            "done": done,
+            "total": total,
+            "losses": losses,
+        }
+        checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        replace_atomically(checkpoint, lambda tmp: torch.save(state, tmp))
+
+    last_save = time.perf_counter()
+    model.train()
+    with tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar:
+        for epoch in range(done // steps_per_epoch, epochs):
+            running, weight = 0.0, 0
+            for position, batch in enumerate(epoch_batches(epoch)):
+                if epoch * steps_per_epoch + position < done:
+                    continue
+                loss = batch_loss(batch)
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+                optimizer.step()
+                schedule.step()
+                done += 1
+                running += float(loss.detach())
+                weight += 1
+                bar.update()
+                bar.set_postfix(loss=f"{float(loss.detach()) / loss_scale:.3f}")
+                if checkpoint is not None and time.perf_counter() - last_save > checkpoint_seconds:
+                    save()
+                    last_save = time.perf_counter()
+            losses.append(running / max(weight, 1) / loss_scale)
+            if checkpoint is not None:
+                save()
+    model.eval()
+    return losses
+
+
+def report_training(
+    args: argparse.Namespace,
+    result: TrainResult,
+    what: str,
+    draft_vocab: int,
+    per: str,
+    data_seconds: float,
+    out: Path,
+    drafter: str,
+    option: str,
+) -> None:
+    """The end of a ``specdecode train`` run: the held-out figures, the time spent, where the head went and
+    the command that uses it (naming the ``--drafter-option`` only when the head is not where it is looked
+    for by default)."""
+    rates = ", ".join(f"{rate:.0%}" for rate in result.acceptance)
+    print(
+        f"{what} for {args.model}: {result.rows} training rows, {draft_vocab} draft "
+        f"tokens; held-out ({result.held_out_rows} rows) top-1 acceptance per {per} {rates} "
+        f"(a greedy chain of {len(result.acceptance)} would average {result.expected_accepted:.2f} accepted tokens)"
+    )
+    print(
+        f"data {data_seconds:.0f} s, training {result.seconds:.0f} s; "
+        f"losses per epoch {', '.join(f'{loss:.3f}' for loss in result.epoch_losses)}"
+    )
+    print(f"saved {out}")
+    hint = "" if not args.out else f" --drafter-option {option}={out}"
+    print(f'use it: specdecode generate "..." --model {args.model} --drafter {drafter}{hint}')

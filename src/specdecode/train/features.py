@@ -1,0 +1,135 @@
+"""The target features every head training starts from, and where a ``specdecode train`` run keeps them.
+
+``train eagle``, ``train medusa`` and ``train hydra`` (:mod:`specdecode.train.eagle_run`,
+:mod:`specdecode.train.medusa_run`) build their data the same way — the target's own greedy answers and
+ShareGPT conversations, one target forward each — and differ only in the layers they keep.  The features
+are cached (keyed by the data settings) in a work directory next to the output, so everything slow is
+resumable: an interrupted run started again with the same flags picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+from specdecode.heads.files import replace_atomically
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
+    from specdecode.train.eagle import Features
+
+
+def work_dir(out: Path) -> Path:
+    """Where a run keeps its feature cache and checkpoint: beside ``out``, so a rerun for the same output
+    finds them, and the output directory itself only ever holds the finished head."""
+    return out.with_name(out.name + ".work")
+
+
+#: Sequences per cached feature shard: an interrupted collection loses at most this many forwards.
+SHARD = 16
+
+
+def target_features(
+    target: LoadedModel, args: argparse.Namespace, tasks: list[str], work: Path, aux_layers: tuple[int, ...]
+) -> list[Features]:
+    """The training data's target features, computed once: self-distilled answers are appended to a file
+    as they are generated and features are saved in shards, so an interrupted run resumes where it was."""
+    from tqdm import tqdm
+
+    # Looked up when called (tests replace train.data's functions), as everything slow to import.
+    from specdecode.train.data import prompt_ids, self_distill, sharegpt_conversations
+    from specdecode.train.eagle import Features, compute_features
+
+    key = {
+        "model": target.name,
+        "prompts": args.prompts,
+        "tasks": tasks,
+        "new_tokens": args.new_tokens,
+        "conversations": args.conversations,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "aux": list(aux_layers),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    work.mkdir(parents=True, exist_ok=True)
+    whole = work / f"features-{digest}.pt"  # written by earlier versions in one piece
+    if whole.is_file():
+        print(f"using cached target features {whole}")
+        return [Features(**item) for item in torch.load(whole, weights_only=True)]
+
+    distilled_file = work / f"distilled-{digest}.jsonl"
+    sequences = (
+        [json.loads(line) for line in distilled_file.read_text().splitlines()] if distilled_file.is_file() else []
+    )
+    prompts = prompt_ids(target, tasks, args.prompts, args.seed)
+    with distilled_file.open("a") as sink:
+        for sequence in self_distill(target, prompts, args.new_tokens, args.max_tokens, skip=len(sequences)):
+            sink.write(json.dumps(sequence) + "\n")
+            sink.flush()
+            sequences.append(sequence)
+    if args.conversations:
+        sequences += sharegpt_conversations(target, args.conversations, args.max_tokens, args.seed)
+
+    shards = work / f"features-{digest}"
+    shards.mkdir(exist_ok=True)
+    features: list[Features] = []
+    with tqdm(total=len(sequences), desc="target features", unit="seq") as bar:
+        for start in range(0, len(sequences), SHARD):
+            shard = shards / f"{start // SHARD:05d}.pt"
+            if shard.is_file():
+                part = [Features(**item) for item in torch.load(shard, weights_only=True)]
+            else:
+                part = compute_features(target.backend, sequences[start : start + SHARD], aux_layers, progress=False)
+                items = [{"ids": f.ids, "aux": f.aux, "final": f.final} for f in part]
+                replace_atomically(shard, partial(torch.save, items))
+            features += part
+            bar.update(len(part))
+    return features
+
+
+@dataclass
+class Collected:
+    """A run's inputs once the data is ready: where the head goes, the target, its features, and where
+    training checkpoints."""
+
+    out: Path
+    target: LoadedModel
+    features: list[Features]
+    checkpoint: Path
+    seconds: float  # loading the target and collecting the features
+
+
+def collect(
+    args: argparse.Namespace,
+    tasks: list[str],
+    artifact: str,
+    goes: str,
+    aux_layers: Callable[[int], tuple[int, ...]],
+) -> Collected:
+    """Resolve the output (``--out``, or ``artifact`` next to the model), load the target and gather its
+    features, keeping ``aux_layers(num_layers)`` besides the final hidden state.  ``goes`` ends the error
+    for a model with no default place, which has to ask for ``--out`` ("the head goes", "the heads go")."""
+    from specdecode.models.artifacts import trained_artifact_path
+    from specdecode.models.loading import load_model
+
+    out = Path(args.out).expanduser() if args.out else trained_artifact_path(args.model, artifact)
+    if out is None:
+        raise SpecDecodeError(
+            f"unknown model {args.model!r}: not a registry name (see `specdecode models`), a local model directory "
+            f"or a .gguf file; for a hub id pass --out DIR to say where {goes}"
+        )
+    started = time.perf_counter()
+    target = load_model(args.model)
+    work = work_dir(out)
+    features = target_features(target, args, tasks, work, aux_layers(target.backend.num_layers))
+    return Collected(out, target, features, work / "checkpoint.pt", time.perf_counter() - started)
