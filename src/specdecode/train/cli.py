@@ -1,4 +1,4 @@
-"""``specdecode train {kangaroo,eagle,medusa,hydra} --model M``: fit drafter weights and save them where the drafter looks."""
+"""``specdecode train {kangaroo,eagle,medusa,hydra} --model M``: fit drafter weights, saved where the drafter looks."""
 
 from __future__ import annotations
 
