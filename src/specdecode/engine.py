@@ -7,6 +7,13 @@ follows the context).  The verifier keeps n <= k draft tokens and supplies one m
 the cache is cropped to ``context + d_1..d_n`` and the loop continues.  With no draft this is exactly
 plain autoregressive decoding, which is why ``--drafter none`` is the baseline.
 
+Which verifier decides (:class:`TargetVerifier`, per sequence): greedy matching at temperature 0;
+with sampling and a seed, Gumbel-max coupled verification (:mod:`specdecode.verify.coupled`: the tokens
+are a function of the seed and the target alone, so a seed gives the same text with every drafter and
+draft length, ``auto`` included, and with none); with sampling and no seed, or ``coupled=False``,
+rejection sampling (:mod:`specdecode.verify.rejection`), which keeps a sampling drafter's guesses a
+little more often but whose text depends on what was drafted.  All three are exact.
+
 :func:`step` is the whole step for a batch of sequences, and the only one: the single-sequence
 generator (:func:`speculative_decode`), the batched engine (:class:`BatchEngine`) and the policy replay
 (``bench/replay.py``, which swaps the target for a known output) all run it.  In a batch each sequence
@@ -32,6 +39,7 @@ from specdecode.models.base import CausalLM, KVCache, KVPool, SequenceInput
 from specdecode.sampling import sampling_probs
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
+from specdecode.verify.coupled import verify_coupled
 from specdecode.verify.greedy import verify_greedy
 from specdecode.verify.rejection import verify_speculative_sampling
 
@@ -63,7 +71,7 @@ class Sequence:
     stop_ids: frozenset[int]
     session: DraftSession
     length_policy: DraftLengthPolicy
-    generator: torch.Generator  # the verifier's draws (CPU: verification reads probabilities on the host)
+    generator: torch.Generator  # rejection sampling's draws (CPU: it reads probabilities on the host)
     max_context: int
     cache: KVCache | None = None  # None when no target runs (replay)
     context: list[int] = field(default_factory=list)
@@ -136,8 +144,9 @@ def ancestor_mask(draft: Draft) -> torch.Tensor:
 
 
 class TargetVerifier:
-    """The real verifier: one ragged target forward over every sequence's draft, then greedy matching or
-    rejection sampling per sequence, and each cache compacted to its accepted path."""
+    """The real verifier: one ragged target forward over every sequence's draft, then per sequence greedy
+    matching, coupled verification (sampling with a seed: drafter-invariant) or rejection sampling
+    (sampling without one), and each cache compacted to its accepted path."""
 
     def __init__(self, target: CausalLM) -> None:
         self.target = target
@@ -153,6 +162,9 @@ class TargetVerifier:
             sampling = seq.config.sampling
             if sampling.greedy:
                 verdict = verify_greedy(out.logits, draft)
+            elif sampling.is_coupled:
+                # Row 0 predicts the token at position len(context): the noise is keyed by that position.
+                verdict = verify_coupled(out.logits, draft, sampling, sampling.seed, len(seq.context))
             else:
                 verdict = verify_speculative_sampling(sampling_probs(out.logits, sampling), draft, seq.generator)
             # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).

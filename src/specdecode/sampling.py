@@ -1,7 +1,8 @@
 """Turn logits into the sampling distribution (temperature, then top-k, then top-p) and draw from it.
 
 Shared by drafters (which sample drafts) and verifiers (which sample corrections): both import it
-from here, never from each other.
+from here, never from each other.  That is also why the keyed Gumbel noise of coupled sampling lives
+here: the verifier and a drafter that samples must read the very same noise for a position.
 
 Applied identically to target and draft logits.  The order matches transformers' and vLLM's
 (temperature scales before the nucleus is cut, so top-p sees the tempered distribution).
@@ -9,32 +10,95 @@ Applied identically to target and draft logits.  The order matches transformers'
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+import numpy as np
 import torch
 
 from specdecode.config import SamplingParams
 
+#: Noise vectors kept (one per (seed, position, vocabulary size)): a step needs depth + 1 positions per
+#: sequence, and a drafter's noise for a position is read again by the verifier in the same step.  At a
+#: 152k vocabulary one entry is 0.6 MB.
+NOISE_CACHE_SIZE = 64
 
-def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., vocab] logits → [..., vocab] float32 probabilities.  Greedy gives a one-hot argmax."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+
+def _tempered_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k (cut tokens at -inf): the first two stages of the processed distribution."""
+    logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def _top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens outside the nucleus: a token is dropped when the mass *before* it (most likely first)
+    already reaches ``top_p``, so the kept set is the smallest prefix reaching it; the top token stays."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] logits → [..., vocab] float32 probabilities.  Greedy gives a one-hot argmax."""
+    if params.greedy:
+        logits = logits.float()
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    probs = torch.softmax(_tempered_top_k(logits, params), dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
-        # *before* it already reaches top_p.  The most likely token is always kept.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(_top_p_drop(probs, params.top_p), 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def sampling_log_weights(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., vocab] logits → the log-probabilities of :func:`sampling_probs` up to a constant per row:
+    tempered logits, -inf outside top-k and the nucleus (the same support).  Gumbel-max needs nothing
+    more — the argmax is blind to the constant — and skipping the normalisation saves a pass over the
+    vocabulary.  Not for greedy parameters (temperature 0)."""
+    weights = _tempered_top_k(logits, params)
+    if params.top_p < 1.0:
+        weights = weights.masked_fill(_top_p_drop(torch.softmax(weights, dim=-1), params.top_p), float("-inf"))
+    return weights
+
+
+@lru_cache(maxsize=NOISE_CACHE_SIZE)
+def _noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    # Philox is counter-based: the key (seed, position) alone fixes the stream, so the noise of a
+    # position does not depend on which positions were drawn before or how (stateless).  G = -log E with
+    # E ~ Exp(1) is Gumbel(0, 1); numpy's ziggurat exponentials are the cheapest route (about 1 ms for
+    # 152k draws), computed in float64 so no draw is rounded to an infinite or a tied value.
+    rng = np.random.Generator(np.random.Philox(key=(position << 64) | (seed % 2**64)))
+    return torch.from_numpy(-np.log(rng.standard_exponential(vocab)).astype(np.float32))
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[vocab] float32 Gumbel(0, 1) noise keyed by (seed, absolute position) alone: whoever asks — the
+    verifier, a drafter, plain decoding — gets the same vector, which is what makes coupled sampling's
+    output independent of the drafter.  Entry v is the same for every ``vocab`` > v (a draft model with
+    a padded head reads the target's noise).  Cached; treat the result as read-only."""
+    if position < 0:
+        raise ValueError(f"a position is >= 0, got {position}")
+    return _noise(int(seed), int(position), int(vocab))
+
+
+def coupled_sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The Gumbel-max sample of the processed distribution of ``logits`` ([vocab]) at absolute position
+    ``position``: argmax_v(log p(v) + G_{seed,position}(v)), a draw from p, and a deterministic
+    function of (p, seed, position).  Greedy parameters give the plain argmax."""
+    if params.greedy:
+        return int(logits.argmax())
+    return coupled_argmax(sampling_log_weights(logits, params), seed, position)
+
+
+def coupled_argmax(log_weights: torch.Tensor, seed: int, position: int) -> int:
+    """argmax_v(log_weights(v) + G_{seed,position}(v)) for [vocab] log-weights already processed (any
+    constant offset): for callers that also need the weights (a drafter's confidence)."""
+    noise = gumbel_noise(seed, position, log_weights.shape[-1]).to(log_weights.device)
+    return int(torch.argmax(log_weights + noise))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -7,6 +7,11 @@ only the missing tokens are fed — so rollback is exact whatever the verifier d
 ``draft_vocab=N`` drafts over the draft model's LM head restricted to its first N ids and the prompt's
 (VocabTrim, :mod:`specdecode.drafters._vocab`): on a CPU a 0.5B model's 152k-row head is a quarter of
 its forward.  Tokens outside are never drafted, which cannot change the output.
+
+With a seeded, coupled request (``SamplingParams.is_coupled``) the draft token at absolute position t is
+``argmax_v(log q_t(v) + G_{seed,t}(v))`` with the very noise the coupled verifier applies to the target's
+p_t: the draft then agrees with the target's sample whenever the two perturbed argmaxes coincide, which
+happens most often where q is close to p (an independent draw would be accepted far less).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
-from specdecode.sampling import sample, sampling_probs
+from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
 from specdecode.types import Draft
 
 
@@ -71,15 +76,20 @@ class DraftModelSession(DraftSession):
         self.cache = backend.new_cache()
         self.cached_tokens: list[int] = []
 
-    def _choose(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, float]:
-        """The next draft token, the distribution it was sampled from (None if greedy) and the draft
-        model's probability of it (its confidence, for the draft-length policy's stop rule)."""
+    def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
+        """The next draft token (for absolute ``position``), the distribution it was sampled from (None if
+        greedy or coupled: a deterministic proposal then) and the draft model's probability of it (its
+        confidence, for the draft-length policy's stop rule)."""
         if self.sampling.greedy:
             top = logits.float().softmax(-1).max(-1)
             index = int(top.indices)
             return (self.head.token(index) if self.head else index), None, float(top.values)
         if self.head is not None:
             logits = self.head.full_vocab(logits)
+        if self.sampling.is_coupled:
+            weights = sampling_log_weights(logits, self.sampling)
+            token = coupled_argmax(weights, self.request.seed, position)
+            return token, None, float(weights.softmax(-1)[token])
         probs = sampling_probs(logits, self.sampling).cpu()
         token = sample(probs, self.generator)
         return token, probs, float(probs[token])
@@ -96,9 +106,9 @@ class DraftModelSession(DraftSession):
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
         confidence: list[float] = []
-        for _ in range(max_tokens):
+        for index in range(max_tokens):
             logits = self._next_logits(pending)
-            token, probs, p = self._choose(logits)
+            token, probs, p = self._choose(logits, len(context) + index)
             tokens.append(token)
             confidence.append(p)
             if probs is not None:
