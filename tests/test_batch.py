@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from helpers import random_eagle_head
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import CostModelLength, FixedLength, linear_curve, plan_batch
@@ -15,6 +17,7 @@ from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
+from specdecode.heads.medusa import heads_for_target
 
 REPEATS = [12, 13, 14, 12, 13, 14, 12, 13]
 BATCH_PROMPTS = [
@@ -31,10 +34,15 @@ MAX_NEW = [24, 40, 33, 17, 40, 8, 29, 40]
 
 
 def batch_drafters(target, draft):
-    """Every registered drafter, the trained one with an untrained adapter (its exit is then exact)."""
+    """Every registered drafter; the trained ones with untrained weights (greedy output is exact whatever
+    they draft)."""
+    backend = target.backend
     options = {
         "draft-model": {"draft_model": draft},
-        "kangaroo": {"adapter": KangarooAdapter.for_backend(target.backend, exit_layer=1)},
+        "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=1)},
+        "eagle": {"head": random_eagle_head(backend, 48)},
+        "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(48))},
+        "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(48))},
     }
     return {name: create_drafter(name, target, **options.get(name, {})) for name in available_drafters()}
 
