@@ -218,7 +218,9 @@ def test_sampling_with_heads_reproduces_the_target_distribution(kind):
     counts = np.zeros((4, V, V))
     produced, seed = 0, 0
     while produced < DRAWS // 2:
-        config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=SamplingParams(0.9, 4, seed=seed))
+        config = GenerationConfig(
+            max_new_tokens=500, num_draft_tokens=3, sampling=SamplingParams(0.9, 4, seed=seed, coupled=False)
+        )
         previous = 0
         for chunk in speculative_decode(model, drafter, [0, 1], config):
             for position, token in enumerate(chunk):

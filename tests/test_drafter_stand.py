@@ -66,7 +66,7 @@ def parity_transition_counts(sampling: SamplingParams, tokens_wanted: int) -> tu
         config = GenerationConfig(
             max_new_tokens=1000,
             num_draft_tokens=3,
-            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed),
+            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed, coupled=False),
         )
         sequence = [0]
         for chunk in speculative_decode(model, drafter, sequence[:], config):

@@ -144,7 +144,7 @@ def transition_counts(
         config = GenerationConfig(
             max_new_tokens=1000,
             num_draft_tokens=3,
-            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=run),
+            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=run, coupled=False),
         )
         previous = 0
         for chunk in speculative_decode(model, drafter, [0], config):
@@ -203,7 +203,9 @@ def batched_transition_counts(sampling: SamplingParams, tokens_per_sequence: int
         for index, k in enumerate(depths):
             seed = round_ * len(depths) + index
             config = GenerationConfig(
-                max_new_tokens=1000, num_draft_tokens=k, sampling=dataclasses.replace(sampling, seed=seed)
+                max_new_tokens=1000,
+                num_draft_tokens=k,
+                sampling=dataclasses.replace(sampling, seed=seed, coupled=False),
             )
             engine.submit(BatchRequest([previous[index]], config, tag=index))
         for event in engine.run():
