@@ -322,3 +322,27 @@ def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
     head = EagleHead(config)
     head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
     return head
+
+
+def assert_head_drafter_samples_exactly(model: BigramFeatures, table: torch.Tensor, drafter) -> None:
+    """Rejection sampling with a head-based ``drafter`` on the bigram toy: every (position in step, previous
+    token) stratum fits the target's processed distribution, and drafts were accepted."""
+    from specdecode.sampling import sampling_probs
+
+    sampling = SamplingParams(temperature=0.9, top_k=4)
+    counts = np.zeros((4, V, V))
+    produced, seed = 0, 0
+    while produced < DRAWS // 2:
+        params = SamplingParams(0.9, 4, seed=seed, coupled=False)  # coupling would bypass rejection sampling
+        config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=params)
+        previous = 0
+        for chunk in speculative_decode(model, drafter, [0, 1], config):
+            for position, token in enumerate(chunk):
+                counts[position, previous, token] += 1
+                previous = token
+            produced += len(chunk)
+        seed += 1
+    pvalues = chain_pvalues(counts, sampling_probs(table, sampling).numpy())
+    assert len(pvalues) >= 8
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues
+    assert counts[1:].sum() > 0  # drafts were accepted
