@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import random_eagle_head
 from specdecode.drafters import available_drafters, drafter_class
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import load_model
@@ -113,13 +114,18 @@ BATCH_PROMPTS = [  # short, long, grounded, chat; some end (EOS) well before the
 
 def test_every_drafter_gives_each_sequence_of_a_batch_its_solo_greedy_output(smollm2):
     from specdecode.drafters.kangaroo import KangarooAdapter
+    from specdecode.heads.medusa import heads_for_target
 
     plain = SpeculativeGenerator.build(smollm2, "none")
     solo = [plain.generate(p, chat=True, max_new_tokens=n) for p, n in BATCH_PROMPTS]
     assert any(r.finish_reason == "eos" for r in solo) and any(r.finish_reason == "length" for r in solo)
-    options = {
+    backend = smollm2.backend
+    options = {  # trained drafters with untrained weights: greedy output is exact whatever they draft
         "draft-model": {"draft_model": smollm2},
-        "kangaroo": {"adapter": KangarooAdapter.for_backend(smollm2.backend, exit_layer=20)},
+        "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=20)},
+        "eagle": {"head": random_eagle_head(backend, 4096)},
+        "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(4096))},
+        "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(4096))},
     }
     for name in available_drafters():
         generator = SpeculativeGenerator.build(smollm2, name, **options.get(name, {}))
