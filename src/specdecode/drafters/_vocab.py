@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdecode.config import DEFAULT_DRAFT_VOCAB
+from specdecode.config import DEFAULT_DRAFT_VOCAB, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
+from specdecode.sampling import sample, sampling_probs
 
 
 class DraftHead:
@@ -77,3 +78,23 @@ class HeadRows:
 
     def token(self, index: int) -> int:
         return index if self.ids is None else int(self.ids[index])
+
+
+def choose_from_subset(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    vocab_size: int,
+    sampling: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, float, torch.Tensor | None]:
+    """The next draft token from logits over a vocabulary subset (``target_ids``: the target id of each
+    entry): greedy, or sampled from the processed distribution over the whole vocabulary (zero outside the
+    subset, returned so that rejection sampling stays exact); with the drafter's probability of it."""
+    if sampling.greedy:
+        choice = int(logits.argmax())
+        return int(target_ids[choice]), float(torch.softmax(logits, dim=-1)[choice]), None
+    full = logits.new_full((vocab_size,), float("-inf"))
+    full[target_ids] = logits
+    probs = sampling_probs(full, sampling)
+    token = sample(probs, generator)
+    return token, float(probs[token]), probs

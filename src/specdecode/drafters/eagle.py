@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
@@ -35,7 +36,6 @@ from specdecode.heads.storage import load_eagle, target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
-from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft, StepFeedback
 
 HEAD_DIR = "eagle-head"
@@ -232,19 +232,11 @@ class EagleSession(DraftSession):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         confidence: list[float] = []
-        greedy = self.sampling.greedy
         for depth in range(max_tokens):
-            logits = self.head.logits(hidden)
-            if greedy:
-                choice = int(logits.argmax())
-                probs = torch.softmax(logits, dim=-1)
-                token, conf = int(self.drafter.target_ids[choice]), float(probs[choice])
-            else:
-                full = logits.new_full((self.backend_vocab,), float("-inf"))
-                full[self.drafter.target_ids] = logits
-                probs = sampling_probs(full, self.sampling)
-                token = sample(probs, self.generator)
-                conf = float(probs[token])
+            token, conf, probs = choose_from_subset(
+                self.head.logits(hidden), self.drafter.target_ids, self.backend_vocab, self.sampling, self.generator
+            )
+            if probs is not None:
                 rows.append(probs)
             tokens.append(token)
             confidence.append(conf)

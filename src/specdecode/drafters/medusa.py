@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import head_directory
@@ -34,7 +35,6 @@ from specdecode.heads.medusa import DraftHeads, load_heads
 from specdecode.heads.storage import target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel
-from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft, StepFeedback
 
 
@@ -141,16 +141,14 @@ class HeadsSession(DraftSession):
         rows: list[torch.Tensor] = []
         confidence: list[float] = []
         for k in range(depth):
-            logits = self._head_logits(k, [tokens])[0]
-            if self.sampling.greedy:
-                choice = int(logits.argmax())
-                token, conf = int(self.drafter.target_ids[choice]), float(torch.softmax(logits, -1)[choice])
-            else:
-                full = logits.new_full((self.heads.config.target_vocab_size,), float("-inf"))
-                full[self.drafter.target_ids] = logits
-                probs = sampling_probs(full, self.sampling)
-                token = sample(probs, self.generator)
-                conf = float(probs[token])
+            token, conf, probs = choose_from_subset(
+                self._head_logits(k, [tokens])[0],
+                self.drafter.target_ids,
+                self.heads.config.target_vocab_size,
+                self.sampling,
+                self.generator,
+            )
+            if probs is not None:
                 rows.append(probs)
             tokens.append(token)
             confidence.append(conf)
