@@ -100,3 +100,21 @@ def one_thread_for_tiny_models(request):
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def trained_head(tiny_target):
+    """An EAGLE head trained for a second or two on the tiny target's own greedy continuations."""
+    from helpers import hf_greedy
+    from specdecode.heads.eagle import default_aux_layers
+    from specdecode.train.eagle import EagleTrainConfig, compute_features, train_eagle
+
+    backend = tiny_target.backend
+    generator = torch.Generator().manual_seed(0)
+    sequences = []
+    for _ in range(12):
+        prompt = torch.randint(0, backend.vocab_size, (5,), generator=generator).tolist()
+        sequences.append(prompt + hf_greedy(tiny_target, prompt, 30))
+    features = compute_features(backend, sequences, default_aux_layers(backend.num_layers), progress=False)
+    config = EagleTrainConfig(epochs=8, window=32, batch_windows=4, lr=3e-3, draft_vocab=64)
+    return train_eagle(backend, features, config).head

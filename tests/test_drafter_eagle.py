@@ -23,24 +23,10 @@ from specdecode.drafters import create_drafter
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.engine import BatchEngine, BatchRequest
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.eagle import EagleHead, HeadCache, default_aux_layers
+from specdecode.heads.eagle import HeadCache
 from specdecode.heads.storage import load_eagle, save_eagle
 from specdecode.models.loading import LoadedModel
-from specdecode.train.eagle import EagleTrainConfig, compute_features, make_windows, train_eagle, unrolled_logits
-
-
-@pytest.fixture(scope="module")
-def trained_head(tiny_target) -> EagleHead:
-    """A head trained for a second or two on the tiny target's own greedy continuations."""
-    backend = tiny_target.backend
-    generator = torch.Generator().manual_seed(0)
-    sequences = []
-    for _ in range(12):
-        prompt = torch.randint(0, backend.vocab_size, (5,), generator=generator).tolist()
-        sequences.append(prompt + hf_greedy(tiny_target, prompt, 30))
-    features = compute_features(backend, sequences, default_aux_layers(backend.num_layers), progress=False)
-    config = EagleTrainConfig(epochs=8, window=32, batch_windows=4, lr=3e-3, draft_vocab=64)
-    return train_eagle(backend, features, config).head
+from specdecode.train.eagle import compute_features, make_windows, unrolled_logits
 
 
 def test_target_hands_out_hidden_states_of_any_layer(tiny_target):
