@@ -100,6 +100,35 @@ def test_draft_model_flag(capsys, tiny_dirs):
     assert json.loads(out)["stats"]["new_tokens"] == 8
 
 
+@pytest.mark.parametrize("command", ["generate", "batch"])
+def test_no_coupled_verifies_seeded_sampling_by_rejection(command, capsys, tiny_dirs, tmp_path, monkeypatch):
+    import specdecode.engine
+
+    calls: dict[str, int] = {}
+
+    def counted(name: str, verify):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return verify(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(specdecode.engine, "verify_coupled", counted("coupled", specdecode.engine.verify_coupled))
+    rejection = counted("rejection", specdecode.engine.verify_speculative_sampling)
+    monkeypatch.setattr(specdecode.engine, "verify_speculative_sampling", rejection)
+    source = "w1 w2 w3 w1 w2"
+    if command == "batch":
+        (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": source}) + "\n")
+        source = str(tmp_path / "prompts.jsonl")
+    argv = [command, source, "--model", str(tiny_dirs["target"]), "--temperature", "0.8", "--seed", "1"]
+    argv += ["--max-new-tokens", "3", "--ignore-eos", "--json"]
+    for flags, verifier in (([], "coupled"), (["--no-coupled"], "rejection")):
+        calls.clear()
+        code, out, err = run_cli(capsys, *argv, *flags)
+        assert code == 0, err
+        assert set(calls) == {verifier} and len(json.loads(out)["token_ids"]) == 3
+
+
 BAD_INPUTS = {
     "empty prompt": (["generate", ""], "prompt is empty"),
     "blank prompt": (["generate", " \n\t "], "prompt is blank (only whitespace)"),

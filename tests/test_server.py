@@ -3,6 +3,7 @@ by raw HTTP for what the client cannot send (bad JSON, wrong types, no API key).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -21,6 +22,7 @@ import uvicorn
 from specdecode.cli import main
 from specdecode.generator import SpeculativeGenerator
 from specdecode.server.app import ServerConfig, Service, create_app
+from specdecode.server.protocol import CompletionRequest
 
 CHAT = [{"role": "user", "content": "w1 w2 w3 w4 w1 w2 w3"}]
 TEXT = "w5 w6 w7 w5 w6 w7 w5"
@@ -189,6 +191,8 @@ BAD = [
     (json.dumps({"messages": CHAT, "speculative": {"num_draft_tokens": "many"}}), 400),
     (json.dumps({"messages": [{"role": "user", "content": "w1 " * 400}]}), 400),  # longer than the context
     (json.dumps({"messages": [{"role": "user", "content": " \n\t "}]}), 400),  # blank
+    (json.dumps({"messages": CHAT, "seed": 1, "coupled": "no"}), 400),
+    (json.dumps({"messages": CHAT, "seed": 1, "coupled": 0}), 400),
     (json.dumps({"messages": CHAT, "model": "gpt-9"}), 404),
     (json.dumps([1, 2, 3]), 400),
 ]
@@ -202,6 +206,19 @@ def test_bad_input_gets_a_4xx_with_an_error_object(server, body, status):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
+
+
+def test_coupled_false_opts_a_seeded_request_out_of_coupling(server):
+    async def sampling(**fields):  # the config a request would decode with (submission needs a running loop)
+        body = CompletionRequest(prompt=TEXT, temperature=0.8, seed=1, **fields)
+        return server.service.submission(body, chat=False).config.sampling
+
+    assert asyncio.run(sampling()).is_coupled and asyncio.run(sampling(coupled=True)).is_coupled
+    assert not asyncio.run(sampling(coupled=False)).is_coupled
+    done = server.client().completions.create(
+        model="tiny", prompt=TEXT, max_tokens=4, temperature=0.8, seed=1, extra_body={"coupled": False}
+    )
+    assert done.usage.completion_tokens >= 1
 
 
 def test_bad_completion_prompt_and_unknown_route(server):

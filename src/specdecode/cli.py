@@ -81,6 +81,13 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
+    parser.add_argument(
+        "--no-coupled",
+        dest="coupled",
+        action="store_false",
+        help="with --seed, verify by rejection sampling instead of Gumbel-max coupling: the text then depends on "
+        "the drafter and draft length (coupled, the default, gives one text per seed whatever drafts it)",
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     chat = parser.add_mutually_exclusive_group()
@@ -106,7 +113,9 @@ def _generation_config(args: argparse.Namespace):
     return GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
-        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+        sampling=SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled
+        ),
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )

@@ -49,7 +49,7 @@ class StreamEvent:
 
 
 _PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos"}
-_SAMPLING_NAMES = {"temperature", "top_k", "top_p", "seed"}
+_SAMPLING_NAMES = {"temperature", "top_k", "top_p", "seed", "coupled"}
 
 
 class SpeculativeGenerator:

@@ -114,6 +114,7 @@ class Service:
                 top_p=body.top_p,
                 top_k=max(body.top_k, 0) if body.top_k is not None else None,
                 seed=body.seed,
+                coupled=body.coupled,
                 stop=body.stop,
                 num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
             )

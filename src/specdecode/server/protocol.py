@@ -3,7 +3,8 @@
 Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
 ``top_k`` (a vLLM extension), ``seed``, ``stop``, ``n`` (1 only), ``stream`` and
 ``stream_options.include_usage``, plus our ``speculative`` object choosing the drafter and draft length
-per request.  A field of the wrong type, a value out of range or an unknown field is a 400 with an
+per request and ``coupled`` (false: a seeded request is verified by rejection sampling, not Gumbel-max
+coupling).  A field of the wrong type, a value out of range or an unknown field is a 400 with an
 OpenAI-style error object, never a 500.
 """
 
@@ -45,6 +46,7 @@ class _Common(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM uses -1)
     seed: int | None = None
+    coupled: bool | None = None  # with a seed: Gumbel-max coupled (default) or rejection sampling (false)
     stop: str | list[str] | None = None
     n: Literal[1] = 1
     stream: bool = False
