@@ -1,0 +1,291 @@
+"""``specdecode bench coupling``: what drafter-invariant sampling costs in acceptance, next to rejection sampling.
+
+Seeded sampling is verified by Gumbel-max coupling (:mod:`specdecode.verify.coupled`) so that a seed gives one
+text whatever drafts it.  The price is acceptance: a drafted token must now equal one particular draw, where
+rejection sampling keeps it with probability min(1, p/q).  This benchmark measures that price on real
+prompts: every method decodes every prompt twice with the same seed — coupled, and with rejection sampling
+(``coupled=False``) — and reports per method and verifier the mean accepted tokens per step, the draft
+acceptance rate and tokens/s, and whether the outputs equal plain (``none``) coupled decoding of the same
+seed, which the coupled ones must (drafter invariance).
+
+Every decode starts from a cold drafter (``reset_drafter``): otherwise a drafter that learns from earlier
+outputs (``suffix``, ``recycling``) would favour whichever verifier ran second on a prompt.  EOS ends a
+decode as it would for a user.  One short untimed decode per method first: first-call allocations and the
+cost curve ``auto`` measures once are not decoding.  Not resumable: a run takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specdecode.bench.tasks import TASK_NAMES, Task
+from specdecode.errors import SpecDecodeError
+
+if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
+    from specdecode.bench.runner import MethodSpec
+    from specdecode.generator import SpeculativeGenerator
+
+REFERENCE = "none"  # plain decoding: its coupled outputs are what every coupled output must equal
+VERIFIERS = ("coupled", "rejection")
+WARMUP_TOKENS = 8
+#: Prompt selection: the quick suite's prompts (``bench --suite quick``), whatever the sampling seed.
+PROMPT_SEED = 0
+DEFAULTS: dict[str, Any] = {
+    "model": "smollm2-135m",
+    # The drafters that run on smollm2-135m out of the box: no registered model shares its vocabulary
+    # (so no draft-model), and the head drafters need training.  stand is the one that samples its drafts.
+    "methods": "pld,suffix,recycling,stand",
+    "tasks": TASK_NAMES,
+    "prompts_per_task": 1,
+    "max_new_tokens": 64,
+    "temperature": 0.8,
+    "seed": 0,
+    "out": "bench-out/coupling",
+}
+
+
+@dataclass(frozen=True)
+class CouplingSettings:
+    model: str
+    methods: tuple[MethodSpec, ...]
+    tasks: tuple[str, ...]
+    prompts_per_task: int
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    threads: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        from specdecode.bench import common
+
+        common.check_positive_ints(
+            ("--prompts-per-task", self.prompts_per_task),
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--threads", self.threads),
+        )
+        common.check_tasks(self.tasks)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise SpecDecodeError(f"--temperature must be a number, got {self.temperature!r}")
+        if self.temperature <= 0:  # greedy decoding samples nothing: there is no verifier to compare
+            raise SpecDecodeError(f"--temperature must be > 0 (coupling is for sampling), got {self.temperature}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {**data, "methods": [m.spec for m in self.methods], "tasks": list(self.tasks), "out": str(self.out)}
+
+
+def resolve_settings(**overrides: Any) -> CouplingSettings:
+    """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
+    ``none`` is always measured (first), so it is dropped from ``methods``."""
+    from specdecode.bench import common
+    from specdecode.bench.runner import parse_methods
+
+    parsers = {"methods": parse_methods, "tasks": common.split_names}
+    values = common.resolve_values(CouplingSettings, DEFAULTS, overrides, "coupling setting", parsers)
+    return CouplingSettings(
+        model=values["model"],
+        methods=tuple(m for m in values["methods"] if m.spec != REFERENCE),
+        tasks=tuple(values["tasks"]),
+        prompts_per_task=values["prompts_per_task"],
+        max_new_tokens=values["max_new_tokens"],
+        temperature=values["temperature"],
+        seed=values["seed"],
+        threads=values["threads"],
+        out=Path(values["out"]),
+    )
+
+
+def decode(
+    generator: SpeculativeGenerator, method: MethodSpec, ids: list[int], settings: CouplingSettings, coupled: bool
+) -> dict[str, Any]:
+    """One seeded decode from a cold drafter → its per-prompt record (token ids and the stats' counts)."""
+    generator.reset_drafter()
+    result = generator.generate(
+        ids,
+        max_new_tokens=settings.max_new_tokens,
+        num_draft_tokens=method.k,
+        temperature=settings.temperature,
+        seed=settings.seed,
+        coupled=coupled,
+    )
+    stats = result.stats
+    return {
+        "token_ids": result.token_ids,
+        "new_tokens": stats.new_tokens,
+        "steps": stats.steps,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "wall_s": round(stats.wall_s, 5),
+    }
+
+
+def summarize_row(method: str, verifier: str, keys: Sequence[str], records: Sequence[dict], reference: dict) -> dict:
+    """One (method, verifier) row: pooled acceptance and speed, and equality with plain coupled decoding."""
+    total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
+    wall_s = sum(r["wall_s"] for r in records)
+    same = [reference[key] == r["token_ids"] for key, r in zip(keys, records)]
+    return {
+        "method": method,
+        "verifier": verifier,
+        **total,
+        "wall_s": round(wall_s, 4),
+        # Tokens per target forward, the target's own token included (plain decoding: 1.0).
+        "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
+        "acceptance_rate": total["accepted_tokens"] / total["drafted_tokens"] if total["drafted_tokens"] else None,
+        "tokens_per_s": total["new_tokens"] / wall_s if wall_s > 0 else 0.0,
+        "equal_to_plain_coupled": sum(same) / len(same),
+        "per_prompt": [
+            {"prompt": key, **{k: v for k, v in r.items() if k != "token_ids"}, "equal_to_plain_coupled": s}
+            for key, r, s in zip(keys, records, same)
+        ],
+    }
+
+
+def measure_coupling(
+    settings: CouplingSettings, tasks: Sequence[Task] | None = None, progress: bool = True
+) -> dict[str, Any]:
+    """Decode every prompt with every method (``none`` first) and both verifiers; write results.json and
+    results.md to ``settings.out`` and return the results.  ``tasks`` replaces the real prompts (tests)."""
+    from tqdm import tqdm
+
+    from specdecode.bench import common, runner
+    from specdecode.bench.runner import MethodSpec
+    from specdecode.bench.tasks import load_tasks
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import fast_path_default, load_model
+    from specdecode.threads import fixed_threads
+
+    tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, PROMPT_SEED)
+    target = load_model(settings.model)
+    drafts = {name: load_model(name) for name in sorted({m.draft_model for m in settings.methods} - {None})}
+    encoded = common.PromptEncoder(target, settings.model, settings.max_new_tokens).encode_tasks(tasks)
+    if not encoded:
+        raise SpecDecodeError("the selected tasks have no prompts")
+    keys = [e.key for e in encoded]
+    methods = [MethodSpec(REFERENCE, spec=REFERENCE), *settings.methods]
+    results: dict[str, Any] = {
+        "settings": settings.to_json(),
+        "prompts": [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded],
+        "environment": {**runner.environment(settings.threads), "fast_path": fast_path_default()},
+        "rows": [],
+    }
+    reference: dict[str, list[int]] = {}
+    started = time.perf_counter()
+    with (
+        fixed_threads(settings.threads),
+        tqdm(total=len(methods) * 2 * len(encoded), unit="decode", desc="bench coupling", disable=not progress) as bar,
+    ):
+        for method in methods:
+            generator = SpeculativeGenerator.build(target, method.drafter, **common.drafter_options(method, drafts))
+            generator.generate(encoded[0].ids, max_new_tokens=WARMUP_TOKENS, temperature=settings.temperature)
+            records: dict[str, list[dict]] = {verifier: [] for verifier in VERIFIERS}
+            for prompt in encoded:  # both verifiers on a prompt back to back: a drift in speed hits both alike
+                for verifier in VERIFIERS:
+                    bar.set_postfix_str(f"{method.spec} {verifier}", refresh=False)
+                    records[verifier].append(decode(generator, method, prompt.ids, settings, verifier == "coupled"))
+                    bar.update()
+            if method.spec == REFERENCE:
+                reference = {key: r["token_ids"] for key, r in zip(keys, records["coupled"])}
+            results["rows"] += [summarize_row(method.spec, v, keys, records[v], reference) for v in VERIFIERS]
+    results["environment"]["load_average_end"] = common.load_average()
+    results["measure_s"] = round(time.perf_counter() - started, 1)
+    common.save_json(settings.out / "results.json", results)
+    (settings.out / "results.md").write_text(markdown(results))
+    return results
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """results.md, from the results JSON alone."""
+    from specdecode.bench import common
+    from specdecode.bench.report import _fmt, _table
+
+    s = results["settings"]
+    rows = results["rows"]
+    plain = {r["verifier"]: r["tokens_per_s"] for r in rows if r["method"] == REFERENCE}
+    lines = [
+        f"# Coupled vs rejection sampling: `{s['model']}`",
+        "",
+        f"{len(results['prompts'])} prompts ({', '.join(s['tasks'])}), temperature {s['temperature']}, seed "
+        f"{s['seed']}, up to {s['max_new_tokens']} new tokens (EOS ends a decode), default draft lengths unless "
+        "a method says `k=`. Every method decodes every prompt twice from a cold drafter with the same seed: "
+        "Gumbel-max coupled (the default for seeded sampling, drafter-invariant) and rejection sampling "
+        "(`--no-coupled`). Mean accepted tokens count the target's own token per step (plain decoding: 1.00).",
+        "",
+        *_table(
+            [
+                "method",
+                "verifier",
+                "mean accepted tokens / step",
+                "draft acceptance rate",
+                "tokens/s",
+                "over plain (same verifier)",
+                "same tokens as plain coupled",
+            ],
+            (
+                [
+                    f"`{r['method']}`",
+                    r["verifier"],
+                    _fmt(r["mean_accepted_tokens"]),
+                    _fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".1f", "%"),
+                    _fmt(r["tokens_per_s"], ".1f"),
+                    _fmt(r["tokens_per_s"] / plain[r["verifier"]] if plain.get(r["verifier"]) else None, ".2f", "x"),
+                    f"{round(r['equal_to_plain_coupled'] * len(r['per_prompt']))}/{len(r['per_prompt'])}",
+                ]
+                for r in rows
+            ),
+        ),
+        "",
+        "Coupled rows must equal plain coupled decoding on every prompt (drafter invariance); rejection "
+        "sampling draws other (equally exact) samples, so its text differs.",
+        "",
+        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
+        + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------
+# ``specdecode bench coupling``
+
+
+def add_coupling_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``coupling`` to ``bench``'s sub-commands.  A flag given to ``bench`` before the sub-command is kept
+    unless repeated after it (SUPPRESS), as for ``bench throughput``."""
+    keep = argparse.SUPPRESS
+    coupling = commands.add_parser(
+        "coupling",
+        help="seeded sampling: acceptance of Gumbel-max coupling vs rejection sampling per drafter",
+        description="Every method decodes every quick-suite prompt twice with the same seed, coupled and by "
+        "rejection sampling; results go to --out (results.json, results.md).",
+    )
+    coupling.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
+    coupling.add_argument(
+        "--methods", default=keep, help=f"comma-separated drafter specs (default {DEFAULTS['methods']})"
+    )
+    coupling.add_argument("--tasks", default=keep, help="comma-separated tasks (default: all)")
+    coupling.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
+    coupling.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 64")
+    coupling.add_argument("--temperature", type=float, default=keep, help="sampling temperature, > 0 (default 0.8)")
+    coupling.add_argument("--seed", type=int, default=keep, help="sampling seed of every decode (default 0)")
+    coupling.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
+    coupling.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    coupling.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
+    coupling.set_defaults(run=run_coupling)
+
+
+def run_coupling(args: argparse.Namespace) -> int:
+    from specdecode.bench.cli import _flags, _run_and_print
+
+    names = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "temperature", "seed", "out")
+    settings = resolve_settings(**_flags(args, *names, "threads"))
+    progress = getattr(args, "progress", True)
+    return _run_and_print("bench coupling", "results.json, results.md", settings, measure_coupling, progress)
