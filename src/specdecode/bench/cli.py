@@ -1,5 +1,5 @@
 """``specdecode bench`` (the Spec-Bench-style benchmark), ``specdecode bench forward-cost``,
-``specdecode bench throughput`` and ``specdecode bench serve``."""
+``specdecode bench throughput``, ``specdecode bench serve`` and ``specdecode bench contention``."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
-    commands = bench.add_subparsers(dest="bench_command", required=False, metavar="{forward-cost,throughput,serve}")
+    commands = bench.add_subparsers(
+        dest="bench_command", required=False, metavar="{forward-cost,throughput,serve,contention}"
+    )
     cost = commands.add_parser(
         "forward-cost", help="time one forward over 1..N new tokens: the cost curve of verification"
     )
@@ -143,6 +145,25 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
     serve.set_defaults(run=run_bench_serve)
 
+    contention = commands.add_parser(
+        "contention",
+        help="plain and pld tokens/s with one busy process beside us, against idle and against transformers",
+        description="Every contestant decodes the prompts idle, then with one competing busy process. Results go "
+        "to --out (results.json, results.md, contention.png); a rerun skips the cells that directory holds.",
+    )
+    contention.add_argument("--model", default=keep, help=f"target model (default {DEFAULT_MODEL})")
+    contention.add_argument(
+        "--tasks", default=keep, help="comma-separated tasks (default edit,summarize,rag,humaneval)"
+    )
+    contention.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
+    contention.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 64")
+    contention.add_argument("--seed", type=int, default=keep, help="seed of the prompt selection (default 0)")
+    contention.add_argument("--out", default=keep, help="output directory (default bench-out/contention)")
+    contention.add_argument(
+        "--no-progress", dest="progress", action="store_false", default=keep, help="no progress lines"
+    )
+    contention.set_defaults(run=run_bench_contention)
+
 
 def run_bench(args: argparse.Namespace) -> int:
     from specdecode.bench.runner import resolve_settings, run_benchmark
@@ -213,3 +234,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     settings = serve.resolve_settings(**_flags(args, *flags, "seed", "out", "threads"))
     files = "results.json, results.md, serve.png"
     return _run_and_print("bench serve", files, settings, serve.run_serve_bench, args.progress)
+
+
+def run_bench_contention(args: argparse.Namespace) -> int:
+    from specdecode.bench import contention
+
+    settings = contention.resolve_settings(
+        **_flags(args, "model", "tasks", "prompts_per_task", "max_new_tokens", "seed", "out")
+    )
+    files = "results.json, results.md, contention.png"
+    return _run_and_print("bench contention", files, settings, contention.run_contention, args.progress)

@@ -8,23 +8,21 @@ alike.  One copy of each of those rules here keeps the commands' error messages,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from specdecode.bench.report import _table
 from specdecode.bench.tasks import TASK_NAMES, Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
+from specdecode.threads import fixed_threads
 
 # --------------------------------------------------------------------------------------------------------
 # Settings: the same flag gets the same check and the same one-line error in every command
@@ -190,17 +188,6 @@ def other_settings_error(
     )
 
 
-@contextlib.contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """Decode with exactly ``threads`` threads (recorded in the results), then restore the caller's."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def new_results(schema_version: int, fingerprint: dict[str, Any], **head: Any) -> dict[str, Any]:
     """The results of a cell benchmark before its first cell (``head``: fields that come first)."""
     return {**head, "schema_version": schema_version, "fingerprint": fingerprint, "cells": [], "measure_s": 0.0}
@@ -222,7 +209,7 @@ def run_cells(
     results["settings"] = settings.to_json()
     done = {(c["method"], c[column]) for c in results["cells"]}
     if pending := [cell for cell in order if cell not in done]:
-        with torch_threads(settings.threads):
+        with fixed_threads(settings.threads):
             measure(pending)
     index = {cell: i for i, cell in enumerate(order)}
     results["cells"].sort(key=lambda c: index.get((c["method"], c[column]), len(index)))

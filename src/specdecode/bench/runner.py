@@ -40,7 +40,6 @@ from specdecode.bench.common import (
     read_previous,
     save_json,
     split_names,
-    torch_threads,
 )
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Prompt, Task, load_tasks
 from specdecode.config import GenerationConfig
@@ -49,6 +48,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.stats import GenerationStats
+from specdecode.threads import fixed_threads
 
 # 2: ``drafter_state`` joined the fingerprint (a version-1 file is read as drafter_state "request").
 # 3: ``default_k`` joined it: a method without ``k=`` (``pld``) drafted K=5 before "auto" became the default.
@@ -592,7 +592,7 @@ def run_benchmark(
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     results["settings"] = settings_json(settings)
     if plan := _plan(settings, tasks, results["runs"]):
-        with torch_threads(settings.threads):
+        with fixed_threads(settings.threads):
             _measure(settings, tasks, plan, results, progress)
     cells = report.build_cells(results, tasks)
     results["cells"] = [cell.to_json() for cell in cells]

@@ -30,6 +30,7 @@ from specdecode.models.base import (
     SequenceInput,
 )
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
+from specdecode.threads import GOVERNOR
 
 
 def _config_max_context(config) -> int:
@@ -117,6 +118,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
 
     @torch.inference_mode()
     def _run(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
+        GOVERNOR.before_forward()  # as many threads as the CPUs other processes leave us (specdecode.threads)
         pools = {id(item.cache.pool) for item in inputs if isinstance(item.cache, SlotCache)}
         if len(pools) != 1 or not all(isinstance(item.cache, SlotCache) for item in inputs):
             raise ValueError("a batched forward needs the caches of one pool of this backend")

@@ -1,0 +1,181 @@
+"""How many threads torch's intra-op pool uses: as many CPUs as this process can really have right now.
+
+Why: torch's OpenMP threads meet at a barrier after every parallel region.  When another process keeps one
+of two cores busy, a two-thread forward waits at each barrier for the thread that lost its core to get it
+back, many times per forward.  Measured on a 2-core Xeon, plain decoding of ``smollm2-135m`` fell from
+26 to 1.7 tokens/s beside one busy process with two threads, and kept 15.5 with one.  (OpenMP's passive
+wait policy avoids the collapse but cost 38% of the idle speed on the same machine, so it is no answer.)
+
+So the :class:`ThreadGovernor` looks, before a forward and at most every ``interval_s``, at how much CPU the
+other processes used since its last look (the busy time of our CPUs in ``/proc/stat`` minus this process's
+own) and gives torch the CPUs they left: the CPUs this process may use (torch's default count — physical
+cores, or ``OMP_NUM_THREADS`` — capped by the process's affinity and a cgroup quota) minus the others'
+share, rounded, at least one.  A change is made only after two looks agree, so a
+short burst elsewhere does not flap the thread count.
+
+A thread count chosen by the user is left alone: ``SPECDECODE_THREADS=N``, :func:`fixed_threads` (what the
+benchmarks use), or ``torch.set_num_threads`` called after the governor last set it.  Where ``/proc/stat``
+does not exist (not Linux) or a cgroup quota caps the process (the host's load is then not ours to
+share), the count is the available CPUs and does not move.
+
+Thread counts change the order of floating-point sums inside some kernels, as batch shapes already do:
+greedy speculative output stays the target's greedy output; a run's logits can differ in the last bits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import SpecDecodeError
+
+THREADS_ENV = "SPECDECODE_THREADS"
+PROC_STAT = Path("/proc/stat")
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def process_cpus() -> list[int]:
+    """The CPU ids this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cgroup_quota(path: Path = CGROUP_CPU_MAX) -> float | None:
+    """CPUs' worth of time a cgroup (v2) quota allows this process per period, or None if unlimited."""
+    try:
+        quota, period = path.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Busy CPU-seconds of a set of CPUs and of this process, at one moment."""
+
+    when: float
+    busy_s: float
+    own_s: float
+
+
+def read_sample(cpus: list[int], stat_text: str, own_s: float, when: float) -> CpuSample:
+    """Parse ``/proc/stat``: a ``cpuN`` line's fields are user, nice, system, idle, iowait, irq, softirq, steal
+    (in clock ticks); busy is everything but idle and iowait."""
+    wanted = {f"cpu{cpu}" for cpu in cpus}
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    busy = 0
+    for line in stat_text.splitlines():
+        fields = line.split()
+        if fields and fields[0] in wanted:
+            values = [int(v) for v in fields[1:9]]
+            busy += sum(values) - values[3] - values[4]
+    return CpuSample(when, busy / ticks, own_s)
+
+
+def threads_for(available: int, others_share: float) -> int:
+    """Threads to run with when other processes keep ``others_share`` CPUs busy (one busy process: 1.0)."""
+    return max(1, min(available, math.floor(available - others_share + 0.5)))
+
+
+class ThreadGovernor:
+    """Sets ``torch.set_num_threads`` to the CPUs other processes leave free (see the module docstring)."""
+
+    def __init__(self, interval_s: float = 0.25) -> None:
+        self.interval_s = interval_s
+        self.cpus = process_cpus()
+        quota = cgroup_quota()
+        # torch's own default (physical cores, or OMP_NUM_THREADS) is the most we ever use.
+        self._torch_default = torch.get_num_threads()
+        self.available = max(1, min(self._torch_default, len(self.cpus), math.floor(quota or len(self.cpus))))
+        self.adaptive = quota is None and PROC_STAT.exists() and self.available > 1
+        self.pinned: int | None = None
+        self._started = False
+        self._set: int | None = None  # the count this governor last gave torch
+        self._last: CpuSample | None = None
+        self._proposed: int | None = None
+
+    @property
+    def threads(self) -> int:
+        """The count forwards run with now (once the governor has acted)."""
+        return self._set if self._set is not None else torch.get_num_threads()
+
+    def before_forward(self) -> None:
+        """Called before each forward: cheap (a clock read) except once per ``interval_s``."""
+        if not self._started:
+            self._start()
+        if self._set is not None and torch.get_num_threads() != self._set:
+            self.pinned = self._set = torch.get_num_threads()  # someone chose a count after us: theirs stands
+        if self.pinned is not None:
+            self._apply(self.pinned)
+            return
+        if self._set is None:
+            self._apply(self.available)
+        if not self.adaptive:
+            return
+        now = time.monotonic()
+        if self._last is not None and now - self._last.when < self.interval_s:
+            return
+        sample = self._sample(now)
+        previous, self._last = self._last, sample
+        if previous is None:
+            return
+        elapsed = sample.when - previous.when
+        others = max(0.0, (sample.busy_s - previous.busy_s) - (sample.own_s - previous.own_s)) / elapsed
+        wanted = threads_for(self.available, others)
+        if wanted == self._set:
+            self._proposed = None
+        elif wanted == self._proposed:
+            self._apply(wanted)
+            self._proposed = None
+        else:
+            self._proposed = wanted
+
+    def pin(self, threads: int | None) -> int | None:
+        """Run with ``threads`` from now on (None: govern again); returns the previous pin."""
+        if not self._started:
+            self._start()
+        previous, self.pinned = self.pinned, threads
+        self._proposed = None
+        self._apply(threads if threads is not None else self.available)
+        return previous
+
+    def _start(self) -> None:
+        """Take the user's choice, if any: the environment variable, or a count set before the first forward."""
+        self._started = True
+        env = os.environ.get(THREADS_ENV)
+        if env:
+            if not env.strip().isdigit() or int(env) < 1:
+                raise SpecDecodeError(f"{THREADS_ENV} must be a positive integer, got {env!r}")
+            self.pinned = int(env)
+        elif torch.get_num_threads() != self._torch_default:
+            self.pinned = torch.get_num_threads()
+
+    def _sample(self, now: float) -> CpuSample:
+        times = os.times()
+        return read_sample(self.cpus, PROC_STAT.read_text(), times.user + times.system, now)
+
+    def _apply(self, threads: int) -> None:
+        if self._set != threads:
+            torch.set_num_threads(threads)
+            self._set = threads
+
+
+GOVERNOR = ThreadGovernor()
+
+
+@contextmanager
+def fixed_threads(threads: int) -> Iterator[None]:
+    """Run with exactly ``threads`` threads (a benchmark's recorded setting), then govern as before."""
+    previous = GOVERNOR.pin(threads)
+    try:
+        yield
+    finally:
+        GOVERNOR.pin(previous)
