@@ -1,5 +1,5 @@
 """``specdecode bench`` (the Spec-Bench-style benchmark), ``specdecode bench forward-cost``,
-``specdecode bench throughput``, ``specdecode bench serve`` and ``specdecode bench contention``."""
+``specdecode bench throughput``, ``specdecode bench serve``, ``specdecode bench contention`` and ``specdecode bench coupling``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from specdecode.bench.coupling import add_coupling_command
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
 
@@ -63,7 +64,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(run=run_bench)
 
     commands = bench.add_subparsers(
-        dest="bench_command", required=False, metavar="{forward-cost,throughput,serve,contention}"
+        dest="bench_command", required=False, metavar="{forward-cost,throughput,serve,contention,coupling}"
     )
     cost = commands.add_parser(
         "forward-cost", help="time one forward over 1..N new tokens: the cost curve of verification"
@@ -163,6 +164,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         "--no-progress", dest="progress", action="store_false", default=keep, help="no progress lines"
     )
     contention.set_defaults(run=run_bench_contention)
+    add_coupling_command(commands)
 
 
 def run_bench(args: argparse.Namespace) -> int:
