@@ -1,5 +1,5 @@
-"""``specdecode bench`` (the Spec-Bench-style benchmark), ``specdecode bench forward-cost``,
-``specdecode bench throughput``, ``specdecode bench serve``, ``specdecode bench contention`` and ``specdecode bench coupling``."""
+"""``specdecode bench`` (the Spec-Bench-style benchmark) and its sub-commands ``forward-cost``, ``throughput``,
+``serve``, ``contention`` and ``coupling``."""
 
 from __future__ import annotations
 
