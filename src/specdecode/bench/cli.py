@@ -75,6 +75,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument("--max-new", type=int, default=16, metavar="N", help="largest number of new tokens (>= 8)")
     cost.add_argument("--repeats", type=int, default=argparse.SUPPRESS, metavar="N", help="default 5")
     cost.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="torch threads (default: torch's)")
+    cost.add_argument(
+        "--quantize", default="none", metavar="{none,int8,int4}", help="weight-only quantization (default none)"
+    )
     cost.add_argument("--json", action="store_true", help="print one JSON object")
     cost.add_argument(
         "--profile", action="store_true", help="also print per-operator profiles of 1- and 8-token forwards"
@@ -201,19 +204,21 @@ def run_forward_cost(args: argparse.Namespace) -> int:
 
     from specdecode.bench.forward_cost import format_curve, measure_forward_cost, profile_forward
     from specdecode.models.loading import load_model
+    from specdecode.models.quantize import check_quantize
 
+    quantize = check_quantize(args.quantize)
     if args.threads is not None:
         if args.threads < 1:
             raise SpecDecodeError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
-    backend = load_model(args.model or DEFAULT_MODEL).backend
+    backend = load_model(args.model or DEFAULT_MODEL, quantize=quantize).backend
     try:
         cost = measure_forward_cost(
             backend, context_tokens=args.context_tokens, max_new=args.max_new, repeats=args.repeats or 5
         )
     except ValueError as exc:  # bad sizes: a user mistake, one line
         raise SpecDecodeError(str(exc)) from exc
-    print(json.dumps(cost.to_json()) if args.json else format_curve(cost))
+    print(json.dumps({**cost.to_json(), "quantize": quantize}) if args.json else format_curve(cost))
     if args.profile:
         for n_new in (1, 8):
             print(profile_forward(backend, n_new, args.context_tokens), file=sys.stderr if args.json else sys.stdout)

@@ -22,6 +22,7 @@ from specdecode.models import registry
 from specdecode.models.base import CausalLM
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.quantize import check_quantize, quantize_model
 
 
 @dataclass
@@ -97,16 +98,23 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     fast_path: bool | None = None,
     device: str | torch.device | None = None,
+    quantize: str = "none",
 ) -> LoadedModel:
     """Load ``name`` (see module doc) in ``dtype`` on ``device`` (default: the CPU).
 
     ``fast_path`` (default: :func:`fast_path_default`) prepacks fp32 linear layers for oneDNN, which
     makes a forward over several new tokens cost little more than over one — what speculation needs on
     a CPU.  It changes rounding in the last bits; plain and speculative decoding through the same
-    loaded model use the same kernels, so their outputs stay identical."""
+    loaded model use the same kernels, so their outputs stay identical.
+
+    ``quantize`` (``none``, ``int8`` or ``int4``; CPU only) replaces the linear layers by weight-only
+    quantized ones (:mod:`specdecode.models.quantize`) before anything runs: the quantized model is then
+    *the* model, for plain decoding and verification alike."""
     if not isinstance(name, str) or not name.strip():
         raise UnknownModelError("model name must be a non-empty string")
     target_device = resolve_device(device)
+    if check_quantize(quantize) != "none" and target_device.type != "cpu":
+        raise SpecDecodeError(f"--quantize {quantize} runs on the CPU only (torch's CPU kernels), not on {device}")
     source, extra = _from_pretrained_args(name)
     is_hub_id = source == name and not extra and not Path(source).exists()
     if is_hub_id and not _hub_reachable():
@@ -123,8 +131,10 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     if target_device.type != "cpu":
         model.to(target_device)
-    elif (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32:
-        apply_cpu_fast_path(model)  # oneDNN kernels: the CPU only
+    else:  # the quantized and the oneDNN kernels: the CPU only
+        quantize_model(model, quantize)  # first: the fast path then packs only the fp32 layers left, if any
+        if (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32:
+            apply_cpu_fast_path(model)
     return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
 
 

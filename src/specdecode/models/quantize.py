@@ -1,0 +1,187 @@
+"""Weight-only quantization of a loaded model's linear layers on the CPU: ``int8`` and ``int4``.
+
+Why: decoding one token on a CPU reads every weight once, so a forward costs about its weight bytes over
+the memory bandwidth.  fp32 weights are 4 bytes each; int8 weights 1 byte (plus one scale per output
+channel) and int4 half a byte (plus a scale and a zero per group of ``in_features``).
+
+Which kernels: torch's own CPU weight-only matmuls, ``aten._weight_int8pack_mm`` (what gpt-fast uses) and
+``aten._weight_int4pack_mm_for_cpu``.  They take fp32 activations, so the rest of the model (norms,
+attention, residuals) stays fp32 and no activation is rounded to a smaller type.  ``torchao``'s CPU
+weight-only paths call the same two ops (int4) or dequantize per call (int8, eager), so it brings no
+kernel of its own here.  The measurements behind these choices are in ``docs/results/quantize-kernels/``.
+
+Lossless: quantization changes the model, not the decoding.  :func:`quantize_model` replaces the layers
+once at load time, so plain decoding and speculative verification run the same quantized weights through
+the same kernels; greedy speculative output equals plain greedy output *of the quantized model* (tested),
+not of the fp32 one.
+
+Every decoder ``nn.Linear`` is quantized, and the LM head too (it is 15-21% of the weight bytes of the
+registered models).  A head tied to the input embedding keeps the embedding in fp32 for the look-up and
+gets a quantized copy for the matmul.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from specdecode.errors import SpecDecodeError
+
+#: The values of ``--quantize`` (a contract: scripts pass them).
+QUANTIZE_MODES = ("none", "int8", "int4")
+#: int4 group sizes, preferred first: a layer takes the first one that divides its ``in_features``.
+INT4_GROUP_SIZES = (64, 32)
+#: ``_convert_weight_to_int4pack_for_cpu`` packs output channels in blocks of this many.
+INT4_OUT_MULTIPLE = 16
+
+
+def check_quantize(mode: str, flag: str = "--quantize") -> str:
+    """``mode`` if it is one of :data:`QUANTIZE_MODES`, else a one-line :class:`SpecDecodeError` naming ``flag``."""
+    if mode not in QUANTIZE_MODES:
+        raise SpecDecodeError(f"{flag} must be one of {', '.join(QUANTIZE_MODES)}; got {mode!r}")
+    return mode
+
+
+def quantize_supported() -> bool:
+    """Whether this torch build has both CPU weight-only kernels."""
+    aten = torch.ops.aten
+    return all(
+        hasattr(aten, op)
+        for op in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
+    )
+
+
+class QuantizedLinear(nn.Module):
+    """What int8 and int4 layers share: the shapes, the bias, and a dense view of the weight.
+
+    ``weight`` is read by code that inspects shapes or copies rows of the LM head for a draft head
+    (``HFCausalLM.output_weight``).  A tied head answers with the fp32 embedding it was quantized from
+    (no copy, so checks against a head trained on the fp32 target still hold); an untied one with its
+    dequantized weight, computed on each read.
+    """
+
+    def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.bias = linear.bias
+        self.register_buffer("tied_weight", linear.weight.detach() if tied else None, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.tied_weight if self.tied_weight is not None else self.dequantized()
+
+    def dequantized(self) -> torch.Tensor:
+        """The [out_features, in_features] weight this layer multiplies by, as a dense tensor."""
+        raise NotImplementedError
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """[m, in_features] → [m, out_features], without the bias."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features).contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"tied={self.tied_weight is not None}"
+        )
+
+
+class Int8Linear(QuantizedLinear):
+    """Symmetric int8 per output channel: ``w[o, i] ≈ q[o, i] * scale[o]`` with ``q`` in -127..127.
+
+    One scale per row is what ``_weight_int8pack_mm`` takes; symmetric (no zero point) because decoder
+    weights are centred on zero, and -128 is left out so that ``q`` and ``-q`` are both representable.
+    """
+
+    def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
+        super().__init__(linear, tied=tied)
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scale.to(linear.weight.dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+
+
+class Int4Linear(QuantizedLinear):
+    """Asymmetric int4 per group of ``group_size`` inputs: ``w ≈ (q - 8) * scale + zero``, ``q`` in 0..15.
+
+    The min-max range of each group maps onto 0..15 (a zero per group keeps the range's full 16 levels,
+    which matters at 4 bits); ``zero`` is the value of the middle level 8, the convention of
+    ``_weight_int4pack_mm_for_cpu``, whose packed layout ``_convert_weight_to_int4pack_for_cpu`` makes.
+    """
+
+    def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int) -> None:
+        super().__init__(linear, tied=tied)
+        self.group_size = group_size
+        weight = linear.weight.detach().float()
+        groups = weight.reshape(self.out_features, self.in_features // group_size, group_size)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        zero = low + 8 * scale
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(weight.shape), 1)
+        self.register_buffer("qweight", packed)
+        # [in_features // group_size, out_features, 2]: (scale, zero) per group and output channel.
+        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_zeros", scales_zeros.to(linear.weight.dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        # The kernel is linear in its input: multiplying the identity reads the weight back.
+        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
+        return self.matmul(eye).T.contiguous()
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.scales_zeros)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+def int4_group_size(linear: nn.Linear) -> int | None:
+    """The int4 group size for ``linear``, or None when its shape fits no group (it then stays as it is)."""
+    if linear.out_features % INT4_OUT_MULTIPLE:
+        return None
+    return next((g for g in INT4_GROUP_SIZES if linear.in_features % g == 0), None)
+
+
+def quantize_model(model: nn.Module, mode: str) -> list[str]:
+    """Replace every CPU ``nn.Linear`` of ``model`` (LM head included) by its ``mode`` quantized version.
+
+    In place and for inference only; returns the names of the replaced layers.  ``none`` changes nothing.
+    Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16) keep
+    their weights; so do subclasses of ``nn.Linear`` (LoRA and the like) and layers off the CPU.
+    """
+    if check_quantize(mode) == "none":
+        return []
+    if not quantize_supported():
+        raise SpecDecodeError(f"--quantize {mode}: this torch build has no CPU weight-only int8/int4 kernels")
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    replaced = []
+    for name, linear in [(n, m) for n, m in model.named_modules() if n and type(m) is nn.Linear]:
+        if linear.weight.device.type != "cpu":
+            continue
+        tied = uses[id(linear.weight)] > 1
+        if mode == "int8":
+            module: QuantizedLinear = Int8Linear(linear, tied=tied)
+        else:
+            group_size = int4_group_size(linear)
+            if group_size is None:
+                continue
+            module = Int4Linear(linear, tied=tied, group_size=group_size)
+        model.set_submodule(name, module)
+        replaced.append(name)
+    return replaced

@@ -1,0 +1,147 @@
+"""Weight-only quantization (``--quantize int8|int4``): close to fp32, and lossless against plain decoding of
+the same quantized model, for prompt lookup and a (quantized) draft model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_llama
+from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
+from specdecode.cli import main
+from specdecode.drafters import create_drafter
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models import loading
+from specdecode.models.quantize import Int4Linear, Int8Linear, quantize_model, quantize_supported
+
+pytestmark = pytest.mark.skipif(not quantize_supported(), reason="torch build without CPU weight-only kernels")
+
+MODES = ["int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_dirs):
+    """mode -> (target, draft), both quantized in that mode."""
+    return {
+        mode: tuple(loading.load_model(str(tiny_dirs[name]), quantize=mode) for name in ("target", "draft"))
+        for mode in MODES
+    }
+
+
+@pytest.mark.parametrize(("mode", "layer_error", "logit_error"), [("int8", 0.01, 0.1), ("int4", 0.15, 0.8)])
+def test_quantized_layers_and_forward_are_close_to_fp32(tiny_target, quantized, mode, layer_error, logit_error):
+    """Loose bounds: 4 bits per weight of a random network (initialiser range 0.3) is a coarse copy of it,
+    and three such layers compound; each layer's own error is what quantization controls."""
+    fp32 = tiny_llama(0, layers=3)  # the weights saved as tiny_dirs["target"]
+    linears = {name: m for name, m in fp32.named_modules() if isinstance(m, nn.Linear)}
+    model = quantized[mode][0].backend.model
+    for name, linear in linears.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, Int8Linear if mode == "int8" else Int4Linear), name
+        x = torch.randn(5, linear.in_features)
+        with torch.inference_mode():
+            exact, approx = linear(x), layer(x)
+        assert 0 < ((approx - exact).norm() / exact.norm()).item() < layer_error, name
+        # The weight it reports is the one it multiplies by.
+        torch.testing.assert_close(approx, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+    assert quantized[mode][0].backend.vocab_size == tiny_target.backend.vocab_size
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    with torch.inference_mode():
+        exact, approx = tiny_target.backend.model(ids).logits, model(ids).logits
+    assert ((approx - exact).norm() / exact.norm()).item() < logit_error
+
+
+def test_a_tied_head_keeps_the_fp32_embedding_and_its_weight():
+    model = tiny_llama(3)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    embedding = model.get_input_embeddings().weight
+    replaced = quantize_model(model, "int8")
+    head = model.get_output_embeddings()
+    assert "lm_head" in replaced and isinstance(head, Int8Linear)
+    assert head.weight is not None and head.weight.data_ptr() == embedding.data_ptr()
+    assert model.get_input_embeddings().weight is embedding
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_speculative_greedy_equals_plain_greedy_of_the_same_quantized_model(quantized, mode):
+    target, draft = quantized[mode]
+    drafters = {
+        "pld": create_drafter("pld", target),
+        "draft-model": create_drafter("draft-model", target, draft_model=draft),
+    }
+    for prompt in PROMPTS:
+        plain, _ = run(target, create_drafter("none", target), prompt, max_new_tokens=40)
+        assert plain == hf_greedy(target, prompt, 40)  # our plain decoding is transformers' on the same model
+        for name, drafter in drafters.items():
+            for k in (3, "auto"):
+                tokens, _ = run(target, drafter, prompt, max_new_tokens=40, num_draft_tokens=k)
+                assert tokens == plain, f"{name} (k={k}, {mode}) diverged from plain greedy decoding"
+
+
+def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dirs):
+    loads = []
+    real_load = loading.load_model
+
+    def recording(name, **kwargs):
+        loads.append((name, kwargs.get("quantize")))
+        return real_load(name, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model", recording)
+    target, draft = str(tiny_dirs["target"]), str(tiny_dirs["draft"])
+    common = ["--model", target, "--max-new-tokens", "16", "--ignore-eos", "--json", "--quantize", "int8"]
+    outputs = []
+    for extra in (["--drafter", "none"], ["--drafter", "draft-model", "--draft-model", draft]):
+        assert main(["generate", "w1 w2 w3 w1 w2", *common, *extra]) == 0
+        outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 16
+    assert loads == [(target, "int8"), (target, "int8"), (draft, "int8")]
+    argv = ["generate", "w1", *common, "--drafter", "draft-model", "--draft-model", draft, "--quantize-draft", "none"]
+    assert main(argv) == 0
+    assert loads[-1] == (draft, "none")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "hi", "--quantize", "int3"],
+        ["batch", "-", "--quantize", "fp8"],
+        ["demo", "--quantize", "INT8"],
+        ["serve", "--quantize", "int2"],
+        ["generate", "hi", "--drafter", "draft-model", "--draft-model", "x", "--quantize-draft", "q"],
+        ["bench", "forward-cost", "--quantize", "int16"],
+    ],
+)
+def test_bad_quantize_value_is_a_one_line_error_before_any_load(capsys, monkeypatch, argv):
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("nothing may be loaded"))
+    monkeypatch.setattr("sys.stdin", type("Stdin", (), {"read": lambda self: '{"prompt": "hi"}'})())
+    flag = "--quantize-draft" if "--quantize-draft" in argv else "--quantize"
+    assert_one_line_error(capsys, argv, f"{flag} must be one of none, int8, int4")
+
+
+def test_forward_cost_reports_the_quantization(capsys, tiny_dirs):
+    argv = ["bench", "forward-cost", "--model", str(tiny_dirs["target"]), "--quantize", "int4", "--json"]
+    assert main([*argv, "--max-new", "8", "--context-tokens", "16", "--repeats", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["quantize"] == "int4" and result["ratio_8_1"] > 0
+
+
+def test_quantize_model_leaves_other_layers_alone():
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(48, 32), nn.Linear(64, 24))
+    assert quantize_model(model, "none") == []
+    assert quantize_model(model, "int4") == ["0"]  # 48 inputs fit no group size, 24 outputs no int4 block
+    assert quantize_model(model, "int8") == ["1", "2"]  # a quantized layer is not quantized again
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_smollm2_int8_prompt_lookup_equals_plain():
+    target = loading.load_model("smollm2-135m", quantize="int8")
+    plain = SpeculativeGenerator.build(target, "none")
+    lookup = SpeculativeGenerator.build(target, "pld")
+    prompt = "Repeat this list exactly, then add two more fruits: apple, banana, cherry, date, elderberry, fig."
+    expected = plain.generate(prompt, chat=True, max_new_tokens=32, ignore_eos=True).token_ids
+    assert lookup.generate(prompt, chat=True, max_new_tokens=32, ignore_eos=True).token_ids == expected
