@@ -31,7 +31,7 @@ def quantized(tiny_dirs):
     }
 
 
-@pytest.mark.parametrize(("mode", "layer_error", "logit_error"), [("int8", 0.01, 0.1), ("int4", 0.15, 0.8)])
+@pytest.mark.parametrize(("mode", "layer_error", "logit_error"), [("int8", 0.02, 0.1), ("int4", 0.15, 0.8)])
 def test_quantized_layers_and_forward_are_close_to_fp32(tiny_target, quantized, mode, layer_error, logit_error):
     """Loose bounds: 4 bits per weight of a random network (initialiser range 0.3) is a coarse copy of it,
     and three such layers compound; each layer's own error is what quantization controls."""
@@ -45,8 +45,11 @@ def test_quantized_layers_and_forward_are_close_to_fp32(tiny_target, quantized, 
         with torch.inference_mode():
             exact, approx = linear(x), layer(x)
         assert 0 < ((approx - exact).norm() / exact.norm()).item() < layer_error, name
-        # The weight it reports is the one it multiplies by.
-        torch.testing.assert_close(approx, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+        # The weight it reports is the one it multiplies by (inputs and outputs rounded to bf16 aside) ...
+        expected = nn.functional.linear(x.bfloat16().float(), layer.weight, layer.bias)
+        torch.testing.assert_close(approx, expected, rtol=2e-2, atol=3e-2)
+        # ... and a row's result does not depend on the rows beside it.
+        assert all(torch.equal(layer(x[:m])[:1], approx[:1]) for m in range(1, 5))
     assert quantized[mode][0].backend.vocab_size == tiny_target.backend.vocab_size
     ids = torch.tensor([PROMPTS[0] + PROMPTS[1]])
     with torch.inference_mode():

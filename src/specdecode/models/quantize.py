@@ -5,15 +5,20 @@ the memory bandwidth.  fp32 weights are 4 bytes each; int8 weights 1 byte (plus 
 channel) and int4 half a byte (plus a scale and a zero per group of ``in_features``).
 
 Which kernels: torch's own CPU weight-only matmuls, ``aten._weight_int8pack_mm`` (what gpt-fast uses) and
-``aten._weight_int4pack_mm_for_cpu``.  They take fp32 activations, so the rest of the model (norms,
-attention, residuals) stays fp32 and no activation is rounded to a smaller type.  ``torchao``'s CPU
-weight-only paths call the same two ops (int4) or dequantize per call (int8, eager), so it brings no
-kernel of its own here.  The measurements behind these choices are in ``docs/results/quantize-kernels/``.
+``aten._weight_int4pack_mm_for_cpu``, fed bf16 activations: with fp32 activations both take a slow
+path (on a 2-core AVX-512 Xeon, int8 was 2-7x slower than the fp32 oneDNN layer it replaces and an
+8-row call cost 5-7x a 1-row one; int4 was worse), with bf16 ones they are the fastest kernels we measured.
+So a quantized layer rounds its input to bf16 and its output comes back as bf16 values in fp32; the rest
+of the model (embedding, norms, attention, residual stream) stays fp32.  ``torchao``'s CPU weight-only
+paths call the same int4 op, or dequantize the int8 weight on every call (eager mode), so it brings no
+kernel of its own here.  The measurements are in ``docs/results/quantize-kernels/``.
 
 Lossless: quantization changes the model, not the decoding.  :func:`quantize_model` replaces the layers
 once at load time, so plain decoding and speculative verification run the same quantized weights through
 the same kernels; greedy speculative output equals plain greedy output *of the quantized model* (tested),
-not of the fp32 one.
+not of the fp32 one.  Both kernels are also batch invariant (measured bitwise, 1 to 64 rows, 1 and 2
+threads): a token's logits do not depend on how many tokens share the forward, which the fp32 path
+cannot promise.
 
 Every decoder ``nn.Linear`` is quantized, and the LM head too (it is 15-21% of the weight bytes of the
 registered models).  A head tied to the input embedding keeps the embedding in fp32 for the look-up and
@@ -35,6 +40,8 @@ QUANTIZE_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZES = (64, 32)
 #: ``_convert_weight_to_int4pack_for_cpu`` packs output channels in blocks of this many.
 INT4_OUT_MULTIPLE = 16
+#: What the kernels compute in: their inputs, outputs, scales and zeros (see the module doc for why).
+COMPUTE_DTYPE = torch.bfloat16
 
 
 def check_quantize(mode: str, flag: str = "--quantize") -> str:
@@ -74,15 +81,15 @@ class QuantizedLinear(nn.Module):
         return self.tied_weight if self.tied_weight is not None else self.dequantized()
 
     def dequantized(self) -> torch.Tensor:
-        """The [out_features, in_features] weight this layer multiplies by, as a dense tensor."""
+        """The [out_features, in_features] weight this layer multiplies by, as a dense fp32 tensor."""
         raise NotImplementedError
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """[m, in_features] → [m, out_features], without the bias."""
+        """[m, in_features] → [m, out_features] in :data:`COMPUTE_DTYPE`, without the bias."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, self.in_features).contiguous())
+        out = self.matmul(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -99,18 +106,19 @@ class Int8Linear(QuantizedLinear):
 
     One scale per row is what ``_weight_int8pack_mm`` takes; symmetric (no zero point) because decoder
     weights are centred on zero, and -128 is left out so that ``q`` and ``-q`` are both representable.
+    ``q`` is rounded against the scale as stored (bf16), not as computed.
     """
 
     def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
         super().__init__(linear, tied=tied)
         weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
+        q = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", q)
-        self.register_buffer("scales", scale.to(linear.weight.dtype))
+        self.register_buffer("scales", scale)
 
     def dequantized(self) -> torch.Tensor:
-        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        return self.qweight.float() * self.scales.float()[:, None]
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
@@ -122,6 +130,7 @@ class Int4Linear(QuantizedLinear):
     The min-max range of each group maps onto 0..15 (a zero per group keeps the range's full 16 levels,
     which matters at 4 bits); ``zero`` is the value of the middle level 8, the convention of
     ``_weight_int4pack_mm_for_cpu``, whose packed layout ``_convert_weight_to_int4pack_for_cpu`` makes.
+    ``q`` is rounded against the scale and zero as stored (bf16), not as computed.
     """
 
     def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int) -> None:
@@ -130,19 +139,18 @@ class Int4Linear(QuantizedLinear):
         weight = linear.weight.detach().float()
         groups = weight.reshape(self.out_features, self.in_features // group_size, group_size)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        zero = low + 8 * scale
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(weight.shape), 1)
-        self.register_buffer("qweight", packed)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
+        zero = (low + 8 * scale.float()).to(COMPUTE_DTYPE)
+        levels = (groups - zero.float()[..., None]) / scale.float()[..., None] + 8
+        q = torch.round(levels).clamp(0, 15).to(torch.int32).reshape(weight.shape)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [in_features // group_size, out_features, 2]: (scale, zero) per group and output channel.
-        scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_zeros", scales_zeros.to(linear.weight.dtype))
+        self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
 
     def dequantized(self) -> torch.Tensor:
-        # The kernel is linear in its input: multiplying the identity reads the weight back.
-        eye = torch.eye(self.in_features, dtype=self.scales_zeros.dtype)
-        return self.matmul(eye).T.contiguous()
+        # The kernel is linear in its input: multiplying the identity reads the weight back (as bf16 values).
+        eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
+        return self.matmul(eye).T.float().contiguous()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.scales_zeros)
