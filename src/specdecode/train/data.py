@@ -79,7 +79,8 @@ def self_distill(
 def sharegpt_conversations(target: LoadedModel, n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Up to ``n`` ShareGPT conversations none of whose opening turns the benchmark draws, rendered with the
     model's chat template (plain text joined by blank lines without one), cut to ``max_tokens``."""
-    from specdecode.bench.tasks import load_task, sharegpt_records
+    from specdecode.bench.datasets import sharegpt_records
+    from specdecode.bench.tasks import load_task
 
     benchmark = {p.text for p in load_task("sharegpt", 4 * BENCH_PROMPTS_SKIPPED, seed).prompts}
     tokenizer = target.tokenizer
