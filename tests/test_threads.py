@@ -106,6 +106,14 @@ def test_environment_variable_pins_and_is_checked(monkeypatch):
         ScriptedGovernor([]).before_forward()
 
 
+def test_a_bad_environment_value_is_refused_when_a_model_loads(monkeypatch, tiny_dirs):
+    from specdecode.models.loading import load_model
+
+    monkeypatch.setenv(THREADS_ENV, "0")
+    with pytest.raises(SpecDecodeError, match=f"{THREADS_ENV} must be a positive integer, got '0'"):
+        load_model(str(tiny_dirs["target"]))
+
+
 def test_pin_and_release(monkeypatch):
     monkeypatch.delenv(THREADS_ENV, raising=False)
     governor = ScriptedGovernor([1.0] * 10)

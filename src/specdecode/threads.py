@@ -80,6 +80,17 @@ def read_sample(cpus: list[int], stat_text: str, own_s: float, when: float) -> C
     return CpuSample(when, busy / ticks, own_s)
 
 
+def threads_from_environment() -> int | None:
+    """The thread count ``SPECDECODE_THREADS`` fixes (None: not set); a bad value is the user's error, raised
+    when a model loads, before any work."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise SpecDecodeError(f"{THREADS_ENV} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def threads_for(available: int, others_share: float) -> int:
     """Threads to run with when other processes keep ``others_share`` CPUs busy (one busy process: 1.0)."""
     return max(1, min(available, math.floor(available - others_share + 0.5)))
@@ -150,11 +161,8 @@ class ThreadGovernor:
     def _start(self) -> None:
         """Take the user's choice, if any: the environment variable, or a count set before the first forward."""
         self._started = True
-        env = os.environ.get(THREADS_ENV)
-        if env:
-            if not env.strip().isdigit() or int(env) < 1:
-                raise SpecDecodeError(f"{THREADS_ENV} must be a positive integer, got {env!r}")
-            self.pinned = int(env)
+        if (chosen := threads_from_environment()) is not None:
+            self.pinned = chosen
         elif torch.get_num_threads() != self._torch_default:
             self.pinned = torch.get_num_threads()
 

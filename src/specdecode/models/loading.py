@@ -23,6 +23,7 @@ from specdecode.models.base import CausalLM
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.quantize import check_quantize, quantize_model
+from specdecode.threads import threads_from_environment
 
 
 @dataclass
@@ -113,6 +114,7 @@ def load_model(
     if not isinstance(name, str) or not name.strip():
         raise UnknownModelError("model name must be a non-empty string")
     target_device = resolve_device(device)
+    threads_from_environment()  # a bad SPECDECODE_THREADS is refused before anything loads
     if check_quantize(quantize) != "none" and target_device.type != "cpu":
         raise SpecDecodeError(f"--quantize {quantize} runs on the CPU only (torch's CPU kernels), not on {device}")
     source, extra = _from_pretrained_args(name)
