@@ -10,10 +10,12 @@ import json
 
 import pytest
 
-from specdecode.bench import report, runner
+from specdecode.bench import contestants, report, runner, suites
 from specdecode.bench.cli import add_bench_command
+from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_method, parse_methods
 from specdecode.bench.report import acceptance, build_cells, equal_pct, median_wall_s, tokens_per_s
-from specdecode.bench.runner import MethodSpec, parse_method, parse_methods, resolve_settings, run_benchmark
+from specdecode.bench.runner import run_benchmark
+from specdecode.bench.suites import resolve_settings
 from specdecode.bench.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError, UnknownDrafterError
 
@@ -66,11 +68,11 @@ def test_settings_from_suite_and_overrides(tmp_path):
     custom = resolve_settings("quick", tasks="mt-bench,rag", draft_lengths="2,4", out=str(tmp_path))
     assert custom.tasks == ("mt-bench", "rag") and custom.sweep_tasks == ("rag",)  # the grounded one
     assert resolve_settings("quick", draft_lengths="none").sweep_tasks == ()
-    full_peers = runner.peer_specs(resolve_settings("full"))
+    full_peers = contestants.peer_specs(resolve_settings("full"))
     assert [spec.name for spec in full_peers] == ["hf-plain", "hf-pld", "hf-assisted"]
     assert [spec.matches.spec for spec in full_peers] == ["none", "pld", "draft-model:qwen2.5-coder-0.5b"]
-    assert full_peers[1].config["prompt_lookup_num_tokens"] == runner.PEER_K  # ours is adaptive by default
-    assert runner.peer_specs(resolve_settings("quick", peers=False)) == []
+    assert full_peers[1].config["prompt_lookup_num_tokens"] == contestants.PEER_K  # ours is adaptive by default
+    assert contestants.peer_specs(resolve_settings("quick", peers=False)) == []
     bad_settings = [
         ({"tasks": "nope"}, "unknown benchmark task"),
         ({"repeats": 0}, "positive integer"),
@@ -86,7 +88,7 @@ def test_settings_from_suite_and_overrides(tmp_path):
 
 def test_sweep_variants_reuse_listed_methods():
     settings = resolve_settings("quick", methods="none,pld:k=4", draft_lengths="2,4")
-    assert {spec: base.spec for spec, (_, base) in runner.sweep_methods(settings).items()} == {
+    assert {spec: base.spec for spec, (_, base) in suites.sweep_methods(settings).items()} == {
         "pld:k=2": "pld:k=4",
         "pld:k=4": "pld:k=4",
     }
@@ -320,20 +322,20 @@ def test_bench_and_forward_cost_both_parse():
 
 
 def test_adaptive_draft_length_methods():
-    method = runner.parse_method("pld:k=auto")
+    method = parse_method("pld:k=auto")
     assert method.k == "auto"
     settings = resolve_settings("quick", methods="none,pld:k=auto,pld:k=4", draft_lengths="2")
-    assert runner.peer_specs(settings)[1].config["prompt_lookup_num_tokens"] == 4
-    assert "pld:k=auto" not in {variant.spec for variant, _ in runner.sweep_methods(settings).values()}
+    assert contestants.peer_specs(settings)[1].config["prompt_lookup_num_tokens"] == 4
+    assert "pld:k=auto" not in {variant.spec for variant, _ in suites.sweep_methods(settings).values()}
     with pytest.raises(SpecDecodeError, match="auto or heuristic"):
-        runner.parse_method("pld:k=fast")
+        parse_method("pld:k=fast")
     with pytest.raises(SpecDecodeError, match="twice"):
-        runner.parse_method(f"pld:k={runner.DEFAULT_K}:k=3")
+        parse_method(f"pld:k={DEFAULT_K}:k=3")
 
 
 def _spied_suffix(tiny_target):
     """Our ``suffix`` contestant, and the steps of every run it makes, in order."""
-    contestant = runner._ours(tiny_target, runner.parse_method("suffix"), {})
+    contestant = contestants._ours(tiny_target, parse_method("suffix"), {})
     steps: list[int] = []
     real_run = contestant.run
 
@@ -434,7 +436,7 @@ def test_schema_1_results_still_resume(finished, tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "load_model", lambda name: pytest.fail("nothing to measure: no model load"))
     with pytest.raises(SpecDecodeError, match="another configuration"):
         run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
-    monkeypatch.setattr(runner, "DEFAULT_K", 5)
+    monkeypatch.setattr(suites, "DEFAULT_K", 5)
     resumed = run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
     assert resumed["schema_version"] == runner.SCHEMA_VERSION and resumed["runs"] == results["runs"]
 

@@ -171,7 +171,8 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from specdecode.bench.runner import resolve_settings, run_benchmark
+    from specdecode.bench.runner import run_benchmark
+    from specdecode.bench.suites import resolve_settings
 
     flags = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "repeats", "seed", "out", "peers")
     settings = resolve_settings(

@@ -27,7 +27,7 @@ from specdecode.bench.tasks import TASK_NAMES, Task
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
-    from specdecode.bench.runner import MethodSpec
+    from specdecode.bench.methods import MethodSpec
     from specdecode.generator import SpeculativeGenerator
 
 REFERENCE = "none"  # plain decoding: its coupled outputs are what every coupled output must equal
@@ -86,7 +86,7 @@ def resolve_settings(**overrides: Any) -> CouplingSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
     ``none`` is always measured (first), so it is dropped from ``methods``."""
     from specdecode.bench import common
-    from specdecode.bench.runner import parse_methods
+    from specdecode.bench.methods import parse_methods
 
     parsers = {"methods": parse_methods, "tasks": common.split_names}
     values = common.resolve_values(CouplingSettings, DEFAULTS, overrides, "coupling setting", parsers)
@@ -157,7 +157,7 @@ def measure_coupling(
     from tqdm import tqdm
 
     from specdecode.bench import common, runner
-    from specdecode.bench.runner import MethodSpec
+    from specdecode.bench.methods import MethodSpec
     from specdecode.bench.tasks import load_tasks
     from specdecode.generator import SpeculativeGenerator
     from specdecode.models.loading import fast_path_default, load_model

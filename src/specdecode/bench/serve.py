@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench import common, runner
-from specdecode.bench.runner import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench import common, peers, runner
-from specdecode.bench.runner import MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.bench.throughput_report import summarize_cell, write_report
 from specdecode.engine import BatchRequest

@@ -1,0 +1,116 @@
+"""Drafting methods as the benchmarks name them: ``NAME`` or ``NAME:OPTION=VALUE[:OPTION=VALUE...]``.
+
+``pld:k=6:max_ngram=4`` or ``draft-model:qwen2.5-coder-0.5b:k=4`` parse into a :class:`MethodSpec`, the key every
+benchmark (``bench``, ``bench throughput``, ``bench serve``, ``bench coupling``) files its results under.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specdecode.config import GenerationConfig
+from specdecode.drafters import drafter_class
+from specdecode.errors import SpecDecodeError
+
+DEFAULT_K = GenerationConfig().num_draft_tokens
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One drafter configuration.  ``spec`` is the name results are keyed by; it does not take part in
+    equality, so two spellings of the same configuration compare equal."""
+
+    drafter: str
+    k: int | str = DEFAULT_K  # an integer, or an adaptive policy (ADAPTIVE_K)
+    options: tuple[tuple[str, Any], ...] = ()
+    spec: str = field(default="", compare=False)
+
+    @property
+    def draft_model(self) -> str | None:
+        return dict(self.options).get("draft_model")
+
+    def option(self, name: str) -> Any:
+        """The option's value, or the drafter's default for it."""
+        given = dict(self.options)
+        if name in given:
+            return given[name]
+        return inspect.signature(drafter_class(self.drafter).__init__).parameters[name].default
+
+    def with_k(self, k: int) -> MethodSpec:
+        """The same configuration drafting ``k`` tokens, spelled canonically."""
+        parts = [self.drafter]
+        if self.draft_model is not None:
+            parts.append(self.draft_model)
+        parts.append(f"k={k}")
+        parts += [f"{key}={value}" for key, value in self.options if key != "draft_model"]
+        return replace(self, k=k, spec=":".join(parts))
+
+
+def _convert(raw: str) -> Any:
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            continue
+    return raw
+
+
+ADAPTIVE_K = ("auto", "heuristic")
+
+
+def parse_method(text: str) -> MethodSpec:
+    """``pld:k=6:max_ngram=4``, ``draft-model:qwen2.5-coder-0.5b:k=4`` → :class:`MethodSpec`."""
+    spec = text.strip()
+    name, *parts = spec.split(":")
+    if not name:
+        raise SpecDecodeError(f"method {text!r} has no drafter name (syntax NAME[:OPTION=VALUE...])")
+    drafter_class(name)  # an unknown drafter fails here, before any model is loaded
+    k: int | str = DEFAULT_K
+    k_given = False
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        if not sep and name == "draft-model" and "draft_model" not in options and part:
+            options["draft_model"] = part
+            continue
+        if not sep or not key or not raw:
+            raise SpecDecodeError(f"method {spec!r}: expected OPTION=VALUE after ':', got {part!r}")
+        key = key.replace("-", "_")
+        if key in options or (key == "k" and k_given):
+            raise SpecDecodeError(f"method {spec!r} sets {key!r} twice")
+        if key == "k":
+            k_given = True
+            k = raw if raw in ADAPTIVE_K else _convert(raw)
+            if not (k in ADAPTIVE_K or (isinstance(k, int) and k >= 1)):
+                raise SpecDecodeError(
+                    f"method {spec!r}: k (draft length) must be a positive integer, auto or heuristic, got {raw!r}"
+                )
+        else:
+            options[key] = _convert(raw)
+    if name == "draft-model" and "draft_model" not in options:
+        raise SpecDecodeError(f"method {spec!r} needs a draft model, e.g. draft-model:qwen2.5-coder-0.5b")
+    return MethodSpec(drafter=name, k=k, options=tuple(sorted(options.items())), spec=spec)
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    methods = [parse_method(part) for part in text.split(",") if part.strip()]
+    if not methods:
+        raise SpecDecodeError("--methods is empty; give e.g. none,pld")
+    seen: set[str] = set()
+    for method in methods:
+        if method.spec in seen:
+            raise SpecDecodeError(f"method {method.spec!r} is listed twice")
+        seen.add(method.spec)
+    return methods
+
+
+def parse_int_list(text: str, label: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SpecDecodeError(f"{label} takes comma-separated positive integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise SpecDecodeError(f"{label} takes comma-separated positive integers, got {text!r}")
+    return values

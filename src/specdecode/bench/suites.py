@@ -1,0 +1,171 @@
+"""The benchmark's suites (``quick``, ``full``) and the settings of one run: a suite's defaults overridden by
+the flags the user gave, checked once; and the draft-length variants a run sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.bench.common import check_known_tasks, check_positive_ints, given_settings, split_names
+from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES
+from specdecode.errors import SpecDecodeError
+
+#: How long our drafters keep what they learn: "request" — reset before every prompt (a session task's
+#: session still runs on one drafter); "task" — reset once per task, kept across its prompts in order
+#: (the setting of the Token Recycling paper).
+DRAFTER_STATES = ("request", "task")
+
+# --------------------------------------------------------------------------------------------------------
+# Suites and settings
+
+
+@dataclass(frozen=True)
+class Suite:
+    """Defaults a suite gives every flag the user did not set."""
+
+    model: str
+    methods: str
+    tasks: tuple[str, ...]
+    prompts_per_task: int
+    max_new_tokens: int
+    repeats: int
+    draft_lengths: tuple[int, ...]
+    sweep_tasks: tuple[str, ...]
+
+
+SUITES: dict[str, Suite] = {
+    # Sized for under 10 minutes on an idle 2-core CPU: smollm2 decodes ~12 tokens/s plainly, so each of the
+    # ~85 timed runs (multi-edit's session adds 3 requests x 4 contestants x 2 repeats) takes 4-9 s.
+    # --prompts-per-task 3 covers each task better at about 3x the time.
+    "quick": Suite(
+        model="smollm2-135m",
+        methods="none,pld",
+        tasks=TASK_NAMES,
+        prompts_per_task=1,
+        max_new_tokens=96,
+        repeats=2,
+        draft_lengths=(1, 2, 4, 8),
+        sweep_tasks=("edit",),
+    ),
+    # The 1.5B target decodes ~2 tokens/s plainly on the same CPU: expect 1.5-2 hours.
+    "full": Suite(
+        model="qwen2.5-coder-1.5b",
+        methods="none,pld,draft-model:qwen2.5-coder-0.5b",
+        tasks=TASK_NAMES,
+        prompts_per_task=2,
+        max_new_tokens=64,
+        repeats=2,
+        draft_lengths=(1, 2, 4, 8),
+        sweep_tasks=("humaneval",),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    suite: str
+    model: str
+    methods: tuple[MethodSpec, ...]
+    tasks: tuple[str, ...]
+    prompts_per_task: int
+    max_new_tokens: int
+    repeats: int
+    seed: int
+    peers: bool
+    threads: int
+    draft_lengths: tuple[int, ...]
+    sweep_tasks: tuple[str, ...]
+    out: Path
+    drafter_state: str = "request"
+
+    def __post_init__(self) -> None:
+        check_positive_ints(
+            ("prompts per task", self.prompts_per_task),
+            ("max-new-tokens", self.max_new_tokens),
+            ("repeats", self.repeats),
+            ("threads", self.threads),
+        )
+        check_known_tasks((*self.tasks, *self.sweep_tasks))
+        if not self.tasks:
+            raise SpecDecodeError("no benchmark tasks selected")
+        if self.drafter_state not in DRAFTER_STATES:
+            raise SpecDecodeError(
+                f"drafter state must be one of {', '.join(DRAFTER_STATES)}, got {self.drafter_state!r}"
+            )
+        if missing := sorted(set(self.sweep_tasks) - set(self.tasks)):
+            raise SpecDecodeError(f"sweep task(s) {', '.join(missing)} are not among the selected tasks")
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """What must not change between a run and its resumption (methods, tasks and prompts may grow)."""
+        return {
+            "model": self.model,
+            "max_new_tokens": self.max_new_tokens,
+            "repeats": self.repeats,
+            "threads": self.threads,
+            "drafter_state": self.drafter_state,
+            "default_k": DEFAULT_K,
+        }
+
+
+def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
+    """The suite's defaults, overridden by every given (non-None) value; strings are parsed as on the CLI."""
+    if suite not in SUITES:
+        raise SpecDecodeError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    base = SUITES[suite]
+    given = given_settings(overrides, BenchSettings, "benchmark setting")
+    tasks = given.get("tasks", base.tasks)
+    if isinstance(tasks, str):
+        tasks = split_names(tasks)
+    methods = given.get("methods", base.methods)
+    if isinstance(methods, str):
+        methods = parse_methods(methods)
+    lengths = given.get("draft_lengths", base.draft_lengths)
+    if isinstance(lengths, str):
+        lengths = () if lengths.strip() in {"", "0", "none"} else parse_int_list(lengths, "--draft-lengths")
+    sweep_tasks = given.get("sweep_tasks")
+    if isinstance(sweep_tasks, str):
+        sweep_tasks = split_names(sweep_tasks)
+    if sweep_tasks is None:  # the suite's sweep tasks still selected, else the first grounded one, else any
+        sweep_tasks = tuple(t for t in base.sweep_tasks if t in tasks) or next(
+            ((t,) for t in tasks if t in GROUNDED_TASKS), tuple(tasks[:1])
+        )
+    return BenchSettings(
+        suite=suite,
+        model=given.get("model", base.model),
+        methods=tuple(methods),
+        tasks=tuple(tasks),
+        prompts_per_task=given.get("prompts_per_task", base.prompts_per_task),
+        max_new_tokens=given.get("max_new_tokens", base.max_new_tokens),
+        repeats=given.get("repeats", base.repeats),
+        seed=given.get("seed", 0),
+        peers=given.get("peers", True),
+        threads=given.get("threads", os.cpu_count() or 1),
+        draft_lengths=tuple(lengths),
+        sweep_tasks=tuple(sweep_tasks) if lengths else (),
+        out=Path(given.get("out", Path("bench-out") / suite)),
+        drafter_state=given.get("drafter_state", "request"),
+    )
+
+
+def sweep_methods(settings: BenchSettings) -> dict[str, tuple[MethodSpec, MethodSpec]]:
+    """Draft-length variants of every drafting method: spec → (variant, the method it varies).
+
+    The method's own k is a point of its curve; a variant equal to a listed method reuses that method's
+    measurements (same key).
+    """
+    listed = {method: method for method in settings.methods}
+    variants: dict[str, tuple[MethodSpec, MethodSpec]] = {}
+    for method in settings.methods:
+        if method.drafter == "none":
+            continue
+        own_k = {method.k} if isinstance(method.k, int) else set()  # an adaptive method is not a point on the curve
+        for k in sorted({*settings.draft_lengths, *own_k}) if settings.draft_lengths else ():
+            variant = method.with_k(k)
+            variant = listed.get(variant, variant)
+            variants[variant.spec] = (variant, method)
+    return variants
