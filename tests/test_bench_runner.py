@@ -11,9 +11,10 @@ import json
 import pytest
 
 from specdecode.bench import contestants, report, runner, suites
+from specdecode.bench.cells import CellResult, build_cells
 from specdecode.bench.cli import add_bench_command
 from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_method, parse_methods
-from specdecode.bench.report import acceptance, build_cells, equal_pct, median_wall_s, tokens_per_s
+from specdecode.bench.metrics import acceptance, equal_pct, median_wall_s, tokens_per_s
 from specdecode.bench.runner import run_benchmark
 from specdecode.bench.suites import resolve_settings
 from specdecode.bench.tasks import Prompt, Task
@@ -443,7 +444,7 @@ def test_schema_1_results_still_resume(finished, tmp_path, monkeypatch):
 
 def test_model_free_goals_are_reported_not_asserted():
     def cell(method, task, tokens_per_s, accepted):
-        return report.CellResult("m", method, "ours", task, 1, 96, 1.0, tokens_per_s, None, 100.0, True, accepted)
+        return CellResult("m", method, "ours", task, 1, 96, 1.0, tokens_per_s, None, 100.0, True, accepted)
 
     cells = [
         cell("pld", "edit", 100.0, 4.8),

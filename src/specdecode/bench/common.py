@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.report import _table
+from specdecode.bench.markdown import table
 from specdecode.bench.tasks import TASK_NAMES, Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -298,7 +298,7 @@ def metric_sections(
     lines: list[str] = []
     for title, value in tables:
         rows = ([f"`{n}`", *(value(n, c) for c in columns)] for n in names)
-        lines += ["", f"## {title}", "", *_table(["method", *(f"{prefix}={c}" for c in columns)], rows)]
+        lines += ["", f"## {title}", "", *table(["method", *(f"{prefix}={c}" for c in columns)], rows)]
     return lines
 
 

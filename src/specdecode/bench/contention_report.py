@@ -8,7 +8,7 @@ from typing import Any
 
 from specdecode.bench import common
 from specdecode.bench.contention import CONDITIONS, CONTESTANTS, KEEP_GOAL, LABELS, SPEEDUP_DRIFT_GOAL, summary
-from specdecode.bench.report import _fmt, _table
+from specdecode.bench.markdown import fmt, table
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -23,8 +23,8 @@ def markdown(results: Mapping[str, Any]) -> str:
     rows = [
         [
             f"`{name}`: {LABELS[name]}",
-            *(_fmt(cell(name, condition, "tokens_per_s"), ".1f") for condition in CONDITIONS),
-            _fmt(None if sums["kept"][name] is None else 100 * sums["kept"][name], ".0f", "%"),
+            *(fmt(cell(name, condition, "tokens_per_s"), ".1f") for condition in CONDITIONS),
+            fmt(None if sums["kept"][name] is None else 100 * sums["kept"][name], ".0f", "%"),
             *(str(cell(name, condition, "threads_at_end") or "–") for condition in CONDITIONS),
         ]
         for name in CONTESTANTS
@@ -44,16 +44,16 @@ def markdown(results: Mapping[str, Any]) -> str:
         "contestant runs idle then busy, one after the other. "
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
         "",
-        *_table(["contestant", "idle tokens/s", "busy tokens/s", "busy / idle", "threads idle", "threads busy"], rows),
+        *table(["contestant", "idle tokens/s", "busy tokens/s", "busy / idle", "threads idle", "threads busy"], rows),
         "",
         f"- Goal: keep ≥ {KEEP_GOAL:.0%} of our idle plain tokens/s under one busy competitor — "
         f"{_verdict(sums['keep_goal_met'])} (kept {_pct(sums['kept']['none'])}).",
         f"- Goal: `pld`'s speed-up over plain within {SPEEDUP_DRIFT_GOAL:.0%} of its idle value — "
-        f"{_verdict(sums['drift_goal_met'])} (idle {_fmt(speedup['idle'], '.2f', 'x')}, busy "
-        f"{_fmt(speedup['busy'], '.2f', 'x')}, {_pct(sums['pld_speedup_drift'])} apart).",
+        f"{_verdict(sums['drift_goal_met'])} (idle {fmt(speedup['idle'], '.2f', 'x')}, busy "
+        f"{fmt(speedup['busy'], '.2f', 'x')}, {_pct(sums['pld_speedup_drift'])} apart).",
         f"- Under load, our governed plain decoding against transformers' plain `generate()`: "
-        f"{_fmt(_ratio(cells, 'none', 'hf-plain'), '.2f', 'x')}; our `pld` against transformers' prompt "
-        f"lookup: {_fmt(_ratio(cells, 'pld', 'hf-prompt-lookup'), '.2f', 'x')}.",
+        f"{fmt(_ratio(cells, 'none', 'hf-plain'), '.2f', 'x')}; our `pld` against transformers' prompt "
+        f"lookup: {fmt(_ratio(cells, 'pld', 'hf-prompt-lookup'), '.2f', 'x')}.",
         f"- Our outputs (governed and fixed threads, idle and busy) are token-for-token the same: "
         f"{'yes' if sums['same_tokens'] else 'no'}.",
     ]
@@ -65,7 +65,7 @@ def _verdict(met: bool) -> str:
 
 
 def _pct(value: float | None) -> str:
-    return _fmt(None if value is None else 100 * value, ".0f", "%")
+    return fmt(None if value is None else 100 * value, ".0f", "%")
 
 
 def _ratio(cells: Mapping[tuple[str, str], Mapping[str, Any]], ours: str, peer: str) -> float | None:

@@ -205,7 +205,7 @@ def measure_coupling(
 def markdown(results: dict[str, Any]) -> str:
     """results.md, from the results JSON alone."""
     from specdecode.bench import common
-    from specdecode.bench.report import _fmt, _table
+    from specdecode.bench.markdown import fmt, table
 
     s = results["settings"]
     rows = results["rows"]
@@ -219,7 +219,7 @@ def markdown(results: dict[str, Any]) -> str:
         "Gumbel-max coupled (the default for seeded sampling, drafter-invariant) and rejection sampling "
         "(`--no-coupled`). Mean accepted tokens count the target's own token per step (plain decoding: 1.00).",
         "",
-        *_table(
+        *table(
             [
                 "method",
                 "verifier",
@@ -233,10 +233,10 @@ def markdown(results: dict[str, Any]) -> str:
                 [
                     f"`{r['method']}`",
                     r["verifier"],
-                    _fmt(r["mean_accepted_tokens"]),
-                    _fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".1f", "%"),
-                    _fmt(r["tokens_per_s"], ".1f"),
-                    _fmt(r["tokens_per_s"] / plain[r["verifier"]] if plain.get(r["verifier"]) else None, ".2f", "x"),
+                    fmt(r["mean_accepted_tokens"]),
+                    fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".1f", "%"),
+                    fmt(r["tokens_per_s"], ".1f"),
+                    fmt(r["tokens_per_s"] / plain[r["verifier"]] if plain.get(r["verifier"]) else None, ".2f", "x"),
                     f"{round(r['equal_to_plain_coupled'] * len(r['per_prompt']))}/{len(r['per_prompt'])}",
                 ]
                 for r in rows

@@ -189,7 +189,8 @@ def run_benchmark(
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON.
     """
-    from specdecode.bench import report
+    from specdecode.bench.cells import build_cells
+    from specdecode.bench.report import write_report
 
     results = _load_previous(settings) or {
         "schema_version": SCHEMA_VERSION,
@@ -203,10 +204,10 @@ def run_benchmark(
     if plan := _plan(settings, tasks, results["runs"]):
         with fixed_threads(settings.threads):
             _measure(settings, tasks, plan, results, progress)
-    cells = report.build_cells(results, tasks)
+    cells = build_cells(results, tasks)
     results["cells"] = [cell.to_json() for cell in cells]
     save_json(settings.out / RESULTS_FILE, results)
-    report.write_report(results, cells, settings.out)
+    write_report(results, cells, settings.out)
     return results
 
 

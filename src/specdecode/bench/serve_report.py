@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench import common
-from specdecode.bench.report import _fmt, ratio
+from specdecode.bench.markdown import fmt
+from specdecode.bench.metrics import ratio
 
 
 def itl_samples(record: Mapping[str, Any]) -> list[float]:
@@ -90,10 +91,10 @@ def markdown(results: Mapping[str, Any]) -> str:
     get = common.cell_getter(cells)
 
     def ms(key: str) -> Callable[[str, int], str]:
-        return lambda n, c: _fmt(None if get(n, c, key) is None else 1000 * get(n, c, key), ".1f")
+        return lambda n, c: fmt(None if get(n, c, key) is None else 1000 * get(n, c, key), ".1f")
 
     def over_none(key: str) -> Callable[[str, int], str]:
-        return lambda n, c: _fmt(ratio(get(n, c, key), get("none", c, key)), ".2f", "x")
+        return lambda n, c: fmt(ratio(get(n, c, key), get("none", c, key)), ".2f", "x")
 
     requests = common.request_count(results)
     endpoint = results.get("endpoint", "/v1/chat/completions")
@@ -118,18 +119,18 @@ def markdown(results: Mapping[str, Any]) -> str:
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
     ]
     tables = [
-        ("Tokens/s (all requests)", lambda n, c: _fmt(get(n, c, "tokens_per_s"), ".1f")),
+        ("Tokens/s (all requests)", lambda n, c: fmt(get(n, c, "tokens_per_s"), ".1f")),
         ("Tokens/s over `none` at the same C", over_none("tokens_per_s")),
         ("Time to first token p50 (ms)", ms("ttft_p50_s")),
         ("Time to first token p95 (ms)", ms("ttft_p95_s")),
         ("Inter-token latency p50 (ms)", ms("itl_p50_s")),
         ("Inter-token latency p95 (ms)", ms("itl_p95_s")),
         ("Inter-token latency p95 over `none` at the same C (below 1: smoother)", over_none("itl_p95_s")),
-        ("Request latency p95 (s)", lambda n, c: _fmt(get(n, c, "latency_p95_s"), ".2f")),
-        ("Mean acceptance length (tokens per step, server-reported)", lambda n, c: _fmt(
+        ("Request latency p95 (s)", lambda n, c: fmt(get(n, c, "latency_p95_s"), ".2f")),
+        ("Mean acceptance length (tokens per step, server-reported)", lambda n, c: fmt(
             get(n, c, "mean_acceptance_length"), ".2f")),
-        ("Wall time (s)", lambda n, c: _fmt(get(n, c, "wall_s"), ".2f")),
-        ("Outputs identical to `none` at C=1", lambda n, c: _fmt(
+        ("Wall time (s)", lambda n, c: fmt(get(n, c, "wall_s"), ".2f")),
+        ("Outputs identical to `none` at C=1", lambda n, c: fmt(
             None if get(n, c, "equal_to_none_c1") is None else 100 * get(n, c, "equal_to_none_c1"), ".0f", "%")),
     ]  # fmt: skip
     lines += common.metric_sections(tables, names, levels, "C")

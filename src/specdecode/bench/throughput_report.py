@@ -9,7 +9,8 @@ from typing import Any
 
 from specdecode.bench import common
 from specdecode.bench.common import percentile  # also importable from here, where it was first defined
-from specdecode.bench.report import _fmt, ratio
+from specdecode.bench.markdown import fmt
+from specdecode.bench.metrics import ratio
 
 
 def summarize_cell(
@@ -90,25 +91,25 @@ def markdown(results: Mapping[str, Any]) -> str:
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
     ]
     tables = [
-        ("Tokens/s (all requests)", lambda n, b: _fmt(tps(n, b), ".1f")),
-        ("Wall time (s)", lambda n, b: _fmt(get(n, b, "wall_s"), ".2f")),
-        ("Latency p50 (s)", lambda n, b: _fmt(get(n, b, "latency_p50_s"), ".2f")),
-        ("Latency p95 (s)", lambda n, b: _fmt(get(n, b, "latency_p95_s"), ".2f")),
-        ("Mean accepted tokens per step", lambda n, b: _fmt(get(n, b, "mean_accepted_tokens"), ".2f")),
+        ("Tokens/s (all requests)", lambda n, b: fmt(tps(n, b), ".1f")),
+        ("Wall time (s)", lambda n, b: fmt(get(n, b, "wall_s"), ".2f")),
+        ("Latency p50 (s)", lambda n, b: fmt(get(n, b, "latency_p50_s"), ".2f")),
+        ("Latency p95 (s)", lambda n, b: fmt(get(n, b, "latency_p95_s"), ".2f")),
+        ("Mean accepted tokens per step", lambda n, b: fmt(get(n, b, "mean_accepted_tokens"), ".2f")),
         (
             "Identical to solo plain decoding (`none`, B=1)",
-            lambda n, b: _fmt(
+            lambda n, b: fmt(
                 None if get(n, b, "equal_to_solo_plain") is None else 100 * get(n, b, "equal_to_solo_plain"), ".0f", "%"
             ),
         ),
-        ("Tokens/s over our `none` at the same B", lambda n, b: _fmt(ratio(tps(n, b), tps("none", b)), ".2f", "x")),
-        ("Tokens/s over our `none` at B=1", lambda n, b: _fmt(ratio(tps(n, b), tps("none", 1)), ".2f", "x")),
+        ("Tokens/s over our `none` at the same B", lambda n, b: fmt(ratio(tps(n, b), tps("none", b)), ".2f", "x")),
+        ("Tokens/s over our `none` at B=1", lambda n, b: fmt(ratio(tps(n, b), tps("none", 1)), ".2f", "x")),
     ]
     if peer is not None:
         tables.append(
             (
                 f"Tokens/s over `{peer}` at the same B (above 1: faster than transformers)",
-                lambda n, b: _fmt(ratio(tps(n, b), tps(peer, b)), ".2f", "x"),
+                lambda n, b: fmt(ratio(tps(n, b), tps(peer, b)), ".2f", "x"),
             )
         )
     lines += common.metric_sections(tables, names, sizes, "B")
