@@ -26,7 +26,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--suite",
-        # No ``choices=``: the suites live in bench.runner, which imports torch; resolve_settings refuses others.
+        # No ``choices=``: the suites live in bench.suites, which imports torch; resolve_settings refuses others.
         metavar="{quick,full}",
         default="quick",
         help="quick: smollm2-135m, minutes; full: qwen2.5-coder-1.5b + 0.5b draft, hours",

@@ -85,7 +85,7 @@ def resolve_values(
 
 
 def drafter_options(method: Any, drafts: Mapping[str, Any]) -> dict[str, Any]:
-    """A :class:`~specdecode.bench.runner.MethodSpec`'s drafter options, its draft model's name replaced by
+    """A :class:`~specdecode.bench.methods.MethodSpec`'s drafter options, its draft model's name replaced by
     that model as loaded (``drafts``: name → loaded model)."""
     options = dict(method.options)
     if method.draft_model is not None:
