@@ -115,8 +115,8 @@ class ThreadGovernor:
 
     @property
     def threads(self) -> int:
-        """The count forwards run with now (once the governor has acted)."""
-        return self._set if self._set is not None else torch.get_num_threads()
+        """The count forwards run with now."""
+        return torch.get_num_threads()
 
     def before_forward(self) -> None:
         """Called before each forward: cheap (a clock read) except once per ``interval_s``."""
@@ -171,17 +171,20 @@ class ThreadGovernor:
         return read_sample(self.cpus, PROC_STAT.read_text(), times.user + times.system, now)
 
     def _apply(self, threads: int) -> None:
-        if self._set != threads:
+        # Compared with torch's own count, not ``_set``: a pin must hold even if someone changed the count
+        # since (``before_forward`` adopts such a change before it gets here).
+        if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-            self._set = threads
+        self._set = threads
 
 
 GOVERNOR = ThreadGovernor()
 
 
 @contextmanager
-def fixed_threads(threads: int) -> Iterator[None]:
-    """Run with exactly ``threads`` threads (a benchmark's recorded setting), then govern as before."""
+def fixed_threads(threads: int | None) -> Iterator[None]:
+    """Run with exactly ``threads`` threads (a benchmark's recorded setting; None: as the governor chooses),
+    then as before."""
     previous = GOVERNOR.pin(threads)
     try:
         yield

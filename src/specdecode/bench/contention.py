@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -126,8 +126,7 @@ def contestants(target: LoadedModel, peer: PreTrainedModel) -> dict[str, tuple[D
 
 def measure_cell(decode: Decode, threads: int | None, prompts: Sequence[list[int]], new_tokens: int) -> dict:
     """Decode every prompt after an untimed warm-up: tokens/s over the whole set, and the threads used."""
-    pin = fixed_threads(threads) if threads is not None else _governed()
-    with pin:
+    with fixed_threads(threads):
         decode(prompts[0], min(8, new_tokens))
         started = time.perf_counter()
         outputs = [decode(ids, new_tokens) for ids in prompts]
@@ -141,15 +140,6 @@ def measure_cell(decode: Decode, threads: int | None, prompts: Sequence[list[int
         "threads_at_end": used,
         "outputs": outputs,
     }
-
-
-@contextmanager
-def _governed() -> Iterator[None]:
-    previous = GOVERNOR.pin(None)
-    try:
-        yield
-    finally:
-        GOVERNOR.pin(previous)
 
 
 def run_contention(
@@ -184,10 +174,7 @@ def run_contention(
             if progress:
                 print(f"[bench contention] {name}, {condition}", file=sys.stderr, flush=True)
             decode, threads = decoders[name]
-            if condition == "busy":
-                with busy_competitor():
-                    cell = measure_cell(decode, threads, prompts, settings.max_new_tokens)
-            else:
+            with busy_competitor() if condition == "busy" else nullcontext():
                 cell = measure_cell(decode, threads, prompts, settings.max_new_tokens)
             started = common.add_cell(results, {"method": name, "condition": condition, **cell}, path, started)
         results["environment"]["load_average_end"] = common.load_average()
