@@ -15,7 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdecode.bench.metrics import acceptance, equal_pct, median_wall_s, ratio, time_shares, tokens_per_s
+from specdecode.bench.metrics import (
+    acceptance,
+    bootstrap_speedup,
+    equal_pct,
+    median_wall_s,
+    ratio,
+    time_shares,
+    tokens_per_s,
+)
 from specdecode.bench.tasks import Task
 
 ALL_TASKS = "all"
@@ -48,11 +56,14 @@ class CellResult:
     matches: str | None = None  # peers: our method with the same configuration
     ours_over_theirs: float | None = None  # peers: our tokens/s / theirs
     equal_to_ours_pct: float | None = None  # peers: % of prompts where their tokens equal ours
+    speedup_ci: list[float] | None = None  # the speed-up's 95% bootstrap interval over prompts (from 2 prompts)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        return {key: round(value, 4) if isinstance(value, float) else value for key, value in data.items()} | {
-            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position]
+        rounded = {key: round(value, 4) if isinstance(value, float) else value for key, value in data.items()}
+        return rounded | {
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "speedup_ci": [round(x, 4) for x in self.speedup_ci] if self.speedup_ci else None,
         }
 
 
@@ -92,6 +103,7 @@ def build_cells(results: Mapping[str, Any], tasks: Sequence[Task]) -> list[CellR
                 wall_s=sum(median_wall_s(r) for r in records.values()),
                 tokens_per_s=speed,
                 speedup=ratio(speed, tokens_per_s(plain.values())) if plain else None,
+                speedup_ci=list(interval) if plain and (interval := bootstrap_speedup(records, plain)) else None,
                 equal_to_plain_pct=equal_pct(records, plain),
                 repeats_identical=all(r["repeats_identical"] for r in records.values()),
             )

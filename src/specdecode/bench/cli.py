@@ -38,6 +38,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit,"
         "multi-edit); multi-edit is a session: related requests in a row, timed as a whole",
     )
+    bench.add_argument(
+        "--prompts",
+        metavar="FILE.jsonl",
+        help="your own prompts instead of the built-in tasks: Spec-Bench's question.jsonl layout "
+        '({"question_id", "category", "turns"}: the first turn) or ours ({"id", "task", "text"}); '
+        "every prompt unless --tasks / --prompts-per-task choose fewer",
+    )
     bench.add_argument("--prompts-per-task", type=int, metavar="N", help="prompts per task (sessions, for multi-edit)")
     bench.add_argument("--max-new-tokens", type=int, metavar="N")
     bench.add_argument("--repeats", type=int, metavar="N", help="timed runs per prompt (the median is reported)")
@@ -171,12 +178,18 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from specdecode.bench.prompt_file import read_prompt_file
     from specdecode.bench.runner import run_benchmark
     from specdecode.bench.suites import resolve_settings
 
+    prompt_file = read_prompt_file(args.prompts) if args.prompts is not None else None
+    for problem in prompt_file.skipped if prompt_file else ():
+        print(f"specdecode: {problem}", file=sys.stderr)
     flags = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "repeats", "seed", "out", "peers")
     settings = resolve_settings(
-        args.suite, **_flags(args, *flags, "threads", "draft_lengths", "sweep_tasks", "drafter_state")
+        args.suite,
+        prompts_file=prompt_file,
+        **_flags(args, *flags, "threads", "draft_lengths", "sweep_tasks", "drafter_state"),
     )
     return _run_and_print("bench", "results.json, results.md, plots", settings, run_benchmark, args.progress)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,14 @@ def tokens_per_s(records: Iterable[Mapping[str, Any]]) -> float:
     records = list(records)
     wall = sum(median_wall_s(r) for r in records)
     return sum(r["new_tokens"] for r in records) / wall if wall > 0 else 0.0
+
+
+def tokens_per_s_of(measurements: Iterable[tuple[int, float]]) -> float:
+    """Total tokens over total time of ``(tokens, seconds)`` pairs."""
+    tokens = seconds = 0.0
+    for count, wall in measurements:
+        tokens, seconds = tokens + count, seconds + wall
+    return tokens / seconds if seconds > 0 else 0.0
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -78,3 +87,38 @@ def time_shares(records: Iterable[Mapping[str, Any]]) -> TimeShares | None:
     if wall <= 0:
         return None
     return TimeShares(draft=draft / wall, overhead=max(0.0, wall - draft - forward) / wall)
+
+
+#: Resamples of the bootstrap: the interval's ends move by well under 0.01x between seeds at this count.
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def bootstrap_speedup(
+    records: Records, reference: Records, confidence: float = 0.95, seed: int = 0
+) -> tuple[float, float] | None:
+    """A percentile-bootstrap confidence interval of ``tokens_per_s(records) / tokens_per_s(reference)``.
+
+    Prompts are resampled with replacement, each drawn prompt contributing both its records (a paired
+    bootstrap: a prompt that is slow for every contestant moves both sides alike), and the ratio is
+    pooled as the report pools it — total tokens over total time.  None with fewer than two common
+    prompts, where there is nothing to resample.  The interval says how much the figure depends on which
+    prompts were drawn; it does not cover timing noise within a prompt (the repeats' median does that).
+    """
+    common = [pid for pid in records if pid in reference]
+    if len(common) < 2:
+        return None
+    ours = [(records[pid]["new_tokens"], median_wall_s(records[pid])) for pid in common]
+    theirs = [(reference[pid]["new_tokens"], median_wall_s(reference[pid])) for pid in common]
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        drawn = [rng.randrange(len(common)) for _ in common]
+        speed = tokens_per_s_of(ours[i] for i in drawn)
+        plain = tokens_per_s_of(theirs[i] for i in drawn)
+        if speed > 0 and plain > 0:
+            ratios.append(speed / plain)
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1 - confidence) / 2
+    return ratios[int(tail * (len(ratios) - 1))], ratios[round((1 - tail) * (len(ratios) - 1))]

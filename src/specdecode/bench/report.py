@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.cells import CellResult, task_order
+from specdecode.bench.cells import ALL_TASKS, CellResult, task_order
 from specdecode.bench.markdown import fmt, table
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
@@ -32,12 +32,21 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
         "(anything near or above the core count means other processes shared the CPU).",
         f"- Software: Python {env.get('python')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
         f"specdecode {env.get('specdecode')}; {env.get('platform')}.",
-        f"- Settings: model `{s['model']}`, {s['prompts_per_task']} prompt(s) per task (seed {s['seed']}), "
+        f"- Settings: model `{s['model']}`, {_prompt_source(s)}, "
         f"{s['max_new_tokens']} new tokens per prompt (greedy, EOS ignored), median of {s['repeats']} "
         f"interleaved repeat(s) after a warm-up, chat template {'on' if results.get('chat_template') else 'off'}; "
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
         _DRAFTER_STATE[s.get("drafter_state", "request")],
     ]
+
+
+def _prompt_source(settings: Mapping[str, Any]) -> str:
+    if settings.get("prompts_file"):
+        return (
+            f"prompts from `{Path(settings['prompts_file']).name}` (SHA-256 {settings['prompts_sha256'][:12]}…), "
+            f"at most {settings['prompts_per_task']} per task"
+        )
+    return f"{settings['prompts_per_task']} prompt(s) per task (seed {settings['seed']})"
 
 
 _DRAFTER_STATE = {
@@ -69,6 +78,8 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
             for name in main
         ),
     )
+
+    lines += ["", *_interval_lines(cells, tasks[-1])]
 
     lines += [
         "",
@@ -159,6 +170,23 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
 
     lines += ["", "## Goals", "", *_goal_lines(cells), ""]
     return "\n".join(lines)
+
+
+def _interval_lines(cells: Sequence[CellResult], pooled_task: str) -> list[str]:
+    """Per method, the pooled speed-up with its bootstrap interval over the prompts: one prompt per task is
+    thin, and the interval says how much the figure rests on which prompts were drawn."""
+    pooled = [c for c in cells if c.task == pooled_task and c.kind != "sweep" and c.speedup is not None]
+    if not any(c.speedup_ci for c in pooled):
+        return []
+    lines = [
+        f"Over {'all tasks' if pooled_task == ALL_TASKS else pooled_task}, with a 95% paired bootstrap interval "
+        "over the prompts (resampled with replacement):",
+        "",
+    ]
+    for c in pooled:
+        interval = f"{c.speedup_ci[0]:.2f}–{c.speedup_ci[1]:.2f}x" if c.speedup_ci else "–"
+        lines.append(f"- `{c.method}`: {c.speedup:.2f}x (95% interval {interval}, {c.prompts} prompts)")
+    return lines
 
 
 def _peer_row(peer: CellResult, ours: CellResult) -> list[str]:

@@ -29,7 +29,7 @@ import torch
 from specdecode.bench.common import PromptEncoder, load_average, package_versions, read_previous, save_json
 from specdecode.bench.contestants import Contestant, build_contestants, peer_specs
 from specdecode.bench.suites import BenchSettings, sweep_methods
-from specdecode.bench.tasks import Prompt, Task, load_tasks
+from specdecode.bench.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.stats import GenerationStats
@@ -199,7 +199,7 @@ def run_benchmark(
         "runs": {},
         "measure_s": 0.0,
     }
-    tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
+    tasks = list(tasks) if tasks is not None else settings.load_tasks()
     results["settings"] = settings_json(settings)
     if plan := _plan(settings, tasks, results["runs"]):
         with fixed_threads(settings.threads):

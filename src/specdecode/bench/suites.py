@@ -11,7 +11,8 @@ from typing import Any
 
 from specdecode.bench.common import check_known_tasks, check_positive_ints, given_settings, split_names
 from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
-from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES
+from specdecode.bench.prompt_file import PromptFile, read_prompt_file
+from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 
 #: How long our drafters keep what they learn: "request" — reset before every prompt (a session task's
@@ -81,6 +82,8 @@ class BenchSettings:
     sweep_tasks: tuple[str, ...]
     out: Path
     drafter_state: str = "request"
+    prompts_file: str | None = None  # the user's prompts (``--prompts``) instead of the built-in tasks
+    prompts_sha256: str | None = None  # of that file, as read when the settings were resolved
 
     def __post_init__(self) -> None:
         check_positive_ints(
@@ -89,7 +92,8 @@ class BenchSettings:
             ("repeats", self.repeats),
             ("threads", self.threads),
         )
-        check_known_tasks((*self.tasks, *self.sweep_tasks))
+        if self.prompts_file is None:  # a file's tasks were checked against the file
+            check_known_tasks((*self.tasks, *self.sweep_tasks))
         if not self.tasks:
             raise SpecDecodeError("no benchmark tasks selected")
         if self.drafter_state not in DRAFTER_STATES:
@@ -109,18 +113,40 @@ class BenchSettings:
             "threads": self.threads,
             "drafter_state": self.drafter_state,
             "default_k": DEFAULT_K,
+            # Only with a prompts file, so that results measured on the built-in tasks still resume.
+            **({"prompts_sha256": self.prompts_sha256} if self.prompts_file is not None else {}),
         }
+
+    def load_tasks(self) -> list[Task]:
+        """The prompts to measure: the built-in tasks' seeded selection, or the prompts file's (which must
+        not have changed since the settings were resolved: results are keyed by prompt id)."""
+        if self.prompts_file is None:
+            return load_tasks(self.tasks, self.prompts_per_task, self.seed)
+        prompt_file = read_prompt_file(self.prompts_file)
+        if prompt_file.sha256 != self.prompts_sha256:
+            raise SpecDecodeError(f"{self.prompts_file} changed while the benchmark was being set up")
+        return prompt_file.select(self.tasks, self.prompts_per_task)
 
 
 def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
-    """The suite's defaults, overridden by every given (non-None) value; strings are parsed as on the CLI."""
+    """The suite's defaults, overridden by every given (non-None) value; strings are parsed as on the CLI.
+
+    ``prompts_file`` (a path or a read :class:`PromptFile`) replaces the built-in tasks by the file's: all of
+    them and every prompt, unless ``tasks`` or ``prompts_per_task`` choose fewer."""
     if suite not in SUITES:
         raise SpecDecodeError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
     base = SUITES[suite]
+    prompt_file: PromptFile | str | Path | None = overrides.pop("prompts_file", None)
+    if isinstance(prompt_file, str | Path):
+        prompt_file = read_prompt_file(prompt_file)
     given = given_settings(overrides, BenchSettings, "benchmark setting")
-    tasks = given.get("tasks", base.tasks)
+    tasks = given.get("tasks", base.tasks if prompt_file is None else None)
     if isinstance(tasks, str):
         tasks = split_names(tasks)
+    prompts_per_task = given.get("prompts_per_task", base.prompts_per_task)
+    if prompt_file is not None:  # every prompt of the file unless the user cut it
+        tasks = tuple(task.name for task in prompt_file.select(tasks, None))
+        prompts_per_task = given.get("prompts_per_task", prompt_file.largest_task)
     methods = given.get("methods", base.methods)
     if isinstance(methods, str):
         methods = parse_methods(methods)
@@ -139,7 +165,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         model=given.get("model", base.model),
         methods=tuple(methods),
         tasks=tuple(tasks),
-        prompts_per_task=given.get("prompts_per_task", base.prompts_per_task),
+        prompts_per_task=prompts_per_task,
         max_new_tokens=given.get("max_new_tokens", base.max_new_tokens),
         repeats=given.get("repeats", base.repeats),
         seed=given.get("seed", 0),
@@ -149,6 +175,8 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
         out=Path(given.get("out", Path("bench-out") / suite)),
         drafter_state=given.get("drafter_state", "request"),
+        prompts_file=str(prompt_file.path) if prompt_file is not None else None,
+        prompts_sha256=prompt_file.sha256 if prompt_file is not None else None,
     )
 
 
