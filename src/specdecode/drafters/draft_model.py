@@ -1,4 +1,4 @@
-"""An independent small model with the target's vocabulary drafts autoregressively.
+"""An independent small model drafts autoregressively (with the target's vocabulary, or another one).
 
 It keeps its own KV cache.  Instead of being told what was rejected, it re-synchronises on every
 ``propose``: the cache is cut back to the longest prefix it shares with the accepted context and
@@ -7,6 +7,9 @@ only the missing tokens are fed — so rollback is exact whatever the verifier d
 ``draft_vocab=N`` drafts over the draft model's LM head restricted to its first N ids and the prompt's
 (VocabTrim, :mod:`specdecode.drafters._vocab`): on a CPU a 0.5B model's 152k-row head is a quarter of
 its forward.  Tokens outside are never drafted, which cannot change the output.
+
+``vocab_mapping=intersection|text`` lets a draft model with *another* vocabulary draft
+(:mod:`specdecode.drafters.cross_vocab`); without it the vocabularies must be the same.
 
 With a seeded, coupled request (``SamplingParams.is_coupled``) the draft token at absolute position t is
 ``argmax_v(log q_t(v) + G_{seed,t}(v))`` with the very noise the coupled verifier applies to the target's
@@ -21,6 +24,7 @@ import torch
 from specdecode.drafters import register_drafter
 from specdecode.drafters._vocab import DraftHead, HeadRows
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
@@ -40,16 +44,29 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 class DraftModelDrafter(Drafter):
     provides_probs = True
 
-    def __init__(self, target: LoadedModel, draft_model: str | LoadedModel | None = None, draft_vocab: int = 0) -> None:
+    def __init__(
+        self,
+        target: LoadedModel,
+        draft_model: str | LoadedModel | None = None,
+        draft_vocab: int = 0,
+        vocab_mapping: str | None = None,
+    ) -> None:
         super().__init__(target)
         if draft_model is None:
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
+        if vocab_mapping is not None:
+            check_vocab_mapping(vocab_mapping)
+            if draft_vocab:
+                raise SpecDecodeError("draft_vocab does not combine with vocab_mapping")
         self.draft = (
             draft_model
             if isinstance(draft_model, LoadedModel)
             else load_model(draft_model, device=target.backend.device)
         )
-        check_same_vocabulary(target, self.draft)
+        # Another vocabulary: cross_vocab.py translates both ways (None: the vocabularies must be one).
+        self.cross = CrossVocabulary.build(vocab_mapping, target, self.draft) if vocab_mapping else None
+        if self.cross is None:
+            check_same_vocabulary(target, self.draft)
         # VocabTrim: the draft model's LM head over its first ``draft_vocab`` ids and the prompt's (0: all).
         self.head = None
         if draft_vocab:
@@ -57,7 +74,9 @@ class DraftModelDrafter(Drafter):
             require_capability(backend, HiddenStates, "draft-model with draft_vocab")
             self.head = DraftHead(backend, draft_vocab)
 
-    def session(self, request: DraftRequest) -> DraftModelSession:
+    def session(self, request: DraftRequest) -> DraftSession:
+        if self.cross is not None:
+            return self.cross.session(request)
         rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
         return DraftModelSession(self.draft.backend, request, rows)
 

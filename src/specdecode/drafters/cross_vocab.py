@@ -1,0 +1,215 @@
+"""A draft model with another vocabulary than the target's (``draft-model`` with ``vocab_mapping=``).
+
+The drafter runs on its own token ids and the target verifies target ids, so every step crosses the
+vocabularies twice:
+
+* **Context, target → drafter.**  The accepted context is text to the drafter: a
+  :class:`~specdecode.drafters._vocab_map.ContextTranslator` keeps the drafter's own tokenisation of it,
+  re-tokenising only the last few tokens each step.  Accepted drafts are *not* copied back token by
+  token: what the drafter proposed may be a non-canonical split of the text the target accepted, and
+  the target's correction token may end in the middle of a drafter token.  Re-tokenising the text gives
+  the drafter the context it would have seen had it read the text from the start, and the drafter's KV
+  cache is cut back to the prefix that tokenisation shares with what it has cached (exact rollback).
+* **Draft, drafter → target**, one of two ways:
+
+  ``intersection`` (token-level intersection): the drafter only drafts tokens whose bytes are a token
+  of both vocabularies, paired one to one (:func:`~specdecode.drafters._vocab_map.build_vocab_map`).
+  Its logits are restricted to the intersection *before* temperature, top-k and top-p, so its sampling
+  distribution is renormalised over the intersection, and that distribution — written over the
+  target's vocabulary, zero elsewhere — is what the Draft carries: rejection sampling then stays
+  exactly lossless (it is lossless for any proposal whose true probabilities it is given).  Greedy
+  drafts the argmax over the intersection; a coupled (seeded) request perturbs the same weights with the
+  target's noise at the target's positions.
+
+  ``text`` (universal assisted generation): the drafter decodes greedily on its own, unrestricted; its
+  text is re-tokenised by the target's tokenizer together with the context's last tokens, because the
+  first drafted characters may belong to a target token that starts before the draft (the target's
+  pre-tokeniser splits words, spaces and digits by what precedes them).  When the context's tail comes
+  back as the same target tokens, the draft is what follows them; when it does not (the draft would
+  merge into a committed token), the draft text is tokenised on its own.  The proposal is deterministic
+  (no probabilities), which greedy, coupled and rejection-sampling verification all treat exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, VocabMap, build_vocab_map, complete_utf8
+from specdecode.drafters.base import DraftRequest, DraftSession
+from specdecode.errors import SpecDecodeError
+from specdecode.models.base import CausalLM
+from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
+from specdecode.types import Draft
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
+
+#: The values of ``--drafter-option vocab_mapping=``.
+VOCAB_MAPPINGS = ("intersection", "text")
+
+#: Target tokens at the end of the context re-tokenised with a ``text`` draft (boundary merges).
+TEXT_WINDOW = 2
+
+
+def check_vocab_mapping(value: str) -> str:
+    if value not in VOCAB_MAPPINGS:
+        raise SpecDecodeError(f"vocab_mapping must be one of {', '.join(VOCAB_MAPPINGS)}, got {value!r}")
+    return value
+
+
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class CrossVocabulary:
+    """What every request of one (target, drafter) pair shares: both token tables and the intersection.
+
+    Built from the two models' tokenizers (what :class:`TokenTable` reads of them: ``convert_ids_to_tokens``,
+    ``encode``, ``added_tokens_decoder``, ``all_special_ids`` and the ``tokenizers`` decoder)."""
+
+    mapping: str
+    draft: CausalLM
+    target_vocab: int
+    target_table: TokenTable
+    draft_table: TokenTable
+    vocab_map: VocabMap
+
+    @classmethod
+    def build(cls, mapping: str, target: LoadedModel, draft: LoadedModel) -> CrossVocabulary:
+        check_vocab_mapping(mapping)
+        target_table, draft_table = TokenTable.of(target.tokenizer), TokenTable.of(draft.tokenizer)
+        target_size = target.backend.vocab_size
+        vocab_map = build_vocab_map(draft_table, draft.backend.vocab_size, target_table, target_size)
+        if vocab_map.size == 0:
+            raise SpecDecodeError(f"draft model {draft.name!r} shares no token with target {target.name!r}")
+        return cls(mapping, draft.backend, target_size, target_table, draft_table, vocab_map)
+
+    def session(self, request: DraftRequest) -> CrossVocabSession:
+        kind = IntersectionSession if self.mapping == "intersection" else TextSession
+        return kind(self, request)
+
+
+class CrossVocabSession(DraftSession):
+    """One request: the drafter's cache of its own tokenisation of the context."""
+
+    def __init__(self, shared: CrossVocabulary, request: DraftRequest) -> None:
+        self.shared = shared
+        self.backend = shared.draft
+        self.request = request
+        self.sampling = request.sampling
+        self.generator = request.torch_generator()
+        self.translator = ContextTranslator(shared.target_table, shared.draft_table)
+        self.cache = self.backend.new_cache()
+        self.cached_tokens: list[int] = []
+
+    def _sync(self, context: list[int]) -> torch.Tensor | None:
+        """Bring the drafter's cache up to its tokenisation of ``context``; the tokens still to feed
+        (at least one), or None when there is nothing to draft from."""
+        tokens = self.translator.translate(context)
+        if not tokens:
+            return None
+        keep = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - 1)
+        self.cache.crop(keep)
+        self.cached_tokens = tokens
+        return torch.tensor(tokens[keep:], dtype=torch.long)
+
+    def _logits(self, pending: torch.Tensor) -> torch.Tensor:
+        return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+
+    def _feed(self, token: int) -> torch.Tensor:
+        """``token`` (a drafter id) goes into the cache with the next forward."""
+        self.cached_tokens.append(token)
+        return torch.tensor([token], dtype=torch.long)
+
+    def _room(self, max_tokens: int) -> int:
+        return min(max_tokens, self.backend.max_context - len(self.cached_tokens))
+
+    def finish(self, context: list[int]) -> None:
+        self.cache.release()
+
+
+class IntersectionSession(CrossVocabSession):
+    """Drafts over the tokens both vocabularies share; reports its distribution over the target's."""
+
+    def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
+        """The next draft token as an index into the intersection, the target-vocabulary distribution it
+        was sampled from (None: deterministic), and its probability (the draft-length policy's confidence)."""
+        shared = self.shared.vocab_map
+        restricted = logits[shared.draft_ids.to(logits.device)].float()
+        if self.sampling.greedy:
+            top = restricted.softmax(-1).max(-1)
+            return int(top.indices), None, float(top.values)
+        if self.sampling.is_coupled:
+            weights = sampling_log_weights(restricted, self.sampling)
+            full = torch.full((self.shared.target_vocab,), float("-inf"), device=weights.device)
+            full[shared.target_ids.to(weights.device)] = weights
+            index = int(shared.index_of_target[coupled_argmax(full, self.request.seed, position)])
+            return index, None, float(weights.softmax(-1)[index])
+        probs = sampling_probs(restricted, self.sampling).cpu()
+        index = sample(probs, self.generator)
+        full = torch.zeros(self.shared.target_vocab)
+        full[shared.target_ids] = probs
+        return index, full, float(probs[index])
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        pending = self._sync(context)
+        max_tokens = self._room(max_tokens)
+        if pending is None or max_tokens <= 0:
+            return Draft(tokens=[])
+        shared = self.shared.vocab_map
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        confidence: list[float] = []
+        for step in range(max_tokens):
+            index, probs, p = self._choose(self._logits(pending), len(context) + step)
+            tokens.append(int(shared.target_ids[index]))
+            confidence.append(p)
+            if probs is not None:
+                rows.append(probs)
+            if step + 1 == max_tokens or self.request.stop(confidence):
+                break  # the last drafted token is never fed: the cache ends one before it
+            pending = self._feed(int(shared.draft_ids[index]))
+        return Draft(tokens=tokens, probs=torch.stack(rows) if rows else None, confidence=confidence)
+
+
+class TextSession(CrossVocabSession):
+    """Drafts text greedily in the drafter's vocabulary, re-tokenised into the target's."""
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        pending = self._sync(context)
+        room = self._room(max_tokens)
+        if pending is None or room <= 0:
+            return Draft(tokens=[])
+        drafted: list[int] = []
+        for step in range(room):
+            drafted.append(int(self._logits(pending).argmax()))
+            if step + 1 == room or drafted[-1] in self.backend.eos_token_ids:
+                break  # the last drafted token is never fed: the cache ends one before it
+            pending = self._feed(drafted[-1])
+        return Draft(
+            tokens=draft_to_target(self.shared.target_table, context, self.shared.draft_table.text(drafted))[
+                :max_tokens
+            ]
+        )
+
+
+def draft_to_target(table: TokenTable, context: list[int], draft: bytes) -> list[int]:
+    """Target tokens (``table``: the target's) for the text ``draft`` following ``context``: the context's
+    last tokens and the draft are tokenised together, and what follows the unchanged tail is the draft;
+    if the tail does not come back unchanged (the draft would merge into a committed token), the draft
+    text is tokenised on its own.  Incomplete UTF-8 at the draft's end is dropped."""
+    tail = context[-TEXT_WINDOW:]
+    joined = table.text(tail) + draft
+    ids = table.encode(complete_utf8(joined) or joined.decode("utf-8", errors="ignore"))
+    if ids[: len(tail)] == tail:
+        return ids[len(tail) :]
+    alone = complete_utf8(draft) or draft.decode("utf-8", errors="ignore")
+    return table.encode(alone) if alone else []

@@ -1,0 +1,236 @@
+"""Cross-vocabulary drafting (``draft-model`` with ``vocab_mapping=intersection|text``): the token bytes and
+the map between two vocabularies, the drafter's copy of the context, and end to end — greedy output equal
+to plain decoding, ``intersection`` sampling exact by chi-square (and a broken control that fails)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer, Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import specdecode.drafters.cross_vocab
+from conftest import wrap
+from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, hf_greedy, run
+from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.drafters import create_drafter
+from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, build_vocab_map, complete_utf8
+from specdecode.drafters.cross_vocab import draft_to_target
+from specdecode.engine import speculative_decode
+from specdecode.errors import SpecDecodeError, VocabularyMismatchError
+from specdecode.models.loading import LoadedModel
+from specdecode.sampling import sampling_probs
+
+CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "def f(x): return x + 1"] * 20
+TEXTS = [" hello world the fox", "def f(x):\n\treturn x+1 # ä 漢 😀", "hello</s>there<s>"]
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """GPT-2 style byte-level BPE (``Ġ`` is the space), as SmolLM2 and Qwen use."""
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator(CORPUS, vocab_size=300, special_tokens=["<s>", "</s>"], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer, bos_token="<s>", eos_token="</s>")
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """SentencePiece style BPE (``▁`` is the space, one prepended to the text), another vocabulary."""
+    trained = SentencePieceBPETokenizer()
+    trained.train_from_iterator(CORPUS, vocab_size=120, special_tokens=["<s>", "</s>", "<unk>"], show_progress=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=trained._tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def bpe_tokenizer(pieces: list[str], merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
+    """A BPE over the given pieces (characters, or merges of them), no pre-tokeniser, no specials."""
+    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges)))
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def tiny_model(tokenizer, seed: int, layers: int = 2) -> LoadedModel:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return wrap(LlamaForCausalLM(config).eval(), tokenizer, name=f"tiny-{seed}")
+
+
+# -- token bytes and the map ------------------------------------------------------------------------
+
+
+def test_token_bytes_spell_the_text():
+    byte_level, sentencepiece = byte_level_tokenizer(), metaspace_tokenizer()
+    for text in TEXTS:
+        assert TokenTable.of(byte_level).text(byte_level.encode(text)) == text.encode()
+    for text in [TEXTS[0], "def f(x): return x"]:  # characters it knows; it prepends a space
+        assert TokenTable.of(sentencepiece).text(sentencepiece.encode(text)) == (" " + text.lstrip()).encode()
+
+
+def test_byte_fallback_and_wordpiece_pieces():
+    from specdecode.drafters._vocab_map import piece_bytes
+
+    sentencepiece = frozenset({"Metaspace", "ByteFallback"})
+    assert piece_bytes("▁the", sentencepiece) == (b" the", False)
+    assert piece_bytes("<0x0A>", sentencepiece) == (b"\n", True)
+    assert piece_bytes("Ġthe", frozenset({"ByteLevel"})) == (b" the", False)
+    assert piece_bytes("Ã¤", frozenset({"ByteLevel"})) == ("ä".encode(), False)
+    assert piece_bytes("##ing", frozenset({"WordPiece"})) == (b"ing", False)
+
+
+def test_map_pairs_identical_bytes_one_to_one():
+    target, draft = byte_level_tokenizer(), metaspace_tokenizer()
+    target_table, draft_table = TokenTable.of(target), TokenTable.of(draft)
+    vocab_map = build_vocab_map(draft_table, len(draft), target_table, len(target))
+    pairs = list(zip(vocab_map.draft_ids.tolist(), vocab_map.target_ids.tolist(), strict=True))
+    assert len(pairs) > 40
+    assert len({d for d, _ in pairs}) == len({t for _, t in pairs}) == len(pairs)  # one to one
+    for d, t in pairs:
+        assert draft_table.piece(d) == target_table.piece(t)
+        assert (d in draft_table.special) == (t in target_table.special)
+    readable = {(draft.convert_ids_to_tokens(d), target.convert_ids_to_tokens(t)) for d, t in pairs}
+    assert ("▁fox", "Ġfox") in readable and ("</s>", "</s>") in readable  # ▁ and Ġ are both a space
+    assert all(vocab_map.index_of_target[t] == k for k, (_, t) in enumerate(pairs))
+
+
+def test_specials_map_only_to_specials():
+    plain = TokenTable([b"<s>", b"a"], frozenset(), frozenset(), (), list)
+    special = TokenTable([b"a", b"<s>"], frozenset({1}), frozenset(), (), list)
+    vocab_map = build_vocab_map(plain, 2, special, 2)
+    assert vocab_map.draft_ids.tolist() == [1] and vocab_map.target_ids.tolist() == [0]
+
+
+def test_complete_utf8():
+    assert complete_utf8("ä".encode()) == "ä"
+    assert complete_utf8("ä".encode()[:1]) is None
+    assert complete_utf8(b"\xff a") == "\ufffd a"
+
+
+# -- the drafter's copy of the context --------------------------------------------------------------
+
+
+def test_translator_follows_a_growing_context_and_freezes_a_prefix():
+    target, draft = byte_level_tokenizer(), metaspace_tokenizer()
+    target_table = TokenTable.of(target)
+    draft = bpe_tokenizer(sorted({c for text in CORPUS + TEXTS for c in text}))  # characters, exact round trip
+    translator = ContextTranslator(target_table, TokenTable.of(draft), margin=3)
+    ids = target.encode(" ".join(CORPUS[:3]) + TEXTS[1])
+    for n in range(1, len(ids) + 1):
+        translated = translator.translate(ids[:n])
+        text = complete_utf8(target_table.text(ids[:n]))
+        if text is None:
+            assert translated is None  # the context ends inside a character
+        else:
+            assert translated == draft.encode(text)
+    assert 0 < len(translator._frozen_source) <= len(ids) - 3
+    assert translator.translate(ids[:2]) == draft.encode(target.decode(ids[:2]))  # a new context: starts over
+
+
+def test_text_draft_boundary_merges_with_the_last_context_token():
+    pieces = ["h", "e", "l", "o", " ", "x", "he", "hel", "hell", "hello"]
+    merges = [("h", "e"), ("he", "l"), ("hel", "l"), ("hell", "o")]
+    table = TokenTable.of(bpe_tokenizer(pieces, merges))
+    ids = {p: i for i, p in enumerate(pieces)}
+    # "hel" + "lo x": tokenised together it would be "hello", but "hel" is committed: the draft alone.
+    assert draft_to_target(table, [ids["hel"]], b"lo x") == [ids["l"], ids["o"], ids[" "], ids["x"]]
+    # "hel " + "x": the tail comes back unchanged, the draft is what follows it.
+    assert draft_to_target(table, [ids["hel"], ids[" "]], b"hello") == [ids["hello"]]
+
+
+# -- end to end ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LoadedModel, LoadedModel]:
+    return tiny_model(byte_level_tokenizer(), seed=0, layers=3), tiny_model(metaspace_tokenizer(), seed=1)
+
+
+@pytest.mark.parametrize("mapping", ["intersection", "text"])
+def test_greedy_equals_plain_decoding(pair, mapping):
+    target, draft = pair
+    drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping)
+    for text in ["hello world", "def f(x):", "the lazy dog ä"]:
+        prompt = target.tokenizer.encode(text)
+        tokens, outcome = run(target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)
+        assert tokens == hf_greedy(target, prompt, 24)
+        assert outcome.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("mapping", ["intersection", "text"])
+def test_a_drafter_that_is_the_target_is_always_right(mapping):
+    """Drafting with the target itself through the mapping: every draft token must be accepted, which
+    only happens if the context and the drafts are translated exactly."""
+    tokenizer = bpe_tokenizer(sorted({c for text in CORPUS for c in text}))
+    target = tiny_model(tokenizer, seed=3)
+    drafter = create_drafter("draft-model", target, draft_model=target, vocab_mapping=mapping)
+    tokens, outcome = run(target, drafter, tokenizer.encode("hello world"), max_new_tokens=30, num_draft_tokens=4)
+    assert tokens == hf_greedy(target, tokenizer.encode("hello world"), 30)
+    assert outcome.stats.acceptance_rate == 1.0
+
+
+def test_bad_mapping_and_combinations_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(SpecDecodeError, match="vocab_mapping must be one of intersection, text"):
+        create_drafter("draft-model", target, draft_model=draft, vocab_mapping="ngrams")
+    with pytest.raises(SpecDecodeError, match="does not combine"):
+        create_drafter("draft-model", target, draft_model=draft, vocab_mapping="text", draft_vocab=64)
+    with pytest.raises(VocabularyMismatchError):  # no mapping: the vocabularies must be the same
+        create_drafter("draft-model", target, draft_model=draft)
+
+
+# -- exact sampling: bigram toys with different vocabularies ------------------------------------------
+
+TARGET_PIECES = ["a", "b", "c", "d", "e"]  # V tokens
+DRAFT_PIECES = ["e", "ab", "c", "x", "a", "b"]  # "d" missing, "ab" and "x" not the target's
+
+
+def bigram_pair() -> tuple[LoadedModel, LoadedModel, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    target_table = 2.0 * torch.randn(V, V, generator=g)
+    draft_lm = BigramLM(2.0 * torch.randn(6, 6, generator=g))
+    draft_lm.vocab_size = 6
+    target = LoadedModel("bigram-target", BigramLM(target_table), bpe_tokenizer(TARGET_PIECES))
+    draft = LoadedModel("bigram-draft", draft_lm, bpe_tokenizer(DRAFT_PIECES, [("a", "b")]))
+    return target, draft, target_table
+
+
+def intersection_counts(tokens_wanted: int) -> tuple[np.ndarray, np.ndarray]:
+    target, draft, table = bigram_pair()
+    drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping="intersection")
+    counts = np.zeros((4, V, V))
+    produced, seed = 0, 0
+    while produced < tokens_wanted:
+        sampling = SamplingParams(0.9, 4, seed=seed, coupled=False)  # coupling would bypass rejection sampling
+        config = GenerationConfig(max_new_tokens=200, num_draft_tokens=3, sampling=sampling)
+        previous = 1  # the prompt's last token
+        for chunk in speculative_decode(target.backend, drafter, [0, 1], config):
+            for position, token in enumerate(chunk):
+                counts[position, previous, token] += 1
+                previous = token
+            produced += len(chunk)
+        seed += 1
+    return counts, sampling_probs(table, SamplingParams(0.9, 4)).numpy()
+
+
+def test_intersection_sampling_is_exact():
+    counts, expected = intersection_counts(DRAWS // 8)
+    pvalues = chain_pvalues(counts, expected)
+    assert len(pvalues) >= 6 and min(pvalues) > PASS_P / len(pvalues), pvalues
+    assert counts[1:].sum() > 0  # drafts were accepted
+
+
+def test_intersection_without_renormalising_fails_the_same_test(monkeypatch):
+    """The bug the test is for: sampling inside the intersection but reporting the drafter's mass there
+    without renormalising it (as if the tokens outside still took their share)."""
+    real = specdecode.drafters.cross_vocab.sampling_probs
+    monkeypatch.setattr(specdecode.drafters.cross_vocab, "sampling_probs", lambda logits, s: 0.6 * real(logits, s))
+    counts, expected = intersection_counts(DRAWS // 8)
+    assert min(chain_pvalues(counts, expected)) < FAIL_P
