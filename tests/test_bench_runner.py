@@ -228,6 +228,7 @@ def test_end_to_end_results(finished):
             assert record["new_tokens"] == MAX_NEW and len(record["wall_s"]) == 2
     assert results["settings"]["peers"]["hf-pld"] == {
         "matches": "pld:k=3",
+        "family": "transformers",
         "prompt_lookup_num_tokens": 3,
         "max_matching_ngram_size": 3,
     }
@@ -250,7 +251,7 @@ def test_end_to_end_files(finished):
     on_disk = json.loads((settings.out / "results.json").read_text())
     assert on_disk["cells"] == results["cells"] and on_disk["schema_version"] == runner.SCHEMA_VERSION
     text = (settings.out / "results.md").read_text()
-    assert "## Against transformers" in text and "## Draft length" in text
+    assert "## Against peers" in text and "## Draft length" in text
     for png in ("speedup.png", "draft_length.png"):
         assert (settings.out / png).read_bytes()[:4] == b"\x89PNG"
 

@@ -56,6 +56,7 @@ class CellResult:
     matches: str | None = None  # peers: our method with the same configuration
     ours_over_theirs: float | None = None  # peers: our tokens/s / theirs
     equal_to_ours_pct: float | None = None  # peers: % of prompts where their tokens equal ours
+    equal_to_own_plain_pct: float | None = None  # speculative peers: % equal to their own engine's plain decoding
     speedup_ci: list[float] | None = None  # the speed-up's 95% bootstrap interval over prompts (from 2 prompts)
 
     def to_json(self) -> dict[str, Any]:
@@ -112,6 +113,9 @@ def build_cells(results: Mapping[str, Any], tasks: Sequence[Task]) -> list[CellR
                 cell.matches = peers[name]["matches"]
                 cell.ours_over_theirs = ratio(tokens_per_s(ours.values()) if ours else None, speed)
                 cell.equal_to_ours_pct = equal_pct(records, ours)
+                own_plain = _own_plain(peers, name)
+                if own_plain is not None and own_plain in data:
+                    cell.equal_to_own_plain_pct = equal_pct(records, data[own_plain].get(task, {}))
             else:
                 accepted = acceptance(records.values())
                 cell.mean_accepted_tokens = accepted.mean_accepted_tokens
@@ -121,6 +125,20 @@ def build_cells(results: Mapping[str, Any], tasks: Sequence[Task]) -> list[CellR
                     cell.draft_share, cell.overhead_share = shares.draft, shares.overhead
             cells.append(cell)
     return cells
+
+
+def _own_plain(peers: Mapping[str, Mapping[str, Any]], name: str) -> str | None:
+    """The plain decoding of the engine the peer ``name`` belongs to (None for a plain peer itself): a
+    speculative peer is exact only if its tokens equal its own engine's plain tokens, whatever ours are."""
+
+    def is_plain(info: Mapping[str, Any]) -> bool:
+        return info["matches"].split(":")[0] == "none"
+
+    if is_plain(peers[name]):
+        return None
+    family = peers[name].get("family", "transformers")
+    same_engine = (other for other, info in peers.items() if info.get("family", "transformers") == family)
+    return next((other for other in same_engine if is_plain(peers[other])), None)
 
 
 def task_order(cells: Sequence[CellResult]) -> list[str]:

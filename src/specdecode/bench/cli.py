@@ -51,8 +51,12 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--seed", type=int, help="seed of the prompt selection (default 0)")
     bench.add_argument("--out", help="output directory (default bench-out/<suite>)")
     bench.add_argument(
-        "--no-peers", dest="peers", action="store_false", default=None, help="skip transformers generate()"
+        "--peers",
+        metavar="LIST",
+        help="peers run beside us, comma-separated: transformers (default), llamacpp (llama-cpp-python on the "
+        "model's GGUF), openvino-int8, openvino-int4, openvino (both); absent extras are skipped with a message",
     )
+    bench.add_argument("--no-peers", dest="peers", action="store_false", default=None, help="no peers")
     bench.add_argument("--threads", type=int, help="torch threads (default: number of cores)")
     bench.add_argument(
         "--draft-lengths",

@@ -175,7 +175,10 @@ def settings_json(settings: BenchSettings) -> dict[str, Any]:
     data["methods"] = [m.spec for m in settings.methods]
     data["out"] = str(settings.out)
     data["baseline"] = next((m.spec for m in settings.methods if m.drafter == "none"), None)
-    data["peers"] = {spec.name: {"matches": spec.matches.spec, **spec.config} for spec in peer_specs(settings)}
+    data["peers"] = {
+        spec.name: {"matches": spec.matches.spec, "family": spec.family, **spec.config} for spec in peer_specs(settings)
+    }
+    data["peer_families"] = list(settings.peers)
     data["sweep"] = {
         spec: {"base": base.spec, "k": variant.k} for spec, (variant, base) in sweep_methods(settings).items()
     }
@@ -220,7 +223,7 @@ def _measure(
     draft_names = sorted({m.draft_model for m in settings.methods} - {None})
     drafts = {name: load_model(name) for name in draft_names}
     peer_models = None
-    if peer_specs(settings):
+    if any(spec.family == "transformers" for spec in peer_specs(settings)):
         peer_models = (
             load_model(settings.model, fast_path=False),
             {name: load_model(name, fast_path=False) for name in draft_names},

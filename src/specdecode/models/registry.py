@@ -20,7 +20,7 @@ from pathlib import Path
 
 from specdecode.errors import UnknownModelError
 from specdecode.models.cache import MANIFEST, cache_dir, locked, model_cache_dir, verify_checkpoint
-from specdecode.models.conversion import build_model, is_current
+from specdecode.models.conversion import build_model, is_current, keep_gguf
 
 
 @dataclass(frozen=True)
@@ -193,3 +193,13 @@ def ensure_model(name: str, progress: bool = True) -> Path:
                 build_model(spec, model_dir, progress)
     verify_checkpoint(spec, model_dir, progress)
     return hf_dir
+
+
+def ensure_gguf(name: str, progress: bool = True) -> Path:
+    """The registered model's original GGUF file (quantized as published), for peers that run it directly:
+    llama.cpp reads the very bits our checkpoint was de-quantized from."""
+    spec = _spec(name)
+    model_dir = model_cache_dir(name)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    with locked(model_dir / ".lock"):
+        return keep_gguf(spec, model_dir, progress)
