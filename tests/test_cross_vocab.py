@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode.drafters.cross_vocab
 from conftest import wrap
-from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, hf_greedy, run
+from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, build_vocab_map, complete_utf8
@@ -234,3 +234,32 @@ def test_intersection_without_renormalising_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(specdecode.drafters.cross_vocab, "sampling_probs", lambda logits, s: 0.6 * real(logits, s))
     counts, expected = intersection_counts(DRAWS // 8)
     assert min(chain_pvalues(counts, expected)) < FAIL_P
+
+
+# -- command line -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mapping", ["intersection", "text"])
+def test_cli_drafts_across_vocabularies(capsys, tiny_dirs, mapping):
+    from specdecode.cli import main
+
+    dirs = [str(tiny_dirs["target"]), str(tiny_dirs["other-vocab"])]
+    argv = ["generate", "w1 w2 user", "--model", dirs[0], "--drafter", "draft-model", "--draft-model", dirs[1]]
+    assert main([*argv, "--drafter-option", f"vocab_mapping={mapping}", "--json", "--max-new-tokens", "6"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+    assert_one_line_error(capsys, [*argv, "--drafter-option", "vocab_mapping=bytes"], "vocab_mapping must be one of")
+    assert_one_line_error(capsys, argv, "--drafter-option vocab_mapping=intersection|text")  # the hint
+
+
+def test_cli_does_not_refuse_registered_models_with_a_mapping(capsys, monkeypatch):
+    """The registry's vocabulary sizes refuse gemma3-270m for smollm2-135m before any download — unless a
+    mapping is asked for: then the models load (here: the first load stops the run)."""
+    from specdecode.models import loading
+
+    def stop(name, **kwargs):
+        raise SpecDecodeError(f"would load {name}")
+
+    monkeypatch.setattr(loading, "load_model", stop)
+    argv = ["generate", "hi", "--model", "smollm2-135m", "--drafter", "draft-model", "--draft-model", "gemma3-270m"]
+    assert_one_line_error(capsys, [*argv, "--drafter-option", "vocab_mapping=text"], "would load smollm2-135m")
+    assert_one_line_error(capsys, argv, "vocabulary mismatch")

@@ -156,11 +156,12 @@ def check_registry_vocabularies(target: str, draft: str) -> None:
     hint = f"registered ones with its vocabulary: {', '.join(same)}" if same else "none of the registered ones has it"
     raise VocabularyMismatchError(
         f"vocabulary mismatch: draft model {draft!r} has {draft_size:,} tokens, target {target!r} {target_size:,} "
-        f"(from the registry, before downloading anything); choose a draft model with the target's vocabulary ({hint})"
+        f"(from the registry, before downloading anything); choose a draft model with the target's vocabulary ({hint}) "
+        "or draft across vocabularies with --drafter-option vocab_mapping=intersection|text"
     )
 
 
-def load_models(args: argparse.Namespace, draft_model: str | None):
+def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabulary: bool = True):
     """The target (``--model``) and, if named, the draft model, with ``--no-fast-path``, ``--quantize``
     (``--quantize-draft`` for the draft model, default the same) and ``--device`` applied; a model drafting
     for itself with the target's quantization is loaded once.  Bad ``--quantize`` values and registered
@@ -171,7 +172,7 @@ def load_models(args: argparse.Namespace, draft_model: str | None):
     quantize = check_quantize(args.quantize)
     draft_flag = args.quantize_draft
     quantize_draft = quantize if draft_flag is None else check_quantize(draft_flag, "--quantize-draft")
-    if draft_model is not None:
+    if draft_model is not None and same_vocabulary:  # not with --drafter-option vocab_mapping=
         check_registry_vocabularies(args.model, draft_model)
     fast_path = False if args.no_fast_path else None
     target = load_model(args.model, fast_path=fast_path, device=args.device, quantize=quantize)
@@ -189,7 +190,7 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     options = dict(_parse_option(o) for o in args.drafter_option)
     options["draft_model"] = args.draft_model
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
-    target, draft = load_models(args, options.get("draft_model"))
+    target, draft = load_models(args, options.get("draft_model"), "vocab_mapping" not in options)
     if draft is not None:
         options["draft_model"] = draft
     return SpeculativeGenerator.build(target, drafter, defaults, **options)

@@ -147,5 +147,6 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"vocabulary mismatch: draft model {draft.name!r} ({type(draft.tokenizer).__name__}, "
             f"{len(draft.tokenizer)} tokens) does not share the tokenizer of target {target.name!r} "
             f"({type(target.tokenizer).__name__}, {len(target.tokenizer)} tokens); "
-            "choose a draft model with the same vocabulary"
+            "choose a draft model with the same vocabulary, or draft across vocabularies with "
+            "--drafter-option vocab_mapping=intersection|text"
         )

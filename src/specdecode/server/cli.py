@@ -65,7 +65,7 @@ def build_service(args: argparse.Namespace):
     if unused := sorted(set(options) - {key for taken in per_drafter.values() for key in taken}):
         raise SpecDecodeError(f"no served drafter takes option(s): {', '.join(unused)}")
     defaults = GenerationConfig(num_draft_tokens=args.num_draft_tokens)
-    target, draft = load_models(args, options.get("draft_model"))
+    target, draft = load_models(args, options.get("draft_model"), "vocab_mapping" not in options)
     if draft is not None:
         for taken in per_drafter.values():
             if "draft_model" in taken:
