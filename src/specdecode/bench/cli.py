@@ -59,6 +59,14 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-peers", dest="peers", action="store_false", default=None, help="no peers")
     bench.add_argument("--threads", type=int, help="torch threads (default: number of cores)")
     bench.add_argument(
+        "--quantize",
+        metavar="{none,int8,int4}",
+        help="weight-only quantization of our target (default none); transformers peers stay fp32",
+    )
+    bench.add_argument(
+        "--quantize-draft", metavar="{none,int8,int4}", help="of our draft models (default: as --quantize)"
+    )
+    bench.add_argument(
         "--draft-lengths",
         metavar="K,K,...",
         help="draft lengths to sweep for every drafting method on the sweep tasks ('none': no sweep)",
@@ -87,7 +95,10 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument("--repeats", type=int, default=argparse.SUPPRESS, metavar="N", help="default 5")
     cost.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="torch threads (default: torch's)")
     cost.add_argument(
-        "--quantize", default="none", metavar="{none,int8,int4}", help="weight-only quantization (default none)"
+        "--quantize",
+        default=argparse.SUPPRESS,
+        metavar="{none,int8,int4}",
+        help="weight-only quantization (default none)",
     )
     cost.add_argument("--json", action="store_true", help="print one JSON object")
     cost.add_argument(
@@ -193,7 +204,9 @@ def run_bench(args: argparse.Namespace) -> int:
     settings = resolve_settings(
         args.suite,
         prompts_file=prompt_file,
-        **_flags(args, *flags, "threads", "draft_lengths", "sweep_tasks", "drafter_state"),
+        **_flags(
+            args, *flags, "threads", "draft_lengths", "sweep_tasks", "drafter_state", "quantize", "quantize_draft"
+        ),
     )
     return _run_and_print("bench", "results.json, results.md, plots", settings, run_benchmark, args.progress)
 
@@ -224,7 +237,7 @@ def run_forward_cost(args: argparse.Namespace) -> int:
     from specdecode.models.loading import load_model
     from specdecode.models.quantize import check_quantize
 
-    quantize = check_quantize(args.quantize)
+    quantize = check_quantize(getattr(args, "quantize", None) or "none")
     if args.threads is not None:
         if args.threads < 1:
             raise SpecDecodeError(f"--threads must be a positive integer, got {args.threads}")

@@ -32,12 +32,20 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
         "(anything near or above the core count means other processes shared the CPU).",
         f"- Software: Python {env.get('python')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
         f"specdecode {env.get('specdecode')}; {env.get('platform')}.",
-        f"- Settings: model `{s['model']}`, {_prompt_source(s)}, "
+        f"- Settings: model `{s['model']}` ({_precision(s)}), {_prompt_source(s)}, "
         f"{s['max_new_tokens']} new tokens per prompt (greedy, EOS ignored), median of {s['repeats']} "
         f"interleaved repeat(s) after a warm-up, chat template {'on' if results.get('chat_template') else 'off'}; "
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
         _DRAFTER_STATE[s.get("drafter_state", "request")],
     ]
+
+
+def _precision(settings: Mapping[str, Any]) -> str:
+    """Our weights: fp32, or weight-only quantized (activations bf16) — peers keep their own."""
+    quantize = settings.get("quantize", "none")
+    draft = settings.get("quantize_draft") or quantize
+    ours = "fp32" if quantize == "none" else f"{quantize} weights"
+    return ours if draft == quantize else f"{ours}, draft models {'fp32' if draft == 'none' else draft + ' weights'}"
 
 
 def _prompt_source(settings: Mapping[str, Any]) -> str:

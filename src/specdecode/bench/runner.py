@@ -219,9 +219,10 @@ def _measure(
 ) -> None:
     from tqdm import tqdm
 
-    target = load_model(settings.model)
+    target = load_model(settings.model, quantize=settings.quantize)
     draft_names = sorted({m.draft_model for m in settings.methods} - {None})
-    drafts = {name: load_model(name) for name in draft_names}
+    draft_quantize = settings.quantize_draft or settings.quantize
+    drafts = {name: load_model(name, quantize=draft_quantize) for name in draft_names}
     peer_models = None
     if any(spec.family == "transformers" for spec in peer_specs(settings)):
         peer_models = (

@@ -14,6 +14,7 @@ from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, pars
 from specdecode.bench.prompt_file import PromptFile, read_prompt_file
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
+from specdecode.models.quantize import check_quantize
 
 #: The peers ``bench`` can run beside us: transformers' ``generate()`` (in process, always installed) and the
 #: native CPU engines of :mod:`specdecode.bench.native_peers` (optional extras); ``openvino`` means both
@@ -88,6 +89,8 @@ class BenchSettings:
     sweep_tasks: tuple[str, ...]
     out: Path
     drafter_state: str = "request"
+    quantize: str = "none"  # our target's weights (none, int8, int4); peers keep their own precision
+    quantize_draft: str | None = None  # our draft models' weights (None: as ``quantize``)
     prompts_file: str | None = None  # the user's prompts (``--prompts``) instead of the built-in tasks
     prompts_sha256: str | None = None  # of that file, as read when the settings were resolved
 
@@ -102,6 +105,9 @@ class BenchSettings:
             raise SpecDecodeError(
                 f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join((*PEER_FAMILIES, *_PEER_ALIASES))}"
             )
+        check_quantize(self.quantize)
+        if self.quantize_draft is not None:
+            check_quantize(self.quantize_draft, "--quantize-draft")
         if self.prompts_file is None:  # a file's tasks were checked against the file
             check_known_tasks((*self.tasks, *self.sweep_tasks))
         if not self.tasks:
@@ -123,7 +129,9 @@ class BenchSettings:
             "threads": self.threads,
             "drafter_state": self.drafter_state,
             "default_k": DEFAULT_K,
-            # Only with a prompts file, so that results measured on the built-in tasks still resume.
+            # Only when set, so that results measured before these settings existed still resume.
+            **({"quantize": self.quantize} if self.quantize != "none" else {}),
+            **({"quantize_draft": self.quantize_draft} if self.quantize_draft is not None else {}),
             **({"prompts_sha256": self.prompts_sha256} if self.prompts_file is not None else {}),
         }
 
@@ -185,6 +193,8 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
         out=Path(given.get("out", Path("bench-out") / suite)),
         drafter_state=given.get("drafter_state", "request"),
+        quantize=given.get("quantize", "none"),
+        quantize_draft=given.get("quantize_draft"),
         prompts_file=str(prompt_file.path) if prompt_file is not None else None,
         prompts_sha256=prompt_file.sha256 if prompt_file is not None else None,
     )
