@@ -5,7 +5,12 @@ bigram "model" with the chi-square machinery the lossless-sampling tests use."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -346,3 +351,25 @@ def assert_head_drafter_samples_exactly(model: BigramFeatures, table: torch.Tens
     assert len(pvalues) >= 8
     assert min(pvalues) > PASS_P / len(pvalues), pvalues
     assert counts[1:].sum() > 0  # drafts were accepted
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """``app`` served for real by uvicorn on a free loopback port in a background thread; yields its base URL."""
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

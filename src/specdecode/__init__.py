@@ -41,6 +41,7 @@ def load(
     max_new_tokens: int = 128,
     fast_path: bool | None = None,
     device: str | None = None,
+    verifier: str = "exact",
     **drafter_options,
 ) -> SpeculativeGenerator:
     """Load ``model`` (registry short name, local directory, .gguf file or hub id) with a drafter.
@@ -49,6 +50,8 @@ def load(
     ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.  ``fast_path`` (default on
     where supported) prepacks linear layers for fast multi-token verification on CPUs; ``device``: ``cpu``
     (default), ``cuda`` or ``cuda:N``.  ``generate_batch`` on the result decodes many prompts together.
+    ``verifier``: ``exact`` (lossless, the default) or a relaxed, LOSSY one (``fly``, ``typical``: see
+    ``specdecode verifiers``); ``generate(..., verifier=...)`` chooses per call.
     """
     from specdecode.drafters import check_drafter_options
     from specdecode.generator import SpeculativeGenerator
@@ -56,8 +59,8 @@ def load(
 
     # An unknown drafter or an option it does not take fails before the (slow) model load, as in the CLI.
     check_drafter_options(drafter, **drafter_options)
+    defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, verifier=verifier)
     target = load_model(model, fast_path=fast_path, device=device)
-    defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens)
     return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
 
 

@@ -23,12 +23,13 @@ from specdecode.heads.cli import add_export_command
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.server.cli import add_serve_command
 from specdecode.verbosity import quiet_third_party
+from specdecode.verify.registry import format_verifiers
 
 
-def _parse_option(text: str) -> tuple[str, object]:
+def _parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
-        raise SpecDecodeError(f"--drafter-option takes KEY=VALUE, got {text!r}")
+        raise SpecDecodeError(f"{flag} takes KEY=VALUE, got {text!r}")
     value: object = raw
     for convert in (int, float):
         try:
@@ -100,6 +101,14 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
         help="with --seed, verify by rejection sampling instead of Gumbel-max coupling: the text then depends on "
         "the drafter and draft length (coupled, the default, gives one text per seed whatever drafts it)",
     )
+    parser.add_argument(
+        "--verifier",
+        default="exact",
+        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical (see `specdecode verifiers`)",
+    )
+    parser.add_argument(
+        "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     chat = parser.add_mutually_exclusive_group()
@@ -120,9 +129,12 @@ def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _generation_config(args: argparse.Namespace):
-    from specdecode.config import GenerationConfig, SamplingParams
+    from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
 
+    options = dict(_parse_option(o, "--verifier-option") for o in args.verifier_option)
     return GenerationConfig(
+        verifier=args.verifier,
+        relaxed=RelaxedParams.from_options(options),
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
         sampling=SamplingParams(
@@ -218,7 +230,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 #: Generation parameters a line of ``specdecode batch`` may set for itself (the flags set the defaults).
 BATCH_LINE_PARAMS = frozenset(
-    {"max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos"}
+    {"max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "verifier"}
 )
 
 
@@ -326,8 +338,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"{args.drafter:<22}: {fast.stats.summary()}")
     same = "identical" if base.token_ids == fast.token_ids else "DIFFERENT"
     speedup = fast.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else float("nan")
-    print(f"speedup {speedup:.2f}x over plain decoding on {args.model}; output {same} to plain decoding")
-    return 0 if base.token_ids == fast.token_ids or not defaults.sampling.greedy else 1
+    lossy = "" if fast.stats.lossless else f" (verifier {args.verifier} is LOSSY: a difference is its cost)"
+    print(f"speedup {speedup:.2f}x over plain decoding on {args.model}; output {same} to plain decoding{lossy}")
+    return 0 if base.token_ids == fast.token_ids or not defaults.sampling.greedy or lossy else 1
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -410,6 +423,9 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
     drafters = commands.add_parser("drafters", help="list registered drafters")
     drafters.set_defaults(run=cmd_drafters)
+
+    verifiers = commands.add_parser("verifiers", help="list the verifiers (exact is lossless; the others are lossy)")
+    verifiers.set_defaults(run=lambda args: print(format_verifiers()) or 0)
 
     add_bench_command(commands)
     add_serve_command(commands)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
+from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
 
 #: VocabTrim's default: the draft heads of the self-speculative drafters and trained heads keep
 #: this many token ids (most frequent first) instead of the target's whole vocabulary.
@@ -58,16 +59,61 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class RelaxedParams:
+    """The knobs of the relaxed (lossy) verifiers, :mod:`specdecode.verify.fly` and
+    :mod:`specdecode.verify.typical`; ``exact`` reads none of them.
+
+    FLy, at a row where the draft token differs from the target's choice: the mismatch is kept provisionally
+    when the target's distribution there is flat (entropy over log(vocabulary) >= ``entropy``) and the draft
+    token is among the target's ``top_k`` most likely with probability >= ``min_prob``; it stands only if the
+    next ``window`` draft tokens then match the target exactly, else the step rolls back to the mismatch.
+    Typical (Medusa): a draft token x is kept when p(x) > min(``epsilon``, ``delta`` * exp(-H(p))).
+    """
+
+    entropy: float = 0.1
+    top_k: int = 5
+    min_prob: float = 0.05
+    window: int = 3
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("entropy", "min_prob", "epsilon", "delta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise SpecDecodeError(f"verifier option {name} must be a number in [0, 1], got {value!r}")
+        for name, low in (("top_k", 1), ("window", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise SpecDecodeError(f"verifier option {name} must be an integer >= {low}, got {value!r}")
+
+    @classmethod
+    def from_options(cls, options: dict[str, object]) -> RelaxedParams:
+        """``{"window": 4, ...}`` (the CLI's ``--verifier-option KEY=VALUE``) → params; an unknown key is an error."""
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
+        if unknown:
+            known = ", ".join(cls.__dataclass_fields__)
+            raise SpecDecodeError(f"unknown verifier option(s) {', '.join(unknown)}; known: {known}")
+        return cls(**options)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class GenerationConfig:
-    """One request: how many tokens, when to stop, how to sample, how far to draft."""
+    """One request: how many tokens, when to stop, how to sample, how far to draft, how to verify.
+
+    verifier: ``exact`` (lossless, the default) or a relaxed, lossy one (``specdecode verifiers``), whose
+        knobs are ``relaxed``."""
 
     max_new_tokens: int = 128
     num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    verifier: str = DEFAULT_VERIFIER
+    relaxed: RelaxedParams = field(default_factory=RelaxedParams)
 
     def __post_init__(self) -> None:
+        check_verifier(self.verifier)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise SpecDecodeError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
         # Imported here: draft_length needs torch, which ``specdecode --help`` must not load.

@@ -12,7 +12,9 @@ with sampling and a seed, Gumbel-max coupled verification (:mod:`specdecode.veri
 are a function of the seed and the target alone, so a seed gives the same text with every drafter and
 draft length, ``auto`` included, and with none); with sampling and no seed, or ``coupled=False``,
 rejection sampling (:mod:`specdecode.verify.rejection`), which keeps a sampling drafter's guesses a
-little more often but whose text depends on what was drafted.  All three are exact.
+little more often but whose text depends on what was drafted.  All three are exact.  A request may instead
+choose a relaxed, lossy verifier (``verifier="fly"`` or ``"typical"``, :mod:`specdecode.verify.registry`),
+which also keeps some mismatches; its stats say ``lossless: false``.
 
 :func:`step` is the whole step for a batch of sequences, and the only one: the single-sequence
 generator (:func:`speculative_decode`), the batched engine (:class:`BatchEngine`) and the policy replay
@@ -40,10 +42,16 @@ from specdecode.sampling import sampling_probs
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
 from specdecode.verify.coupled import verify_coupled
+from specdecode.verify.fly import verify_fly
 from specdecode.verify.greedy import verify_greedy
 from specdecode.verify.rejection import verify_speculative_sampling
+from specdecode.verify.relaxed import TargetRows
+from specdecode.verify.typical import verify_typical
 
 Clock = Callable[[], float]
+
+#: The relaxed (lossy) verifiers a request may choose instead of ``exact`` (:mod:`specdecode.verify.registry`).
+RELAXED = {"fly": verify_fly, "typical": verify_typical}
 
 #: Cache positions beyond a request's last token that a final draft may occupy during verification.
 MAX_DRAFT_MARGIN = 64
@@ -160,7 +168,10 @@ class TargetVerifier:
         checked = []
         for seq, draft, out in zip(sequences, drafts, outputs):
             sampling = seq.config.sampling
-            if sampling.greedy:
+            if seq.config.verifier in RELAXED:  # lossy, chosen by the request (--verifier): never by default
+                rows = TargetRows(out.logits, sampling, sampling.seed, len(seq.context), seq.generator)
+                verdict = RELAXED[seq.config.verifier](rows, draft, seq.config.relaxed)
+            elif sampling.greedy:
                 verdict = verify_greedy(out.logits, draft)
             elif sampling.is_coupled:
                 # Row 0 predicts the token at position len(context): the noise is keyed by that position.
@@ -273,6 +284,7 @@ def start_sequence(
         out = target.forward(prompt, cache, logits_rows=slice(-1, None), hidden_layers=session.hidden_layers)
         if session.hidden_layers:
             session.observe_prompt(out.hidden)
+    seq.stats.verifier = config.verifier
     seq.step_end = time.perf_counter()
     seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
     seq.done = len(prompt_ids) >= target.max_context

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from specdecode.config import GenerationConfig
+from specdecode.config import GenerationConfig, RelaxedParams
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
@@ -48,7 +48,7 @@ class StreamEvent:
     result: GenerationResult | None = None  # set on the last event only
 
 
-_PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos"}
+_PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos", "verifier"}
 _SAMPLING_NAMES = {"temperature", "top_k", "top_p", "seed", "coupled"}
 
 
@@ -135,18 +135,22 @@ class SpeculativeGenerator:
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def config_for(self, **params) -> GenerationConfig:
-        """Defaults overridden by the given (non-None) parameters, validated."""
-        unknown = set(params) - _PARAM_NAMES - _SAMPLING_NAMES
+        """Defaults overridden by the given (non-None) parameters, validated.  ``verifier_options`` (a dict,
+        e.g. ``{"window": 4}``) sets the relaxed verifiers' knobs (:class:`~specdecode.config.RelaxedParams`)."""
+        unknown = set(params) - _PARAM_NAMES - _SAMPLING_NAMES - {"verifier_options"}
         if unknown:
             raise SpecDecodeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         given = {k: v for k, v in params.items() if v is not None}
+        if "verifier_options" in given:
+            options = {**vars(self.defaults.relaxed), **dict(given.pop("verifier_options"))}
+            given["relaxed"] = RelaxedParams.from_options(options)
         if "stop" in given:
             given["stop"] = (given["stop"],) if isinstance(given["stop"], str) else tuple(given["stop"])
         sampling = dataclasses.replace(
             self.defaults.sampling, **{k: v for k, v in given.items() if k in _SAMPLING_NAMES}
         )
         return dataclasses.replace(
-            self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES}
+            self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES | {"relaxed"}}
         )
 
     @property

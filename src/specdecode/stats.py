@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdecode.verify.registry import is_lossless
+
 if TYPE_CHECKING:  # types.py imports torch; the server's protocol module imports this one
     from specdecode.types import StepObservation
 
@@ -26,6 +28,12 @@ class GenerationStats:
     verify_s: float = 0.0
     forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
     wall_s: float = 0.0
+    verifier: str = "exact"  # the request's verifier; anything but exact is lossy (verify/registry.py)
+
+    @property
+    def lossless(self) -> bool:
+        """Whether the output is the target's own (exact verification); false for a relaxed verifier."""
+        return is_lossless(self.verifier)
 
     def record_step(self, step: StepObservation, kept: int | None = None) -> None:
         """Count a verification step; positions are depths, so a tree counts once per level it reaches.
@@ -94,6 +102,8 @@ class GenerationStats:
             "forward_s": round(self.forward_s, 4),
             "overhead_s": round(self.overhead_s, 4),
             "overhead_fraction": round(self.overhead_fraction, 4),
+            "verifier": self.verifier,
+            "lossless": self.lossless,
         }
 
     def summary(self) -> str:
@@ -103,4 +113,5 @@ class GenerationStats:
             f"acceptance rate {self.acceptance_rate:.1%}; time: prefill {self.prefill_s:.2f} s, "
             f"draft {self.draft_s:.2f} s, verify {self.verify_s:.2f} s, other {self.other_s:.2f} s; "
             f"target forwards {self.forward_s:.2f} s, engine overhead {self.overhead_fraction:.1%}"
+            + ("" if self.lossless else f"; verifier {self.verifier} (LOSSY: not the target's exact output)")
         )

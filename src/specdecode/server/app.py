@@ -115,6 +115,7 @@ class Service:
                 top_k=max(body.top_k, 0) if body.top_k is not None else None,
                 seed=body.seed,
                 coupled=body.coupled,
+                verifier=body.verifier,
                 stop=body.stop,
                 num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
             )

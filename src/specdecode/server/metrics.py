@@ -27,6 +27,8 @@ def speculative_summary(stats: GenerationStats) -> dict:
         "mean_acceptance_length": round(1.0 + stats.accepted_tokens / drafts, 4) if drafts else 1.0,
         "draft_acceptance_rate": round(stats.acceptance_rate, 4),
         "acceptance_per_position": [round(x, 4) for x in stats.acceptance_by_position],
+        "verifier": stats.verifier,
+        "lossless": stats.lossless,  # false: a relaxed verifier kept tokens the target would not have produced
     }
 
 
@@ -45,6 +47,12 @@ class ServerMetrics:
             f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first)",
             ["position"],
+            registry=r,
+        )
+        self.verified_requests = Counter(
+            f"{PREFIX}verifier_requests",
+            "Finished requests by verifier; lossless=false: relaxed verification, not the target's exact output",
+            ["verifier", "lossless"],
             registry=r,
         )
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests decoding now", registry=r)
@@ -91,3 +99,4 @@ class ServerMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(stats.new_tokens)
         self.requests.labels(finished_reason=finish_reason).inc()
+        self.verified_requests.labels(verifier=stats.verifier, lossless=str(stats.lossless).lower()).inc()

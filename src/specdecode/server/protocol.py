@@ -3,9 +3,10 @@
 Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
 ``top_k`` (a vLLM extension), ``seed``, ``stop``, ``n`` (1 only), ``stream`` and
 ``stream_options.include_usage``, plus our ``speculative`` object choosing the drafter and draft length
-per request and ``coupled`` (false: a seeded request is verified by rejection sampling, not Gumbel-max
-coupling).  A field of the wrong type, a value out of range or an unknown field is a 400 with an
-OpenAI-style error object, never a 500.
+per request, ``coupled`` (false: a seeded request is verified by rejection sampling, not Gumbel-max
+coupling) and ``verifier`` (``exact``, the default, or a relaxed, lossy one: ``fly``, ``typical``).  A
+field of the wrong type, a value out of range or an unknown field is a 400 with an OpenAI-style error
+object, never a 500.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdecode.stats import GenerationStats
+from specdecode.verify.registry import VERIFIERS
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -53,6 +55,14 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     speculative: SpeculativeOptions | None = None
+    verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, name: str | None) -> str | None:
+        if name is not None and name not in VERIFIERS:
+            raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(VERIFIERS)}")
+        return name
 
     @property
     def include_usage(self) -> bool:
