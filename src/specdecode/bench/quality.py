@@ -308,8 +308,10 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
                 records[record_key(method.spec, verifier.spec, problem["task_id"])] = record
                 results["measure_s"] = round(results["measure_s"] + time.perf_counter() - started, 1)
                 started = time.perf_counter()
+                results["rows"] = summarize(results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers])
                 common.save_json(path, results)
                 bar.update()
+            write_report(results, settings.out)  # a report of what is measured so far, should the run stop
     results["environment"]["load_average_end"] = common.load_average()
     results["rows"] = summarize(results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers])
     common.save_json(path, results)
