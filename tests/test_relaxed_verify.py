@@ -242,3 +242,11 @@ def test_server_takes_a_verifier_per_request_and_refuses_unknown_ones(tiny_targe
         metrics = httpx.get(f"{base}/metrics").text
         assert 'specdecode:verifier_requests_total{lossless="false",verifier="fly"} 1.0' in metrics
         assert 'specdecode:verifier_requests_total{lossless="true",verifier="exact"} 1.0' in metrics
+
+
+def test_demo_compares_a_relaxed_verifier_with_exact_plain_decoding(capsys, tiny_dirs):
+    argv = ["demo", "--model", str(tiny_dirs["target"]), "--verifier", "typical", "--max-new-tokens", "12"]
+    assert main(argv) == 0  # a difference is the relaxed verifier's cost, not a failure
+    lines = capsys.readouterr().out.splitlines()
+    plain = next(line for line in lines if line.startswith("plain decoding"))
+    assert "LOSSY" not in plain and "verifier typical is LOSSY" in lines[-1]

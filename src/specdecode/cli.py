@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib.util
 import json
 import pkgutil
@@ -328,7 +329,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt = DEMO_PROMPT_INSTRUCTION + DEMO_CODE
     defaults = _generation_config(args)
     speculative = _build_generator(args, args.drafter, defaults)
-    plain = type(speculative).build(speculative.target, "none", defaults)
+    exact = dataclasses.replace(defaults, verifier="exact")  # the reference is the target's own output
+    plain = type(speculative).build(speculative.target, "none", exact)
     plain.generate(prompt, chat=args.chat, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
     base = plain.generate(prompt, chat=args.chat)
     fast = speculative.generate(prompt, chat=args.chat)
