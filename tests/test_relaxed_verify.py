@@ -250,3 +250,14 @@ def test_demo_compares_a_relaxed_verifier_with_exact_plain_decoding(capsys, tiny
     lines = capsys.readouterr().out.splitlines()
     plain = next(line for line in lines if line.startswith("plain decoding"))
     assert "LOSSY" not in plain and "verifier typical is LOSSY" in lines[-1]
+
+
+def test_python_api_load_takes_a_verifier_and_refuses_unknown_ones_before_loading(tiny_dirs):
+    import specdecode
+
+    with pytest.raises(SpecDecodeError, match="unknown verifier"):
+        specdecode.load("no-such-model", verifier="judge")  # refused before the model is looked up
+    generator = specdecode.load(str(tiny_dirs["target"]), verifier="fly", max_new_tokens=6)
+    assert generator.defaults.verifier == "fly"
+    assert generator.generate("w1 w2 w1 w2").stats.to_json()["lossless"] is False
+    assert generator.generate("w1 w2 w1 w2", verifier="exact").stats.lossless
