@@ -19,6 +19,7 @@ from specdecode.generator import SpeculativeGenerator
 from specdecode.sampling import coupled_sample
 from specdecode.server.app import ServerConfig, Service, create_app
 from specdecode.types import Draft, Verdict
+from specdecode.verify.coupled import verify_coupled
 from specdecode.verify.fly import verify_fly
 from specdecode.verify.greedy import verify_greedy
 from specdecode.verify.registry import VERIFIERS, check_verifier, format_verifiers, is_lossless
@@ -132,10 +133,13 @@ def test_typical_in_seeded_sampling_keeps_the_other_of_two_likely_tokens():
     ) == (Verdict((), 3 if other == 4 else 4))
 
 
+@pytest.mark.parametrize(
+    "sampling", [GREEDY, SamplingParams(temperature=0.9, top_k=20, seed=11)], ids=["greedy", "coupled"]
+)
 @pytest.mark.parametrize("verify", [verify_fly, verify_typical])
-def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify):
-    """Both extend exact verification: the exact path is a prefix of theirs, and where they stop as early they
-    emit the same token."""
+def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, sampling):
+    """Both extend exact verification (greedy matching, or coupled verification when seeded): the exact path is
+    a prefix of theirs, and where they stop as early they emit the same token."""
     gen = torch.Generator().manual_seed(0)
     for trial in range(200):
         n = 1 + trial % 7
@@ -143,8 +147,11 @@ def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify):
         logits = torch.randn(n + 1, V, generator=gen) * (0.5 + trial % 4)
         tokens = [int(t) for t in logits[torch.randint(0, n + 1, (n,), generator=gen)].topk(3).indices[:, trial % 3]]
         draft = Draft(tokens, parents=parents)
-        exact = verify_greedy(logits, draft)
-        relaxed = verify(TargetRows(logits, GREEDY), draft, PARAMS)
+        if sampling.greedy:
+            exact = verify_greedy(logits, draft)
+        else:
+            exact = verify_coupled(logits, draft, sampling, sampling.seed, 40)
+        relaxed = verify(TargetRows(logits, sampling, sampling.seed, 40), draft, PARAMS)
         assert relaxed.path[: len(exact.path)] == exact.path
         if len(relaxed.path) == len(exact.path):
             assert relaxed == exact
