@@ -263,3 +263,30 @@ def test_cli_does_not_refuse_registered_models_with_a_mapping(capsys, monkeypatc
     argv = ["generate", "hi", "--model", "smollm2-135m", "--drafter", "draft-model", "--draft-model", "gemma3-270m"]
     assert_one_line_error(capsys, [*argv, "--drafter-option", "vocab_mapping=text"], "would load smollm2-135m")
     assert_one_line_error(capsys, argv, "vocabulary mismatch")
+
+
+# -- a real pair ----------------------------------------------------------------------------------------
+
+HELD_OUT = ["Once upon a time, there was a little girl who", "import numpy as np\n\ndef mean(values):\n    return"]
+
+
+@pytest.mark.real_model
+def test_smollm2_drafts_for_gemma3_greedy_identical():
+    """SmolLM2-135M (byte-level BPE, 49,152 tokens) drafting for Gemma-3-270M (SentencePiece with byte
+    fallback, 262,144): the cheapest real pair of two tokenizer families.  Both mappings give plain
+    decoding's tokens; the intersection's drafts are accepted at times."""
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import load_model
+
+    target, draft = load_model("gemma3-270m"), load_model("smollm2-135m")
+    plain = SpeculativeGenerator.build(target, "none")
+    expected = [plain.generate(p, chat=False, max_new_tokens=24, ignore_eos=True).token_ids for p in HELD_OUT]
+    for mapping in ("intersection", "text"):
+        generator = SpeculativeGenerator.build(target, "draft-model", draft_model=draft, vocab_mapping=mapping)
+        accepted = 0
+        for prompt, tokens in zip(HELD_OUT, expected, strict=True):
+            result = generator.generate(prompt, chat=False, max_new_tokens=24, ignore_eos=True, num_draft_tokens=4)
+            assert result.token_ids == tokens, mapping
+            assert result.stats.drafted_tokens > 0
+            accepted += result.stats.accepted_tokens
+        assert accepted > 0 or mapping == "text", mapping
