@@ -165,6 +165,22 @@ def test_greedy_equals_plain_decoding(pair, mapping):
 
 
 @pytest.mark.parametrize("mapping", ["intersection", "text"])
+def test_seeded_sampling_gives_plain_decodings_text(pair, mapping):
+    """Coupled verification makes a seed's tokens a function of the seed and the target alone: drafting
+    through either mapping (intersection: Gumbel-max over the intersection with the target's noise)
+    must give exactly what plain decoding with the same seed gives."""
+    target, draft = pair
+    drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping)
+    plain = create_drafter("none", target)
+    prompt = target.tokenizer.encode("hello world")
+    for seed in range(3):
+        sampling = SamplingParams(temperature=0.8, top_k=20, seed=seed)
+        expected, _ = run(target, plain, prompt, max_new_tokens=20, sampling=sampling)
+        tokens, outcome = run(target, drafter, prompt, max_new_tokens=20, sampling=sampling, num_draft_tokens=3)
+        assert tokens == expected and outcome.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("mapping", ["intersection", "text"])
 def test_a_drafter_that_is_the_target_is_always_right(mapping):
     """Drafting with the target itself through the mapping: every draft token must be accepted, which
     only happens if the context and the drafts are translated exactly."""
