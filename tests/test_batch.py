@@ -39,6 +39,7 @@ def batch_drafters(target, draft):
     backend = target.backend
     options = {
         "draft-model": {"draft_model": draft},
+        "hsd": {"draft_model": draft},
         "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=1)},
         "eagle": {"head": random_eagle_head(backend, 48)},
         "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(48))},

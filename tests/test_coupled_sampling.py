@@ -281,7 +281,7 @@ def test_every_out_of_the_box_drafter_gives_the_same_tokens(tiny_target, tiny_dr
     sampling = SEEDED[0]
     prompt = PROMPTS[1]
     plain, _ = run(tiny_target, create_drafter("none", tiny_target), prompt, max_new_tokens=NEW, sampling=sampling)
-    options = {"draft-model": {"draft_model": tiny_draft}}
+    options = {"draft-model": {"draft_model": tiny_draft}, "hsd": {"draft_model": tiny_draft}}
     for name in available_drafters():
         if drafter_class(name).needs_training:
             continue

@@ -19,7 +19,7 @@ from specdecode.types import Draft
 def drafters_under_test(target, draft):
     """Every registered drafter that works out of the box (trained ones have their own tests); those
     that need a second model get the tiny draft model."""
-    options = {"draft-model": {"draft_model": draft}}
+    options = {"draft-model": {"draft_model": draft}, "hsd": {"draft_model": draft}}
     return {
         name: create_drafter(name, target, **options.get(name, {}))
         for name in available_drafters()

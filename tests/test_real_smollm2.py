@@ -28,7 +28,7 @@ GROUNDED_PROMPT = (
 MODEL_FREE = [
     name
     for name in available_drafters()
-    if name not in {"none", "draft-model"} and not drafter_class(name).needs_training
+    if name not in {"none", "draft-model", "hsd"} and not drafter_class(name).needs_training
 ]
 
 
@@ -122,6 +122,7 @@ def test_every_drafter_gives_each_sequence_of_a_batch_its_solo_greedy_output(smo
     backend = smollm2.backend
     options = {  # trained drafters with untrained weights: greedy output is exact whatever they draft
         "draft-model": {"draft_model": smollm2},
+        "hsd": {"draft_model": smollm2},
         "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=20)},
         "eagle": {"head": random_eagle_head(backend, 4096)},
         "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(4096))},
