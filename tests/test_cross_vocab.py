@@ -306,3 +306,16 @@ def test_smollm2_drafts_for_gemma3_greedy_identical():
             assert result.stats.drafted_tokens > 0
             accepted += result.stats.accepted_tokens
         assert accepted > 0 or mapping == "text", mapping
+
+
+def test_no_draft_beyond_the_drafters_context():
+    from helpers import session_for
+
+    target, draft, _ = bigram_pair()
+    draft.backend.max_context = 5
+    for mapping in ("intersection", "text"):
+        drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping)
+        session = session_for(drafter, [0, 1])
+        assert 0 < len(session.propose([2, 2, 2], 8).tokens) <= 2  # "ccc": 3 drafter tokens, room for 2
+        assert session.propose([2] * 8, 8).tokens == []
+        assert len(session.propose([2, 2, 2], 8).tokens) <= 2  # and back: the cache was left consistent

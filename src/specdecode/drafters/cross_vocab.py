@@ -110,16 +110,18 @@ class CrossVocabSession(DraftSession):
         self.cache = self.backend.new_cache()
         self.cached_tokens: list[int] = []
 
-    def _sync(self, context: list[int]) -> torch.Tensor | None:
-        """Bring the drafter's cache up to its tokenisation of ``context``; the tokens still to feed
-        (at least one), or None when there is nothing to draft from."""
+    def _sync(self, context: list[int], max_tokens: int) -> tuple[torch.Tensor | None, int]:
+        """Bring the drafter's cache up to its tokenisation of ``context``: the tokens still to feed (at
+        least one) and how many tokens it may draft, or (None, 0) when there is nothing to draft from or
+        no room left in its context (the cache is then left as it is)."""
         tokens = self.translator.translate(context)
-        if not tokens:
-            return None
+        room = min(max_tokens, self.backend.max_context - len(tokens)) if tokens else 0
+        if room <= 0:
+            return None, 0
         keep = min(common_prefix_length(self.cached_tokens, tokens), len(tokens) - 1)
         self.cache.crop(keep)
         self.cached_tokens = tokens
-        return torch.tensor(tokens[keep:], dtype=torch.long)
+        return torch.tensor(tokens[keep:], dtype=torch.long), room
 
     def _logits(self, pending: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
@@ -128,9 +130,6 @@ class CrossVocabSession(DraftSession):
         """``token`` (a drafter id) goes into the cache with the next forward."""
         self.cached_tokens.append(token)
         return torch.tensor([token], dtype=torch.long)
-
-    def _room(self, max_tokens: int) -> int:
-        return min(max_tokens, self.backend.max_context - len(self.cached_tokens))
 
     def finish(self, context: list[int]) -> None:
         self.cache.release()
@@ -160,9 +159,8 @@ class IntersectionSession(CrossVocabSession):
         return index, full, float(probs[index])
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        pending = self._sync(context)
-        max_tokens = self._room(max_tokens)
-        if pending is None or max_tokens <= 0:
+        pending, max_tokens = self._sync(context, max_tokens)
+        if pending is None:
             return Draft(tokens=[])
         shared = self.shared.vocab_map
         tokens: list[int] = []
@@ -184,9 +182,8 @@ class TextSession(CrossVocabSession):
     """Drafts text greedily in the drafter's vocabulary, re-tokenised into the target's."""
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        pending = self._sync(context)
-        room = self._room(max_tokens)
-        if pending is None or room <= 0:
+        pending, room = self._sync(context, max_tokens)
+        if pending is None:
             return Draft(tokens=[])
         drafted: list[int] = []
         for step in range(room):
@@ -194,11 +191,8 @@ class TextSession(CrossVocabSession):
             if step + 1 == room or drafted[-1] in self.backend.eos_token_ids:
                 break  # the last drafted token is never fed: the cache ends one before it
             pending = self._feed(drafted[-1])
-        return Draft(
-            tokens=draft_to_target(self.shared.target_table, context, self.shared.draft_table.text(drafted))[
-                :max_tokens
-            ]
-        )
+        text = self.shared.draft_table.text(drafted)
+        return Draft(tokens=draft_to_target(self.shared.target_table, context, text)[:max_tokens])
 
 
 def draft_to_target(table: TokenTable, context: list[int], draft: bytes) -> list[int]:
