@@ -12,7 +12,7 @@ from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.draft_model import DraftModelSession
-from specdecode.drafters.hsd import HierarchicalSession
+from specdecode.drafters.hsd import PROBE_EVERY, GuessDepth, HierarchicalSession
 from specdecode.drafters.pld import PromptLookupDrafter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
@@ -35,7 +35,7 @@ def test_drafts_are_the_draft_models_own_in_fewer_forwards(tiny_target, tiny_dra
     request = DraftRequest(prompt_ids=tuple(PROMPT))
     backend = tiny_draft.backend
     lower = PromptLookupDrafter(tiny_draft).session(request)
-    hierarchical = HierarchicalSession(backend, lower, request, lower_depth=8)
+    hierarchical = HierarchicalSession(backend, lower, request, GuessDepth(8))
     direct = DraftModelSession(backend, request)
     context = list(PROMPT)
     forwards = drafted = 0
@@ -47,6 +47,20 @@ def test_drafts_are_the_draft_models_own_in_fewer_forwards(tiny_target, tiny_dra
         hierarchical.draft_forwards = 0
         context += ours.tokens[:3]  # the target kept three of them
     assert forwards < drafted  # the repetitive context lets prompt lookup guess right
+
+
+def test_auto_guess_depth_follows_agreement_and_cost():
+    cheap = GuessDepth(None, curve=tuple(1.0 + 0.05 * w for w in range(16)))
+    for _ in range(20):
+        cheap.observe(guessed=12, agreed=12)  # the lower level is always right
+    assert cheap.next(room=12) >= 8
+    assert cheap.next(room=3) == 3  # never more than the round has room for
+    costly = GuessDepth(None, curve=tuple(1.0 + 0.5 * w for w in range(16)))
+    for _ in range(20):
+        costly.observe(guessed=2, agreed=0)  # always wrong: no guess pays
+    rounds = [costly.next(room=8) for _ in range(2 * PROBE_EVERY)]
+    assert rounds.count(1) == 2 and set(rounds) == {0, 1}  # a probe every few rounds, plain otherwise
+    assert GuessDepth(5).next(room=3) == 3 and GuessDepth(5).next(room=0) == 0
 
 
 @pytest.mark.parametrize(
@@ -73,7 +87,7 @@ class _BigramHierarchy(Drafter):
 
     def session(self, request: DraftRequest) -> DraftSession:
         lower = PromptLookupDrafter(None, max_ngram=1).session(request)
-        return HierarchicalSession(self.draft, lower, request, lower_depth=4)
+        return HierarchicalSession(self.draft, lower, request, GuessDepth(4))
 
 
 def _hierarchy_pvalues(coupled: bool) -> list[float]:
