@@ -114,6 +114,23 @@ def test_complete_utf8():
     assert complete_utf8(b"\xff a") == "\ufffd a"
 
 
+def test_merge_cache_learns_target_tokens_spelt_by_several_drafter_tokens():
+    from specdecode.drafters._ngram_merge import MergeCache
+
+    target = TokenTable([b"a", b"b", b"c", b"ab", b"abc"], frozenset(), frozenset(), (), list)
+    draft = TokenTable([b"a", b"b", b"c"], frozenset(), frozenset(), (), list)
+    cache = MergeCache(max_n=3)
+    cache.learn(target, [4, 3], draft, [0, 1, 2, 0, 1])  # "abc" "ab" / a b c a b
+    assert dict(cache.entries) == {(0, 1, 2): 4, (0, 1): 3}
+    single = {0: 0, 1: 1, 2: 2}
+    assert cache.convert([0, 1, 2, 0, 1, 2, 2], single) == [4, 4, 2]  # the longest run first
+    assert cache.convert([2, 5, 0], single) == [2]  # up to the first token it cannot convert
+    cache.learn(target, [4], draft, [0, 1])  # different text: nothing learnt
+    small = MergeCache(max_n=3, max_entries=1)
+    small.learn(target, [4, 3], draft, [0, 1, 2, 0, 1])
+    assert dict(small.entries) == {(0, 1): 3}  # bounded: the least recently used went
+
+
 # -- the drafter's copy of the context --------------------------------------------------------------
 
 
@@ -153,7 +170,7 @@ def pair() -> tuple[LoadedModel, LoadedModel]:
     return tiny_model(byte_level_tokenizer(), seed=0, layers=3), tiny_model(metaspace_tokenizer(), seed=1)
 
 
-@pytest.mark.parametrize("mapping", ["intersection", "text"])
+@pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
 def test_greedy_equals_plain_decoding(pair, mapping):
     target, draft = pair
     drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping)
@@ -164,7 +181,7 @@ def test_greedy_equals_plain_decoding(pair, mapping):
         assert outcome.stats.drafted_tokens > 0
 
 
-@pytest.mark.parametrize("mapping", ["intersection", "text"])
+@pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
 def test_seeded_sampling_gives_plain_decodings_text(pair, mapping):
     """Coupled verification makes a seed's tokens a function of the seed and the target alone: drafting
     through either mapping (intersection: Gumbel-max over the intersection with the target's noise)
@@ -180,7 +197,7 @@ def test_seeded_sampling_gives_plain_decodings_text(pair, mapping):
         assert tokens == expected and outcome.stats.drafted_tokens > 0
 
 
-@pytest.mark.parametrize("mapping", ["intersection", "text"])
+@pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
 def test_a_drafter_that_is_the_target_is_always_right(mapping):
     """Drafting with the target itself through the mapping: every draft token must be accepted, which
     only happens if the context and the drafts are translated exactly."""
@@ -194,7 +211,7 @@ def test_a_drafter_that_is_the_target_is_always_right(mapping):
 
 def test_bad_mapping_and_combinations_are_refused(pair):
     target, draft = pair
-    with pytest.raises(SpecDecodeError, match="vocab_mapping must be one of intersection, text"):
+    with pytest.raises(SpecDecodeError, match="vocab_mapping must be one of intersection, text, ngram"):
         create_drafter("draft-model", target, draft_model=draft, vocab_mapping="ngrams")
     with pytest.raises(SpecDecodeError, match="does not combine"):
         create_drafter("draft-model", target, draft_model=draft, vocab_mapping="text", draft_vocab=64)
@@ -255,7 +272,7 @@ def test_intersection_without_renormalising_fails_the_same_test(monkeypatch):
 # -- command line -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mapping", ["intersection", "text"])
+@pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
 def test_cli_drafts_across_vocabularies(capsys, tiny_dirs, mapping):
     from specdecode.cli import main
 
@@ -313,7 +330,7 @@ def test_no_draft_beyond_the_drafters_context():
 
     target, draft, _ = bigram_pair()
     draft.backend.max_context = 5
-    for mapping in ("intersection", "text"):
+    for mapping in ("intersection", "text", "ngram"):
         drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping)
         session = session_for(drafter, [0, 1])
         assert 0 < len(session.propose([2, 2, 2], 8).tokens) <= 2  # "ccc": 3 drafter tokens, room for 2

@@ -187,6 +187,8 @@ class ContextTranslator:
     source: TokenTable
     dest: TokenTable
     margin: int = 8
+    #: The last call's tail: the target tokens after the anchor and the drafter's tokens for their text.
+    last: tuple[list[int], list[int]] = ([], [])
     _frozen_source: list[int] = field(default_factory=list)
     _frozen_dest: list[int] = field(default_factory=list)
 
@@ -204,6 +206,7 @@ class ContextTranslator:
         if text is None:
             return None
         ids = self.dest.encode(text)
+        self.last = (tail, ids)
         translated = [*self.dest.prefix, *self._frozen_dest, *ids]
         self._advance(tail, ids)
         return translated

@@ -28,15 +28,21 @@ vocabularies twice:
   back as the same target tokens, the draft is what follows them; when it does not (the draft would
   merge into a committed token), the draft text is tokenised on its own.  The proposal is deterministic
   (no probabilities), which greedy, coupled and rejection-sampling verification all treat exactly.
+
+  ``ngram`` (OmniDraft's n-gram cache): the drafter decodes greedily on its own; its tokens are converted
+  through runs of drafter tokens learnt to spell one target token in verified text, or one by one
+  through the intersection, up to the first it cannot convert.  Deterministic too; the cache is shared
+  by the drafter's requests and bounded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.drafters._ngram_merge import MergeCache
 from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, VocabMap, build_vocab_map, complete_utf8
 from specdecode.drafters.base import DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
@@ -48,7 +54,7 @@ if TYPE_CHECKING:
     from specdecode.models.loading import LoadedModel
 
 #: The values of ``--drafter-option vocab_mapping=``.
-VOCAB_MAPPINGS = ("intersection", "text")
+VOCAB_MAPPINGS = ("intersection", "text", "ngram")
 
 #: Target tokens at the end of the context re-tokenised with a ``text`` draft (boundary merges).
 TEXT_WINDOW = 2
@@ -81,6 +87,13 @@ class CrossVocabulary:
     target_table: TokenTable
     draft_table: TokenTable
     vocab_map: VocabMap
+    merges: MergeCache = field(default_factory=MergeCache)  # ``ngram``: learnt across requests, bounded
+
+    def __post_init__(self) -> None:
+        self.single = dict(zip(self.vocab_map.draft_ids.tolist(), self.vocab_map.target_ids.tolist(), strict=True))
+
+    def reset(self) -> None:
+        self.merges.clear()
 
     @classmethod
     def build(cls, mapping: str, target: LoadedModel, draft: LoadedModel) -> CrossVocabulary:
@@ -93,7 +106,7 @@ class CrossVocabulary:
         return cls(mapping, draft.backend, target_size, target_table, draft_table, vocab_map)
 
     def session(self, request: DraftRequest) -> CrossVocabSession:
-        kind = IntersectionSession if self.mapping == "intersection" else TextSession
+        kind = {"intersection": IntersectionSession, "text": TextSession, "ngram": NgramSession}[self.mapping]
         return kind(self, request)
 
 
@@ -125,6 +138,16 @@ class CrossVocabSession(DraftSession):
 
     def _logits(self, pending: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+
+    def _greedy(self, pending: torch.Tensor, room: int) -> list[int]:
+        """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary (to its EOS)."""
+        drafted: list[int] = []
+        for step in range(room):
+            drafted.append(int(self._logits(pending).argmax()))
+            if step + 1 == room or drafted[-1] in self.backend.eos_token_ids:
+                break  # the last drafted token is never fed: the cache ends one before it
+            pending = self._feed(drafted[-1])
+        return drafted
 
     def _feed(self, token: int) -> torch.Tensor:
         """``token`` (a drafter id) goes into the cache with the next forward."""
@@ -185,14 +208,21 @@ class TextSession(CrossVocabSession):
         pending, room = self._sync(context, max_tokens)
         if pending is None:
             return Draft(tokens=[])
-        drafted: list[int] = []
-        for step in range(room):
-            drafted.append(int(self._logits(pending).argmax()))
-            if step + 1 == room or drafted[-1] in self.backend.eos_token_ids:
-                break  # the last drafted token is never fed: the cache ends one before it
-            pending = self._feed(drafted[-1])
-        text = self.shared.draft_table.text(drafted)
+        text = self.shared.draft_table.text(self._greedy(pending, room))
         return Draft(tokens=draft_to_target(self.shared.target_table, context, text)[:max_tokens])
+
+
+class NgramSession(CrossVocabSession):
+    """Drafts greedily over the drafter's whole vocabulary; its tokens become target tokens through the
+    merges learnt from verified text (:mod:`specdecode.drafters._ngram_merge`) and the intersection."""
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        pending, room = self._sync(context, max_tokens)
+        if pending is None:
+            return Draft(tokens=[])
+        shared = self.shared
+        shared.merges.learn(shared.target_table, self.translator.last[0], shared.draft_table, self.translator.last[1])
+        return Draft(tokens=shared.merges.convert(self._greedy(pending, room), shared.single)[:max_tokens])
 
 
 def draft_to_target(table: TokenTable, context: list[int], draft: bytes) -> list[int]:

@@ -8,7 +8,7 @@ only the missing tokens are fed — so rollback is exact whatever the verifier d
 (VocabTrim, :mod:`specdecode.drafters._vocab`): on a CPU a 0.5B model's 152k-row head is a quarter of
 its forward.  Tokens outside are never drafted, which cannot change the output.
 
-``vocab_mapping=intersection|text`` lets a draft model with *another* vocabulary draft
+``vocab_mapping=intersection|text|ngram`` lets a draft model with *another* vocabulary draft
 (:mod:`specdecode.drafters.cross_vocab`); without it the vocabularies must be the same.
 
 With a seeded, coupled request (``SamplingParams.is_coupled``) the draft token at absolute position t is
@@ -73,6 +73,10 @@ class DraftModelDrafter(Drafter):
             backend = require_capability(self.draft.backend, LayerwiseExecution, "draft-model with draft_vocab")
             require_capability(backend, HiddenStates, "draft-model with draft_vocab")
             self.head = DraftHead(backend, draft_vocab)
+
+    def reset(self) -> None:
+        if self.cross is not None:
+            self.cross.reset()
 
     def session(self, request: DraftRequest) -> DraftSession:
         if self.cross is not None:
