@@ -57,6 +57,14 @@ def decoder_kinds(tokenizer: Any) -> frozenset[str]:
     return frozenset(kinds)
 
 
+def _guess_kinds(pieces: Sequence[str | None]) -> frozenset[str]:
+    """For a tokenizer without a ``tokenizers`` decoder (a slow one): its piece encoding from its pieces."""
+    text = "".join(piece or "" for piece in pieces)
+    if "▁" in text:
+        return frozenset({"Metaspace", "ByteFallback"})
+    return frozenset({"ByteLevel"}) if "Ġ" in text else frozenset()
+
+
 def piece_bytes(piece: str, kinds: frozenset[str]) -> tuple[bytes, bool]:
     """The bytes a stored piece stands for, and whether it is a SentencePiece byte-fallback piece."""
     if "ByteLevel" in kinds:
@@ -90,12 +98,13 @@ class TokenTable:
 
     @classmethod
     def of(cls, tokenizer: Any) -> TokenTable:
-        kinds = decoder_kinds(tokenizer)
         added = {i: t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
         special = {i for i, t in added.items() if getattr(t, "special", True)} | set(tokenizer.all_special_ids)
+        stored = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        kinds = decoder_kinds(tokenizer) or _guess_kinds(stored)
         pieces: list[bytes] = []
         fallback = set()
-        for i, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        for i, piece in enumerate(stored):
             if i in added:
                 pieces.append(added[i].content.encode())
                 continue
