@@ -146,6 +146,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Non
             ax.scatter([x], [y], color=colours[r["method"]], marker="o" if r["lossless"] else "^")
             ax.annotate(f"{r['method']} {r['verifier']}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         ax.axvline(1.0, color="black", linewidth=0.6)
+        ax.set_ylim(-3, 103)
         ax.set_xlabel("speed-up over plain decoding (tokens/s)")
         ax.set_ylabel(f"{label} (%)")
     axes[0].set_title("circles: exact (lossless), triangles: relaxed (lossy)", fontsize=8)
