@@ -268,3 +268,12 @@ def test_python_api_load_takes_a_verifier_and_refuses_unknown_ones_before_loadin
     assert generator.defaults.verifier == "fly"
     assert generator.generate("w1 w2 w1 w2").stats.to_json()["lossless"] is False
     assert generator.generate("w1 w2 w1 w2", verifier="exact").stats.lossless
+
+
+def test_listing_verifiers_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from specdecode.cli import main; main(['verifiers']); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0].startswith("exact     lossless") and out.splitlines()[-1] == "False"
