@@ -5,6 +5,7 @@ unsure, and reject what it must (a peaked row, an implausible token, a window th
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ import torch
 from helpers import assert_one_line_error, serving
 from specdecode.cli import main
 from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
+from specdecode.drafters.base import Drafter, StatelessSession
 from specdecode.engine import TargetVerifier
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -277,3 +279,53 @@ def test_listing_verifiers_imports_no_torch():
     code = "import sys; from specdecode.cli import main; main(['verifiers']); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[0].startswith("exact     lossless") and out.splitlines()[-1] == "False"
+
+
+class SecondChoiceDrafter(Drafter):
+    """Drafts the target's second choice for the next token, then the target's greedy continuation of it: a
+    plausible alternative that the target then agrees with — what FLy keeps.  ``tree``: behind a sibling that is
+    the target's least likely token (which the gate must never take)."""
+
+    def __init__(self, target, tree: bool) -> None:
+        super().__init__(target)
+        self.tree = tree
+
+    def session(self, request):
+        return StatelessSession(self.propose)
+
+    def _logits(self, context: list[int]) -> torch.Tensor:
+        backend = self.target.backend
+        return backend.forward(torch.tensor(context), backend.new_cache()).logits[-1]
+
+    def propose(self, context, max_tokens) -> Draft:
+        first = self._logits(context)
+        chain = [int(first.argsort()[-2])]
+        while len(chain) < max_tokens:
+            chain.append(int(self._logits(context + chain).argmax()))
+        if not self.tree:
+            return Draft(chain)
+        return Draft([int(first.argmin()), *chain], parents=[-1, -1, *range(1, len(chain))])
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_fly_output_through_the_engine_departs_only_where_the_gate_and_window_allow(tiny_target, tree):
+    """Replayed by one plain forward over the output: every token that is not the target's argmax was plausible
+    there (top-k, a flat row) and is followed by ``window`` argmax tokens — so the cache held the right context
+    after every relaxed acceptance, chains and trees alike."""
+    from specdecode.engine import speculative_decode
+
+    params = RelaxedParams(entropy=0.1, top_k=5, min_prob=0.0, window=2)
+    prompt = [12, 13, 14, 12, 13, 14, 12, 13, 14, 12, 13]
+    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, ignore_eos=True, verifier="fly", relaxed=params)
+    backend, drafter = tiny_target.backend, SecondChoiceDrafter(tiny_target, tree)
+    out = [t for chunk in speculative_decode(backend, drafter, prompt, config) for t in chunk]
+    logits = backend.forward(torch.tensor(prompt + out), backend.new_cache()).logits[len(prompt) - 1 : -1]
+    probs = torch.softmax(logits.float(), dim=-1)
+    departures = [i for i, token in enumerate(out) if token != int(logits[i].argmax())]
+    for i in departures:
+        p = probs[i]
+        assert int((p > p[out[i]]).sum()) < params.top_k
+        assert float(torch.special.entr(p).sum()) >= params.entropy * math.log(p.shape[-1])
+        after = [j for j in departures if i < j <= i + params.window]
+        assert not after, (i, departures)  # (the token limit may cut a confirmed window short at the end)
+    assert len(departures) >= 4  # one per step where the gate let the second choice through
