@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdecode.config import GenerationConfig
-from specdecode.drafters import drafter_class
+from specdecode.drafters import accepted_options, drafter_class
 from specdecode.errors import SpecDecodeError
 
 DEFAULT_K = GenerationConfig().num_draft_tokens
@@ -67,12 +67,13 @@ def parse_method(text: str) -> MethodSpec:
     if not name:
         raise SpecDecodeError(f"method {text!r} has no drafter name (syntax NAME[:OPTION=VALUE...])")
     drafter_class(name)  # an unknown drafter fails here, before any model is loaded
+    takes_draft_model = "draft_model" in accepted_options(name)  # draft-model, hsd: NAME:MODEL[:...]
     k: int | str = DEFAULT_K
     k_given = False
     options: dict[str, Any] = {}
     for part in parts:
         key, sep, raw = part.partition("=")
-        if not sep and name == "draft-model" and "draft_model" not in options and part:
+        if not sep and takes_draft_model and "draft_model" not in options and part:
             options["draft_model"] = part
             continue
         if not sep or not key or not raw:
@@ -89,8 +90,8 @@ def parse_method(text: str) -> MethodSpec:
                 )
         else:
             options[key] = _convert(raw)
-    if name == "draft-model" and "draft_model" not in options:
-        raise SpecDecodeError(f"method {spec!r} needs a draft model, e.g. draft-model:qwen2.5-coder-0.5b")
+    if takes_draft_model and "draft_model" not in options:
+        raise SpecDecodeError(f"method {spec!r} needs a draft model, e.g. {name}:qwen2.5-coder-0.5b")
     return MethodSpec(drafter=name, k=k, options=tuple(sorted(options.items())), spec=spec)
 
 
