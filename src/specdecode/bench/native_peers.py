@@ -170,23 +170,27 @@ def openvino_run(
         elif lookup is not None:
             options["prompt_lookup"] = True
         pipeline = genai.LLMPipeline(str(source), "CPU", **options, **properties)
-        warmup = genai.GenerationConfig()
-        warmup.max_new_tokens = 2  # a new pipeline's first call allocates: not decoding, so not timed
-        ids = np.array([[0, 1, 2, 3]], dtype=np.int64)
-        pipeline.generate(genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids))), warmup)
+        # A new pipeline's first call allocates: not decoding, so not timed.
+        pipeline.generate(inputs_of([0, 1, 2, 3]), config(2))
         return pipeline
+
+    def config(max_new_tokens: int):
+        settings = genai.GenerationConfig()
+        settings.max_new_tokens = max_new_tokens
+        settings.ignore_eos = True
+        for option, value in (lookup or {}).items():
+            setattr(settings, option, value)
+        return settings
+
+    def inputs_of(prompt_ids: list[int]):
+        ids = np.array([prompt_ids], dtype=np.int64)
+        return genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         pipeline = _PIPELINE.get(key, build)
-        config = genai.GenerationConfig()
-        config.max_new_tokens = max_new_tokens
-        config.ignore_eos = True
-        for option, value in (lookup or {}).items():
-            setattr(config, option, value)
-        ids = np.array([prompt_ids], dtype=np.int64)
-        inputs = genai.TokenizedInputs(ov.Tensor(ids), ov.Tensor(np.ones_like(ids)))
+        inputs, settings = inputs_of(prompt_ids), config(max_new_tokens)
         start = time.perf_counter()
-        tokens = list(pipeline.generate(inputs, config).tokens[0])
+        tokens = list(pipeline.generate(inputs, settings).tokens[0])
         return tokens, time.perf_counter() - start
 
     return run
