@@ -137,6 +137,7 @@ def test_merge_cache_learns_target_tokens_spelt_by_several_drafter_tokens():
     small = MergeCache(max_n=3, max_entries=1)
     small.learn(target, [4, 3], draft, [0, 1, 2, 0, 1])
     assert dict(small.entries) == {(0, 1): 3}  # bounded: the least recently used went
+    assert +small.members == {0: 1, 1: 1} and cache.members[2] == 1
 
 
 # -- the drafter's copy of the context --------------------------------------------------------------

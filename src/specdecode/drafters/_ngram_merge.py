@@ -12,7 +12,7 @@ not what its tokenizer would produce today.  Bounded: least recently used entrie
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +35,9 @@ class MergeCache:
     max_n: int = 4
     max_entries: int = 65_536
     entries: OrderedDict[tuple[int, ...], int] = field(default_factory=OrderedDict)
+    #: How many cached runs each drafter token appears in: a drafted token in none, and not shared either,
+    #: ends what can be converted, so drafting further would be wasted.
+    members: Counter[int] = field(default_factory=Counter)
 
     def learn(self, target: TokenTable, target_tokens: Sequence[int], draft: TokenTable, draft_tokens: Sequence[int]):
         """Record the merges in a stretch of text both tokenisations spell exactly (the same bytes)."""
@@ -48,10 +51,12 @@ class MergeCache:
             begin = end
 
     def _put(self, run: tuple[int, ...], token: int) -> None:
+        if run not in self.entries:
+            self.members.update(run)
         self.entries[run] = token
         self.entries.move_to_end(run)
         while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+            self.members.subtract(self.entries.popitem(last=False)[0])
 
     def convert(self, drafted: Sequence[int], single: dict[int, int]) -> list[int]:
         """Target tokens for the drafter's tokens, left to right: the longest cached run, else the one
@@ -75,3 +80,4 @@ class MergeCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.members.clear()

@@ -37,6 +37,7 @@ vocabularies twice:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -139,11 +140,14 @@ class CrossVocabSession(DraftSession):
     def _logits(self, pending: torch.Tensor) -> torch.Tensor:
         return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
 
-    def _greedy(self, pending: torch.Tensor, room: int) -> list[int]:
-        """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary (to its EOS)."""
+    def _greedy(self, pending: torch.Tensor, room: int, usable: Callable[[int], bool] | None = None) -> list[int]:
+        """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary, to its EOS or the
+        first token that is not ``usable``."""
         drafted: list[int] = []
         for step in range(room):
             drafted.append(int(self._logits(pending).argmax()))
+            if usable is not None and not usable(drafted[-1]):
+                break
             if step + 1 == room or drafted[-1] in self.backend.eos_token_ids:
                 break  # the last drafted token is never fed: the cache ends one before it
             pending = self._feed(drafted[-1])
@@ -222,7 +226,9 @@ class NgramSession(CrossVocabSession):
             return Draft(tokens=[])
         shared = self.shared
         shared.merges.learn(shared.target_table, self.translator.last[0], shared.draft_table, self.translator.last[1])
-        return Draft(tokens=shared.merges.convert(self._greedy(pending, room), shared.single)[:max_tokens])
+        members = shared.merges.members
+        drafted = self._greedy(pending, room, lambda token: token in shared.single or members[token] > 0)
+        return Draft(tokens=shared.merges.convert(drafted, shared.single)[:max_tokens])
 
 
 def draft_to_target(table: TokenTable, context: list[int], draft: bytes) -> list[int]:
