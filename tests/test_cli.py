@@ -347,7 +347,7 @@ def test_batch_and_demo_apply_the_chat_template_by_default(tmp_path, capsys, tin
 
 
 def test_registered_draft_model_with_another_vocabulary_is_refused_before_any_download(capsys, monkeypatch, tmp_path):
-    from specdecode.cli import check_registry_vocabularies
+    from specdecode.decode_commands import check_registry_vocabularies
     from specdecode.models import loading, registry
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # nothing cached: any load would download

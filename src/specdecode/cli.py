@@ -8,341 +8,20 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import importlib.util
 import json
 import pkgutil
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from specdecode.bench.cli import add_bench_command
-from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
-from specdecode.errors import SpecDecodeError, VocabularyMismatchError
+from specdecode.decode_commands import add_generation_flags, cmd_batch, cmd_demo, cmd_generate
+from specdecode.errors import SpecDecodeError
 from specdecode.heads.cli import add_export_command
-from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.server.cli import add_serve_command
 from specdecode.verbosity import quiet_third_party
 from specdecode.verify.registry import format_verifiers
-
-
-def _parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object]:
-    key, sep, raw = text.partition("=")
-    if not sep or not key:
-        raise SpecDecodeError(f"{flag} takes KEY=VALUE, got {text!r}")
-    value: object = raw
-    for convert in (int, float):
-        try:
-            value = convert(raw)
-            break
-        except ValueError:
-            continue
-    return key.replace("-", "_"), value
-
-
-def _draft_tokens(text: str) -> int | str:
-    return int(text) if text.lstrip("-").isdigit() else text
-
-
-def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
-    """What to load and how to draft (``generate``, ``batch``, ``demo`` and ``serve``; read by :func:`load_models`)."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-    parser.add_argument("--drafter", default="pld", help=drafter_help)
-    parser.add_argument("--draft-model", help="draft model for --drafter draft-model")
-    parser.add_argument(
-        "--drafter-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
-    )
-    parser.add_argument(
-        "--num-draft-tokens",
-        type=_draft_tokens,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        metavar="K",
-        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
-        "default %(default)s",
-    )
-    parser.add_argument(
-        "--no-fast-path",
-        action="store_true",
-        help="keep transformers' default linear kernels (the fast CPU path is on by default)",
-    )
-    parser.add_argument(
-        "--quantize",
-        default="none",
-        metavar="{none,int8,int4}",
-        help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group; "
-        "lossless against plain decoding of the same quantized model (default none)",
-    )
-    parser.add_argument(
-        "--quantize-draft",
-        metavar="{none,int8,int4}",
-        help="quantization of the --draft-model (default: as --quantize); drafts never change the output",
-    )
-    parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
-    parser.add_argument(
-        "--verbose", action="store_true", help="also show other libraries' warnings and log lines (hidden by default)"
-    )
-
-
-def _add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    add_model_flags(parser, "drafting method (see `specdecode drafters`)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    parser.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
-    parser.add_argument(
-        "--no-coupled",
-        dest="coupled",
-        action="store_false",
-        help="with --seed, verify by rejection sampling instead of Gumbel-max coupling: the text then depends on "
-        "the drafter and draft length (coupled, the default, gives one text per seed whatever drafts it)",
-    )
-    parser.add_argument(
-        "--verifier",
-        default="exact",
-        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical (see `specdecode verifiers`)",
-    )
-    parser.add_argument(
-        "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"
-    )
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    chat = parser.add_mutually_exclusive_group()
-    chat.add_argument(
-        "--chat",
-        action="store_const",
-        const=True,
-        help="wrap the prompt in the model's chat template (the default when it has one; with --chat, an error "
-        "when it has none)",
-    )
-    chat.add_argument(
-        "--no-chat",
-        dest="chat",
-        action="store_const",
-        const=False,
-        help="give the prompt to the model as it is, without the chat template",
-    )
-
-
-def _generation_config(args: argparse.Namespace):
-    from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
-
-    options = dict(_parse_option(o, "--verifier-option") for o in args.verifier_option)
-    return GenerationConfig(
-        verifier=args.verifier,
-        relaxed=RelaxedParams.from_options(options),
-        max_new_tokens=args.max_new_tokens,
-        num_draft_tokens=args.num_draft_tokens,
-        sampling=SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled
-        ),
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def registry_vocab_size(name: str) -> int | None:
-    """The vocabulary size the offline registry gives for model ``name`` (its description's "vocab N"), or
-    None for a model it does not list."""
-    from specdecode.models import registry
-
-    spec = next((spec for spec in registry.MODELS if spec.name == name), None)
-    found = re.search(r"\bvocab ([\d,]+)", spec.description) if spec else None
-    return int(found.group(1).replace(",", "")) if found else None
-
-
-def check_registry_vocabularies(target: str, draft: str) -> None:
-    """Refuse a registered draft model whose vocabulary the registry says differs from the registered target's,
-    before anything is downloaded or converted (a gigabyte, for some); equal sizes are checked token by token
-    once both are loaded."""
-    from specdecode.models import registry
-
-    target_size, draft_size = registry_vocab_size(target), registry_vocab_size(draft)
-    if target_size is None or draft_size is None or target_size == draft_size:
-        return
-    same = [name for name in registry.model_names() if name != target and registry_vocab_size(name) == target_size]
-    hint = f"registered ones with its vocabulary: {', '.join(same)}" if same else "none of the registered ones has it"
-    raise VocabularyMismatchError(
-        f"vocabulary mismatch: draft model {draft!r} has {draft_size:,} tokens, target {target!r} {target_size:,} "
-        f"(from the registry, before downloading anything); choose a draft model with the target's vocabulary ({hint}) "
-        "or draft across vocabularies with --drafter-option vocab_mapping=intersection|text"
-    )
-
-
-def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabulary: bool = True):
-    """The target (``--model``) and, if named, the draft model, with ``--no-fast-path``, ``--quantize``
-    (``--quantize-draft`` for the draft model, default the same) and ``--device`` applied; a model drafting
-    for itself with the target's quantization is loaded once.  Bad ``--quantize`` values and registered
-    models with different vocabularies are refused before either is loaded."""
-    from specdecode.models.loading import load_model
-    from specdecode.models.quantize import check_quantize
-
-    quantize = check_quantize(args.quantize)
-    draft_flag = args.quantize_draft
-    quantize_draft = quantize if draft_flag is None else check_quantize(draft_flag, "--quantize-draft")
-    if draft_model is not None and same_vocabulary:  # not with --drafter-option vocab_mapping=
-        check_registry_vocabularies(args.model, draft_model)
-    fast_path = False if args.no_fast_path else None
-    target = load_model(args.model, fast_path=fast_path, device=args.device, quantize=quantize)
-    if draft_model is None:
-        return target, None
-    if draft_model == args.model and quantize_draft == quantize:
-        return target, target
-    return target, load_model(draft_model, fast_path=fast_path, device=args.device, quantize=quantize_draft)
-
-
-def _build_generator(args: argparse.Namespace, drafter: str, defaults):
-    from specdecode.drafters import check_drafter_options
-    from specdecode.generator import SpeculativeGenerator
-
-    options = dict(_parse_option(o) for o in args.drafter_option)
-    options["draft_model"] = args.draft_model
-    options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
-    target, draft = load_models(args, options.get("draft_model"), "vocab_mapping" not in options)
-    if draft is not None:
-        options["draft_model"] = draft
-    return SpeculativeGenerator.build(target, drafter, defaults, **options)
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.generator import check_prompt_text
-
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    check_prompt_text(prompt)  # before the (slow) model load
-    generator = _build_generator(args, args.drafter, _generation_config(args))
-    if args.json:
-        result = generator.generate(prompt, chat=args.chat)
-        print(json.dumps(result.to_json()))
-        return 0
-    result = None
-    for event in generator.stream_events(prompt, chat=args.chat):
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-        result = event.result or result
-    print()
-    print(f"[{args.drafter}] {result.stats.summary()}", file=sys.stderr)
-    return 0
-
-
-#: Generation parameters a line of ``specdecode batch`` may set for itself (the flags set the defaults).
-BATCH_LINE_PARAMS = frozenset(
-    {"max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "verifier"}
-)
-
-
-def _read_batch_lines(path: str) -> list[str]:
-    if path == "-":
-        return sys.stdin.read().splitlines()
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecDecodeError(f"cannot read {path}: {exc}") from exc
-
-
-def _batch_request(generator, line: str, chat: bool | None):
-    """One JSONL line → (prompt, generation config, chat), or SpecDecodeError saying what is wrong."""
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise SpecDecodeError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
-    if not isinstance(item, dict):
-        raise SpecDecodeError('expected an object like {"prompt": "..."} or {"messages": [...]}')
-    unknown = set(item) - {"prompt", "messages"} - BATCH_LINE_PARAMS
-    if unknown:
-        raise SpecDecodeError(f"unknown field(s): {', '.join(sorted(unknown))}")
-    if ("prompt" in item) == ("messages" in item):
-        raise SpecDecodeError('give exactly one of "prompt" (a string) or "messages" (a list of chat messages)')
-    if "prompt" in item and not isinstance(item["prompt"], str):
-        raise SpecDecodeError('"prompt" must be a string')
-    messages = item.get("messages")
-    if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
-        raise SpecDecodeError('"messages" must be a list of {"role": ..., "content": ...} objects')
-    config = generator.config_for(**{key: item[key] for key in BATCH_LINE_PARAMS & set(item)})
-    prompt = item.get("prompt", messages)
-    generator.encode_prompt(prompt, chat=chat)  # validates now, so the error names the line
-    return prompt, config
-
-
-def cmd_batch(args: argparse.Namespace) -> int:
-    """Decode every line of a JSONL file together, ``--batch-size`` sequences at a time; one JSON result
-    per line in input order.  A bad line gets an error in its place; the others complete."""
-    lines = _read_batch_lines(args.prompts)
-    if not any(line.strip() for line in lines):
-        raise SpecDecodeError(f"{args.prompts} has no prompts (one JSON object per line)")
-    generator = _build_generator(args, args.drafter, _generation_config(args))
-    requests, errors = [], {}
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        index = len(requests) + len(errors)
-        try:
-            requests.append((index, *_batch_request(generator, line, args.chat)))
-        except SpecDecodeError as exc:
-            errors[index] = f"line {number}: {exc}"
-    results = generator.run_batch(
-        [(prompt, config) for _, prompt, config in requests], chat=args.chat, batch_size=args.batch_size
-    )
-    by_index: dict[int, object] = dict(errors)
-    by_index.update({index: result for (index, _, _), result in zip(requests, results)})
-    for index in sorted(by_index):
-        result = by_index[index]
-        if isinstance(result, (str, SpecDecodeError)):
-            message = str(result)
-            print(f"specdecode: error: {message}", file=sys.stderr)
-            row = {"index": index, "error": message}
-        elif args.json:
-            row = {"index": index, **result.to_json()}
-        else:
-            print(f"=== [{index}] {result.finish_reason}, {result.stats.summary()}")
-            print(result.text)
-            continue
-        print(json.dumps(row))
-    return 2 if errors else 0
-
-
-DEMO_PROMPT_INSTRUCTION = "Add a one-line comment above each function in this code and repeat the code:\n\n"
-#: The demo's code, fixed here rather than read from the library (whose source changes, and could outgrow a
-#: small model's context): an edit that repeats its input is where speculation shows its speed.
-DEMO_CODE = """\
-def mean(values):
-    return sum(values) / len(values)
-
-
-def variance(values):
-    m = mean(values)
-    return sum((v - m) ** 2 for v in values) / len(values)
-
-
-def clamp(x, low, high):
-    return max(low, min(high, x))
-"""
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The README's main job: same prompt, plain decoding vs speculative decoding, same output."""
-    prompt = DEMO_PROMPT_INSTRUCTION + DEMO_CODE
-    defaults = _generation_config(args)
-    speculative = _build_generator(args, args.drafter, defaults)
-    exact = dataclasses.replace(defaults, verifier="exact")  # the reference is the target's own output
-    plain = type(speculative).build(speculative.target, "none", exact)
-    plain.generate(prompt, chat=args.chat, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
-    base = plain.generate(prompt, chat=args.chat)
-    fast = speculative.generate(prompt, chat=args.chat)
-    print(fast.text)
-    print("-" * 60)
-    print(f"plain decoding        : {base.stats.summary()}")
-    print(f"{args.drafter:<22}: {fast.stats.summary()}")
-    same = "identical" if base.token_ids == fast.token_ids else "DIFFERENT"
-    speedup = fast.stats.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else float("nan")
-    lossy = "" if fast.stats.lossless else f" (verifier {args.verifier} is LOSSY: a difference is its cost)"
-    print(f"speedup {speedup:.2f}x over plain decoding on {args.model}; output {same} to plain decoding{lossy}")
-    return 0 if base.token_ids == fast.token_ids or not defaults.sampling.greedy or lossy else 1
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -402,7 +81,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="generate text from a prompt")
     generate.add_argument("prompt", help="the prompt text, or - to read it from standard input")
-    _add_generation_flags(generate)
+    add_generation_flags(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=cmd_generate)
 
@@ -410,13 +89,13 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     batch.add_argument(
         "prompts", help='JSONL file (or - for standard input): one {"prompt": ...} or {"messages": [...]} per line'
     )
-    _add_generation_flags(batch)
+    add_generation_flags(batch)
     batch.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences decoded together")
     batch.add_argument("--json", action="store_true", help="one JSON object per line, in input order")
     batch.set_defaults(run=cmd_batch)
 
     demo = commands.add_parser("demo", help="plain vs speculative decoding on one prompt, with the speedup")
-    _add_generation_flags(demo)
+    add_generation_flags(demo)
     demo.set_defaults(run=cmd_demo)
 
     models = commands.add_parser("models", help="list the offline model registry and what is cached")

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+from specdecode.decode_commands import add_model_flags, load_models, parse_option
 from specdecode.errors import SpecDecodeError
 
 
@@ -17,8 +18,6 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         description="One process: the batched engine steps in a worker thread; requests join the batch "
         "between steps. Binds 127.0.0.1 unless --host says otherwise.",
     )
-    from specdecode.cli import add_model_flags  # here: specdecode.cli imports this module
-
     add_model_flags(
         serve,
         "drafter(s) to serve, comma-separated; the first is the default, 'none' is always served; "
@@ -41,7 +40,6 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 def build_service(args: argparse.Namespace):
     """The generator, every served drafter and the service around them (models loaded once)."""
-    from specdecode.cli import _parse_option, load_models
     from specdecode.config import GenerationConfig
     from specdecode.drafters import accepted_options, create_drafter, drafter_class
     from specdecode.generator import SpeculativeGenerator
@@ -58,7 +56,7 @@ def build_service(args: argparse.Namespace):
         raise SpecDecodeError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
     if not 0 < args.port < 65536:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
-    options = dict(_parse_option(o) for o in args.drafter_option)
+    options = dict(parse_option(o) for o in args.drafter_option)
     if args.draft_model:
         options["draft_model"] = args.draft_model
     per_drafter = {name: {k: v for k, v in options.items() if k in accepted_options(name)} for name in names}
