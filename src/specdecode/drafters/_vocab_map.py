@@ -165,6 +165,15 @@ def build_vocab_map(draft: TokenTable, draft_size: int, target: TokenTable, targ
     return VocabMap(draft_ids, target_ids, index)
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two token lists share (how much of a cache stays valid)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 def complete_utf8(data: bytes) -> str | None:
     """``data`` as text, or None when it ends inside a UTF-8 character (the rest is still to come).
     Invalid bytes elsewhere (a model may emit any byte sequence) become U+FFFD."""

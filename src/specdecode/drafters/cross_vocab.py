@@ -44,7 +44,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.drafters._ngram_merge import MergeCache
-from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, VocabMap, build_vocab_map, complete_utf8
+from specdecode.drafters._vocab_map import (
+    ContextTranslator,
+    TokenTable,
+    VocabMap,
+    build_vocab_map,
+    common_prefix_length,
+    complete_utf8,
+)
 from specdecode.drafters.base import DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
@@ -65,14 +72,6 @@ def check_vocab_mapping(value: str) -> str:
     if value not in VOCAB_MAPPINGS:
         raise SpecDecodeError(f"vocab_mapping must be one of {', '.join(VOCAB_MAPPINGS)}, got {value!r}")
     return value
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass

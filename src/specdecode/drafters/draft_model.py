@@ -23,6 +23,7 @@ import torch
 
 from specdecode.drafters import register_drafter
 from specdecode.drafters._vocab import DraftHead, HeadRows
+from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError
@@ -30,14 +31,6 @@ from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, r
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
 from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
 from specdecode.types import Draft
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @register_drafter("draft-model")
