@@ -130,7 +130,9 @@ class _LlamaDraft:
         import numpy as np
 
         drafted = []
-        for token in self.llm.generate(input_ids.tolist(), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, reset=False):
+        # reset=True (the default) is what keeps the longest cached prefix; reset=False would append the
+        # whole context to the cache again.
+        for token in self.llm.generate(input_ids.tolist(), top_k=1, top_p=1.0, min_p=0.0, temp=0.0):
             drafted.append(token)
             if len(drafted) == self.k:
                 break
