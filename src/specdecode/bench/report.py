@@ -74,8 +74,8 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
     lines += [
         "## Speed-up over our plain decoding",
         "",
-        f"Tokens/s divided by that of `{s['baseline']}` on the same prompts; peers are transformers "
-        "`generate()` on the same model.",
+        f"Tokens/s divided by that of `{s['baseline']}` on the same prompts; peers (`hf-*`: transformers "
+        "`generate()` on the same checkpoint; `llamacpp-*`, `ov-*`: see Against peers) in the same run.",
         "",
     ]
     main = [name for name in [*s["methods"], *s["peers"]] if any((name, t) in by_key for t in tasks)]
