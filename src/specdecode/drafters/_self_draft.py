@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters._vocab import DraftHead
+from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import DraftRequest
-from specdecode.drafters.draft_model import common_prefix_length
 from specdecode.models.base import KVCache, LayerwiseExecution, require_capability
 from specdecode.sampling import sample, sampling_probs
 from specdecode.types import Draft

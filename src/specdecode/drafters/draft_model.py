@@ -33,6 +33,26 @@ from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sa
 from specdecode.types import Draft
 
 
+def choose_draft_token(
+    logits: torch.Tensor, request: DraftRequest, position: int, generator: torch.Generator
+) -> tuple[int, torch.Tensor | None, float]:
+    """A draft model's token for absolute ``position`` from its logits there; the distribution it was drawn
+    from (None when the token is a deterministic function of the logits: greedy, or coupled with the
+    request's keyed noise — a point-mass proposal then); and the model's probability of it (its confidence,
+    for the draft-length policy's stop rule)."""
+    sampling = request.sampling
+    if sampling.greedy:
+        top = logits.float().softmax(-1).max(-1)
+        return int(top.indices), None, float(top.values)
+    if sampling.is_coupled:
+        weights = sampling_log_weights(logits, sampling)
+        token = coupled_argmax(weights, request.seed, position)
+        return token, None, float(weights.softmax(-1)[token])
+    probs = sampling_probs(logits, sampling).cpu()
+    token = sample(probs, generator)
+    return token, probs, float(probs[token])
+
+
 @register_drafter("draft-model")
 class DraftModelDrafter(Drafter):
     provides_probs = True
@@ -93,22 +113,14 @@ class DraftModelSession(DraftSession):
         self.cached_tokens: list[int] = []
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
-        """The next draft token (for absolute ``position``), the distribution it was sampled from (None if
-        greedy or coupled: a deterministic proposal then) and the draft model's probability of it (its
-        confidence, for the draft-length policy's stop rule)."""
-        if self.sampling.greedy:
-            top = logits.float().softmax(-1).max(-1)
-            index = int(top.indices)
-            return (self.head.token(index) if self.head else index), None, float(top.values)
+        """The next draft token (for absolute ``position``): :func:`choose_draft_token`, over the VocabTrim
+        head's ids when there is one (greedy reads them directly; sampling spreads them over the vocabulary)."""
+        if self.head is not None and self.sampling.greedy:
+            index, _, confidence = choose_draft_token(logits, self.request, position, self.generator)
+            return self.head.token(index), None, confidence
         if self.head is not None:
             logits = self.head.full_vocab(logits)
-        if self.sampling.is_coupled:
-            weights = sampling_log_weights(logits, self.sampling)
-            token = coupled_argmax(weights, self.request.seed, position)
-            return token, None, float(weights.softmax(-1)[token])
-        probs = sampling_probs(logits, self.sampling).cpu()
-        token = sample(probs, self.generator)
-        return token, probs, float(probs[token])
+        return choose_draft_token(logits, self.request, position, self.generator)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend

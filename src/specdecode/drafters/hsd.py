@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters import create_drafter, register_drafter
+from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.drafters.draft_model import common_prefix_length
+from specdecode.drafters.draft_model import choose_draft_token
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
-from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
 from specdecode.types import Draft, StepFeedback
 
 #: Drafters that can sit below the draft model: they need no model of their own and nothing of the target's
@@ -153,7 +153,6 @@ class HierarchicalSession(DraftSession):
         self.backend = backend
         self.lower = lower
         self.request = request
-        self.sampling = request.sampling
         self.generator = request.torch_generator()
         self.depth = depth
         self.cache = backend.new_cache()
@@ -161,18 +160,8 @@ class HierarchicalSession(DraftSession):
         self.draft_forwards = 0  # draft-model forwards so far (what the lower level saves)
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
-        """The draft model's token at absolute ``position``, the distribution it was drawn from (None when
-        it is a deterministic function of the logits) and its probability, as ``draft-model`` chooses."""
-        if self.sampling.greedy:
-            top = logits.float().softmax(-1).max(-1)
-            return int(top.indices), None, float(top.values)
-        if self.sampling.is_coupled:
-            weights = sampling_log_weights(logits, self.sampling)
-            token = coupled_argmax(weights, self.request.seed, position)
-            return token, None, float(weights.softmax(-1)[token])
-        probs = sampling_probs(logits, self.sampling).cpu()
-        token = sample(probs, self.generator)
-        return token, probs, float(probs[token])
+        """The draft model's token at absolute ``position``, chosen as ``draft-model`` chooses it."""
+        return choose_draft_token(logits, self.request, position, self.generator)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.backend.max_context - len(context))
