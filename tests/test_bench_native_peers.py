@@ -58,6 +58,21 @@ def test_a_peer_that_cannot_run_is_skipped_with_its_reason():
     assert [spec.family for spec in contestants.peer_specs(settings)] == ["transformers", "transformers"]
 
 
+def test_an_engine_failure_is_a_one_line_error(monkeypatch):
+    def crashing_run(*args, **kwargs):
+        def run(prompt_ids, max_new_tokens):
+            raise RuntimeError("llama_decode returned 1")
+
+        return run
+
+    monkeypatch.setattr(native_peers, "llamacpp_run", crashing_run)
+    settings = resolve_settings("quick", peers="llamacpp")
+    contestant = contestants._native_peer(settings, contestants.PeerSpec("llamacpp-plain", None, {}, "llamacpp"))
+    with pytest.raises(SpecDecodeError, match="peer llamacpp-plain failed on a 3-token prompt: llama_decode") as info:
+        contestant.run([1, 2, 3], 4)
+    assert "\n" not in str(info.value)
+
+
 def test_missing_extra_names_its_install_command(monkeypatch):
     monkeypatch.setattr(native_peers, "_importable", lambda module: module != "llama_cpp")
     reason = native_peers.unavailable("llamacpp", "smollm2-135m")

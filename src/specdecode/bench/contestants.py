@@ -16,6 +16,7 @@ from specdecode.bench import native_peers, peers
 from specdecode.bench.common import drafter_options
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.suites import BenchSettings, sweep_methods
+from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
@@ -146,7 +147,13 @@ def _native_peer(settings: BenchSettings, spec: PeerSpec) -> Contestant:
         run = native_peers.openvino_run(settings.model, weights, settings.threads, draft, lookup)
 
     def measure(prompt_ids: list[int], max_new_tokens: int) -> Measurement:
-        tokens, wall_s = run(prompt_ids, max_new_tokens)
+        try:
+            tokens, wall_s = run(prompt_ids, max_new_tokens)
+        except (RuntimeError, ValueError) as exc:  # the engine's own failure: one line, not its traceback
+            raise SpecDecodeError(
+                f"peer {spec.name} failed on a {len(prompt_ids)}-token prompt: {exc}; the prompts measured so far "
+                f"are saved (rerun without --peers {spec.family}, or with another --out, to go on)"
+            ) from exc
         return Measurement(tokens, wall_s, None)
 
     return Contestant(spec.name, measure)
