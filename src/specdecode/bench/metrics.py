@@ -17,13 +17,12 @@ def median_wall_s(record: Mapping[str, Any]) -> float:
 
 
 def tokens_per_s(records: Iterable[Mapping[str, Any]]) -> float:
-    records = list(records)
-    wall = sum(median_wall_s(r) for r in records)
-    return sum(r["new_tokens"] for r in records) / wall if wall > 0 else 0.0
+    """Total tokens over total (median) time of raw records."""
+    return tokens_per_s_of((r["new_tokens"], median_wall_s(r)) for r in records)
 
 
 def tokens_per_s_of(measurements: Iterable[tuple[int, float]]) -> float:
-    """Total tokens over total time of ``(tokens, seconds)`` pairs."""
+    """Total tokens over total time of ``(tokens, seconds)`` pairs (0 when no time was measured)."""
     tokens = seconds = 0.0
     for count, wall in measurements:
         tokens, seconds = tokens + count, seconds + wall
