@@ -157,6 +157,10 @@ class CrossVocabSession(DraftSession):
         self.cached_tokens.append(token)
         return torch.tensor([token], dtype=torch.long)
 
+    def restart(self) -> None:
+        """The drafter's weights changed (online adaptation): nothing cached is valid any more."""
+        self.cached_tokens = []
+
     def finish(self, context: list[int]) -> None:
         self.cache.release()
 

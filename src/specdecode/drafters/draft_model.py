@@ -11,6 +11,10 @@ its forward.  Tokens outside are never drafted, which cannot change the output.
 ``vocab_mapping=intersection|text|ngram`` lets a draft model with *another* vocabulary draft
 (:mod:`specdecode.drafters.cross_vocab`); without it the vocabularies must be the same.
 
+``adapt=true`` fine-tunes the draft model online on what the target verifies (LoRA, within a compute
+budget, between requests; ``adapt_budget``, ``adapt_steps``, ``adapt_lr``, ``adapt_save``, ``adapt_load``:
+:mod:`specdecode.drafters.adapt`).
+
 With a seeded, coupled request (``SamplingParams.is_coupled``) the draft token at absolute position t is
 ``argmax_v(log q_t(v) + G_{seed,t}(v))`` with the very noise the coupled verifier applies to the target's
 p_t: the draft then agrees with the target's sample whenever the two perturbed argmaxes coincide, which
@@ -19,11 +23,15 @@ happens most often where q is close to p (an independent draw would be accepted 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from specdecode.drafters import register_drafter
 from specdecode.drafters._vocab import DraftHead, HeadRows
 from specdecode.drafters._vocab_map import common_prefix_length
+from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
+from specdecode.drafters.adapt_data import AdaptingSession, cross_vocab_example, same_vocab_example
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError
@@ -63,6 +71,12 @@ class DraftModelDrafter(Drafter):
         draft_model: str | LoadedModel | None = None,
         draft_vocab: int = 0,
         vocab_mapping: str | None = None,
+        adapt: bool | str | None = None,
+        adapt_budget: float | None = None,
+        adapt_steps: int | None = None,
+        adapt_lr: float | None = None,
+        adapt_save: str | None = None,
+        adapt_load: str | None = None,
     ) -> None:
         super().__init__(target)
         if draft_model is None:
@@ -71,11 +85,16 @@ class DraftModelDrafter(Drafter):
             check_vocab_mapping(vocab_mapping)
             if draft_vocab:
                 raise SpecDecodeError("draft_vocab does not combine with vocab_mapping")
+        adapting = AdaptOptions.parse(adapt, adapt_budget, adapt_steps, adapt_lr, adapt_save, adapt_load)
         self.draft = (
             draft_model
             if isinstance(draft_model, LoadedModel)
             else load_model(draft_model, device=target.backend.device)
         )
+        # Adapted: LoRA on a copy of the draft model's modules (the base weights shared, never written).
+        self.adapter = OnlineAdapter(self.draft, adapting) if adapting is not None else None
+        if self.adapter is not None:
+            self.draft = self.adapter.draft
         # Another vocabulary: cross_vocab.py translates both ways (None: the vocabularies must be one).
         self.cross = CrossVocabulary.build(vocab_mapping, target, self.draft) if vocab_mapping else None
         if self.cross is None:
@@ -90,12 +109,20 @@ class DraftModelDrafter(Drafter):
     def reset(self) -> None:
         if self.cross is not None:
             self.cross.reset()
+        if self.adapter is not None:
+            self.adapter.reset()
 
     def session(self, request: DraftRequest) -> DraftSession:
         if self.cross is not None:
-            return self.cross.session(request)
-        rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
-        return DraftModelSession(self.draft.backend, request, rows)
+            session: DraftSession = self.cross.session(request)
+        else:
+            rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
+            session = DraftModelSession(self.draft.backend, request, rows)
+        if self.adapter is None:
+            return session
+        cross = self.cross
+        builder = same_vocab_example if cross is None else partial(cross_vocab_example, cross)
+        return AdaptingSession(session, self.adapter, request, builder)
 
 
 class DraftModelSession(DraftSession):
@@ -154,6 +181,10 @@ class DraftModelSession(DraftSession):
             return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
         out = self.backend.forward(pending, self.cache, logits_rows=self._no_rows, hidden_layers=self._final)
         return self.backend.head_logits(out.hidden[-1:], self.head)[0]
+
+    def restart(self) -> None:
+        """The draft model's weights changed (online adaptation): nothing cached is valid any more."""
+        self.cached_tokens = []
 
     def finish(self, context: list[int]) -> None:
         self.cache.release()

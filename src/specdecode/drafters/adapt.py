@@ -1,0 +1,289 @@
+"""Online adaptation of a draft model (``draft-model`` with ``adapt=true``): OSD and OmniDraft on a CPU.
+
+The draft model is fine-tuned on what the target verified, request after request, so that a drafter
+serving one domain drafts more of it right.  What is learnt, and where:
+
+* **Weights: LoRA** (``peft``) on every linear layer of the draft model's last :data:`LORA_LAYERS`
+  decoder layers, rank :data:`LORA_RANK`.  The base weights are never written: the drafter adapts a
+  *copy* of the draft model's module tree that shares every base tensor with the loaded model (so a
+  draft model given by the caller, or the target itself, is never changed), and the adapted layers'
+  oneDNN-packed linears (the CPU fast path, :mod:`specdecode.models.fastpath`) become plain
+  ``nn.Linear`` again under their LoRA wrappers — peft wraps only those, and the packed kernel has no
+  gradient.  Every other layer keeps the fast path.
+* **Examples**: every finished request leaves one (:mod:`specdecode.drafters.adapt_data`): the
+  drafter's tokens of the verified text, with each generated token weighted 1 where the drafter got it
+  wrong (OSD's mismatches) and less (``AGREED_WEIGHT``) where its draft was accepted, and the target's
+  top probabilities at the mismatches for a distillation term (across vocabularies, only where the
+  target's tokens map to the drafter's: OmniDraft's hybrid loss).  A bounded replay buffer keeps the last
+  :data:`BUFFER` examples of at most ``WINDOW`` tokens each.
+* **When**: only at a request's end (``DraftSession.finish``), never during verification; optimizer
+  steps run while their time stays within ``adapt_budget`` × the request's decoding time (an overrun or
+  an unused share carries over), at most ``adapt_steps`` per request.  A drafting session still open
+  when the weights change drops its drafter cache, so its drafts stay a function of the current
+  weights and its context.
+
+The drafter's output only affects speed: the target verifies every draft, so adaptation can never
+change what is generated.  ``adapt_save=DIR`` writes the adapter (peft's ``adapter_config.json`` and
+``adapter_model.safetensors``) after every update; ``adapt_load=DIR`` starts from one (and, without
+``adapt=true``, drafts with it frozen).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from specdecode.drafters.adapt_data import Example
+from specdecode.errors import SpecDecodeError
+from specdecode.models.fastpath import PackedLinear
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.loading import LoadedModel
+
+#: Decoder layers (the last ones) whose linear layers get LoRA.
+LORA_LAYERS = 8
+LORA_RANK = 16
+LORA_ALPHA = 32
+LEARNING_RATE = 1e-3
+#: Examples (finished requests) in the replay buffer.
+BUFFER = 32
+#: Share of the distillation term (target's top probabilities) at a mismatch, beside the verified token's.
+SOFT_SHARE = 0.5
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"true", "1", "yes", "on"}:
+        return True
+    if text in {"false", "0", "no", "off"}:
+        return False
+    raise SpecDecodeError(f"{name} must be true or false, got {value!r}")
+
+
+def _positive(name: str, value: Any, kind: type) -> Any:
+    """``value`` as a positive ``kind`` (int or float; an int may come as digits), or a one-line error."""
+    number = None
+    if not isinstance(value, bool):
+        if kind is int and (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+            number = int(value)
+        elif kind is float:
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                number = None
+    if number is None or not number > 0 or number == float("inf"):
+        raise SpecDecodeError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return number
+
+
+@dataclass(frozen=True)
+class AdaptOptions:
+    """The ``adapt*`` drafter options, checked.  ``train``: learn online; ``load`` alone drafts frozen."""
+
+    train: bool
+    budget: float = 0.1
+    steps: int = 8
+    learning_rate: float = LEARNING_RATE
+    save: Path | None = None
+    load: Path | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        adapt: Any = None,
+        adapt_budget: Any = None,
+        adapt_steps: Any = None,
+        adapt_lr: Any = None,
+        adapt_save: Any = None,
+        adapt_load: Any = None,
+    ) -> AdaptOptions | None:
+        """None when no adapter is asked for; a one-line error for a bad value or a meaningless combination."""
+        train = _flag("adapt", adapt) if adapt is not None else False
+        tuning = {"adapt_budget": adapt_budget, "adapt_steps": adapt_steps, "adapt_lr": adapt_lr}
+        given = [name for name, value in {**tuning, "adapt_save": adapt_save}.items() if value is not None]
+        if not train and given:
+            raise SpecDecodeError(f"{given[0]} needs adapt=true")
+        if not train and adapt_load is None:
+            return None
+        load = Path(str(adapt_load)).expanduser() if adapt_load is not None else None
+        if load is not None and not (load / WEIGHTS_FILE).is_file():
+            raise SpecDecodeError(f"adapt_load: {str(load)!r} holds no adapter ({WEIGHTS_FILE})")
+        defaults = cls(train)
+        return cls(
+            train=train,
+            budget=_positive("adapt_budget", adapt_budget, float) if adapt_budget is not None else defaults.budget,
+            steps=_positive("adapt_steps", adapt_steps, int) if adapt_steps is not None else defaults.steps,
+            learning_rate=_positive("adapt_lr", adapt_lr, float) if adapt_lr is not None else defaults.learning_rate,
+            save=Path(str(adapt_save)).expanduser() if adapt_save is not None else None,
+            load=load,
+        )
+
+
+def shared_copy(loaded: LoadedModel) -> LoadedModel:
+    """A new module tree for ``loaded``'s model whose tensors are the originals' (parameters as new,
+    frozen Parameter objects on the same storage): adapting it never changes the original.  A plain
+    ``deepcopy`` would copy every weight, and cannot copy oneDNN-packed ones at all."""
+    model = loaded.backend.model
+    memo: dict[int, Any] = {}
+    for tensor in model.parameters(recurse=True):
+        memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=False)
+    for tensor in model.buffers(recurse=True):
+        memo[id(tensor)] = tensor
+    twin = copy.deepcopy(model, memo)
+    return LoadedModel(name=loaded.name, backend=HFCausalLM(twin, loaded.name), tokenizer=loaded.tokenizer)
+
+
+def lora_targets(model: nn.Module, num_layers: int) -> list[str]:
+    """The linear layers of the last :data:`LORA_LAYERS` decoder layers, each made a plain ``nn.Linear``
+    (peft's LoRA wraps those); a quantized draft model is refused."""
+    first = max(0, num_layers - LORA_LAYERS)
+    names = []
+    for name, module in list(model.named_modules()):
+        parts = name.split(".")
+        if "layers" not in parts or parts.index("layers") + 1 >= len(parts) - 1:
+            continue
+        index = parts[parts.index("layers") + 1]
+        if not index.isdigit() or int(index) < first:
+            continue
+        if isinstance(module, PackedLinear):
+            model.set_submodule(name, module.to_linear())
+        elif type(module) is not nn.Linear:
+            if hasattr(module, "in_features") and not isinstance(module, nn.Linear):
+                raise SpecDecodeError("adapt trains LoRA on fp32 layers: use --quantize-draft none")
+            continue
+        model.get_submodule(name).weight.requires_grad_(False)
+        names.append(name)
+    if not names:
+        raise SpecDecodeError(f"adapt found no linear layer to adapt in {type(model).__name__}")
+    return names
+
+
+class OnlineAdapter:
+    """The drafter's LoRA adapter, its optimizer and replay buffer: what adaptation shares across requests."""
+
+    def __init__(self, loaded: LoadedModel, options: AdaptOptions) -> None:
+        try:
+            from peft import LoraConfig, inject_adapter_in_model
+        except ImportError as exc:
+            raise SpecDecodeError('adapt needs the peft package: pip install "specdecode[adapt]"') from exc
+
+        self.options = options
+        self.draft = shared_copy(loaded)
+        model = self.draft.backend.model
+        if options.load is not None:
+            config = LoraConfig.from_pretrained(str(options.load))
+            for name in config.target_modules:  # the layers it names become plain nn.Linear
+                try:
+                    module = model.get_submodule(name)
+                except AttributeError as exc:
+                    raise SpecDecodeError(f"adapt_load: {str(options.load)!r} does not fit this draft model") from exc
+                if isinstance(module, PackedLinear):
+                    model.set_submodule(name, module.to_linear())
+        else:
+            targets = lora_targets(model, self.draft.backend.num_layers)
+            config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets)
+            config.base_model_name_or_path = loaded.name
+        self.config = config
+        inject_adapter_in_model(config, model)
+        self.lora = [p for name, p in model.named_parameters() if "lora_" in name]
+        self._initial = [p.detach().clone() for p in self.lora]
+        if options.load is not None:
+            self._load(options.load)
+        for p in self.lora:
+            p.requires_grad_(options.train)
+        self.buffer: deque[Example] = deque(maxlen=BUFFER)
+        self.optimizer = torch.optim.AdamW(self.lora, lr=options.learning_rate) if options.train else None
+        self.credit_s = 0.0
+        self.version = 0  # bumped by every update: open sessions then drop their drafter caches
+        self.steps = 0
+        self.train_s = 0.0  # time spent training, all told (benchmarks report it)
+        self._rng = torch.Generator().manual_seed(0)
+
+    def reset(self) -> None:
+        """Forget everything learnt (back to the initial or loaded adapter)."""
+        with torch.no_grad():
+            for p, initial in zip(self.lora, self._initial):
+                p.copy_(initial)
+        self.buffer.clear()
+        if self.optimizer is not None:
+            self.optimizer = torch.optim.AdamW(self.lora, lr=self.options.learning_rate)
+        self.credit_s, self.steps, self._rng = 0.0, 0, torch.Generator().manual_seed(0)
+        self.version += 1
+
+    def learn(self, example: Example | None, decoding_s: float) -> None:
+        """A request is over: keep its example and train within the budget its decoding time earned."""
+        if not self.options.train:
+            return
+        if example is not None and example.rows.numel():
+            self.buffer.append(example)
+        self.credit_s += self.options.budget * decoding_s
+        done = 0
+        while self.buffer and self.credit_s > 0 and done < self.options.steps:
+            started = time.perf_counter()
+            self._step(self.buffer[-1] if done == 0 else self._replayed())
+            spent = time.perf_counter() - started
+            self.credit_s -= spent
+            self.train_s += spent
+            done += 1
+        if done:
+            self.version += 1
+            if self.options.save is not None:
+                self.save(self.options.save)
+
+    def _replayed(self) -> Example:
+        return self.buffer[int(torch.randint(len(self.buffer), (1,), generator=self._rng))]
+
+    def _step(self, example: Example) -> None:
+        """One optimizer step on one example: the verified token's cross-entropy, mixed at the mismatches
+        with the target's top probabilities (soft cross-entropy), weighted per token."""
+        model = self.draft.backend.model
+        rows = example.rows
+        with torch.enable_grad():
+            logits = model(input_ids=example.ids[None], use_cache=False, logits_to_keep=rows).logits[0]
+            logp = logits.float().log_softmax(-1)
+            loss = -logp.gather(1, example.ids[rows + 1, None])[:, 0]
+            if example.soft_rows.numel():
+                soft = -(example.soft_probs * logp[example.soft_rows].gather(1, example.soft_ids)).sum(-1)
+                loss = loss.index_add(0, example.soft_rows, SOFT_SHARE * (soft - loss[example.soft_rows]))
+            loss = (example.weights * loss).sum() / example.weights.sum()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        self.optimizer.step()
+        self.steps += 1
+
+    def buffer_tokens(self) -> int:
+        return sum(int(example.ids.numel()) for example in self.buffer)
+
+    def save(self, directory: Path) -> None:
+        """peft's adapter layout, written to a temporary name first so a reader never sees half a file."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.draft.backend.model).items()}
+        partial = directory / f"{WEIGHTS_FILE}.partial"
+        save_file(state, str(partial))
+        self.config.save_pretrained(str(directory))
+        partial.replace(directory / WEIGHTS_FILE)
+
+    def _load(self, directory: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        try:
+            result = set_peft_model_state_dict(self.draft.backend.model, load_file(str(directory / WEIGHTS_FILE)))
+        except (RuntimeError, ValueError) as exc:
+            raise SpecDecodeError(f"adapt_load: {str(directory)!r} does not fit this draft model") from exc
+        if result.unexpected_keys:
+            raise SpecDecodeError(f"adapt_load: {str(directory)!r} does not fit this draft model")
+        self._initial = [p.detach().clone() for p in self.lora]

@@ -1,0 +1,214 @@
+"""Online adaptation (``draft-model`` with ``adapt=true``): output stays plain decoding's while the drafter's
+LoRA weights change, across vocabularies too; the replay buffer and the compute budget are bounded; a saved
+adapter drafts exactly as the one that saved it; bad options are one-line errors; ``bench adapt`` on tiny
+models writes, resumes and checks its results."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import specdecode.drafters.adapt as adapt
+import specdecode.drafters.adapt_data as adapt_data
+from conftest import wrap
+from helpers import PROMPTS, assert_one_line_error, hf_greedy, run, session_for
+from specdecode.drafters import create_drafter
+from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.fastpath import PackedLinear
+
+#: Train on every request, two steps each, whatever the time: a reproducible number of updates.
+EVERY_REQUEST = {"adapt": "true", "adapt_budget": 1e6, "adapt_steps": 2, "adapt_lr": 1e-2}
+MORE_PROMPTS = [*PROMPTS, [40, 41, 42, 43], [5, 17, 22, 9]]
+
+
+def lora_weights(drafter) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in drafter.adapter.lora]
+
+
+def changed(before: list[torch.Tensor], after: list[torch.Tensor]) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_greedy_output_is_plain_decodings_while_the_weights_change(tiny_target, tiny_draft):
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **EVERY_REQUEST)
+    for prompt in MORE_PROMPTS:
+        before = lora_weights(drafter)
+        tokens, outcome = run(tiny_target, drafter, prompt, max_new_tokens=20, num_draft_tokens=4)
+        assert tokens == hf_greedy(tiny_target, prompt, 20) and outcome.stats.drafted_tokens > 0
+        assert changed(before, lora_weights(drafter))  # the request was learnt from
+    assert drafter.adapter.steps == 2 * len(MORE_PROMPTS)
+    # The loaded draft model is never written: its layers are still packed, LoRA lives in the drafter's copy.
+    assert isinstance(tiny_draft.backend.model.model.layers[0].self_attn.q_proj, PackedLinear)
+
+
+def test_the_target_drafting_for_itself_stays_untouched(tiny_target, monkeypatch):
+    """LoRA on the last layer only: the copy keeps the fast path elsewhere, and the target (the draft model
+    given) keeps its weights and modules — its own plain decoding is unchanged after adapting."""
+    monkeypatch.setattr(adapt, "LORA_LAYERS", 1)
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, **EVERY_REQUEST)
+    layers = drafter.draft.backend.model.model.layers
+    assert isinstance(layers[0].mlp.up_proj, PackedLinear) and not isinstance(layers[-1].mlp.up_proj, PackedLinear)
+    expected = [hf_greedy(tiny_target, prompt, 16) for prompt in PROMPTS]
+    for prompt, tokens in zip(PROMPTS, expected):
+        assert run(tiny_target, drafter, prompt, max_new_tokens=16, num_draft_tokens=3)[0] == tokens
+    assert [hf_greedy(tiny_target, prompt, 16) for prompt in PROMPTS] == expected
+    mlp = tiny_target.backend.model.model.layers[-1].mlp
+    assert all(isinstance(m, PackedLinear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def test_a_batch_of_sessions_keeps_plain_output_when_one_finishes_and_trains(tiny_target, tiny_draft):
+    """Sessions still open when another one's end updates the weights restart their drafter cache."""
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **EVERY_REQUEST)
+    generator = SpeculativeGenerator(tiny_target, drafter)
+    results = generator.generate_batch(MORE_PROMPTS, batch_size=3, ignore_eos=True, max_new_tokens=18)
+    for prompt, result in zip(MORE_PROMPTS, results):
+        assert result.token_ids == hf_greedy(tiny_target, prompt, 18)
+    assert drafter.adapter.version >= len(MORE_PROMPTS)
+
+
+# -- across vocabularies ---------------------------------------------------------------------------------
+
+
+def char_tokenizer(extra: list[str] = (), merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
+    pieces = [*"abcdefgh ", *extra]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges)))
+    )
+
+
+def char_model(tokenizer, seed: int, layers: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+    )
+    return wrap(LlamaForCausalLM(config).eval(), tokenizer, name=f"char-{seed}")
+
+
+@pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
+def test_across_vocabularies_output_is_plain_decodings_and_the_drafter_learns(mapping):
+    """The target merges characters the drafter spells one by one; both see the same text."""
+    tokenizer = char_tokenizer(["ab", "abc", "de"], [("a", "b"), ("ab", "c"), ("d", "e")])
+    target, draft = char_model(tokenizer, 0, layers=3), char_model(char_tokenizer(), 1, layers=2)
+    drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping, **EVERY_REQUEST)
+    prompt = tokenizer.encode("abc de fgh")
+    means = []
+    for _ in range(4):  # one request again and again: the drafter learns the target's answer
+        before = lora_weights(drafter)
+        tokens, outcome = run(target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)
+        assert tokens == hf_greedy(target, prompt, 24)
+        assert changed(before, lora_weights(drafter))
+        means.append(outcome.stats.mean_accepted_tokens)
+    assert means[-1] > means[0]
+    example = drafter.adapter.buffer[-1]
+    assert example.soft_rows.numel() > 0  # distillation where the target's tokens map to the drafter's
+    assert 0 < example.weights.min() < example.weights.max() == 1.0  # mismatches weigh more
+
+
+# -- bounds ----------------------------------------------------------------------------------------------
+
+
+def test_replay_buffer_and_examples_are_bounded(tiny_target, tiny_draft, monkeypatch):
+    monkeypatch.setattr(adapt, "BUFFER", 3)
+    monkeypatch.setattr(adapt_data, "WINDOW", 16)
+    options = {**EVERY_REQUEST, "adapt_steps": 1}
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **options)
+    for prompt in MORE_PROMPTS:
+        run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=3)
+        assert len(drafter.adapter.buffer) <= 3 and drafter.adapter.buffer_tokens() <= 3 * 16
+    for example in drafter.adapter.buffer:
+        assert example.ids.numel() <= 16 and example.soft_ids.shape[1] == adapt_data.TOPK
+        assert int(example.rows.max()) + 1 < example.ids.numel()
+
+
+def test_a_tiny_budget_trains_once_then_waits(tiny_target, tiny_draft):
+    """Training time is paid for by decoding time: one step overdraws a budget of a millionth, and the debt
+    carries over, so the next requests train not at all."""
+    options = {**EVERY_REQUEST, "adapt_budget": 1e-6, "adapt_steps": 5}
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **options)
+    for prompt in MORE_PROMPTS:
+        run(tiny_target, drafter, prompt, max_new_tokens=12, num_draft_tokens=3)
+    assert drafter.adapter.steps == 1 and drafter.adapter.credit_s < 0
+
+
+def test_reset_forgets_what_was_learnt(tiny_target, tiny_draft):
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **EVERY_REQUEST)
+    initial = lora_weights(drafter)
+    run(tiny_target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=3)
+    drafter.reset()
+    assert not changed(initial, lora_weights(drafter)) and not drafter.adapter.buffer
+
+
+# -- save and load ---------------------------------------------------------------------------------------
+
+
+def test_saved_adapter_reloads_to_identical_drafts(tiny_target, tiny_draft, tmp_path):
+    saving = create_drafter(
+        "draft-model", tiny_target, draft_model=tiny_draft, adapt_save=str(tmp_path), **EVERY_REQUEST
+    )
+    for prompt in PROMPTS:
+        run(tiny_target, saving, prompt, max_new_tokens=20, num_draft_tokens=4)
+    assert (tmp_path / "adapter_model.safetensors").is_file() and (tmp_path / "adapter_config.json").is_file()
+    frozen = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, adapt_load=str(tmp_path))
+    plain = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    assert not changed(lora_weights(saving), lora_weights(frozen))
+    context = PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 10)
+    ids = torch.tensor(context)
+    logits = [d.draft.backend.forward(ids, d.draft.backend.new_cache()).logits for d in (saving, frozen, plain)]
+    assert torch.equal(logits[0], logits[1]) and not torch.equal(logits[0], logits[2])
+    for end in range(len(PROMPTS[0]), len(context)):
+        drafts = [session_for(d, PROMPTS[0]).propose(context[:end], 5).tokens for d in (saving, frozen)]
+        assert drafts[0] == drafts[1]
+    run(tiny_target, frozen, PROMPTS[1], max_new_tokens=12)  # loaded alone, it drafts frozen
+    assert not changed(lora_weights(saving), lora_weights(frozen)) and frozen.adapter.steps == 0
+
+
+# -- options ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"adapt": "maybe"}, "adapt must be true or false, got 'maybe'"),
+        ({"adapt": "true", "adapt_budget": 0}, "adapt_budget must be a positive number, got 0"),
+        ({"adapt": "true", "adapt_budget": "lots"}, "adapt_budget must be a positive number"),
+        ({"adapt": "true", "adapt_steps": 1.5}, "adapt_steps must be a positive integer, got 1.5"),
+        ({"adapt": "true", "adapt_lr": -1}, "adapt_lr must be a positive number"),
+        ({"adapt_budget": 0.2}, "adapt_budget needs adapt=true"),
+        ({"adapt": "false", "adapt_save": "x"}, "adapt_save needs adapt=true"),
+        ({"adapt_load": "/nonexistent/adapter"}, "holds no adapter"),
+    ],
+)
+def test_bad_options_are_refused(tiny_target, tiny_draft, options, message):
+    with pytest.raises(SpecDecodeError, match=message):
+        create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **options)
+
+
+def test_an_adapter_of_another_model_is_refused(tiny_target, tiny_draft, tmp_path):
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, **EVERY_REQUEST)
+    drafter.adapter.save(tmp_path)
+    with pytest.raises(SpecDecodeError, match="does not fit this draft model"):
+        create_drafter("draft-model", tiny_target, draft_model=tiny_draft, adapt_load=str(tmp_path))
+
+
+def test_cli_bad_option_is_a_one_line_error(capsys, tiny_dirs):
+    argv = ["generate", "w1 w2", "--model", str(tiny_dirs["target"]), "--drafter", "draft-model"]
+    argv += ["--draft-model", str(tiny_dirs["draft"]), "--max-new-tokens", "4"]
+    assert_one_line_error(capsys, [*argv, "--drafter-option", "adapt=maybe"], "adapt must be true or false")
+    bad_steps = ["--drafter-option", "adapt=true", "--drafter-option", "adapt_steps=0"]
+    assert_one_line_error(capsys, [*argv, *bad_steps], "adapt_steps must be a positive integer, got 0")
+    from specdecode.cli import main
+
+    assert main([*argv, "--drafter-option", "adapt=true", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 4
