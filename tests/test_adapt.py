@@ -212,3 +212,45 @@ def test_cli_bad_option_is_a_one_line_error(capsys, tiny_dirs):
 
     assert main([*argv, "--drafter-option", "adapt=true", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["stats"]["new_tokens"] == 4
+
+
+# -- bench adapt -----------------------------------------------------------------------------------------
+
+
+def test_bench_adapt_writes_resumes_and_checks_outputs(tiny_dirs, tmp_path, monkeypatch):
+    from specdecode.bench import adapt as bench
+
+    problems = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    w{i} w7 w8 here\n"} for i in range(4)]
+    monkeypatch.setattr(bench, "humaneval_problems", lambda count: problems[:count])
+    given = {"model": str(tiny_dirs["target"]), "draft_model": str(tiny_dirs["draft"]), "vocab_mapping": "none"}
+    given |= {"requests": 3, "max_new_tokens": 6, "threads": 1, "adapt_budget": 1e6, "adapt_steps": 1}
+    settings = bench.resolve_settings(**given, out=str(tmp_path))
+    results = bench.measure_adapt(settings, progress=False)
+    assert [len(results["records"][arm]) for arm in bench.ARMS] == [3, 3]
+    summary = results["summary"]
+    assert summary["identical"] == summary["compared"] == 3 and summary["adapter_steps"] == 3
+    assert "every adapted output equals the frozen one (3 of 3 requests)" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "adapt.png").is_file() and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+    decoded = []
+    real_decode = bench.decode
+    monkeypatch.setattr(bench, "decode", lambda *args: decoded.append(args[1]["task_id"]) or real_decode(*args))
+    more = bench.measure_adapt(bench.resolve_settings(**{**given, "requests": 4}, out=str(tmp_path)), progress=False)
+    assert decoded == ["HumanEval/3", "HumanEval/3"]  # only the new request, frozen then adapted
+    assert json.loads((tmp_path / "results.json").read_text())["summary"] == more["summary"]
+    with pytest.raises(SpecDecodeError, match="holds results of other settings"):
+        bench.measure_adapt(bench.resolve_settings(**{**given, "max_new_tokens": 7}, out=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--requests", "0"], "--requests must be a positive integer, got 0"),
+        (["--task", "sharegpt"], "--task must be one of humaneval"),
+        (["--vocab-mapping", "bytes"], "vocab_mapping must be one of"),
+        (["--adapt-budget", "0"], "adapt_budget must be a positive number"),
+        (["--num-draft-tokens", "many"], "--num-draft-tokens must be auto, heuristic or a positive integer"),
+    ],
+)
+def test_bench_adapt_bad_flags_are_one_line_errors(capsys, flags, message):
+    assert_one_line_error(capsys, ["bench", "adapt", *flags], message)

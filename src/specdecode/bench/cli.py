@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from specdecode.bench.adapt import add_adapt_command
 from specdecode.bench.coupling import add_coupling_command
 from specdecode.bench.quality import add_quality_command
 from specdecode.errors import SpecDecodeError
@@ -192,6 +193,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     contention.set_defaults(run=run_bench_contention)
     add_coupling_command(commands)
     add_quality_command(commands)
+    add_adapt_command(commands)
 
 
 def run_bench(args: argparse.Namespace) -> int:

