@@ -344,3 +344,22 @@ def test_serve_cli_exits_cleanly_on_sigterm_and_rejects_bad_flags(tiny_dirs, cap
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_engine_driven_by_the_callers_thread_serves_and_stops(tiny_target):
+    """``engine_thread=False``: the caller's thread steps the engine (what `serve` does with its main thread,
+    because a second thread running torch makes every forward slower); it serves until uvicorn shuts down."""
+    service = make_service(tiny_target, engine_thread=False)
+    answers = []
+    with RunningServer(service) as running:
+
+        def ask() -> None:
+            answers.append(running.client().completions.create(model="tiny", prompt=TEXT, max_tokens=6))
+            running.server.should_exit = True  # uvicorn's shutdown stops the worker, which ends drive()
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        service.worker.drive()
+        asker.join()
+    assert answers[0].choices[0].text == solo(tiny_target, TEXT, chat=False, n=6).text
+    service.worker.drive(alive=lambda: False)  # an idle engine whose server is gone returns at once

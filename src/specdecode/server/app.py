@@ -62,6 +62,9 @@ class ServerConfig:
     max_queue: int = 64
     api_key: str | None = None
     drain_s: float = 30.0
+    # False: the caller steps the engine with ``service.worker.drive()`` in the thread that loaded the model,
+    # which is faster than a thread of its own (see specdecode.server.worker).
+    engine_thread: bool = True
 
 
 class Service:
@@ -220,7 +223,8 @@ class Exchange:
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        service.worker.start()
+        if service.config.engine_thread:
+            service.worker.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, service.worker.shutdown, service.config.drain_s)
 

@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import threading
 
 from specdecode.decode_commands import add_model_flags, load_models, parse_option
 from specdecode.errors import SpecDecodeError
@@ -15,8 +16,8 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve",
         help="serve an OpenAI-compatible API (completions, chat completions, streaming, /metrics)",
-        description="One process: the batched engine steps in a worker thread; requests join the batch "
-        "between steps. Binds 127.0.0.1 unless --host says otherwise.",
+        description="One process: the batched engine steps in the main thread, uvicorn's event loop in "
+        "another; requests join the batch between steps. Binds 127.0.0.1 unless --host says otherwise.",
     )
     add_model_flags(
         serve,
@@ -77,6 +78,7 @@ def build_service(args: argparse.Namespace):
         max_queue=args.max_queue,
         api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
         drain_s=args.drain_timeout,
+        engine_thread=False,  # run_serve steps it in the main thread, where the model was loaded
     )
     return Service(generator, drafters, config)
 
@@ -100,9 +102,21 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=max(1, int(args.drain_timeout)),
     )
-    # uvicorn shuts down gracefully on SIGTERM and then re-raises it to the handler that was there before;
-    # a no-op handler there makes a drained shutdown exit 0 instead of dying by the signal.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    http = threading.Thread(target=server.run, name="specdecode-http", daemon=True)
+
+    def stop(signum: int, frame: object) -> None:
+        # The first SIGTERM or Ctrl-C drains (uvicorn's graceful shutdown, then the worker's); a second forces.
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    http.start()
+    service.worker.drive(alive=http.is_alive)  # returns once uvicorn's shutdown has stopped the worker
+    http.join()
+    if not server.started:
+        raise SpecDecodeError(f"the server could not start on {args.host}:{args.port} (uvicorn's error is above)")
     print("[serve] stopped", file=sys.stderr)
     return 0
