@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from helpers import random_eagle_head
+from specdecode.batch_engine import BatchEngine, BatchRequest
+from specdecode.batch_plan import plan_batch
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import CostModelLength, FixedLength, linear_curve, plan_batch
+from specdecode.draft_length import CostModelLength, FixedLength, linear_curve
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.kangaroo import KangarooAdapter
-from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
+from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.heads.medusa import heads_for_target

@@ -15,11 +15,12 @@ import specdecode.engine
 import specdecode.sampling
 import specdecode.verify.coupled
 from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, chi2_pvalue, run
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.draft_length import make_policy
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.engine import BatchEngine, BatchRequest, speculative_decode
+from specdecode.engine import speculative_decode
 from specdecode.sampling import (
     coupled_argmax,
     coupled_sample,

@@ -17,11 +17,11 @@ from helpers import (
     random_eagle_head,
     run,
 )
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.eagle import EagleDrafter
-from specdecode.engine import BatchEngine, BatchRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.heads.storage import load_eagle, save_eagle

@@ -20,11 +20,11 @@ from helpers import (
     hf_greedy,
     run,
 )
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import DraftRequest
-from specdecode.engine import BatchEngine, BatchRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
 from specdecode.models.loading import LoadedModel, load_model

@@ -17,7 +17,7 @@ choose a relaxed, lossy verifier (``verifier="fly"`` or ``"typical"``, :mod:`spe
 which also keeps some mismatches; its stats say ``lossless: false``.
 
 :func:`step` is the whole step for a batch of sequences, and the only one: the single-sequence
-generator (:func:`speculative_decode`), the batched engine (:class:`BatchEngine`) and the policy replay
+generator (:func:`speculative_decode`), the batched engine (:mod:`specdecode.batch_engine`) and the policy replay
 (``bench/replay.py``, which swaps the target for a known output) all run it.  In a batch each sequence
 keeps its own draft, depth, sampling, RNG, accepted length and cache slot; the forward is ragged (each
 sequence's own positions and mask, nothing padded), so what one sequence accepts never depends on
@@ -34,10 +34,11 @@ from typing import Protocol
 
 import torch
 
+from specdecode.batch_plan import plan_batch
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import DraftLengthPolicy, make_policy, plan_batch
+from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.models.base import CausalLM, KVCache, KVPool, SequenceInput
+from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.sampling import sampling_probs
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
@@ -323,106 +324,3 @@ def speculative_decode(
             yield new_tokens
     finally:
         finish_sequence(seq)
-
-
-@dataclass
-class BatchRequest:
-    """A request submitted to the :class:`BatchEngine`."""
-
-    prompt_ids: list[int]
-    config: GenerationConfig
-    tag: object = None  # the caller's handle, returned with every event
-    drafter: Drafter | None = None  # this request's drafter (default: the engine's)
-
-
-@dataclass
-class BatchEvent:
-    tag: object
-    new_tokens: list[int]
-    sequence: Sequence
-    finished: bool
-
-
-class BatchEngine:
-    """Continuous batching: up to ``max_batch_size`` sequences decode together, one :func:`step` per
-    iteration; waiting requests join between steps as others finish, and a finished or cancelled
-    sequence gives its cache slot back at once."""
-
-    def __init__(
-        self,
-        target: CausalLM,
-        drafter: Drafter,
-        policy_for: Callable[[GenerationConfig, Drafter], DraftLengthPolicy],
-        eos_ids: frozenset[int],
-        max_batch_size: int = 8,
-    ) -> None:
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"batch size must be a positive integer, got {max_batch_size!r}")
-        self.target = target
-        self.drafter = drafter
-        self.policy_for = policy_for
-        self.eos_ids = eos_ids
-        self.max_batch_size = max_batch_size
-        self.pool: KVPool = target.new_pool()
-        self.verifier = TargetVerifier(target)
-        self.waiting: list[BatchRequest] = []
-        self.running: dict[int, tuple[object, Sequence]] = {}
-
-    def submit(self, request: BatchRequest) -> None:
-        self.waiting.append(request)
-
-    def cancel(self, tag: object) -> bool:
-        """Drop a waiting or running request; its cache slot is free when this returns."""
-        for key, (owner, seq) in list(self.running.items()):
-            if owner is tag:
-                del self.running[key]
-                finish_sequence(seq)
-                return True
-        before = len(self.waiting)
-        self.waiting = [r for r in self.waiting if r.tag is not tag]
-        return len(self.waiting) < before
-
-    @property
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
-
-    def _admit(self) -> list[BatchEvent]:
-        events = []
-        while self.waiting and len(self.running) < self.max_batch_size:
-            request = self.waiting.pop(0)
-            # Room for the whole request (and a deep last draft) now, rather than regrowing mid-batch.
-            most = len(request.prompt_ids) + request.config.max_new_tokens + MAX_DRAFT_MARGIN
-            self.pool.reserve(self.max_batch_size, min(most, self.target.max_context))
-            drafter = request.drafter or self.drafter
-            seq = start_sequence(
-                self.target,
-                drafter,
-                request.prompt_ids,
-                request.config,
-                self.eos_ids,
-                self.policy_for(request.config, drafter),
-                self.pool.allocate(),
-            )
-            if seq.done:  # nothing fits after the prompt
-                finish_sequence(seq)
-                events.append(BatchEvent(request.tag, [], seq, True))
-            else:
-                self.running[id(seq)] = (request.tag, seq)
-        return events
-
-    def step(self) -> list[BatchEvent]:
-        """Admit waiting requests, run one step over the running ones; the tokens each gained."""
-        events = self._admit()
-        if not self.running:
-            return events
-        tags, sequences = zip(*self.running.values())
-        for tag, seq, new_tokens in zip(tags, sequences, step(list(sequences), self.verifier)):
-            if seq.done:
-                del self.running[id(seq)]
-                finish_sequence(seq)
-            events.append(BatchEvent(tag, new_tokens, seq, seq.done))
-        return events
-
-    def run(self) -> Iterator[BatchEvent]:
-        while not self.idle:
-            yield from self.step()

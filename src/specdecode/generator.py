@@ -10,11 +10,12 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig, RelaxedParams
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
-from specdecode.engine import BatchEngine, BatchRequest, DecodeOutcome, speculative_decode
+from specdecode.engine import DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel

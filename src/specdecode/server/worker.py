@@ -27,9 +27,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.drafters.base import Drafter
-from specdecode.engine import BatchEngine, BatchRequest
 from specdecode.generator import SpeculativeGenerator
 from specdecode.stats import GenerationStats
 

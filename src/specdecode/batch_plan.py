@@ -1,0 +1,67 @@
+"""How deep each sequence of a batched step drafts: one verification forward is shared, so the depths are
+chosen together (:func:`plan_batch`); each sequence's own policy (:mod:`specdecode.draft_length`) says what
+its drafts are expected to gain."""
+
+from __future__ import annotations
+
+from specdecode.draft_length import CostModelLength, DraftLengthPolicy
+
+#: How much longer than a plain step (no drafts) a batched step may take, as a fraction.  0.15 served
+#: smollm2-135m at concurrency 8 better than 0.25 on throughput and p95 inter-token latency alike with 30
+#: requests (1.30x / 1.49x plain's p95 against 1.11x / 2.19x) and about as well with 10; 0.10 drafted too
+#: little (1.36x with 10).  One run each, on a 2-core machine: see the README's serving section.
+STEP_COST_SLACK = 0.15
+
+
+def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int]:
+    """Each sequence's draft depth for one batched step (``limits``: at most this deep).
+
+    Sequences under ``auto`` share one verification forward whose width is the sum of their drafts, so
+    their depths are chosen together to maximise the batch's expected tokens per second: starting from no
+    drafts, the depth increase with the best gain in that rate is taken while there is one.  As the batch
+    grows the forward's width gets dearer, so each sequence drafts less (vLLM shrinks its draft length with
+    the batch for the same reason).  Other policies choose alone."""
+    auto = [i for i, p in enumerate(policies) if isinstance(p, CostModelLength)]
+    depths = [0 if i in auto else p.next_length(limit) for i, (p, limit) in enumerate(zip(policies, limits))]
+    if len(auto) <= 1:
+        for i in auto:
+            depths[i] = policies[i].next_length(limits[i])
+        return depths
+    models: list[CostModelLength] = [policies[i] for i in auto]  # type: ignore[misc]
+    caps = [min(m.maximum, limits[i]) for m, i in zip(models, auto)]
+    reference = models[0]  # forks share the scale and cost curve
+    fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in auto)
+    tokens_at = [[m.expected_tokens(k) for k in range(cap + 1)] for m, cap in zip(models, caps)]
+    draft_at = [[m.draft_cost(k) if k else 0.0 for k in range(cap + 1)] for m, cap in zip(models, caps)]
+    chosen = [0] * len(models)
+    width = fixed + len(models)
+    tokens = sum(t[0] for t in tokens_at)
+    other = sum(m.overhead.value for m in models)  # overheads, plus the drafts chosen so far
+    verify = reference.verify_seconds(width)
+    # Every sequence waits for the whole step: keep it within STEP_COST_SLACK of a plain step, so that a
+    # sequence whose draft is rejected does not wait much longer for its one token than without drafting.
+    longest = verify * (1.0 + STEP_COST_SLACK)
+    while True:
+        rate, best = tokens / (other + verify), None
+        for j, cap in enumerate(caps):
+            now = chosen[j]
+            for k in range(now + 1, cap + 1):
+                if reference.verify_seconds(width + k - now) > longest:
+                    break
+                trial = (tokens - tokens_at[j][now] + tokens_at[j][k]) / (
+                    other - draft_at[j][now] + draft_at[j][k] + reference.verify_seconds(width + k - now)
+                )
+                if trial > rate:
+                    rate, best = trial, (j, k)
+        if best is None:
+            break
+        j, k = best
+        now = chosen[j]
+        tokens += tokens_at[j][k] - tokens_at[j][now]
+        other += draft_at[j][k] - draft_at[j][now]
+        width += k - now
+        verify = reference.verify_seconds(width)
+        chosen[j] = k
+    for j, (i, m) in enumerate(zip(auto, models)):
+        depths[i] = m.settle(chosen[j], caps[j])
+    return depths
