@@ -50,7 +50,7 @@ def load(
     ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.  ``fast_path`` (default on
     where supported) prepacks linear layers for fast multi-token verification on CPUs; ``device``: ``cpu``
     (default), ``cuda`` or ``cuda:N``.  ``generate_batch`` on the result decodes many prompts together.
-    ``verifier``: ``exact`` (lossless, the default) or a relaxed, LOSSY one (``fly``, ``typical``: see
+    ``verifier``: ``exact`` (lossless, the default) or a relaxed, LOSSY one (``fly``, ``typical``, ``judge``: see
     ``specdecode verifiers``); ``generate(..., verifier=...)`` chooses per call.
     """
     from specdecode.drafters import check_drafter_options

@@ -60,14 +60,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RelaxedParams:
-    """The knobs of the relaxed (lossy) verifiers, :mod:`specdecode.verify.fly` and
-    :mod:`specdecode.verify.typical`; ``exact`` reads none of them.
+    """The knobs of the relaxed (lossy) verifiers, :mod:`specdecode.verify.fly`, :mod:`specdecode.verify.typical`
+    and :mod:`specdecode.verify.judge`; ``exact`` reads none of them.
 
     FLy, at a row where the draft token differs from the target's choice: the mismatch is kept provisionally
     when the target's distribution there is flat (entropy over log(vocabulary) >= ``entropy``) and the draft
     token is among the target's ``top_k`` most likely with probability >= ``min_prob``; it stands only if the
     next ``window`` draft tokens then match the target exactly, else the step rolls back to the mismatch.
     Typical (Medusa): a draft token x is kept when p(x) > min(``epsilon``, ``delta`` * exp(-H(p))).
+    Judge: a mismatch passing the ``top_k`` / ``min_prob`` gate is kept when the trained judge (``judge``: its
+    directory, default next to the model) rates it harmless with probability >= ``judge_threshold`` (default:
+    the threshold chosen at training).
     """
 
     entropy: float = 0.1
@@ -76,12 +79,18 @@ class RelaxedParams:
     window: int = 3
     epsilon: float = 0.09
     delta: float = 0.3
+    judge: str | None = None
+    judge_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("entropy", "min_prob", "epsilon", "delta"):
+        for name in ("entropy", "min_prob", "epsilon", "delta", "judge_threshold"):
             value = getattr(self, name)
+            if name == "judge_threshold" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise SpecDecodeError(f"verifier option {name} must be a number in [0, 1], got {value!r}")
+        if self.judge is not None and (not isinstance(self.judge, str) or not self.judge):
+            raise SpecDecodeError(f"verifier option judge must be a directory, got {self.judge!r}")
         for name, low in (("top_k", 1), ("window", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

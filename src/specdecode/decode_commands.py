@@ -95,7 +95,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verifier",
         default="exact",
-        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical (see `specdecode verifiers`)",
+        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical, judge (see `specdecode verifiers`)",
     )
     parser.add_argument(
         "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"

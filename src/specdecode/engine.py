@@ -13,8 +13,8 @@ are a function of the seed and the target alone, so a seed gives the same text w
 draft length, ``auto`` included, and with none); with sampling and no seed, or ``coupled=False``,
 rejection sampling (:mod:`specdecode.verify.rejection`), which keeps a sampling drafter's guesses a
 little more often but whose text depends on what was drafted.  All three are exact.  A request may instead
-choose a relaxed, lossy verifier (``verifier="fly"`` or ``"typical"``, :mod:`specdecode.verify.registry`),
-which also keeps some mismatches; its stats say ``lossless: false``.
+choose a relaxed, lossy verifier (``verifier="fly"``, ``"typical"`` or ``"judge"``,
+:mod:`specdecode.verify.registry`), which also keeps some mismatches; its stats say ``lossless: false``.
 
 :func:`step` is the whole step for a batch of sequences, and the only one: the single-sequence
 generator (:func:`speculative_decode`), the batched engine (:mod:`specdecode.batch_engine`) and the policy replay
@@ -45,6 +45,7 @@ from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
 from specdecode.verify.coupled import verify_coupled
 from specdecode.verify.fly import verify_fly
 from specdecode.verify.greedy import verify_greedy
+from specdecode.verify.judge import judge_directory, load_judge, verify_judge
 from specdecode.verify.rejection import verify_speculative_sampling
 from specdecode.verify.relaxed import TargetRows
 from specdecode.verify.typical import verify_typical
@@ -162,15 +163,20 @@ class TargetVerifier:
 
     def __call__(self, sequences: list[Sequence], drafts: list[Draft]) -> list[Checked]:
         inputs = [
-            verification_input(seq.context, draft, seq.cache, seq.session.hidden_layers)
+            verification_input(seq.context, draft, seq.cache, self._hidden_layers(seq))
             for seq, draft in zip(sequences, drafts)
         ]
         outputs = self.target.forward_batch(inputs)
         checked = []
         for seq, draft, out in zip(sequences, drafts, outputs):
-            sampling = seq.config.sampling
-            if seq.config.verifier in RELAXED:  # lossy, chosen by the request (--verifier): never by default
-                rows = TargetRows(out.logits, sampling, sampling.seed, len(seq.context), seq.generator)
+            sampling, hidden = seq.config.sampling, out.hidden
+            rows = TargetRows(out.logits, sampling, sampling.seed, len(seq.context), seq.generator)
+            if seq.config.verifier == "judge":  # lossy, chosen by the request: reads the final hidden states
+                size = self.target.hidden_size
+                final, hidden = hidden[:, -size:], hidden[:, :-size] if seq.session.hidden_layers else None
+                judge = load_judge(str(judge_directory(self.target.name, seq.config.relaxed.judge)), size)
+                verdict = verify_judge(rows, draft, seq.config.relaxed, judge, final)
+            elif seq.config.verifier in RELAXED:  # lossy, chosen by the request (--verifier): never by default
                 verdict = RELAXED[seq.config.verifier](rows, draft, seq.config.relaxed)
             elif sampling.greedy:
                 verdict = verify_greedy(out.logits, draft)
@@ -181,8 +187,14 @@ class TargetVerifier:
                 verdict = verify_speculative_sampling(sampling_probs(out.logits, sampling), draft, seq.generator)
             # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
             seq.cache.keep(len(seq.context) - 1, [0, *(1 + node for node in verdict.path)])
-            checked.append(Checked(verdict, out.logits, out.hidden))
+            checked.append(Checked(verdict, out.logits, hidden))
         return checked
+
+    def _hidden_layers(self, seq: Sequence) -> tuple[int, ...]:
+        """The hidden states the forward records for ``seq``: its drafting session's, plus the final one that a
+        judge reads (last, so that it can be split off again)."""
+        layers = seq.session.hidden_layers
+        return (*layers, self.target.num_layers) if seq.config.verifier == "judge" else layers
 
 
 def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter) -> list[list[int]]:

@@ -17,9 +17,11 @@ from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
+from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
+from specdecode.verify.judge import judge_directory, load_judge
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -150,9 +152,13 @@ class SpeculativeGenerator:
         sampling = dataclasses.replace(
             self.defaults.sampling, **{k: v for k, v in given.items() if k in _SAMPLING_NAMES}
         )
-        return dataclasses.replace(
+        config = dataclasses.replace(
             self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES | {"relaxed"}}
         )
+        if config.verifier == "judge":  # its judge must exist before the request runs (CLI exit 2, HTTP 400)
+            backend = require_capability(self.target.backend, HiddenStates, "verifier 'judge'")
+            load_judge(str(judge_directory(self.target.backend.name, config.relaxed.judge)), backend.hidden_size)
+        return config
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -4,7 +4,7 @@ Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temp
 ``top_k`` (a vLLM extension), ``seed``, ``stop``, ``n`` (1 only), ``stream`` and
 ``stream_options.include_usage``, plus our ``speculative`` object choosing the drafter and draft length
 per request, ``coupled`` (false: a seeded request is verified by rejection sampling, not Gumbel-max
-coupling) and ``verifier`` (``exact``, the default, or a relaxed, lossy one: ``fly``, ``typical``).  A
+coupling) and ``verifier`` (``exact``, the default, or a relaxed, lossy one: ``fly``, ``typical``, ``judge``).  A
 field of the wrong type, a value out of range or an unknown field is a 400 with an OpenAI-style error
 object, never a 500.
 """

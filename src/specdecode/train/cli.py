@@ -1,4 +1,5 @@
-"""``specdecode train {kangaroo,eagle,medusa,hydra} --model M``: fit drafter weights, saved where the drafter looks."""
+"""``specdecode train {kangaroo,eagle,medusa,hydra,judge} --model M``: fit drafter (or judge) weights, saved where
+the drafter (or verifier) looks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
 from specdecode.train.data import DEFAULT_TASKS
+from specdecode.train.judge_cli import add_judge_command
 
 
 def add_train_command(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +37,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     kangaroo.set_defaults(run=cmd_train_kangaroo)
     add_eagle_command(methods)
     add_heads_commands(methods)
+    add_judge_command(methods)
 
 
 def cmd_train_kangaroo(args: argparse.Namespace) -> int:

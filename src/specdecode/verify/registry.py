@@ -41,6 +41,11 @@ VERIFIERS: dict[str, VerifierInfo] = {
             False,
             "Medusa's typical acceptance: keep a token whose target probability beats an entropy-scaled bar (LOSSY)",
         ),
+        VerifierInfo(
+            "judge",
+            False,
+            "a trained judge keeps a mismatch it predicts the target would carry on from (`train judge`) (LOSSY)",
+        ),
     )
 }
 
