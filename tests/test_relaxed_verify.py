@@ -224,7 +224,7 @@ def test_target_verifier_dispatches_per_sequence(tiny_target):
 
 
 def test_cli_refuses_an_unknown_verifier_in_one_line_and_json_says_lossless(capsys, tiny_dirs):
-    assert_one_line_error(capsys, ["generate", "w1 w2", "--verifier", "judge"], "unknown verifier 'judge'")
+    assert_one_line_error(capsys, ["generate", "w1 w2", "--verifier", "jugde"], "unknown verifier 'jugde'")
     assert_one_line_error(capsys, ["generate", "w1 w2", "--verifier-option", "bad"], "--verifier-option")
     argv = ["generate", "w1 w2 w3 w1 w2", "--model", str(tiny_dirs["target"]), "--max-new-tokens", "8", "--json"]
     for verifier, lossless in (("exact", True), ("typical", False)):
@@ -240,7 +240,7 @@ def test_server_takes_a_verifier_per_request_and_refuses_unknown_ones(tiny_targe
     service = Service(generator, {"pld": generator.drafter}, ServerConfig(model_name="tiny"))
     with serving(create_app(service)) as base:
         url = f"{base}/v1/completions"
-        bad = httpx.post(url, json={"prompt": "w1 w2", "verifier": "judge"})
+        bad = httpx.post(url, json={"prompt": "w1 w2", "verifier": "jugde"})
         assert bad.status_code == 400 and "unknown verifier" in bad.json()["error"]["message"]
         for verifier, lossless in (("fly", False), (None, True)):
             body = {"prompt": "w1 w2 w3 w1 w2", "max_tokens": 8, **({"verifier": verifier} if verifier else {})}
@@ -265,7 +265,7 @@ def test_python_api_load_takes_a_verifier_and_refuses_unknown_ones_before_loadin
     import specdecode
 
     with pytest.raises(SpecDecodeError, match="unknown verifier"):
-        specdecode.load("no-such-model", verifier="judge")  # refused before the model is looked up
+        specdecode.load("no-such-model", verifier="jugde")  # refused before the model is looked up
     generator = specdecode.load(str(tiny_dirs["target"]), verifier="fly", max_new_tokens=6)
     assert generator.defaults.verifier == "fly"
     assert generator.generate("w1 w2 w1 w2").stats.to_json()["lossless"] is False
