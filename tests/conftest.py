@@ -7,61 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import LoadedModel, load_model
-
-TINY_VOCAB = 96
-TINY_CONTEXT = 256
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
-    "{% if add_generation_prompt %}<s> assistant : {% endif %}"
-)
-
-
-def tiny_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for word in words:
-        vocab.setdefault(word, len(vocab))
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def tiny_words(n: int = TINY_VOCAB - 3, prefix: str = "w") -> list[str]:
-    base = ["system", "user", "assistant", ":", "stop", "here"]
-    return base + [f"{prefix}{i}" for i in range(n - len(base))]
-
-
-def tiny_llama(seed: int, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT,
-        initializer_range=0.3,  # peaky logits: greedy choices are far from numerical ties
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def save_tiny(path: Path, seed: int, words: list[str] | None = None, layers: int = 2) -> Path:
-    tiny_llama(seed, layers=layers).save_pretrained(path)
-    tiny_tokenizer(words or tiny_words()).save_pretrained(path)
-    return path
+from tiny_models import save_tiny, tiny_words
 
 
 @pytest.fixture(scope="session")
@@ -83,10 +31,6 @@ def tiny_target(tiny_dirs) -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_draft(tiny_dirs) -> LoadedModel:
     return load_model(str(tiny_dirs["draft"]))
-
-
-def wrap(model, tokenizer, name: str = "tiny") -> LoadedModel:
-    return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
 
 
 @pytest.fixture(autouse=True)

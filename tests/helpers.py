@@ -17,7 +17,6 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import tiny_llama
 from specdecode.bench.cli import add_bench_command
 from specdecode.bench.tasks import Prompt, Task
 from specdecode.cli import main
@@ -33,6 +32,7 @@ from specdecode.models.base import (
     KVPool,
     SequenceInput,
 )
+from tiny_models import tiny_llama
 
 PROMPTS = [
     [5, 17, 22, 9, 30, 41],

@@ -14,12 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode.drafters.adapt as adapt
 import specdecode.drafters.adapt_data as adapt_data
-from conftest import wrap
 from helpers import PROMPTS, assert_one_line_error, hf_greedy, run, session_for
 from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.fastpath import PackedLinear
+from tiny_models import wrap
 
 #: Train on every request, two steps each, whatever the time: a reproducible number of updates.
 EVERY_REQUEST = {"adapt": "true", "adapt_budget": 1e6, "adapt_steps": 2, "adapt_lr": 1e-2}

@@ -11,7 +11,6 @@ from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer, Tokeniz
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode.drafters.cross_vocab
-from conftest import wrap
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
@@ -21,6 +20,7 @@ from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sampling_probs
+from tiny_models import wrap
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "def f(x): return x + 1"] * 20
 TEXTS = [" hello world the fox", "def f(x):\n\treturn x+1 # ä 漢 😀", "hello</s>there<s>"]

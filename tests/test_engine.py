@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY_VOCAB
 from helpers import PROMPTS, hf_greedy, run, tiny_gemma3, tiny_qwen2
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
@@ -14,6 +13,7 @@ from specdecode.drafters.base import Drafter, DraftRequest, StatelessSession
 from specdecode.engine import DecodeOutcome, ancestor_mask, speculative_decode
 from specdecode.generator import SpeculativeGenerator
 from specdecode.types import Draft
+from tiny_models import TINY_VOCAB
 
 
 def drafters_under_test(target, draft):
@@ -155,7 +155,7 @@ def test_chat_template_is_applied(tiny_target):
 
 @pytest.mark.parametrize("build", [tiny_qwen2, tiny_gemma3], ids=["qwen2", "gemma3-sliding-window"])
 def test_greedy_equality_on_other_architectures(build):
-    from conftest import wrap
+    from tiny_models import wrap
 
     torch.manual_seed(0)
     loaded = wrap(build().eval(), tokenizer=None)

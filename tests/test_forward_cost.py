@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from conftest import TINY_CONTEXT, tiny_llama
 from specdecode.bench.forward_cost import ForwardCost, format_curve, measure_forward_cost, profile_forward
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
+from tiny_models import TINY_CONTEXT, tiny_llama
 
 
 @pytest.fixture(scope="module")

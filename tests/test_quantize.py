@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_llama
 from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models import loading
 from specdecode.models.quantize import Int4Linear, Int8Linear, quantize_model, quantize_supported
+from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not quantize_supported(), reason="torch build without CPU weight-only kernels")
 

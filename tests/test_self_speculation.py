@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import wrap
 from helpers import hf_greedy, run, session_for, tiny_gemma3, tiny_llama3, tiny_qwen2
 from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
@@ -15,6 +14,7 @@ from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.drafters.layer_skip import initial_skip_set
 from specdecode.errors import SpecDecodeError
+from tiny_models import wrap
 
 IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
 

@@ -7,12 +7,12 @@ import argparse
 
 import torch
 
-from conftest import wrap
 from helpers import hf_greedy, run, tiny_llama3, tiny_qwen2
 from specdecode.drafters import create_drafter
 from specdecode.drafters.kangaroo import ADAPTER_FILE, KangarooAdapter
 from specdecode.train.cli import add_train_command
 from specdecode.train.kangaroo import TrainConfig, train_adapter
+from tiny_models import wrap
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
