@@ -12,7 +12,7 @@ from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.draft_model import DraftModelSession
-from specdecode.drafters.hsd import PROBE_EVERY, GuessDepth, HierarchicalSession
+from specdecode.drafters.hsd import PROBE_EVERY, GuessDepth, HierarchicalSession, LevelChooser, LowerLevel
 from specdecode.drafters.pld import PromptLookupDrafter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
@@ -21,7 +21,7 @@ from specdecode.sampling import sampling_probs
 PROMPT = [3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5]
 
 
-@pytest.mark.parametrize("lower", ["pld", "suffix"])
+@pytest.mark.parametrize("lower", ["pld", "suffix", "auto"])
 @pytest.mark.parametrize("k", [3, 8, "auto"])
 def test_greedy_output_equals_plain(tiny_target, tiny_draft, lower, k):
     drafter = create_drafter("hsd", tiny_target, draft_model=tiny_draft, levels=f"{lower},draft-model")
@@ -35,7 +35,7 @@ def test_drafts_are_the_draft_models_own_in_fewer_forwards(tiny_target, tiny_dra
     request = DraftRequest(prompt_ids=tuple(PROMPT))
     backend = tiny_draft.backend
     lower = PromptLookupDrafter(tiny_draft).session(request)
-    hierarchical = HierarchicalSession(backend, lower, request, GuessDepth(8))
+    hierarchical = HierarchicalSession(backend, LevelChooser([LowerLevel("pld", lower, GuessDepth(8))]), request)
     direct = DraftModelSession(backend, request)
     context = list(PROMPT)
     forwards = drafted = 0
@@ -63,6 +63,32 @@ def test_auto_guess_depth_follows_agreement_and_cost():
     assert GuessDepth(5).next(room=3) == 3 and GuessDepth(5).next(room=0) == 0
 
 
+def test_auto_levels_choose_the_level_that_agrees_and_weigh_its_own_cost():
+    curve = tuple(1.0 + 0.05 * w for w in range(16))
+    good, bad = GuessDepth(None, curve=curve), GuessDepth(None, curve=curve)
+    for _ in range(20):
+        good.observe(guessed=6, agreed=6)
+        bad.observe(guessed=2, agreed=0)
+    chooser = LevelChooser([LowerLevel("bad", None, bad), LowerLevel("good", None, good)], forward_s=0.01)
+    level, depth = chooser.choose(room=8)
+    assert level.name == "good" and depth >= 4
+    # The same agreement, but guessing costs a hundred draft forwards: the draft model alone is faster.
+    chooser.levels[1].guess_s = 1.0
+    rounds = [chooser.choose(room=8) for _ in range(2 * PROBE_EVERY)]
+    assert [r for r in rounds if r[0] is not None] == [(chooser.levels[0], 1)] * 2  # only probes, least-tried first
+
+
+def test_auto_levels_follow_the_text_with_every_level(tiny_target, tiny_draft):
+    drafter = create_drafter("hsd", tiny_target, draft_model=tiny_draft, levels="auto")
+    session = drafter.session(DraftRequest(prompt_ids=tuple(PROMPT)))
+    assert [level.name for level in session.chooser.levels] == ["pld", "suffix", "recycling", "cacheback", "stand"]
+    context = list(PROMPT)
+    for _ in range(4):
+        context += session.propose(context, 6).tokens[:2]
+    assert sum(level.guesses for level in session.chooser.levels) > 0
+    session.finish(context)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -87,7 +113,7 @@ class _BigramHierarchy(Drafter):
 
     def session(self, request: DraftRequest) -> DraftSession:
         lower = PromptLookupDrafter(None, max_ngram=1).session(request)
-        return HierarchicalSession(self.draft, lower, request, GuessDepth(4))
+        return HierarchicalSession(self.draft, LevelChooser([LowerLevel("pld", lower, GuessDepth(4))]), request)
 
 
 def _hierarchy_pvalues(coupled: bool) -> list[float]:

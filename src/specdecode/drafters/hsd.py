@@ -23,12 +23,20 @@ request).  ``auto`` guesses the g with the most tokens per unit of cost; where n
 that keeps guessing wrong) it guesses one token every few rounds, to notice when that changes, and the
 hierarchy is otherwise plain ``draft-model``.
 
+``levels=auto`` chooses the hierarchy as it goes, by the paper's expected-latency comparison: every lower
+level of :data:`LOWER_LEVELS` follows the request, and each round the one expected to yield the most draft-model
+tokens per second guesses — its agreement so far (per position, as ``lower_depth=auto``) against the draft
+model's forward cost for that width plus the lower level's own measured time to guess, both in seconds of a
+one-token draft forward.  When no level beats the draft model alone (one token per forward) none guesses, and
+every few rounds the least-tried level guesses one token, so that a level that starts to agree is noticed.
+
 Like ``draft-model``, the session keeps the draft model's cache of the request and re-synchronises on every
 ``propose``: the cache is cut back to what it shares with the accepted context, the rest fed.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,17 +73,24 @@ class GuessDepth:
     def next(self, room: int) -> int:
         if self.fixed is not None or room <= 0:
             return min(self.fixed or 0, max(room, 0))
-        best, best_rate, expected, survive = 0, 1.0, 1.0, 1.0
-        for depth in range(1, min(room, MAX_GUESS) + 1):
-            survive *= self._rate(depth - 1)
-            expected += survive
-            rate = expected / self._cost(depth + 1)
-            if rate > best_rate:
-                best, best_rate = depth, rate
+        best, _ = self.best(room)
         if best == 0:
             self.rounds_without += 1
             return 1 if self.rounds_without % PROBE_EVERY == 0 else 0
         return best
+
+    def best(self, room: int, guess_cost: float = 0.0) -> tuple[int, float]:
+        """(the guess depth with the most draft-model tokens per unit of cost, that rate); ``guess_cost``: the
+        lower level's own time to guess, in one-token draft forwards.  Depth 0 (no guess) yields one token
+        per forward: rate 1."""
+        best, best_rate, expected, survive = 0, 1.0, 1.0, 1.0
+        for depth in range(1, min(room, MAX_GUESS) + 1):
+            survive *= self._rate(depth - 1)
+            expected += survive
+            rate = expected / (self.cost(depth + 1) + guess_cost)
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        return best, best_rate
 
     def observe(self, guessed: int, agreed: int) -> None:
         for position in range(min(guessed, agreed + 1)):  # positions up to the first disagreement were tried
@@ -90,7 +105,7 @@ class GuessDepth:
             return 0.5
         return (self.agreed[position] + 1) / (self.reached[position] + 2)
 
-    def _cost(self, width: int) -> float:
+    def cost(self, width: int) -> float:
         """``t(width) / t(1)`` of the draft model's forward, extrapolated linearly past the measured curve."""
         if not self.curve:
             return float(width)  # unmeasured: as if every token cost a forward (guess only what surely pays)
@@ -98,6 +113,59 @@ class GuessDepth:
             return self.curve[width - 1]
         slope = (self.curve[-1] - self.curve[0]) / max(len(self.curve) - 1, 1)
         return self.curve[-1] + slope * (width - len(self.curve))
+
+
+@dataclass
+class LowerLevel:
+    """One lower level following a request: its session, its agreement with the draft model, its cost."""
+
+    name: str
+    session: DraftSession
+    depth: GuessDepth
+    guess_s: float = 0.0  # running mean of its propose time
+    guesses: int = 0
+
+    def timed_guess(self, written: list[int], wanted: int) -> list[int]:
+        tick = time.perf_counter()
+        guess = self.session.propose(written, wanted).tokens[:wanted]
+        elapsed = time.perf_counter() - tick
+        self.guesses += 1
+        self.guess_s += (elapsed - self.guess_s) / min(self.guesses, 16)
+        return guess
+
+
+@dataclass
+class LevelChooser:
+    """Which lower level guesses each round, and how deep: the only one there is, or (``levels=auto``) the one
+    with the best expected draft-model tokens per second (see the module docstring)."""
+
+    levels: list[LowerLevel]
+    forward_s: float = 0.0  # running mean of a draft forward's seconds, per one-token-forward of cost
+    forwards: int = 0
+    rounds_without: int = 0
+
+    def choose(self, room: int) -> tuple[LowerLevel | None, int]:
+        if len(self.levels) == 1:
+            level = self.levels[0]
+            return level, level.depth.next(room)
+        if room <= 0:
+            return None, 0
+        scale = self.forward_s or 1.0
+        rated = [(level.depth.best(room, level.guess_s / scale), level) for level in self.levels]
+        (depth, rate), level = max(rated, key=lambda item: item[0][1])
+        if depth > 0:
+            self.rounds_without = 0
+            return level, depth
+        self.rounds_without += 1
+        if self.rounds_without % PROBE_EVERY:
+            return None, 0
+        return min(self.levels, key=lambda lv: sum(lv.depth.reached[:1])), 1  # the least-tried level probes
+
+    def timed_forward(self, seconds: float, width: int) -> None:
+        """Learn the seconds of a one-token draft forward from one of ``width`` tokens (its cost curve)."""
+        self.forwards += 1
+        relative = self.levels[0].depth.cost(width)
+        self.forward_s += (seconds / relative - self.forward_s) / min(self.forwards, 16)
 
 
 @register_drafter("hsd")
@@ -117,9 +185,12 @@ class HierarchicalDrafter(Drafter):
         if draft_model is None:
             raise SpecDecodeError("drafter 'hsd' needs --draft-model (the level the target verifies)")
         names = [name.strip() for name in str(levels).split(",")]
-        if len(names) != 2 or names[1] != "draft-model" or names[0] not in LOWER_LEVELS:
+        if names == ["auto"]:
+            names = ["auto", "draft-model"]
+        if len(names) != 2 or names[1] != "draft-model" or names[0] not in (*LOWER_LEVELS, "auto"):
             raise SpecDecodeError(
-                f"hsd levels must be 'LOWER,draft-model' with LOWER one of {', '.join(LOWER_LEVELS)}; got {levels!r}"
+                f"hsd levels must be 'LOWER,draft-model' with LOWER one of {', '.join(LOWER_LEVELS)}, or auto; "
+                f"got {levels!r}"
             )
         if lower_depth != "auto" and (
             not isinstance(lower_depth, int) or isinstance(lower_depth, bool) or lower_depth < 1
@@ -131,30 +202,34 @@ class HierarchicalDrafter(Drafter):
             else load_model(draft_model, device=target.backend.device)
         )
         check_same_vocabulary(target, self.draft)
-        # The lower level drafts for the draft model: built for it, as if it were the target.
-        self.lower = create_drafter(names[0], self.draft)
-        self.lower_depth = None if lower_depth == "auto" else lower_depth
+        # The lower levels draft for the draft model: built for it, as if it were the target.
+        chosen = LOWER_LEVELS if names[0] == "auto" else (names[0],)
+        self.lowers = {name: create_drafter(name, self.draft) for name in chosen}
+        self.lower_depth = None if lower_depth == "auto" or names[0] == "auto" else lower_depth
 
     def session(self, request: DraftRequest) -> DraftSession:
         lower_request = DraftRequest(prompt_ids=request.prompt_ids, sampling=request.sampling, seed=request.seed)
-        depth = GuessDepth(self.lower_depth)
-        if self.lower_depth is None:  # measured on first use, then cached per model
-            depth.curve = relative_cost_curve(self.draft.backend) or ()
-        return HierarchicalSession(self.draft.backend, self.lower.session(lower_request), request, depth)
+        # The draft model's cost curve: measured on first use, then cached per model.
+        curve = (relative_cost_curve(self.draft.backend) or ()) if self.lower_depth is None else ()
+        levels = [
+            LowerLevel(name, drafter.session(lower_request), GuessDepth(self.lower_depth, curve=curve))
+            for name, drafter in self.lowers.items()
+        ]
+        return HierarchicalSession(self.draft.backend, LevelChooser(levels), request)
 
     def reset(self) -> None:
-        self.lower.reset()
+        for drafter in self.lowers.values():
+            drafter.reset()
 
 
 class HierarchicalSession(DraftSession):
-    """One request: the draft model's cache of it, and the lower level's session drafting for it."""
+    """One request: the draft model's cache of it, and the lower level(s) drafting for it."""
 
-    def __init__(self, backend: CausalLM, lower: DraftSession, request: DraftRequest, depth: GuessDepth) -> None:
+    def __init__(self, backend: CausalLM, chooser: LevelChooser, request: DraftRequest) -> None:
         self.backend = backend
-        self.lower = lower
+        self.chooser = chooser
         self.request = request
         self.generator = request.torch_generator()
-        self.depth = depth
         self.cache = backend.new_cache()
         self.cached: list[int] = []  # the tokens whose entries the draft model's cache holds, in order
         self.draft_forwards = 0  # draft-model forwards so far (what the lower level saves)
@@ -177,11 +252,13 @@ class HierarchicalSession(DraftSession):
         confidence: list[float] = []
         while len(tokens) < max_tokens:
             room = max_tokens - len(tokens) - 1  # the draft model adds a token of its own every round
-            wanted = self.depth.next(room)
-            guess = self.lower.propose(written, wanted).tokens[:wanted] if wanted > 0 else []
+            level, wanted = self.chooser.choose(room)
+            guess = level.timed_guess(written, wanted) if level is not None and wanted > 0 else []
             fed = torch.tensor(pending + guess, dtype=torch.long)
             # Rows: what follows the last written token, then what follows each guessed token.
+            tick = time.perf_counter()
             logits = self.backend.forward(fed, self.cache, logits_rows=slice(len(pending) - 1, None)).logits
+            self.chooser.timed_forward(time.perf_counter() - tick, len(fed))
             self.draft_forwards += 1
             agreed = 0
             while True:
@@ -198,13 +275,18 @@ class HierarchicalSession(DraftSession):
             self.cache.crop(len(self.cached))
             written = [*context, *tokens]
             pending = [token]
-            self.depth.observe(len(guess), agreed)
-            path = tuple(range(agreed))
-            self.lower.observe(written, StepFeedback(Draft(tokens=guess), path, torch.empty(0)))
+            for each in self.chooser.levels:  # every level follows the text; the one that guessed learns how it did
+                mine = each is level
+                if mine:
+                    each.depth.observe(len(guess), agreed)
+                path = tuple(range(agreed)) if mine else ()
+                feedback = StepFeedback(Draft(tokens=guess if mine else []), path, torch.empty(0))
+                each.session.observe(written, feedback)
             if self.request.stop(confidence):  # SpecDec++-style early stop, as draft-model
                 break
         return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None, confidence=confidence)
 
     def finish(self, context: list[int]) -> None:
-        self.lower.finish(context)
+        for level in self.chooser.levels:
+            level.session.finish(context)
         self.cache.release()
