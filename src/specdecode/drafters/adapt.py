@@ -270,7 +270,10 @@ class OnlineAdapter:
         from safetensors.torch import save_file
 
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(self.draft.backend.model).items()}
+        # save_embedding_layers=False: "auto" looks the base model up on the hub (retries without a network).
+        model = self.draft.backend.model
+        state = get_peft_model_state_dict(model, save_embedding_layers=False)
+        state = {k: v.detach().contiguous() for k, v in state.items()}
         partial = directory / f"{WEIGHTS_FILE}.partial"
         save_file(state, str(partial))
         self.config.save_pretrained(str(directory))
