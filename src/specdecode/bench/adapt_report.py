@@ -38,6 +38,12 @@ def _ends(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def paired_ratios(records: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[float]:
+    """Adapted over frozen mean accepted tokens, request by request: the problems' own difficulty cancels out."""
+    pairs = zip(records["frozen"], records["adapted"])
+    return [a["mean_accepted_tokens"] / f["mean_accepted_tokens"] for f, a in pairs]
+
+
 def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
     """Per arm: the first and last :data:`EDGE` requests (the last only once there are 2 x EDGE); whether
     every adapted output equals the frozen one; what adapting cost."""
@@ -47,8 +53,12 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
     different = [f["task_id"] for f, a in pairs if f["token_ids"] != a["token_ids"]]
     train_s = adapted[-1]["adapter_train_s"] if adapted else 0.0
     adapted_wall = sum(r["wall_s"] for r in adapted)
+    ratios = paired_ratios(records)
     return {
         "arms": {arm: _ends(records[arm]) for arm in ("frozen", "adapted")},
+        "paired_ratio_first": _mean(ratios[:EDGE]),
+        "paired_ratio_last": _mean(ratios[-EDGE:]) if len(ratios) >= 2 * EDGE else None,
+        "paired_ratio": _mean(ratios),
         "compared": len(pairs),
         "identical": len(pairs) - len(different),
         "different": different,
@@ -80,7 +90,6 @@ def markdown(results: Mapping[str, Any]) -> str:
     ]
     header = ["drafter", "requests", f"mean accepted, first {EDGE}", f"last {EDGE}", "last / first"]
     header += [f"tok/s first {EDGE}", f"tok/s last {EDGE}", "tok/s all"]
-    frozen_last, adapted_last = arms["frozen"]["last_mean_accepted"], arms["adapted"]["last_mean_accepted"]
     lossless = (
         f"every adapted output equals the frozen one ({s['identical']} of {s['compared']} requests)"
         if not s["different"]
@@ -93,18 +102,20 @@ def markdown(results: Mapping[str, Any]) -> str:
         f"`{settings['draft_model']}` drafting for `{settings['model']}` (vocab_mapping {mapping}), the first "
         f"{settings['requests']} {settings['task']} problems in order, greedy, up to {settings['max_new_tokens']} new "
         f"tokens, draft length {settings['num_draft_tokens']}; adapted: adapt_budget {settings['adapt_budget']}, "
-        f"at most {settings['adapt_steps']} steps per request. Tokens/s count the whole call, training included.",
+        f"at most {settings['adapt_steps']} steps per request, learning rate {settings['adapt_lr'] or 1e-3}. Tokens/s "
+        "count the whole call, training included.",
         "",
         *table(header, rows),
         "",
         f"- Lossless: {lossless}.",
-        f"- Adapted over frozen, last {EDGE} requests: "
-        + (_num(adapted_last / frozen_last, 3) + "x mean accepted tokens" if frozen_last and adapted_last else "–"),
+        "- Adapted over frozen, mean accepted tokens, the mean of per-request ratios: "
+        f"first {EDGE} {_num(s['paired_ratio_first'], 3)}x, last {EDGE} {_num(s['paired_ratio_last'], 3)}x, "
+        f"all {_num(s['paired_ratio'], 3)}x.",
         f"- Adaptation: {s['adapter_steps']} optimizer steps, {_num(s['adapter_train_s'], 1)} s of training, "
         f"{_num(100 * s['train_share'] if s['train_share'] is not None else None, 1)}% of the adapted drafter's "
         "wall time.",
-        f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, threads {env.get('threads')}; load average "
-        f"{env.get('load_average_start')} at the start, {env.get('load_average_end')} at the end.",
+        f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, threads {env.get('threads') or 'governed'}; "
+        f"load average {env.get('load_average_start')} at the start, {env.get('load_average_end')} at the end.",
         "",
     ]
     return "\n".join(lines)
@@ -114,15 +125,21 @@ def plot(results: Mapping[str, Any], path: Path) -> None:
     from specdecode.bench.common import pyplot, save_figure
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, below) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
+    records = results["records"]
     for arm, style in (("frozen", "o-"), ("adapted", "s-")):
-        values = [r["mean_accepted_tokens"] for r in results["records"][arm]]
+        values = [r["mean_accepted_tokens"] for r in records[arm]]
         ax.plot(range(1, len(values) + 1), values, style, markersize=3, linewidth=1, label=arm)
+    ratios = paired_ratios(records)
+    below.plot(range(1, len(ratios) + 1), ratios, "k.-", markersize=3, linewidth=0.8)
+    below.axhline(1.0, color="grey", linewidth=0.8)
     settings = results["settings"]
-    ax.set_xlabel(f"request ({settings['task']}, in order)")
+    below.set_xlabel(f"request ({settings['task']}, in order)")
     ax.set_ylabel("mean accepted tokens per step")
+    below.set_ylabel("adapted / frozen")
     ax.set_title(f"{settings['draft_model']} → {settings['model']}: online adaptation")
-    ax.grid(alpha=0.3)
+    for axis in (ax, below):
+        axis.grid(alpha=0.3)
     ax.legend()
     save_figure(fig, path)
 
