@@ -30,7 +30,6 @@ change what is generated.  ``adapt_save=DIR`` writes the adapter (peft's ``adapt
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -38,13 +37,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from specdecode.drafters.adapt_data import Example
 from specdecode.errors import SpecDecodeError
 from specdecode.models.fastpath import PackedLinear
-from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import LoadedModel
+from specdecode.models.lora import lora_targets, shared_copy
 
 #: Decoder layers (the last ones) whose linear layers get LoRA.
 LORA_LAYERS = 8
@@ -129,45 +127,6 @@ class AdaptOptions:
         )
 
 
-def shared_copy(loaded: LoadedModel) -> LoadedModel:
-    """A new module tree for ``loaded``'s model whose tensors are the originals' (parameters as new,
-    frozen Parameter objects on the same storage): adapting it never changes the original.  A plain
-    ``deepcopy`` would copy every weight, and cannot copy oneDNN-packed ones at all."""
-    model = loaded.backend.model
-    memo: dict[int, Any] = {}
-    for tensor in model.parameters(recurse=True):
-        memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=False)
-    for tensor in model.buffers(recurse=True):
-        memo[id(tensor)] = tensor
-    twin = copy.deepcopy(model, memo)
-    return LoadedModel(name=loaded.name, backend=HFCausalLM(twin, loaded.name), tokenizer=loaded.tokenizer)
-
-
-def lora_targets(model: nn.Module, num_layers: int) -> list[str]:
-    """The linear layers of the last :data:`LORA_LAYERS` decoder layers, each made a plain ``nn.Linear``
-    (peft's LoRA wraps those); a quantized draft model is refused."""
-    first = max(0, num_layers - LORA_LAYERS)
-    names = []
-    for name, module in list(model.named_modules()):
-        parts = name.split(".")
-        if "layers" not in parts or parts.index("layers") + 1 >= len(parts) - 1:
-            continue
-        index = parts[parts.index("layers") + 1]
-        if not index.isdigit() or int(index) < first:
-            continue
-        if isinstance(module, PackedLinear):
-            model.set_submodule(name, module.to_linear())
-        elif type(module) is not nn.Linear:
-            if hasattr(module, "in_features") and not isinstance(module, nn.Linear):
-                raise SpecDecodeError("adapt trains LoRA on fp32 layers: use --quantize-draft none")
-            continue
-        model.get_submodule(name).weight.requires_grad_(False)
-        names.append(name)
-    if not names:
-        raise SpecDecodeError(f"adapt found no linear layer to adapt in {type(model).__name__}")
-    return names
-
-
 class OnlineAdapter:
     """The drafter's LoRA adapter, its optimizer and replay buffer: what adaptation shares across requests."""
 
@@ -190,7 +149,7 @@ class OnlineAdapter:
                 if isinstance(module, PackedLinear):
                     model.set_submodule(name, module.to_linear())
         else:
-            targets = lora_targets(model, self.draft.backend.num_layers)
+            targets = lora_targets(model, self.draft.backend.num_layers, LORA_LAYERS)
             config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets)
             config.base_model_name_or_path = loaded.name
         self.config = config
