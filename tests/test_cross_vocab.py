@@ -224,8 +224,11 @@ def test_bad_mapping_and_combinations_are_refused(pair):
         create_drafter("draft-model", target, draft_model=draft, vocab_mapping="ngrams")
     with pytest.raises(SpecDecodeError, match="does not combine"):
         create_drafter("draft-model", target, draft_model=draft, vocab_mapping="text", draft_vocab=64)
-    with pytest.raises(VocabularyMismatchError):  # no mapping: the vocabularies must be the same
-        create_drafter("draft-model", target, draft_model=draft)
+    assert create_drafter("draft-model", target, draft_model=draft).cross.mapping == "text"  # the default
+    with pytest.raises(SpecDecodeError, match="draft_vocab needs a draft model with the target's vocabulary"):
+        create_drafter("draft-model", target, draft_model=draft, draft_vocab=64)
+    with pytest.raises(VocabularyMismatchError):  # hsd: the draft model verifies its own guesses, in its ids
+        create_drafter("hsd", target, draft_model=draft)
 
 
 # -- exact sampling: bigram toys with different vocabularies ------------------------------------------
@@ -290,7 +293,8 @@ def test_cli_drafts_across_vocabularies(capsys, tiny_dirs, mapping):
     assert main([*argv, "--drafter-option", f"vocab_mapping={mapping}", "--json", "--max-new-tokens", "6"]) == 0
     assert '"token_ids"' in capsys.readouterr().out
     assert_one_line_error(capsys, [*argv, "--drafter-option", "vocab_mapping=bytes"], "vocab_mapping must be one of")
-    assert_one_line_error(capsys, argv, "--drafter-option vocab_mapping=intersection|text")  # the hint
+    assert main([*argv, "--json", "--max-new-tokens", "6"]) == 0  # another vocabulary: the text mapping by default
+    assert '"token_ids"' in capsys.readouterr().out
 
 
 def test_cli_does_not_refuse_registered_models_with_a_mapping(capsys, monkeypatch):
@@ -304,7 +308,9 @@ def test_cli_does_not_refuse_registered_models_with_a_mapping(capsys, monkeypatc
     monkeypatch.setattr(loading, "load_model", stop)
     argv = ["generate", "hi", "--model", "smollm2-135m", "--drafter", "draft-model", "--draft-model", "gemma3-270m"]
     assert_one_line_error(capsys, [*argv, "--drafter-option", "vocab_mapping=text"], "would load smollm2-135m")
-    assert_one_line_error(capsys, argv, "vocabulary mismatch")
+    assert_one_line_error(capsys, argv, "would load smollm2-135m")  # the default mapping: text
+    hsd = ["generate", "hi", "--model", "smollm2-135m", "--drafter", "hsd", "--draft-model", "gemma3-270m"]
+    assert_one_line_error(capsys, hsd, "vocabulary mismatch")
 
 
 # -- a real pair ----------------------------------------------------------------------------------------

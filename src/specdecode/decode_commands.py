@@ -160,7 +160,7 @@ def check_registry_vocabularies(target: str, draft: str) -> None:
     raise VocabularyMismatchError(
         f"vocabulary mismatch: draft model {draft!r} has {draft_size:,} tokens, target {target!r} {target_size:,} "
         f"(from the registry, before downloading anything); choose a draft model with the target's vocabulary ({hint}) "
-        "or draft across vocabularies with --drafter-option vocab_mapping=intersection|text"
+        "or draft across vocabularies with --drafter draft-model (vocab_mapping=text|ngram|intersection)"
     )
 
 
@@ -193,7 +193,9 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     options = dict(parse_option(o) for o in args.drafter_option)
     options["draft_model"] = args.draft_model
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
-    target, draft = load_models(args, options.get("draft_model"), "vocab_mapping" not in options)
+    # draft-model drafts across vocabularies (a mapping by default); other drafters need the target's vocabulary.
+    same_vocabulary = drafter != "draft-model" and "vocab_mapping" not in options
+    target, draft = load_models(args, options.get("draft_model"), same_vocabulary)
     if draft is not None:
         options["draft_model"] = draft
     return SpeculativeGenerator.build(target, drafter, defaults, **options)

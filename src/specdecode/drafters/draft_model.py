@@ -8,8 +8,10 @@ only the missing tokens are fed — so rollback is exact whatever the verifier d
 (VocabTrim, :mod:`specdecode.drafters._vocab`): on a CPU a 0.5B model's 152k-row head is a quarter of
 its forward.  Tokens outside are never drafted, which cannot change the output.
 
-``vocab_mapping=intersection|text|ngram`` lets a draft model with *another* vocabulary draft
-(:mod:`specdecode.drafters.cross_vocab`); without it the vocabularies must be the same.
+A draft model with *another* vocabulary drafts through ``vocab_mapping=intersection|text|ngram``
+(:mod:`specdecode.drafters.cross_vocab`), by default :data:`DEFAULT_VOCAB_MAPPING`: ``text`` measured fastest
+(smollm2-135m drafting for qwen2.5-coder-1.5b on four tasks: text 1.16x plain, ngram 1.12x, intersection 1.09x;
+``docs/results/cross-vocab-qwen2.5-coder-1.5b-4tasks``).  The same vocabulary keeps the direct path.
 
 ``adapt=true`` fine-tunes the draft model online on what the target verifies (LoRA, within a compute
 budget, between requests; ``adapt_budget``, ``adapt_steps``, ``adapt_lr``, ``adapt_save``, ``adapt_load``:
@@ -34,7 +36,7 @@ from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
 from specdecode.drafters.adapt_data import AdaptingSession, cross_vocab_example, same_vocab_example
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
-from specdecode.errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
 from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
@@ -59,6 +61,10 @@ def choose_draft_token(
     probs = sampling_probs(logits, sampling).cpu()
     token = sample(probs, generator)
     return token, probs, float(probs[token])
+
+
+#: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
+DEFAULT_VOCAB_MAPPING = "text"
 
 
 @register_drafter("draft-model")
@@ -95,10 +101,15 @@ class DraftModelDrafter(Drafter):
         self.adapter = OnlineAdapter(self.draft, adapting) if adapting is not None else None
         if self.adapter is not None:
             self.draft = self.adapter.draft
-        # Another vocabulary: cross_vocab.py translates both ways (None: the vocabularies must be one).
+        # Another vocabulary: cross_vocab.py translates both ways, by the mapping named or the default one.
+        if vocab_mapping is None:
+            try:
+                check_same_vocabulary(target, self.draft)
+            except VocabularyMismatchError:
+                if draft_vocab:
+                    raise SpecDecodeError("draft_vocab needs a draft model with the target's vocabulary") from None
+                vocab_mapping = DEFAULT_VOCAB_MAPPING
         self.cross = CrossVocabulary.build(vocab_mapping, target, self.draft) if vocab_mapping else None
-        if self.cross is None:
-            check_same_vocabulary(target, self.draft)
         # VocabTrim: the draft model's LM head over its first ``draft_vocab`` ids and the prompt's (0: all).
         self.head = None
         if draft_vocab:

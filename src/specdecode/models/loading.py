@@ -148,5 +148,5 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
             f"{len(draft.tokenizer)} tokens) does not share the tokenizer of target {target.name!r} "
             f"({type(target.tokenizer).__name__}, {len(target.tokenizer)} tokens); "
             "choose a draft model with the same vocabulary, or draft across vocabularies with "
-            "--drafter-option vocab_mapping=intersection|text"
+            "--drafter draft-model (--drafter-option vocab_mapping=text|ngram|intersection)"
         )

@@ -64,7 +64,10 @@ def build_service(args: argparse.Namespace):
     if unused := sorted(set(options) - {key for taken in per_drafter.values() for key in taken}):
         raise SpecDecodeError(f"no served drafter takes option(s): {', '.join(unused)}")
     defaults = GenerationConfig(num_draft_tokens=args.num_draft_tokens)
-    target, draft = load_models(args, options.get("draft_model"), "vocab_mapping" not in options)
+    # draft-model drafts across vocabularies (a mapping by default); other drafters need the target's vocabulary.
+    takers = [name for name in names if "draft_model" in per_drafter[name]]
+    same_vocabulary = "vocab_mapping" not in options and any(name != "draft-model" for name in takers)
+    target, draft = load_models(args, options.get("draft_model"), same_vocabulary)
     if draft is not None:
         for taken in per_drafter.values():
             if "draft_model" in taken:
