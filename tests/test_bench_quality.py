@@ -171,3 +171,12 @@ def test_real_model_two_problems(tmp_path):
     assert rows["pld:k=4", "exact"]["same_as_lossless"] == 1.0 and rows["pld:k=4", "exact"]["lossless"]
     assert not rows["pld:k=4", "fly"]["lossless"]
     assert all(r["result"] for r in results["records"].values())
+
+
+def test_a_judge_that_was_never_trained_is_refused_before_decoding(tmp_path, tiny_dirs, monkeypatch):
+    settings = resolve_settings(
+        model=str(tiny_dirs["target"]), methods="pld", verifiers="exact,judge", tasks=1, out=str(tmp_path / "q")
+    )
+    forbid(monkeypatch, quality, "decode")
+    with pytest.raises(SpecDecodeError, match="specdecode train judge"):
+        quality.measure_quality(settings, progress=False, problems=tiny_problems()[:1])

@@ -257,6 +257,9 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
     results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
     records: dict[str, dict] = results["records"]
     target = load_model(settings.model)
+    checker = SpeculativeGenerator.build(target, REFERENCE)
+    for verifier in settings.verifiers:  # e.g. judge without a trained judge: refused before anything runs
+        checker.config_for(verifier=verifier.name, verifier_options=verifier.options)
     drafts = {name: load_model(name) for name in sorted({m.draft_model for m in settings.methods} - {None})}
     plan = [(MethodSpec(REFERENCE, spec=REFERENCE), settings.verifiers[:1])]
     plan += [(method, settings.verifiers) for method in settings.methods]
