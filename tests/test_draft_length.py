@@ -229,3 +229,26 @@ def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
     before = [m.value for m in policy.acceptance]
     policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
     assert policy.in_run and [m.value for m in policy.acceptance] == before
+
+
+def test_a_drafter_catching_up_with_the_context_is_no_per_token_cost():
+    """A draft model's first propose prefills the prompt: that time is reported as ``setup_s`` and kept out
+    of the per-token draft cost, which would otherwise make drafting look dear for the requests after it."""
+    policy = CostModelLength(curve=curve(0.05))
+    policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=1.04, verify_s=0.1, setup_s=1.0))
+    for _ in range(5):
+        policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.04, verify_s=0.1))
+    assert policy.draft_cost(4) == pytest.approx(0.04)
+
+
+def test_draft_model_reports_its_prompt_prefill_as_setup(tiny_target, tiny_draft):
+    from specdecode.drafters import create_drafter
+    from specdecode.drafters.base import DraftRequest
+
+    prompt = [5, 6, 7, 8] * 20
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    session = drafter.session(DraftRequest(prompt_ids=tuple(prompt)))
+    first = session.propose(prompt, 3)
+    assert first.setup_s > 0  # 80 prompt tokens fed before the first draft token
+    following = session.propose([*prompt, *first.tokens[:2]], 3)
+    assert drafter.clock.one_token_s > 0 and following.setup_s < first.setup_s

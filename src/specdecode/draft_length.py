@@ -332,8 +332,8 @@ class CostModelLength(DraftLengthPolicy):
         self.others_width = width - step.nodes - 1
         self.scale.add(step.verify_s / self.relative_cost(width))
         self.overhead.add(step.overhead_s)
-        if step.depth:
-            self.draft_cost.add(step.depth, step.draft_s)
+        if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
+            self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
         self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s / step.batch)

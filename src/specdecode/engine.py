@@ -227,6 +227,7 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf
             width=width,
             batch=len(sequences),
             confidence=tuple(draft.confidence) if draft.is_chain and draft.confidence is not None else None,
+            setup_s=min(draft.setup_s, draft_s),
         )
         seq.length_policy.observe(observation)
         accepted = [draft.tokens[node] for node in verdict.path]

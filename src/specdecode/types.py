@@ -27,12 +27,16 @@ class Draft:
     confidence: optional, one number in [0, 1] per node: how likely the drafter thinks the node is right
         given its parent (a draft model's probability of its token, ...).  Only the draft-length policy
         reads it (to stop drafting or trim a chain); verification never does, so it cannot affect output.
+    setup_s: seconds of the propose spent bringing the drafter's own state up to the context (a draft
+        model's prefill of the prompt, the tokens it skipped while drafting was off): a cost of drafting
+        at all, not of this draft's depth, which the draft-length policy must not read as a per-token cost.
     """
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
     confidence: list[float] | None = None
+    setup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.probs is not None and self.probs.shape[0] != len(self.tokens):
@@ -75,13 +79,14 @@ class Draft:
         confidence = [self.confidence[i] for i in kept] if self.confidence is not None else None
         if self.parents is None:  # a chain: depth order is list order
             probs = self.probs[: len(kept)] if self.probs is not None else None
-            return Draft(self.tokens[: len(kept)], probs, confidence=confidence)
+            return Draft(self.tokens[: len(kept)], probs, confidence=confidence, setup_s=self.setup_s)
         new_index = {old: new for new, old in enumerate(kept)}
         return Draft(
             tokens=[self.tokens[i] for i in kept],
             probs=self.probs[kept] if self.probs is not None else None,
             parents=[new_index.get(self.parents[i], -1) if self.parents[i] >= 0 else -1 for i in kept],
             confidence=confidence,
+            setup_s=self.setup_s,
         )
 
 
@@ -146,12 +151,13 @@ class StepObservation:
     depth: int  # how deep the draft actually went (0: nothing drafted)
     nodes: int  # draft tokens verified (a tree has more nodes than depth)
     accepted: int
-    draft_s: float
+    draft_s: float  # the whole propose, setup_s included
     verify_s: float  # the verification forward this sequence took part in (shared by a batch)
     overhead_s: float = 0.0  # the rest of the step: the drafter's observe, bookkeeping, the consumer
     confidence: tuple[float, ...] | None = None  # a chain drafter's confidence per token, if it gives one
     width: int = 0  # inputs of the whole verification forward (all sequences of a batch); 0: nodes + 1
     batch: int = 1  # sequences that shared that forward
+    setup_s: float = 0.0  # of draft_s, the drafter catching up with the context (Draft.setup_s)
 
     @property
     def forward_width(self) -> int:

@@ -25,6 +25,8 @@ happens most often where q is close to p (an independent draw would be accepted 
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -61,6 +63,24 @@ def choose_draft_token(
     probs = sampling_probs(logits, sampling).cpu()
     token = sample(probs, generator)
     return token, probs, float(probs[token])
+
+
+@dataclass
+class ForwardClock:
+    """The seconds of a one-token draft forward, learnt across a drafter's requests: what a forward that also
+    catches up with the context (the prompt, tokens skipped while drafting was off) costs beyond drafting."""
+
+    one_token_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.one_token_s = seconds if not self.one_token_s else 0.9 * self.one_token_s + 0.1 * seconds
+
+    def setup_part(self, seconds: float, tokens: int) -> float:
+        """Of a forward of ``tokens`` that took ``seconds``, the part beyond producing one draft token (before any
+        one-token forward was timed: all but that token's share)."""
+        if self.one_token_s:
+            return max(0.0, seconds - self.one_token_s)
+        return seconds * (tokens - 1) / tokens
 
 
 #: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
@@ -110,6 +130,7 @@ class DraftModelDrafter(Drafter):
                     raise SpecDecodeError("draft_vocab needs a draft model with the target's vocabulary") from None
                 vocab_mapping = DEFAULT_VOCAB_MAPPING
         self.cross = CrossVocabulary.build(vocab_mapping, target, self.draft) if vocab_mapping else None
+        self.clock = ForwardClock()  # shared by its sessions: what a one-token draft forward costs
         # VocabTrim: the draft model's LM head over its first ``draft_vocab`` ids and the prompt's (0: all).
         self.head = None
         if draft_vocab:
@@ -128,7 +149,7 @@ class DraftModelDrafter(Drafter):
             session: DraftSession = self.cross.session(request)
         else:
             rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
-            session = DraftModelSession(self.draft.backend, request, rows)
+            session = DraftModelSession(self.draft.backend, request, rows, self.clock)
         if self.adapter is None:
             return session
         cross = self.cross
@@ -139,8 +160,11 @@ class DraftModelDrafter(Drafter):
 class DraftModelSession(DraftSession):
     """One request: the draft model's own cache of it, its sampling and random stream."""
 
-    def __init__(self, backend: CausalLM, request: DraftRequest, head: HeadRows | None = None) -> None:
+    def __init__(
+        self, backend: CausalLM, request: DraftRequest, head: HeadRows | None = None, clock: ForwardClock | None = None
+    ) -> None:
         self.backend = backend
+        self.clock = clock if clock is not None else ForwardClock()
         self.head = head if head is not None and head.ids is not None else None
         self._final = (backend.num_layers,)
         self._no_rows = torch.empty(0, dtype=torch.long)
@@ -172,8 +196,15 @@ class DraftModelSession(DraftSession):
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
         confidence: list[float] = []
+        setup_s = 0.0
         for index in range(max_tokens):
+            tick = time.perf_counter()
             logits = self._next_logits(pending)
+            elapsed = time.perf_counter() - tick
+            if len(pending) > 1:  # also caught up with the context: its prompt, tokens skipped while not drafting
+                setup_s = self.clock.setup_part(elapsed, len(pending))
+            else:
+                self.clock.add(elapsed)
             token, probs, p = self._choose(logits, len(context) + index)
             tokens.append(token)
             confidence.append(p)
@@ -184,7 +215,8 @@ class DraftModelSession(DraftSession):
             pending = torch.tensor([token], dtype=torch.long)
         # The last drafted token was never fed to the draft model, so the cache ends one before it.
         self.cached_tokens.extend(tokens[:-1])
-        return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None, confidence=confidence)
+        probs_out = torch.stack(prob_rows) if prob_rows else None
+        return Draft(tokens=tokens, probs=probs_out, confidence=confidence, setup_s=setup_s)
 
     def _next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
