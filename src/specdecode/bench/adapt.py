@@ -108,20 +108,19 @@ def fingerprint(settings: AdaptSettings) -> dict[str, Any]:
 
 
 def humaneval_problems(count: int) -> list[dict[str, Any]]:
-    from specdecode.bench.quality import load_problems
+    from specdecode.bench.quality_suites import HumanEval
 
-    problems = load_problems()
-    ids = sorted(problems, key=lambda task_id: int(task_id.rsplit("/", 1)[-1]))
-    if count > len(ids):
-        raise SpecDecodeError(f"--requests: HumanEval has {len(ids)} problems, asked for {count}")
-    return [problems[task_id] for task_id in ids[:count]]
+    problems = HumanEval().problems()  # in task-id order
+    if count > len(problems):
+        raise SpecDecodeError(f"--requests: HumanEval has {len(problems)} problems, asked for {count}")
+    return problems[:count]
 
 
 def decode(generator: Any, problem: dict[str, Any], settings: AdaptSettings) -> dict[str, Any]:
     """One greedy request, timed around the whole call (the adapter trains before it returns)."""
-    from specdecode.bench.quality import problem_request
+    from specdecode.bench.quality_suites import HumanEval
 
-    request = problem_request(generator, problem)
+    request = HumanEval().request(generator, problem)
     started = time.perf_counter()
     result = generator.generate(
         request.ids,

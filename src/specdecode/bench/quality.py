@@ -29,8 +29,6 @@ from specdecode.bench.quality_suites import (
     CHAT_REQUEST,
     CHAT_STOPS,
     STOPS,
-    HumanEval,
-    Request,
     get_suite,
     select_problems,
 )
@@ -157,16 +155,6 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
     values["verifiers"] = tuple(values["verifiers"])
     values["out"] = Path(values["out"])
     return QualitySettings(**values)
-
-
-def load_problems() -> dict[str, dict[str, Any]]:
-    """HumanEval's problems by task id (``bench adapt`` replays them in order)."""
-    return {p["task_id"]: p for p in HumanEval().problems()}
-
-
-def problem_request(generator: SpeculativeGenerator, problem: dict[str, Any]) -> Request:
-    """How ``bench adapt`` puts a HumanEval problem to the model: as this benchmark does."""
-    return HumanEval().request(generator, problem)
 
 
 def record_key(method: str, verifier: str, task_id: str) -> str:
