@@ -218,6 +218,20 @@ def test_a_drafter_that_is_the_target_is_always_right(mapping):
     assert outcome.stats.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
+def test_the_drafters_prompt_prefill_is_reported_as_setup(pair, mapping):
+    """What the drafter spends catching up with the context is Draft.setup_s, which the draft-length policy
+    keeps out of the per-token cost (a cold first request otherwise all but stopped drafting)."""
+    from specdecode.drafters.base import DraftRequest
+
+    target, draft = pair
+    drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping)
+    prompt = target.tokenizer("hello world again and again, hello world again", add_special_tokens=False)["input_ids"]
+    session = drafter.session(DraftRequest(prompt_ids=tuple(prompt)))
+    first = session.propose(list(prompt), 3)
+    assert first.setup_s > 0
+
+
 def test_bad_mapping_and_combinations_are_refused(pair):
     target, draft = pair
     with pytest.raises(SpecDecodeError, match="vocab_mapping must be one of intersection, text, ngram"):

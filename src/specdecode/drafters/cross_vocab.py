@@ -37,12 +37,14 @@ vocabularies twice:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._ngram_merge import MergeCache
 from specdecode.drafters._vocab_map import (
     ContextTranslator,
@@ -88,6 +90,7 @@ class CrossVocabulary:
     draft_table: TokenTable
     vocab_map: VocabMap
     merges: MergeCache = field(default_factory=MergeCache)  # ``ngram``: learnt across requests, bounded
+    clock: ForwardClock = field(default_factory=ForwardClock)  # a one-token drafter forward, across requests
 
     def __post_init__(self) -> None:
         self.single = dict(zip(self.vocab_map.draft_ids.tolist(), self.vocab_map.target_ids.tolist(), strict=True))
@@ -122,11 +125,13 @@ class CrossVocabSession(DraftSession):
         self.translator = ContextTranslator(shared.target_table, shared.draft_table)
         self.cache = self.backend.new_cache()
         self.cached_tokens: list[int] = []
+        self.setup_s = 0.0  # of the current propose: catching up with the context (Draft.setup_s)
 
     def _sync(self, context: list[int], max_tokens: int) -> tuple[torch.Tensor | None, int]:
         """Bring the drafter's cache up to its tokenisation of ``context``: the tokens still to feed (at
         least one) and how many tokens it may draft, or (None, 0) when there is nothing to draft from or
         no room left in its context (the cache is then left as it is)."""
+        self.setup_s = 0.0
         tokens = self.translator.translate(context)
         room = min(max_tokens, self.backend.max_context - len(tokens)) if tokens else 0
         if room <= 0:
@@ -137,7 +142,16 @@ class CrossVocabSession(DraftSession):
         return torch.tensor(tokens[keep:], dtype=torch.long), room
 
     def _logits(self, pending: torch.Tensor) -> torch.Tensor:
-        return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+        """The drafter's next-token logits after ``pending``; a forward of several tokens (the drafter catching
+        up with the context) adds its cost beyond one token's to ``setup_s``."""
+        tick = time.perf_counter()
+        logits = self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
+        elapsed = time.perf_counter() - tick
+        if len(pending) > 1:
+            self.setup_s += self.shared.clock.setup_part(elapsed, len(pending))
+        else:
+            self.shared.clock.add(elapsed)
+        return logits
 
     def _greedy(self, pending: torch.Tensor, room: int, usable: Callable[[int], bool] | None = None) -> list[int]:
         """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary, to its EOS or the
@@ -205,7 +219,8 @@ class IntersectionSession(CrossVocabSession):
             if step + 1 == max_tokens or self.request.stop(confidence):
                 break  # the last drafted token is never fed: the cache ends one before it
             pending = self._feed(int(shared.draft_ids[index]))
-        return Draft(tokens=tokens, probs=torch.stack(rows) if rows else None, confidence=confidence)
+        probs = torch.stack(rows) if rows else None
+        return Draft(tokens=tokens, probs=probs, confidence=confidence, setup_s=self.setup_s)
 
 
 class TextSession(CrossVocabSession):
@@ -216,7 +231,8 @@ class TextSession(CrossVocabSession):
         if pending is None:
             return Draft(tokens=[])
         text = self.shared.draft_table.text(self._greedy(pending, room))
-        return Draft(tokens=draft_to_target(self.shared.target_table, context, text)[:max_tokens])
+        tokens = draft_to_target(self.shared.target_table, context, text)[:max_tokens]
+        return Draft(tokens=tokens, setup_s=self.setup_s)
 
 
 class NgramSession(CrossVocabSession):
@@ -231,7 +247,7 @@ class NgramSession(CrossVocabSession):
         shared.merges.learn(shared.target_table, self.translator.last[0], shared.draft_table, self.translator.last[1])
         members = shared.merges.members
         drafted = self._greedy(pending, room, lambda token: token in shared.single or members[token] > 0)
-        return Draft(tokens=shared.merges.convert(drafted, shared.single)[:max_tokens])
+        return Draft(tokens=shared.merges.convert(drafted, shared.single)[:max_tokens], setup_s=self.setup_s)
 
 
 def draft_to_target(table: TokenTable, context: list[int], draft: bytes) -> list[int]:

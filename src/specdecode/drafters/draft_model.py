@@ -26,12 +26,12 @@ happens most often where q is close to p (an independent draw would be accepted 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._vocab import DraftHead, HeadRows
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
@@ -63,24 +63,6 @@ def choose_draft_token(
     probs = sampling_probs(logits, sampling).cpu()
     token = sample(probs, generator)
     return token, probs, float(probs[token])
-
-
-@dataclass
-class ForwardClock:
-    """The seconds of a one-token draft forward, learnt across a drafter's requests: what a forward that also
-    catches up with the context (the prompt, tokens skipped while drafting was off) costs beyond drafting."""
-
-    one_token_s: float = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.one_token_s = seconds if not self.one_token_s else 0.9 * self.one_token_s + 0.1 * seconds
-
-    def setup_part(self, seconds: float, tokens: int) -> float:
-        """Of a forward of ``tokens`` that took ``seconds``, the part beyond producing one draft token (before any
-        one-token forward was timed: all but that token's share)."""
-        if self.one_token_s:
-            return max(0.0, seconds - self.one_token_s)
-        return seconds * (tokens - 1) / tokens
 
 
 #: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
