@@ -65,6 +65,7 @@ def test_settings_and_seeded_subsets(tmp_path, problems):
 
 
 def test_cli_refuses_bad_settings_in_one_line(capsys):
+    assert_one_line_error(capsys, ["bench", "quality", "--dataset", "mmlu"], "invalid choice")
     assert_one_line_error(capsys, ["bench", "quality", "--verifiers", "jugde"], "unknown verifier 'jugde'")
     assert_one_line_error(capsys, ["bench", "quality", "--tasks", "many"], "--tasks must be a positive integer")
 
@@ -143,7 +144,7 @@ def test_chat_suite_is_not_graded_and_its_report_says_so(tmp_path, tiny_dirs):
         model=str(tiny_dirs["target"]),
         methods="pld",
         verifiers="exact,typical",
-        suite="chat",
+        dataset="chat",
         tasks=2,
         max_new_tokens=6,
         threads=1,

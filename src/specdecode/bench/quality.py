@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     # smollm2-135m's drafters that need no second model and no training.
     "methods": "pld,recycling",
     "verifiers": "exact,fly,fly:window=1,fly:entropy=0.05,typical",
-    "suite": "humaneval",
+    "dataset": "humaneval",
     "tasks": 20,
     "seed": 0,
     "max_new_tokens": 256,
@@ -101,7 +101,7 @@ class QualitySettings:
     model: str
     methods: tuple[MethodSpec, ...]
     verifiers: tuple[VerifierSpec, ...]
-    suite: str
+    dataset: str  # humaneval, champ or chat (``bench``'s own --suite, quick or full, is another thing)
     tasks: int
     seed: int
     max_new_tokens: int
@@ -120,7 +120,7 @@ class QualitySettings:
             ("--memory-mb", self.memory_mb),
             ("--threads", self.threads),
         )
-        get_suite(self.suite)
+        get_suite(self.dataset)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
         for label, value in (("--temperature", self.temperature), ("--timeout-s", self.timeout_s)):
@@ -170,7 +170,7 @@ def decode(
 ) -> dict[str, Any]:
     """One decode of a problem's prompt from a cold drafter, then its answer graded (HumanEval: run in a child
     process)."""
-    suite = get_suite(settings.suite)
+    suite = get_suite(settings.dataset)
     request = suite.request(generator, problem)
     generator.reset_drafter()
     result = generator.generate(
@@ -208,7 +208,7 @@ def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
         "seed": settings.seed,
-        "suite": settings.suite,
+        "dataset": settings.dataset,
         "chat": CHAT_REQUEST,
         "stops": [list(STOPS), list(CHAT_STOPS)],
         "problems": [p["task_id"] for p in problems],
@@ -217,7 +217,7 @@ def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -
 
 def measure_quality(settings: QualitySettings, progress: bool = True, problems: Sequence[dict] | None = None) -> dict:
     """Decode and check every (method, verifier, problem) not already in ``settings.out``/results.json; write
-    results.json after each, then results.md and quality.png.  ``problems`` replaces the suite's (tests)."""
+    results.json after each, then results.md and quality.png.  ``problems`` replaces the dataset's (tests)."""
     from tqdm import tqdm
 
     from specdecode.bench import common, runner
@@ -227,7 +227,7 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
     from specdecode.models.loading import fast_path_default, load_model
     from specdecode.threads import fixed_threads
 
-    suite = get_suite(settings.suite)
+    suite = get_suite(settings.dataset)
     if problems is None:
         problems = select_problems(suite.problems(), settings.tasks, settings.seed)
     chosen = list(problems)
@@ -320,10 +320,10 @@ def add_quality_command(commands: Any) -> None:
         "--tasks",
         default=keep,
         metavar="N",
-        help=f"problems of the suite, a seeded subset (default {DEFAULTS['tasks']}; HumanEval has 164)",
+        help=f"problems of the dataset, a seeded subset (default {DEFAULTS['tasks']}; HumanEval has 164)",
     )
     quality.add_argument(
-        "--suite",
+        "--dataset",
         choices=("humaneval", "champ", "chat"),
         default=keep,
         help="humaneval: pass@1 by running the tests (default); champ: final-answer accuracy on CHAMP math; "
@@ -343,7 +343,7 @@ def add_quality_command(commands: Any) -> None:
 def run_quality(args: Any) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
-    names = ("model", "methods", "verifiers", "suite", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
+    names = ("model", "methods", "verifiers", "dataset", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
     settings = resolve_settings(**_flags(args, *names, "memory_mb", "out", "threads"))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench quality", "results.json, results.md, quality.png", settings, measure_quality, progress)

@@ -70,7 +70,7 @@ def _graded(records: Any) -> int | None:
 
 def _suite_text(s: dict[str, Any], n: int) -> tuple[str, str, str]:
     """(title, what was measured and how it was graded, the metric's column name) of the run's suite."""
-    suite = s.get("suite", "humaneval")
+    suite = s.get("dataset", "humaneval")
     if suite == "champ":
         return (
             "CHAMP math problems",

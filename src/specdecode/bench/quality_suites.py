@@ -1,4 +1,4 @@
-"""The problem sets of ``bench quality`` (``--suite``) and how each answer is graded.
+"""The problem sets of ``bench quality`` (``--dataset``) and how each answer is graded.
 
 * ``humaneval``: code; a completion passes when the problem's tests run clean in a limited child process
   (:mod:`specdecode.bench.quality_exec`).  Metric: pass@1.
