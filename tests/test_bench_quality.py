@@ -65,7 +65,7 @@ def test_settings_and_seeded_subsets(tmp_path, problems):
 
 
 def test_cli_refuses_bad_settings_in_one_line(capsys):
-    assert_one_line_error(capsys, ["bench", "quality", "--dataset", "mmlu"], "invalid choice")
+    assert_one_line_error(capsys, ["bench", "quality", "--dataset", "mmlu"], "unknown --dataset 'mmlu'")
     assert_one_line_error(capsys, ["bench", "quality", "--verifiers", "jugde"], "unknown verifier 'jugde'")
     assert_one_line_error(capsys, ["bench", "quality", "--tasks", "many"], "--tasks must be a positive integer")
 

@@ -324,7 +324,6 @@ def add_quality_command(commands: Any) -> None:
     )
     quality.add_argument(
         "--dataset",
-        choices=("humaneval", "champ", "chat"),
         default=keep,
         help="humaneval: pass@1 by running the tests (default); champ: final-answer accuracy on CHAMP math; "
         "chat: MT-Bench/ShareGPT, equality with the lossless answer only",

@@ -161,7 +161,7 @@ SUITES: dict[str, Suite] = {suite.name: suite for suite in (HumanEval(), Champ()
 
 def get_suite(name: object) -> Suite:
     if not isinstance(name, str) or name not in SUITES:
-        raise SpecDecodeError(f"unknown quality suite {name!r}; choose from {', '.join(SUITES)}")
+        raise SpecDecodeError(f"unknown --dataset {name!r}; choose from {', '.join(SUITES)}")
     return SUITES[name]
 
 
