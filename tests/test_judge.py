@@ -70,7 +70,8 @@ def test_threshold_reaches_the_precision_asked_for():
     threshold, report = choose_threshold(scores, truth, precision=1.0)
     assert threshold == 0.75 and report["held_out_recall"] == pytest.approx(2 / 3, abs=1e-3)
     assert choose_threshold(scores, ~truth | True, precision=1.0)[0] == 0.25
-    assert choose_threshold(scores, torch.zeros(5, dtype=torch.bool), 0.5)[0] == 1.0  # nothing to keep
+    threshold, report = choose_threshold(scores, truth, precision=1.01)  # unreachable: the best F1 instead
+    assert threshold == 0.5 and not report["precision_reached"] and report["held_out_recall"] == 1.0
 
 
 def test_fit_judge_learns_a_separable_rule_and_refuses_one_class():

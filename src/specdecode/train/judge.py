@@ -10,7 +10,8 @@ writes next.  Features: the final hidden state at the substitute and the two num
 
 The classifier is logistic regression on standardised features (class-weighted, full batch, AdamW).  The
 threshold is the lowest score whose held-out precision reaches ``--precision``: of the mismatches the judge
-keeps, that share is harmless by the label's definition; the held-out recall says how many it finds.
+keeps, that share is harmless by the label's definition; the held-out recall says how many it finds.  Where
+no threshold reaches it, the threshold with the best F1 is taken and the report says so.
 """
 
 from __future__ import annotations
@@ -113,19 +114,31 @@ def fit_judge(
 
 
 def choose_threshold(scores: torch.Tensor, truth: torch.Tensor, precision: float) -> tuple[float, dict]:
-    """The lowest score threshold whose precision on (``scores``, ``truth``) is >= ``precision`` (1.0, keeping
-    nothing, if none is), with the precision and recall it gives there."""
-    best = (1.0, 1.0, 0.0)
+    """The lowest score threshold whose precision on (``scores``, ``truth``) is >= ``precision``, with the
+    precision and recall it gives there.  When no threshold reaches it, the one with the best F1 (a judge that
+    keeps nothing would be the exact verifier under another name); the report says which."""
+    best = None
+    best_f1 = (0.0, 1.0, 1.0, 0.0)
+    positives = max(int(truth.sum()), 1)
     for threshold in sorted(set(scores.tolist()), reverse=True):
         kept = scores >= threshold
         hits = int((kept & truth).sum())
-        if hits and hits / int(kept.sum()) >= precision:
-            best = (threshold, hits / int(kept.sum()), hits / max(int(truth.sum()), 1))
-    threshold, got_precision, recall = best
+        if not hits:
+            continue
+        got, recall = hits / int(kept.sum()), hits / positives
+        if got >= precision:
+            best = (threshold, got, recall)
+        f1 = 2 * got * recall / (got + recall)
+        if f1 > best_f1[0]:
+            best_f1 = (f1, threshold, got, recall)
+    reached = best is not None
+    threshold, got, recall = best if reached else best_f1[1:]
     return threshold, {
         "held_out": len(truth),
         "threshold": round(threshold, 4),
-        "held_out_precision": round(got_precision, 4),
+        "precision_asked": precision,
+        "precision_reached": reached,
+        "held_out_precision": round(got, 4),
         "held_out_recall": round(recall, 4),
     }
 

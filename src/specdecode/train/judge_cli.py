@@ -74,6 +74,7 @@ def cmd_train_judge(args: argparse.Namespace) -> int:
         f"{report['harmless_share']:.0%} harmless (the next {args.window} tokens unchanged); held-out "
         f"({report['held_out']}) at threshold {report['threshold']:.3f}: precision {report['held_out_precision']:.0%}, "
         f"recall {report['held_out_recall']:.0%}"
+        + ("" if report["precision_reached"] else f" (precision {args.precision:.0%} not reached: the best F1 instead)")
     )
     print(f"answers {generated:.0f} s, alternatives {collecting:.0f} s; saved {out}")
     hint = "" if not args.out else f" --verifier-option judge={out}"
