@@ -45,7 +45,7 @@ from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
 from specdecode.verify.coupled import verify_coupled
 from specdecode.verify.fly import verify_fly
 from specdecode.verify.greedy import verify_greedy
-from specdecode.verify.judge import judge_directory, load_judge, verify_judge
+from specdecode.verify.judge import judge_for, verify_judge
 from specdecode.verify.rejection import verify_speculative_sampling
 from specdecode.verify.relaxed import TargetRows
 from specdecode.verify.typical import verify_typical
@@ -174,7 +174,7 @@ class TargetVerifier:
             if seq.config.verifier == "judge":  # lossy, chosen by the request: reads the final hidden states
                 size = self.target.hidden_size
                 final, hidden = hidden[:, -size:], hidden[:, :-size] if seq.session.hidden_layers else None
-                judge = load_judge(str(judge_directory(self.target.name, seq.config.relaxed.judge)), size)
+                judge = judge_for(self.target.name, seq.config.relaxed.judge, size)
                 verdict = verify_judge(rows, draft, seq.config.relaxed, judge, final)
             elif seq.config.verifier in RELAXED:  # lossy, chosen by the request (--verifier): never by default
                 verdict = RELAXED[seq.config.verifier](rows, draft, seq.config.relaxed)

@@ -21,7 +21,7 @@ from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
-from specdecode.verify.judge import judge_directory, load_judge
+from specdecode.verify.judge import judge_for
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -157,7 +157,7 @@ class SpeculativeGenerator:
         )
         if config.verifier == "judge":  # its judge must exist before the request runs (CLI exit 2, HTTP 400)
             backend = require_capability(self.target.backend, HiddenStates, "verifier 'judge'")
-            load_judge(str(judge_directory(self.target.backend.name, config.relaxed.judge)), backend.hidden_size)
+            judge_for(self.target.backend.name, config.relaxed.judge, backend.hidden_size)
         return config
 
     @property

@@ -59,17 +59,19 @@ def check_manifest(directory: Path) -> None:
             raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
 
 
-def head_directory(option: str | None, model_name: str, artifact: str, drafter: str, what: str, flag: str) -> Path:
-    """Where a drafter's trained head is: the directory ``option`` names, or ``artifact`` next to the model.
+def head_directory(
+    option: str | None, model_name: str, artifact: str, drafter: str, what: str, flag: str, user: str = "drafter"
+) -> Path:
+    """Where a trained head is: the directory ``option`` names, or ``artifact`` next to the model.
 
-    Without one the drafter cannot run, so the error says how to make it: the ``specdecode train
-    {drafter}`` command, or the ``--drafter-option {flag}=DIR`` that points at an existing one.
-    ``what`` names the thing wanted ("a head", "heads")."""
+    Without one the ``user`` (a drafter, or a verifier: the judge) named ``drafter`` cannot run, so the error
+    says how to make it: the ``specdecode train {drafter}`` command, or the ``--{user}-option {flag}=DIR`` that
+    points at an existing one.  ``what`` names the thing wanted ("a head", "heads", "a judge")."""
     path = Path(option).expanduser() if option else trained_artifact_path(model_name, artifact)
     if path is None or not (path / CONFIG_FILE).is_file():
         where = f" (looked in {path})" if path else ""
         raise SpecDecodeError(
-            f"drafter {drafter!r} needs {what} trained for {model_name!r}{where}: run "
-            f"`specdecode train {drafter} --model {model_name}` first, or pass --drafter-option {flag}=DIR"
+            f"{user} {drafter!r} needs {what} trained for {model_name!r}{where}: run "
+            f"`specdecode train {drafter} --model {model_name}` first, or pass --{user}-option {flag}=DIR"
         )
     return path

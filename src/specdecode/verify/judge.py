@@ -33,8 +33,7 @@ from safetensors.torch import load_file
 
 from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.files import CONFIG_FILE, WEIGHTS_FILE, check_manifest, write_head_files
-from specdecode.models.artifacts import trained_artifact_path
+from specdecode.heads.files import CONFIG_FILE, WEIGHTS_FILE, check_manifest, head_directory, write_head_files
 from specdecode.types import Draft, Verdict
 from specdecode.verify.relaxed import TargetRows, entropy, relaxed_walk
 
@@ -109,23 +108,18 @@ def verify_judge(rows: TargetRows, draft: Draft, params: RelaxedParams, judge: J
     return relaxed_walk(rows, draft, keep)
 
 
-def judge_directory(model_name: str, option: str | None) -> Path:
-    """The judge's directory: ``option`` (``--verifier-option judge=DIR``) or next to the model; an error that
-    says how to make one when there is none."""
-    path = Path(option).expanduser() if option else trained_artifact_path(model_name, JUDGE_ARTIFACT)
-    if path is None or not (path / CONFIG_FILE).is_file():
-        where = f" (looked in {path})" if path else ""
-        raise SpecDecodeError(
-            f"verifier 'judge' needs a judge trained for {model_name!r}{where}: run "
-            f"`specdecode train judge --model {model_name}` first, or pass --verifier-option judge=DIR"
-        )
-    return path
-
-
 @lru_cache(maxsize=8)
-def load_judge(directory: str, hidden_size: int) -> Judge:
-    """A saved judge (SHA-256 checked), refused when made for another hidden size; loaded once per process."""
-    path = Path(directory)
+def judge_for(model_name: str, option: str | None, hidden_size: int) -> Judge:
+    """The judge of ``--verifier judge`` for ``model_name``: in ``option`` (``--verifier-option judge=DIR``) or
+    next to the model, found and loaded once per process — every verification step of a judged request asks
+    for it, and finding a registry model's directory checks its files.  Without one, an error that says how
+    to make it."""
+    path = head_directory(option, model_name, JUDGE_ARTIFACT, "judge", "a judge", "judge", user="verifier")
+    return load_judge(path, hidden_size)
+
+
+def load_judge(path: Path, hidden_size: int) -> Judge:
+    """A saved judge (SHA-256 checked), refused when made for another hidden size."""
     try:
         check_manifest(path)
         config = json.loads((path / CONFIG_FILE).read_text())
