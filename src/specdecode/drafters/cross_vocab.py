@@ -37,7 +37,6 @@ vocabularies twice:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -144,14 +143,11 @@ class CrossVocabSession(DraftSession):
     def _logits(self, pending: torch.Tensor) -> torch.Tensor:
         """The drafter's next-token logits after ``pending``; a forward of several tokens (the drafter catching
         up with the context) adds its cost beyond one token's to ``setup_s``."""
-        tick = time.perf_counter()
-        logits = self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
-        elapsed = time.perf_counter() - tick
-        if len(pending) > 1:
-            self.setup_s += self.shared.clock.setup_part(elapsed, len(pending))
-        else:
-            self.shared.clock.add(elapsed)
-        return logits
+        out, catching_up = self.shared.clock.timed(
+            lambda: self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)), len(pending)
+        )
+        self.setup_s += catching_up
+        return out.logits[0]
 
     def _greedy(self, pending: torch.Tensor, room: int, usable: Callable[[int], bool] | None = None) -> list[int]:
         """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary, to its EOS or the

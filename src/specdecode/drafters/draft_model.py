@@ -25,7 +25,6 @@ happens most often where q is close to p (an independent draw would be accepted 
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
@@ -180,13 +179,9 @@ class DraftModelSession(DraftSession):
         confidence: list[float] = []
         setup_s = 0.0
         for index in range(max_tokens):
-            tick = time.perf_counter()
-            logits = self._next_logits(pending)
-            elapsed = time.perf_counter() - tick
-            if len(pending) > 1:  # also caught up with the context: its prompt, tokens skipped while not drafting
-                setup_s = self.clock.setup_part(elapsed, len(pending))
-            else:
-                self.clock.add(elapsed)
+            # The first forward may also catch up with the context: its prompt, tokens skipped while not drafting.
+            logits, catching_up = self.clock.timed(partial(self._next_logits, pending), len(pending))
+            setup_s += catching_up
             token, probs, p = self._choose(logits, len(context) + index)
             tokens.append(token)
             confidence.append(p)
