@@ -9,8 +9,6 @@ import json
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import specdecode.drafters.adapt as adapt
 import specdecode.drafters.adapt_data as adapt_data
@@ -19,7 +17,7 @@ from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.fastpath import PackedLinear
-from tiny_models import wrap
+from tiny_models import bpe_tokenizer, tiny_model
 
 #: Train on every request, two steps each, whatever the time: a reproducible number of updates.
 EVERY_REQUEST = {"adapt": "true", "adapt_budget": 1e6, "adapt_steps": 2, "adapt_lr": 1e-2}
@@ -74,33 +72,15 @@ def test_a_batch_of_sessions_keeps_plain_output_when_one_finishes_and_trains(tin
 # -- across vocabularies ---------------------------------------------------------------------------------
 
 
-def char_tokenizer(extra: list[str] = (), merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
-    pieces = [*"abcdefgh ", *extra]
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges)))
-    )
-
-
-def char_model(tokenizer, seed: int, layers: int):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-    )
-    return wrap(LlamaForCausalLM(config).eval(), tokenizer, name=f"char-{seed}")
+def char_tokenizer(extra: list[str] = (), merges: list[tuple[str, str]] = ()):
+    return bpe_tokenizer([*"abcdefgh ", *extra], merges)
 
 
 @pytest.mark.parametrize("mapping", ["intersection", "text", "ngram"])
 def test_across_vocabularies_output_is_plain_decodings_and_the_drafter_learns(mapping):
     """The target merges characters the drafter spells one by one; both see the same text."""
     tokenizer = char_tokenizer(["ab", "abc", "de"], [("a", "b"), ("ab", "c"), ("d", "e")])
-    target, draft = char_model(tokenizer, 0, layers=3), char_model(char_tokenizer(), 1, layers=2)
+    target, draft = tiny_model(tokenizer, 0, layers=3), tiny_model(char_tokenizer(), 1, layers=2)
     drafter = create_drafter("draft-model", target, draft_model=draft, vocab_mapping=mapping, **EVERY_REQUEST)
     prompt = tokenizer.encode("abc de fgh")
     means = []

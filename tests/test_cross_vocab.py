@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer, Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
+from transformers import PreTrainedTokenizerFast
 
 import specdecode.drafters.cross_vocab
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
@@ -20,7 +20,7 @@ from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sampling_probs
-from tiny_models import wrap
+from tiny_models import bpe_tokenizer, tiny_model
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "def f(x): return x + 1"] * 20
 TEXTS = [" hello world the fox", "def f(x):\n\treturn x+1 # ä 漢 😀", "hello</s>there<s>"]
@@ -40,28 +40,6 @@ def metaspace_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=trained._tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
-
-
-def bpe_tokenizer(pieces: list[str], merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
-    """A BPE over the given pieces (characters, or merges of them), no pre-tokeniser, no specials."""
-    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges)))
-    return PreTrainedTokenizerFast(tokenizer_object=backend)
-
-
-def tiny_model(tokenizer, seed: int, layers: int = 2) -> LoadedModel:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.3,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return wrap(LlamaForCausalLM(config).eval(), tokenizer, name=f"tiny-{seed}")
 
 
 # -- token bytes and the map ------------------------------------------------------------------------

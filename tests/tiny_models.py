@@ -65,3 +65,26 @@ def save_tiny(path: Path, seed: int, words: list[str] | None = None, layers: int
 
 def wrap(model, tokenizer, name: str = "tiny") -> LoadedModel:
     return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
+
+
+def bpe_tokenizer(pieces: list[str], merges: list[tuple[str, str]] = ()) -> PreTrainedTokenizerFast:
+    """A BPE over the given pieces (characters, or merges of them), no pre-tokeniser, no specials."""
+    backend = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=list(merges)))
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def tiny_model(tokenizer, seed: int, layers: int = 2) -> LoadedModel:
+    """A tiny random Llama over ``tokenizer``'s vocabulary (its EOS, if it has one), loaded in memory."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return wrap(LlamaForCausalLM(config).eval(), tokenizer, name=f"tiny-{seed}")
