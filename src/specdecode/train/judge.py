@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import CausalLM, HiddenStates
+from specdecode.models.base import CausalLM, HiddenStates, require_capability
 from specdecode.verify.judge import Judge, judge_features, plausible
 
 
@@ -156,8 +156,7 @@ def train_judge(
     progress: bool = True,
 ) -> tuple[Judge, float]:
     """(the judge, seconds spent collecting) from ``(prompt + answer, answer start)`` pairs."""
-    if not isinstance(backend, HiddenStates):
-        raise SpecDecodeError("judge training needs a backend that exposes hidden states (HiddenStates)")
+    require_capability(backend, HiddenStates, "judge training")
     rng = random.Random(seed)
     examples = Examples([], [])
     started = time.perf_counter()
