@@ -14,6 +14,7 @@ from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models import loading
+from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import Int4Linear, Int8Linear, quantize_model, quantize_supported
 from tiny_models import tiny_llama
 
@@ -83,6 +84,48 @@ def test_speculative_greedy_equals_plain_greedy_of_the_same_quantized_model(quan
             for k in (3, "auto"):
                 tokens, _ = run(target, drafter, prompt, max_new_tokens=40, num_draft_tokens=k)
                 assert tokens == plain, f"{name} (k={k}, {mode}) diverged from plain greedy decoding"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quantized, mode):
+    """Bitwise, not close: a quantized layer rounds its input to bf16, so a last-bit difference in attention
+    can move a logit by a whole bf16 step and break a near-tie unlike plain decoding.  Chain rows, tree nodes
+    (each against plain decoding of its own branch), and rows beside another sequence in a batch."""
+    backend = quantized[mode][0].backend
+    assert backend.row_invariant_attention
+    prompt = torch.tensor(PROMPTS[0])
+
+    def prefilled(pool=None):
+        cache = (pool or backend.new_pool()).allocate()
+        backend.forward_batch([SequenceInput(prompt, cache)])
+        return cache
+
+    def fed_alone(branch: list[int]) -> list[torch.Tensor]:
+        cache = prefilled()
+        return [backend.forward_batch([SequenceInput(torch.tensor([t]), cache)])[0].logits[0] for t in branch]
+
+    a, b = fed_alone([5, 6, 7]), fed_alone([5, 9, 3])
+    chain = backend.forward_batch([SequenceInput(torch.tensor([5, 6, 7]), prefilled())])[0].logits
+    assert all(torch.equal(chain[i], a[i]) for i in range(3))
+    # Tree: 0:5, 1:6 and 2:9 under it, 3:7 under 1, 4:3 under 2.
+    parents = [-1, 0, 0, 1, 2]
+    mask = torch.zeros(5, 5, dtype=torch.bool)
+    for node in range(5):
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, ancestor], ancestor = True, parents[ancestor]
+    positions = len(PROMPTS[0]) + torch.tensor([0, 1, 1, 2, 2])
+    tree = backend.forward_batch(
+        [SequenceInput(torch.tensor([5, 6, 9, 7, 3]), prefilled(), positions=positions, tree_mask=mask)]
+    )[0].logits
+    for node, expected in [(0, a[0]), (1, a[1]), (3, a[2]), (2, b[1]), (4, b[2])]:
+        assert torch.equal(tree[node], expected), f"tree node {node}"
+    pool = backend.new_pool()
+    first, second = prefilled(pool), prefilled(pool)
+    beside = backend.forward_batch(
+        [SequenceInput(torch.tensor([5, 6, 7]), first), SequenceInput(torch.tensor([1, 2]), second)]
+    )[0].logits
+    assert all(torch.equal(beside[i], a[i]) for i in range(3))
 
 
 def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dirs):

@@ -29,6 +29,7 @@ from specdecode.models.base import (
     LayerwiseExecution,
     SequenceInput,
 )
+from specdecode.models.quantize import QuantizedLinear
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.threads import GOVERNOR
 
@@ -66,6 +67,9 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         self.config = config
         for each in {id(model.config): model.config, id(config): config}.values():
             each._attn_implementation = ATTENTION
+        # Quantized layers are batch invariant and round their input to bf16: attention must be invariant
+        # too, or a verification forward breaks bf16-step near-ties unlike plain decoding (RaggedBatch).
+        self.row_invariant_attention = any(isinstance(m, QuantizedLinear) for m in model.modules())
 
     def new_pool(self) -> SlotPool:
         return SlotPool(self.device)
@@ -139,7 +143,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             logit_rows.append(wanted[item.logits_rows] if item.logits_rows is not None else wanted)
             start += n
         pool.reserve(pool.slots, max(seq.end for seq in sequences))
-        batch = RaggedBatch(sequences)
+        batch = RaggedBatch(sequences, row_invariant=self.row_invariant_attention)
         every_row = all(item.logits_rows is None for item in inputs)
         rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
         captured: dict[int, torch.Tensor] = {}

@@ -17,8 +17,10 @@ Lossless: quantization changes the model, not the decoding.  :func:`quantize_mod
 once at load time, so plain decoding and speculative verification run the same quantized weights through
 the same kernels; greedy speculative output equals plain greedy output *of the quantized model* (tested),
 not of the fp32 one.  Both kernels are also batch invariant (measured bitwise, 1 to 64 rows, 1 and 2
-threads): a token's logits do not depend on how many tokens share the forward, which the fp32 path
-cannot promise.
+threads), and the backend then attends row by row (:mod:`specdecode.models.ragged`): a token's logits do
+not depend on how many tokens share the forward, bitwise, which the fp32 path cannot promise.  Bitwise
+matters here: the logits come in bf16 steps, so near-ties are common and a last-bit difference in a
+verification forward would break one differently from plain decoding.
 
 Every decoder ``nn.Linear`` is quantized, and the LM head too (it is 15-21% of the weight bytes of the
 registered models).  A head tied to the input embedding keeps the embedding in fp32 for the look-up and

@@ -9,6 +9,12 @@ queries to its own slot only — its cached positions plus its new tokens under 
 attention is the very same computation whether it runs alone or in a batch.  Called by transformers
 itself (``generate``), the function falls back to transformers' SDPA attention.
 
+For a model whose other layers are batch invariant (weight-only quantized, :mod:`specdecode.models.quantize`),
+``RaggedBatch.row_invariant`` makes attention invariant too: every token that continues a sequence attends
+in its own SDPA call, the one a one-token forward makes, so speculative verification gives each row bitwise
+the logits plain decoding gives it.  A prompt's causal block (nothing cached) keeps one call: plain and
+speculative decoding feed it alike.
+
 The pool keeps, per layer, one tensor ``[slots, kv_heads, capacity, head_dim]`` for keys and one for
 values, grown by doubling; a sequence's cache is a slot and a length.  Cropping is setting the length;
 compacting a verified tree gathers the accepted path within the slot.  Writes beyond the length are
@@ -150,6 +156,8 @@ class RaggedBatch:
     forward, read by every layer's attention."""
 
     sequences: list[SequenceSlice]
+    #: Attend row by row (see :func:`ragged_attention`), for a model whose other layers are batch invariant.
+    row_invariant: bool = False
     _masks: dict[tuple[int, int | None, int], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, index: int, window: int | None, groups: int) -> torch.Tensor | str | None:
@@ -230,6 +238,10 @@ def ragged_attention(
     outputs = []
     for index, seq in enumerate(ragged.sequences):
         n, end = seq.new, seq.end
+        if ragged.row_invariant and seq.past > 0:
+            rows = [_attend_as_one_token(query, key, value, seq, j, scaling, sliding_window) for j in range(n)]
+            outputs.append(torch.cat([row.view(1, heads, 1, dim) for row in rows], dim=2))
+            continue
         keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
         mask = ragged.mask(index, sliding_window, groups)
         if mask is CAUSAL:
@@ -242,6 +254,38 @@ def ragged_attention(
         outputs.append(out.view(1, heads, n, dim))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
+
+
+def _attend_as_one_token(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq: SequenceSlice,
+    row: int,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """New token ``row`` of ``seq`` attended exactly as if it were fed alone after the keys it may see: the same
+    SDPA call, on the same shapes and values, as a one-token forward of plain decoding.  [1, kv_heads, groups, d].
+
+    Why: SDPA is not batch invariant (a row's result depends in the last bits on how many query rows share
+    the call), and a quantized model rounds every layer's input to bf16, so those last bits can move a logit
+    by a whole bf16 step and break a near-tie differently from plain decoding.  A chain row sees the cache and
+    the new tokens before it (a prefix of the slot); a tree row sees the cache and its ancestors, gathered in
+    order: the keys plain decoding of that branch would have cached, in the same columns."""
+    kv_heads, dim = key.shape[1], query.shape[3]
+    groups = query.shape[1] // kv_heads
+    if seq.tree_mask is None:
+        keys = key[seq.slot : seq.slot + 1, :, : seq.past + row + 1]
+        values = value[seq.slot : seq.slot + 1, :, : seq.past + row + 1]
+    else:
+        seen = torch.cat([torch.arange(seq.past), seq.past + torch.nonzero(seq.tree_mask[row]).flatten().cpu()])
+        seen = seen.to(key.device)
+        keys, values = key[seq.slot : seq.slot + 1, :, seen], value[seq.slot : seq.slot + 1, :, seen]
+    alone = SequenceSlice(seq.slot, slice(0, 1), keys.shape[2] - 1, seq.positions[row : row + 1], None)
+    mask = RaggedBatch._build_mask(alone, sliding_window, groups)
+    q = query[:, :, seq.rows.start + row].reshape(1, kv_heads, groups, dim).contiguous()
+    return nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)
