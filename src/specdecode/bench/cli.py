@@ -84,9 +84,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
-    commands = bench.add_subparsers(
-        dest="bench_command", required=False, metavar="{forward-cost,throughput,serve,contention,coupling}"
-    )
+    commands = bench.add_subparsers(dest="bench_command", required=False)  # argparse lists every sub-command
     cost = commands.add_parser(
         "forward-cost", help="time one forward over 1..N new tokens: the cost curve of verification"
     )
