@@ -239,8 +239,7 @@ def ragged_attention(
     for index, seq in enumerate(ragged.sequences):
         n, end = seq.new, seq.end
         if ragged.row_invariant and seq.past > 0:
-            rows = [_attend_as_one_token(query, key, value, seq, j, scaling, sliding_window) for j in range(n)]
-            outputs.append(torch.cat([row.view(1, heads, 1, dim) for row in rows], dim=2))
+            outputs.append(_attend_row_by_row(query, key, value, seq, scaling, sliding_window))
             continue
         keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
         mask = ragged.mask(index, sliding_window, groups)
@@ -256,36 +255,47 @@ def ragged_attention(
     return out.transpose(1, 2), None
 
 
-def _attend_as_one_token(
+def _attend_row_by_row(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     seq: SequenceSlice,
-    row: int,
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """New token ``row`` of ``seq`` attended exactly as if it were fed alone after the keys it may see: the same
-    SDPA call, on the same shapes and values, as a one-token forward of plain decoding.  [1, kv_heads, groups, d].
+    """Each new token of ``seq`` attended exactly as if it were fed alone after the keys it may see: the SDPA
+    call of a one-token forward of plain decoding, on the same shapes and values.  Returns [1, heads, n, d].
 
     Why: SDPA is not batch invariant (a row's result depends in the last bits on how many query rows share
     the call), and a quantized model rounds every layer's input to bf16, so those last bits can move a logit
-    by a whole bf16 step and break a near-tie differently from plain decoding.  A chain row sees the cache and
-    the new tokens before it (a prefix of the slot); a tree row sees the cache and its ancestors, gathered in
-    order: the keys plain decoding of that branch would have cached, in the same columns."""
-    kv_heads, dim = key.shape[1], query.shape[3]
-    groups = query.shape[1] // kv_heads
-    if seq.tree_mask is None:
-        keys = key[seq.slot : seq.slot + 1, :, : seq.past + row + 1]
-        values = value[seq.slot : seq.slot + 1, :, : seq.past + row + 1]
-    else:
-        seen = torch.cat([torch.arange(seq.past), seq.past + torch.nonzero(seq.tree_mask[row]).flatten().cpu()])
-        seen = seen.to(key.device)
-        keys, values = key[seq.slot : seq.slot + 1, :, seen], value[seq.slot : seq.slot + 1, :, seen]
-    alone = SequenceSlice(seq.slot, slice(0, 1), keys.shape[2] - 1, seq.positions[row : row + 1], None)
-    mask = RaggedBatch._build_mask(alone, sliding_window, groups)
-    q = query[:, :, seq.rows.start + row].reshape(1, kv_heads, groups, dim).contiguous()
-    return nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    by a whole bf16 step and break a near-tie differently from plain decoding.  A chain row sees the slot's
+    prefix up to itself.  A tree row must see the cache and then its ancestors in order, as plain decoding of
+    its branch would have cached them: the branch is written into the columns after the cache for its call
+    (a few columns; the cache itself is never copied), and the tree's own layout is put back at the end."""
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    groups = heads // kv_heads
+    slot, past, n = seq.slot, seq.past, seq.new
+    new_columns = slice(past, past + n)
+    if seq.tree_mask is not None:
+        tree_keys, tree_values = key[slot, :, new_columns].clone(), value[slot, :, new_columns].clone()
+    rows = []
+    for row in range(n):
+        seen = past + row + 1
+        if seq.tree_mask is not None:
+            branch = torch.nonzero(seq.tree_mask[row]).flatten()  # its ancestors and itself, in order
+            seen = past + len(branch)
+            key[slot, :, past:seen], value[slot, :, past:seen] = tree_keys[:, branch], tree_values[:, branch]
+        mask = None  # a lone token sees every key before it, unless a sliding window cuts the oldest off
+        if sliding_window is not None:
+            alone = SequenceSlice(slot, slice(0, 1), seen - 1, seq.positions[row : row + 1], None)
+            mask = RaggedBatch._build_mask(alone, sliding_window, groups)
+        q = query[:, :, seq.rows.start + row].reshape(1, kv_heads, groups, dim).contiguous()
+        keys, values = key[slot : slot + 1, :, :seen], value[slot : slot + 1, :, :seen]
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        rows.append(out.view(1, heads, 1, dim))
+    if seq.tree_mask is not None:
+        key[slot, :, new_columns], value[slot, :, new_columns] = tree_keys, tree_values
+    return torch.cat(rows, dim=2)
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)
