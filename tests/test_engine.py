@@ -145,6 +145,27 @@ def test_stream_concatenates_to_generate_and_stop_strings_cut(tiny_target):
     assert stop in generator._decode(cut.token_ids) and stop not in generator._decode(cut.token_ids[:-1])
 
 
+def test_tokens_a_stop_string_cut_from_a_step_are_not_counted(tiny_target):
+    """A step can accept tokens past the one that completes a stop string; they are not returned, so tokens/s
+    and the usage must not count them (plain decoding, which stops at once, would not have made them)."""
+    # The target drafting for itself: every draft is accepted, every step gives 5 tokens.
+    generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_target)
+    params = {"max_new_tokens": 40, "ignore_eos": True, "num_draft_tokens": 4}
+    steps = [e.token_ids for e in generator.stream_events("w1 w2 w3", **params) if e.token_ids]
+    done, candidates = [], []
+    for step in steps:
+        if len(step) >= 3:  # a stop completed by this step's first token leaves two tokens after it
+            candidates.append(generator._decode(done + step[:1]))
+        done += step
+    full = generator._decode(done)
+    stop = next(c[-5:] for c in candidates if full.find(c[-5:]) == len(c) - 5 and c[-5:].strip())
+    cut = generator.generate("w1 w2 w3", stop=[stop], **params)
+    stats = cut.stats
+    assert cut.finish_reason == "stop" and len(cut.token_ids) < len(done)
+    assert stats.new_tokens == len(cut.token_ids) == stats.steps + stats.accepted_tokens
+    assert sum(stats.accepted_at) == stats.accepted_tokens
+
+
 def test_chat_template_is_applied(tiny_target):
     generator = SpeculativeGenerator.build(tiny_target, "none")
     ids = generator.encode_prompt("w5 w6", chat=True)

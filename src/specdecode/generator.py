@@ -281,14 +281,18 @@ class TextAssembler:
         self.text = ""
         self.released = 0
         self.stopped = False
+        self.dropped = 0  # tokens of the last step after the one that completed a stop string
+        self.last_step = 0  # tokens the last step gave
 
     def add(self, new_tokens: list[int]) -> StreamEvent:
         self.generated.extend(new_tokens)
+        self.last_step = len(new_tokens)
         text = self.generator._decode(self.generated)
         cut = _find_stop(text, self.stops, max(0, self.released - self.holdback))
         if cut is not None:
             self.text = text[:cut]
-            self.generated = self.generator._trim_to_stop(self.generated, self.stops)
+            kept = self.generator._trim_to_stop(self.generated, self.stops)
+            self.dropped, self.generated = len(self.generated) - len(kept), kept
             self.stopped = True
             piece, self.released = self.text[self.released :], len(self.text)
             return StreamEvent(text=piece, token_ids=new_tokens)
@@ -301,6 +305,9 @@ class TextAssembler:
         return StreamEvent(text=piece, token_ids=new_tokens)
 
     def finish(self, outcome: DecodeOutcome) -> StreamEvent:
+        if self.dropped:  # what the stop string cut off was never returned: it is not counted either
+            outcome.stats.drop_tail(self.dropped, self.last_step - 1)
+            self.dropped = 0
         result = GenerationResult(
             text=self.text,
             token_ids=self.generated,

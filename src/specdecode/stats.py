@@ -53,6 +53,17 @@ class GenerationStats:
             if i < accepted:
                 self.accepted_at[i] += 1
 
+    def drop_tail(self, dropped: int, last_accepted: int) -> None:
+        """Uncount the output's last ``dropped`` tokens, all from the last step (which kept ``last_accepted`` draft
+        tokens): a stop string completed before them, so the caller never gets them.  Tokens/s and the usage
+        count what was returned, as plain decoding (which stops at once) does; ``new_tokens == steps +
+        accepted_tokens`` still holds."""
+        dropped = min(dropped, last_accepted)  # the step's own token always stays: the stop ends in it or later
+        for depth in range(last_accepted - dropped, last_accepted):
+            self.accepted_at[depth] -= 1
+        self.accepted_tokens -= dropped
+        self.new_tokens -= dropped
+
     @property
     def mean_accepted_tokens(self) -> float:
         """Tokens produced per target forward: accepted draft tokens plus the target's own token."""
