@@ -13,10 +13,14 @@ REFERENCE = ("none", "exact")  # plain decoding: the lossless output
 def _pooled(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
     wall_s = sum(r["wall_s"] for r in records)
+    # The tokens returned: a speculative step may have decoded past a stop string (results from before the
+    # stats stopped counting those) and plain decoding, which stops at once, would not have.
+    returned = sum(len(r["token_ids"]) for r in records)
     return {
         **total,
+        "returned_tokens": returned,
         "wall_s": round(wall_s, 4),
-        "tokens_per_s": total["new_tokens"] / wall_s if wall_s > 0 else 0.0,
+        "tokens_per_s": returned / wall_s if wall_s > 0 else 0.0,
         # Tokens per target forward, the target's own token included (plain decoding: 1.0).
         "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
     }
