@@ -86,7 +86,8 @@ def cmd_train_kangaroo(args: argparse.Namespace) -> int:
 
 
 def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> None:
-    """The flags every trained head shares: the target, the data it is built from, and the optimisation."""
+    """The flags every trained head shares: the target, the data it is built from, and the optimisation.
+    ``what`` says whose they are in the help: "head's" or "heads'"."""
     command.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
     command.add_argument("--prompts", type=int, default=96, help="prompts the model answers itself (self-distillation)")
     command.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
@@ -94,12 +95,14 @@ def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> Non
     command.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
     command.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
     command.add_argument(
-        "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help=f"VocabTrim: the {what}' vocabulary (0: all)"
+        "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help=f"VocabTrim: the {what} vocabulary (0: all)"
     )
     command.add_argument("--epochs", type=int, default=4)
     command.add_argument("--lr", type=float, default=1e-3)
     command.add_argument("--seed", type=int, default=0)
-    command.add_argument("--out", help=f"{what} directory (default: next to the cached model, where the drafter looks)")
+    command.add_argument(
+        "--out", help=f"the {what} directory (default: next to the cached model, where the drafter looks)"
+    )
 
 
 def _checked_tasks(args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
@@ -139,7 +142,7 @@ def add_heads_commands(methods: argparse._SubParsersAction) -> None:
     }
     for kind, text in helps.items():
         sub = methods.add_parser(kind, help=text)
-        _add_head_training_flags(sub, "heads")
+        _add_head_training_flags(sub, "heads'")
         sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
         sub.set_defaults(run=cmd_train_heads)
 
