@@ -184,8 +184,9 @@ def test_quantize_model_leaves_other_layers_alone():
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_smollm2_int8_prompt_lookup_equals_plain():
-    target = loading.load_model("smollm2-135m", quantize="int8")
+@pytest.mark.parametrize("mode", MODES)
+def test_smollm2_quantized_prompt_lookup_equals_plain(mode):
+    target = loading.load_model("smollm2-135m", quantize=mode)
     plain = SpeculativeGenerator.build(target, "none")
     lookup = SpeculativeGenerator.build(target, "pld")
     prompt = "Repeat this list exactly, then add two more fruits: apple, banana, cherry, date, elderberry, fig."
