@@ -58,6 +58,7 @@ class GenerationStats:
         tokens): a stop string completed before them, so the caller never gets them.  Tokens/s and the usage
         count what was returned, as plain decoding (which stops at once) does; ``new_tokens == steps +
         accepted_tokens`` still holds."""
+        last_accepted = min(last_accepted, len(self.accepted_at))  # a step's tokens: its accepted ones plus one
         dropped = min(dropped, last_accepted)  # the step's own token always stays: the stop ends in it or later
         for depth in range(last_accepted - dropped, last_accepted):
             self.accepted_at[depth] -= 1
