@@ -12,10 +12,12 @@ from torch import nn
 from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
+from specdecode.engine import ancestor_mask
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models import loading
 from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import Int4Linear, Int8Linear, quantize_model, quantize_supported
+from specdecode.types import Draft
 from tiny_models import tiny_llama
 
 pytestmark = pytest.mark.skipif(not quantize_supported(), reason="torch build without CPU weight-only kernels")
@@ -107,13 +109,8 @@ def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quanti
     a, b = fed_alone([5, 6, 7]), fed_alone([5, 9, 3])
     chain = backend.forward_batch([SequenceInput(torch.tensor([5, 6, 7]), prefilled())])[0].logits
     assert all(torch.equal(chain[i], a[i]) for i in range(3))
-    # Tree: 0:5, 1:6 and 2:9 under it, 3:7 under 1, 4:3 under 2.
-    parents = [-1, 0, 0, 1, 2]
-    mask = torch.zeros(5, 5, dtype=torch.bool)
-    for node in range(5):
-        ancestor = node
-        while ancestor >= 0:
-            mask[node, ancestor], ancestor = True, parents[ancestor]
+    # Tree, as the engine lays one out (row 0: the last token, 5): 6 and 9 under it, 7 under 6, 3 under 9.
+    mask = ancestor_mask(Draft([6, 9, 7, 3], parents=[-1, -1, 0, 1]))
     positions = len(PROMPTS[0]) + torch.tensor([0, 1, 1, 2, 2])
     tree = backend.forward_batch(
         [SequenceInput(torch.tensor([5, 6, 9, 7, 3]), prefilled(), positions=positions, tree_mask=mask)]

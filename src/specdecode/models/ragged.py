@@ -25,6 +25,7 @@ positions with layers skipped and crop them away again.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -148,6 +149,13 @@ class SequenceSlice:
     def end(self) -> int:
         """Its cache length after this forward."""
         return self.past + self.new
+
+    @cached_property
+    def branches(self) -> list[torch.Tensor]:
+        """Per new token of a tree, the new tokens it sees — its ancestors and itself, in order; found once per
+        forward, read by every layer's row-by-row attention."""
+        assert self.tree_mask is not None, "a chain has no branches"
+        return [torch.nonzero(row).flatten() for row in self.tree_mask]
 
 
 @dataclass
@@ -282,7 +290,7 @@ def _attend_row_by_row(
     for row in range(n):
         seen = past + row + 1
         if seq.tree_mask is not None:
-            branch = torch.nonzero(seq.tree_mask[row]).flatten()  # its ancestors and itself, in order
+            branch = seq.branches[row]
             seen = past + len(branch)
             key[slot, :, past:seen], value[slot, :, past:seen] = tree_keys[:, branch], tree_values[:, branch]
         mask = None  # a lone token sees every key before it, unless a sliding window cuts the oldest off
