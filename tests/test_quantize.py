@@ -1,4 +1,4 @@
-"""Weight-only quantization (``--quantize int8|int4``): close to fp32, and lossless against plain decoding of
+"""Weight-only quantization (``--quantize int8|int4|bf16``): close to fp32, and lossless against plain decoding of
 the same quantized model, for prompt lookup and a (quantized) draft model."""
 
 from __future__ import annotations
@@ -14,15 +14,26 @@ from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.engine import ancestor_mask
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models import loading
+from specdecode.models import loading, quantize
 from specdecode.models.base import SequenceInput
-from specdecode.models.quantize import Int4Linear, Int8Linear, quantize_model, quantize_supported
+from specdecode.models.quantize import (
+    Bf16Linear,
+    Int4Linear,
+    Int8Linear,
+    RowSplit,
+    probe_row_split,
+    quantize_model,
+    quantize_supported,
+)
 from specdecode.types import Draft
 from tiny_models import tiny_llama
 
-pytestmark = pytest.mark.skipif(not quantize_supported(), reason="torch build without CPU weight-only kernels")
+MODES = ["int8", "int4", "bf16"]
+LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "bf16": Bf16Linear}
 
-MODES = ["int8", "int4"]
+pytestmark = pytest.mark.skipif(
+    not all(quantize_supported(mode) for mode in MODES), reason="torch build without the CPU weight-only kernels"
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +45,9 @@ def quantized(tiny_dirs):
     }
 
 
-@pytest.mark.parametrize(("mode", "layer_error", "logit_error"), [("int8", 0.02, 0.1), ("int4", 0.15, 0.8)])
+@pytest.mark.parametrize(
+    ("mode", "layer_error", "logit_error"), [("int8", 0.02, 0.1), ("int4", 0.15, 0.8), ("bf16", 0.01, 0.05)]
+)
 def test_quantized_layers_and_forward_are_close_to_fp32(tiny_target, quantized, mode, layer_error, logit_error):
     """Loose bounds: 4 bits per weight of a random network (initialiser range 0.3) is a coarse copy of it,
     and three such layers compound; each layer's own error is what quantization controls."""
@@ -43,7 +56,7 @@ def test_quantized_layers_and_forward_are_close_to_fp32(tiny_target, quantized, 
     model = quantized[mode][0].backend.model
     for name, linear in linears.items():
         layer = model.get_submodule(name)
-        assert isinstance(layer, Int8Linear if mode == "int8" else Int4Linear), name
+        assert isinstance(layer, LAYERS[mode]), name
         x = torch.randn(5, linear.in_features)
         with torch.inference_mode():
             exact, approx = linear(x), layer(x)
@@ -99,7 +112,7 @@ def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quanti
 
     def prefilled(pool=None):
         cache = (pool or backend.new_pool()).allocate()
-        backend.forward_batch([SequenceInput(prompt, cache)])
+        backend.forward_batch([SequenceInput(prompt, cache, prefill=True)])
         return cache
 
     def fed_alone(branch: list[int]) -> list[torch.Tensor]:
@@ -162,7 +175,7 @@ def test_bad_quantize_value_is_a_one_line_error_before_any_load(capsys, monkeypa
     monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("nothing may be loaded"))
     monkeypatch.setattr("sys.stdin", type("Stdin", (), {"read": lambda self: '{"prompt": "hi"}'})())
     flag = "--quantize-draft" if "--quantize-draft" in argv else "--quantize"
-    assert_one_line_error(capsys, argv, f"{flag} must be one of none, int8, int4")
+    assert_one_line_error(capsys, argv, f"{flag} must be one of none, int8, int4, bf16")
 
 
 def test_forward_cost_reports_the_quantization(capsys, tiny_dirs):
@@ -177,6 +190,19 @@ def test_quantize_model_leaves_other_layers_alone():
     assert quantize_model(model, "none") == []
     assert quantize_model(model, "int4") == ["0"]  # 48 inputs fit no group size, 24 outputs no int4 block
     assert quantize_model(model, "int8") == ["1", "2"]  # a quantized layer is not quantized again
+
+
+def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatch):
+    """Whatever split the probe picks on this CPU, a row's result is the same in every call of 1 to 70 rows;
+    a kernel whose rows depend on their neighbours in every call shape is called row by row."""
+    layer = Bf16Linear(nn.Linear(96, 80), tied=False)
+    x = torch.randn(70, 96)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(70)])
+        assert all(torch.equal(layer(x[:m]), alone[:m]) for m in (2, 5, 31, 32, 33, 64, 70))
+    exact = quantize._packed_bf16_call
+    monkeypatch.setattr(quantize, "_packed_bf16_call", lambda packed, rows: exact(packed, rows) + rows.sum().item())
+    assert probe_row_split(layer.packed, 96) == RowSplit(pad_single=False, chunk=1)
 
 
 @pytest.mark.real_model

@@ -63,13 +63,14 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
     parser.add_argument(
         "--quantize",
         default="none",
-        metavar="{none,int8,int4}",
-        help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group; "
-        "lossless against plain decoding of the same quantized model (default none)",
+        metavar="{none,int8,int4,bf16}",
+        help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group, "
+        "bf16 (verification costs about one token on CPUs with AMX); lossless against plain decoding of the "
+        "same quantized model (default none)",
     )
     parser.add_argument(
         "--quantize-draft",
-        metavar="{none,int8,int4}",
+        metavar="{none,int8,int4,bf16}",
         help="quantization of the --draft-model (default: as --quantize); drafts never change the output",
     )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")

@@ -62,11 +62,11 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--threads", type=int, help="torch threads (default: number of cores)")
     bench.add_argument(
         "--quantize",
-        metavar="{none,int8,int4}",
+        metavar="{none,int8,int4,bf16}",
         help="weight-only quantization of our target (default none); transformers peers stay fp32",
     )
     bench.add_argument(
-        "--quantize-draft", metavar="{none,int8,int4}", help="of our draft models (default: as --quantize)"
+        "--quantize-draft", metavar="{none,int8,int4,bf16}", help="of our draft models (default: as --quantize)"
     )
     bench.add_argument(
         "--draft-lengths",
@@ -97,7 +97,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument(
         "--quantize",
         default=argparse.SUPPRESS,
-        metavar="{none,int8,int4}",
+        metavar="{none,int8,int4,bf16}",
         help="weight-only quantization (default none)",
     )
     cost.add_argument("--json", action="store_true", help="print one JSON object")

@@ -88,6 +88,8 @@ class SequenceInput:
     logits_rows: which of the n rows get logits (default: all).
     hidden_layers: also return these hidden states of every new token (a backend with :class:`HiddenStates`;
         see there for the numbering), concatenated in this order in ``ForwardOutput.hidden``.
+    prefill: the tokens are a prompt, fed by this same call whether decoding is plain or speculative, so a
+        backend that makes continuation rows batch invariant (row by row, at some cost) need not for them.
     """
 
     tokens: torch.Tensor
@@ -96,6 +98,7 @@ class SequenceInput:
     tree_mask: torch.Tensor | None = None
     logits_rows: torch.Tensor | slice | None = None
     hidden_layers: tuple[int, ...] = ()
+    prefill: bool = False
 
 
 class CausalLM(ABC):
@@ -129,9 +132,10 @@ class CausalLM(ABC):
         tree_mask: torch.Tensor | None = None,
         logits_rows: torch.Tensor | slice | None = None,
         hidden_layers: tuple[int, ...] = (),
+        prefill: bool = False,
     ) -> ForwardOutput:
         """One sequence's forward (see :class:`SequenceInput`)."""
-        item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers)
+        item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers, prefill)
         return self.forward_batch([item])[0]
 
 

@@ -14,7 +14,7 @@ writes nothing into the cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from specdecode.models.base import (
     LayerwiseExecution,
     SequenceInput,
 )
-from specdecode.models.quantize import QuantizedLinear
+from specdecode.models.quantize import QuantizedLinear, prompt_block_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.threads import GOVERNOR
 
@@ -136,7 +136,9 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             pos = (
                 item.positions.to(device) if item.positions is not None else torch.arange(past, past + n, device=device)
             )
-            sequences.append(SequenceSlice(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask))
+            sequences.append(
+                SequenceSlice(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask, item.prefill)
+            )
             tokens.append(item.tokens.to(device))
             positions.append(pos)
             wanted = torch.arange(n, device=device)
@@ -147,7 +149,12 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         every_row = all(item.logits_rows is None for item in inputs)
         rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
         captured: dict[int, torch.Tensor] = {}
-        with self._capture_layers({i for item in inputs for i in item.hidden_layers}, captured):
+        # Prompts alone: plain and speculative decoding prefill them by this same call.
+        prompts_only = all(item.prefill for item in inputs)
+        with (
+            self._capture_layers({i for item in inputs for i in item.hidden_layers}, captured),
+            prompt_block_calls() if prompts_only else nullcontext(),
+        ):
             out = self.model(
                 input_ids=torch.cat(tokens).view(1, -1),
                 position_ids=torch.cat(positions).view(1, -1),

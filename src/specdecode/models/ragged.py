@@ -12,8 +12,8 @@ itself (``generate``), the function falls back to transformers' SDPA attention.
 For a model whose other layers are batch invariant (weight-only quantized, :mod:`specdecode.models.quantize`),
 ``RaggedBatch.row_invariant`` makes attention invariant too: every token that continues a sequence attends
 in its own SDPA call, the one a one-token forward makes, so speculative verification gives each row bitwise
-the logits plain decoding gives it.  A prompt's causal block (nothing cached) keeps one call: plain and
-speculative decoding feed it alike.
+the logits plain decoding gives it.  A prompt keeps one call per sequence: plain and
+speculative decoding feed it alike (``SequenceInput.prefill``).
 
 The pool keeps, per layer, one tensor ``[slots, kv_heads, capacity, head_dim]`` for keys and one for
 values, grown by doubling; a sequence's cache is a slot and a length.  Cropping is setting the length;
@@ -139,6 +139,7 @@ class SequenceSlice:
     past: int  # cached positions before this forward
     positions: torch.Tensor  # [n] positions of its new tokens
     tree_mask: torch.Tensor | None
+    prefill: bool = False  # a prompt (SequenceInput.prefill): no row invariance needed
 
     @property
     def new(self) -> int:
@@ -246,7 +247,7 @@ def ragged_attention(
     outputs = []
     for index, seq in enumerate(ragged.sequences):
         n, end = seq.new, seq.end
-        if ragged.row_invariant and seq.past > 0:
+        if ragged.row_invariant and not seq.prefill:
             outputs.append(_attend_row_by_row(query, key, value, seq, scaling, sliding_window))
             continue
         keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]

@@ -82,7 +82,9 @@ def compute_features(
     width = backend.hidden_size
     for ids in tqdm(sequences, desc="target features", unit="seq", disable=not progress):
         tokens = torch.tensor(ids, dtype=torch.long)
-        hidden = backend.forward(tokens, backend.new_cache(), logits_rows=no_rows, hidden_layers=wanted).hidden
+        hidden = backend.forward(
+            tokens, backend.new_cache(), logits_rows=no_rows, hidden_layers=wanted, prefill=True
+        ).hidden
         out.append(Features(tokens, hidden[:, :-width].clone(), hidden[:, -width:].clone()))
     return out
 
