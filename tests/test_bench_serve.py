@@ -78,6 +78,7 @@ def test_every_cell_measured_lossless_with_client_side_latencies(finished, tiny_
         "model": settings.model,
         "max_new_tokens": MAX_NEW,
         "max_batch_size": 2,  # the largest concurrency
+        "quantize": "none",
         "prompts": results["fingerprint"]["prompts"],
     }
     assert len(results["fingerprint"]["prompts"]) == 3

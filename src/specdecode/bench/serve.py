@@ -39,6 +39,7 @@ from specdecode.bench.serve_report import request_record, summarize_cell, write_
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import fast_path_default, load_model
+from specdecode.models.quantize import check_quantize
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -55,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "max_batch_size": None,  # the largest concurrency
     "seed": 0,
     "out": "bench-out/serve",
+    "quantize": "none",
 }
 
 
@@ -70,8 +72,10 @@ class ServeSettings:
     seed: int
     threads: int
     out: Path
+    quantize: str = "none"  # the target's and the draft models' weights (--quantize)
 
     def __post_init__(self) -> None:
+        check_quantize(self.quantize)
         if not self.concurrency or not all(common.is_positive_int(c) for c in self.concurrency):
             raise SpecDecodeError(f"--concurrency takes comma-separated positive integers, got {self.concurrency!r}")
         common.check_positive_ints(
@@ -111,6 +115,7 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
         seed=values["seed"],
         threads=values["threads"],
         out=Path(values["out"]),
+        quantize=values["quantize"],
     )
 
 
@@ -269,7 +274,7 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size")
+    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size", "quantize")
     path = settings.out / RESULTS_FILE
     results = _load_previous(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
 
@@ -304,8 +309,10 @@ def _measure(
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
     needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
-    target = load_model(settings.model)
-    drafts = {name: load_model(name) for name in sorted({m.draft_model for m in needed} - {None})}
+    target = load_model(settings.model, quantize=settings.quantize)
+    drafts = {
+        name: load_model(name, quantize=settings.quantize) for name in sorted({m.draft_model for m in needed} - {None})
+    }
     encode = common.PromptEncoder(target, settings.model, settings.max_new_tokens)
     chat = encode.chat  # a base model gets /v1/completions
     encoded = encode.encode_tasks(tasks)

@@ -99,7 +99,8 @@ def markdown(results: Mapping[str, Any]) -> str:
     requests = common.request_count(results)
     endpoint = results.get("endpoint", "/v1/chat/completions")
     lines = [
-        f"# specdecode server under load: model `{s['model']}`",
+        f"# specdecode server under load: model `{s['model']}`"
+        + ("" if s.get("quantize", "none") == "none" else f" ({s['quantize']} weights)"),
         "",
         common.machine_line(
             results.get("environment", {}), ("torch", "transformers", "openai", "uvicorn", "specdecode")
