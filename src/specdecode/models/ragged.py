@@ -34,6 +34,14 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from specdecode.models.base import KVCache, KVPool
+from specdecode.models.row_attention import (
+    BUCKET,
+    attend_chain_in_buckets,
+    bucket_call,
+    bucket_end,
+    buckets_are_row_invariant,
+    one_row_attention,
+)
 
 ATTENTION = "specdecode_ragged"
 CAUSAL = "causal"  # RaggedBatch.mask: a causal block over nothing cached
@@ -75,6 +83,8 @@ class SlotPool(KVPool):
 
     @torch.inference_mode()
     def _grow(self, slots: int, capacity: int) -> None:
+        # A whole number of buckets: a row-invariant call covers its bucket's columns (models.row_attention).
+        capacity = -(-capacity // BUCKET) * BUCKET
         for layer, pair in self.layers.items():
             grown = []
             for old in pair:
@@ -248,7 +258,12 @@ def ragged_attention(
     for index, seq in enumerate(ragged.sequences):
         n, end = seq.new, seq.end
         if ragged.row_invariant and not seq.prefill:
-            outputs.append(_attend_row_by_row(query, key, value, seq, scaling, sliding_window))
+            bucketed = sliding_window is None and buckets_are_row_invariant(kv_heads, groups, dim, query.dtype)
+            if bucketed and seq.tree_mask is None:
+                slot = slice(seq.slot, seq.slot + 1)
+                outputs.append(attend_chain_in_buckets(query, key[slot], value[slot], seq.rows, seq.past, scaling))
+            else:
+                outputs.append(_attend_row_by_row(query, key, value, seq, scaling, sliding_window, bucketed))
             continue
         keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
         mask = ragged.mask(index, sliding_window, groups)
@@ -271,9 +286,11 @@ def _attend_row_by_row(
     seq: SequenceSlice,
     scaling: float | None,
     sliding_window: int | None,
+    bucketed: bool,
 ) -> torch.Tensor:
-    """Each new token of ``seq`` attended exactly as if it were fed alone after the keys it may see: the SDPA
-    call of a one-token forward of plain decoding, on the same shapes and values.  Returns [1, heads, n, d].
+    """Each new token of ``seq`` attended exactly as if it were fed alone after the keys it may see: the call
+    of a one-token forward of plain decoding (``bucketed``: the bucket-shaped one of
+    :mod:`specdecode.models.row_attention`), on the same shapes and values.  Returns [1, heads, n, d].
 
     Why: SDPA is not batch invariant (a row's result depends in the last bits on how many query rows share
     the call), and a quantized model rounds every layer's input to bf16, so those last bits can move a logit
@@ -299,26 +316,14 @@ def _attend_row_by_row(
             alone = SequenceSlice(slot, slice(0, 1), seen - 1, seq.positions[row : row + 1], None)
             mask = RaggedBatch._build_mask(alone, sliding_window, groups)
         q = query[:, :, seq.rows.start + row].reshape(1, kv_heads, groups, dim).contiguous()
-        keys, values = key[slot : slot + 1, :, :seen], value[slot : slot + 1, :, :seen]
-        rows.append(_one_row_attention(q, keys, values, mask, scaling).view(1, heads, 1, dim))
+        if bucketed:
+            out = bucket_call(q, key[slot : slot + 1], value[slot : slot + 1], [seen], bucket_end(seen - 1), scaling)
+        else:
+            out = one_row_attention(q, key[slot : slot + 1, :, :seen], value[slot : slot + 1, :, :seen], mask, scaling)
+        rows.append(out.view(1, heads, 1, dim))
     if seq.tree_mask is not None:
         key[slot, :, new_columns], value[slot, :, new_columns] = tree_keys, tree_values
     return torch.cat(rows, dim=2)
-
-
-#: The CPU kernel behind ``scaled_dot_product_attention``, called directly by the row-by-row path, which
-#: makes one call per new token and layer: SDPA's choice of backend took about 40% of such a small call.
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _one_row_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
-) -> torch.Tensor:
-    """One token's attention (its heads as rows of ``query``, [1, kv_heads, groups, d]); plain decoding's
-    one-token forwards take this same call, so the kernel chosen only has to be the same every time."""
-    if mask is None and _FLASH_CPU is not None and query.device.type == "cpu":  # (the op wants a float mask)
-        return _FLASH_CPU(query, keys, values, 0.0, False, scale=scaling)[0]
-    return nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
 
 
 AttentionInterface.register(ATTENTION, ragged_attention)

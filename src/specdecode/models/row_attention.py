@@ -1,0 +1,134 @@
+"""Attention for tokens that continue a sequence, bitwise the same whether a token is fed alone or with others.
+
+Why: a quantized or bf16 model's logits come in bf16 steps, so near-ties are common, and a last-bit
+difference between a verification forward and plain decoding's one-token forward can break one differently
+(:mod:`specdecode.models.quantize`).  SDPA is not batch invariant: its kernel picks its blocking from the
+shapes, so a row's result depends on how many rows share the call and how many keys they see.
+
+Two ways to make the call a row gets independent of its neighbours (:mod:`specdecode.models.ragged` picks):
+
+* **Row by row**: each new token in its own call over exactly the keys it may see — the call a one-token
+  forward makes.  Exact by construction, but one kernel call per token and layer (~35 µs on a 2-core Xeon),
+  which made a 16-row forward of bf16 SmolLM2 1.6x a one-row one while its linear layers cost the same.
+* **Buckets** (:func:`attend_chain_in_buckets`, for chains): a token at position p attends over the keys
+  ``[0, bucket_end(p))``, the positions after p masked out.  A masked column adds an exact zero to every
+  sum, so the result is plain attention; what matters is that the call's key length now depends on the
+  bucket only.  Chain rows of one sequence that share a bucket go in one call, and plain decoding makes the
+  same call with one row.  That a row gets the same bits however many rows share such a call holds when
+  the kernel treats rows as independent problems at a fixed key length; it is probed once per head layout
+  (:func:`buckets_are_row_invariant`), and where it does not hold every row is its own call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: Key lengths are rounded up to a multiple of this (the slot pool's capacity is one too).
+BUCKET = 64
+#: At most this many tokens per bucketed call (the probe checks every count up to it) ...
+MAX_BUCKET_ROWS = 16
+#: ... and at most this many query rows (tokens times query heads per key head): the CPU kernel cuts the
+#: rows into blocks of 32, and a row in a short last block (seen: 1 or 4 rows) can come out different.
+QUERY_BLOCK = 32
+
+#: The CPU kernel behind ``scaled_dot_product_attention``, called directly: the row-invariant paths make
+#: many small calls, and SDPA's choice of backend took about 40% of such a call.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+#: Probe results per (kv_heads, groups, head_dim, dtype, threads).
+_PROBED: dict[tuple[int, int, int, torch.dtype, int], bool] = {}
+
+
+def bucket_end(position: int) -> int:
+    """How many key columns the call for a token at ``position`` covers."""
+    return (position // BUCKET + 1) * BUCKET
+
+
+def one_row_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float | None
+) -> torch.Tensor:
+    """One token's attention (its heads as rows of ``query``, [1, kv_heads, groups, d]) over exactly the keys
+    given; plain decoding's one-token forwards take this same call."""
+    if mask is None and _FLASH_CPU is not None and query.device.type == "cpu":  # (the op wants a float mask)
+        return _FLASH_CPU(query, keys, values, 0.0, False, scale=scaling)[0]
+    return nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+
+
+def bucket_call(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    lengths: list[int],
+    bucket: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Rows ``query`` [1, kv_heads, groups * n, d] (row g * n + r is head g of token r), token r seeing the
+    first ``lengths[r]`` of ``bucket`` key columns (``keys``/``values`` [1, kv_heads, >= bucket, d])."""
+    n, groups = len(lengths), query.shape[2] // len(lengths)
+    seen = torch.arange(bucket)[None, :] < torch.tensor(lengths)[:, None]
+    mask = torch.zeros(n, bucket, dtype=query.dtype).masked_fill_(~seen, float("-inf"))
+    mask = mask.repeat(groups, 1)[None, None]
+    return _FLASH_CPU(query, keys[:, :, :bucket], values[:, :, :bucket], 0.0, False, attn_mask=mask, scale=scaling)[0]
+
+
+def attend_chain_in_buckets(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    rows: slice,
+    past: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """The chain of new tokens ``query[:, :, rows]`` ([1, heads, T, d]; token r at position ``past + r``) over
+    one slot's ``keys``/``values`` [1, kv_heads, capacity, d], in one call per bucket.  Returns [1, heads, n, d]."""
+    heads, kv_heads, dim = query.shape[1], keys.shape[1], query.shape[3]
+    groups = heads // kv_heads
+    most = tokens_per_call(groups)
+    n = rows.stop - rows.start
+    outputs = []
+    first = 0
+    while first < n:
+        bucket = bucket_end(past + first)
+        last = first + 1
+        while last < n and last - first < most and bucket_end(past + last) == bucket:
+            last += 1
+        count = last - first
+        q = query[:, :, rows.start + first : rows.start + last].reshape(1, kv_heads, groups * count, dim)
+        lengths = [past + r + 1 for r in range(first, last)]
+        outputs.append(bucket_call(q, keys, values, lengths, bucket, scaling).view(1, heads, count, dim))
+        first = last
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def tokens_per_call(groups: int) -> int:
+    """How many tokens one bucketed call takes, with ``groups`` query heads per key head."""
+    return max(1, min(MAX_BUCKET_ROWS, QUERY_BLOCK // groups))
+
+
+def buckets_are_row_invariant(kv_heads: int, groups: int, dim: int, dtype: torch.dtype) -> bool:
+    """Whether bucketed calls give each row bitwise what a call of that row alone gives, for this head layout
+    and thread count (probed once on random values, with one block of keys and with several: the kernel
+    blocks keys by 512)."""
+    key = (kv_heads, groups, dim, dtype, torch.get_num_threads())
+    if key not in _PROBED:
+        _PROBED[key] = _FLASH_CPU is not None and all(
+            _probe(kv_heads, groups, dim, dtype, bucket) for bucket in (2 * BUCKET, 10 * BUCKET)
+        )
+    return _PROBED[key]
+
+
+def _probe(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, bucket: int) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(1, kv_heads, bucket, dim, generator=generator).to(dtype) for _ in range(2))
+    most = tokens_per_call(groups)
+    query = torch.randn(1, kv_heads, groups, most, dim, generator=generator).to(dtype)
+    lengths = [bucket - most + 1 + r for r in range(most)]
+
+    def call(count: int, start: int = 0) -> torch.Tensor:
+        q = query[:, :, :, start : start + count].reshape(1, kv_heads, groups * count, dim)
+        out = bucket_call(q, keys, values, lengths[start : start + count], bucket, None)
+        return out.view(1, kv_heads, groups, count, dim)
+
+    alone = torch.cat([call(1, r) for r in range(most)], dim=3)
+    return all(torch.equal(call(count), alone[:, :, :, :count]) for count in range(2, most + 1))
