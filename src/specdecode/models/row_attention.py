@@ -21,6 +21,8 @@ Two ways to make the call a row gets independent of its neighbours (:mod:`specde
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 from torch import nn
 
@@ -65,11 +67,17 @@ def bucket_call(
 ) -> torch.Tensor:
     """Rows ``query`` [1, kv_heads, groups * n, d] (row g * n + r is head g of token r), token r seeing the
     first ``lengths[r]`` of ``bucket`` key columns (``keys``/``values`` [1, kv_heads, >= bucket, d])."""
-    n, groups = len(lengths), query.shape[2] // len(lengths)
-    seen = torch.arange(bucket)[None, :] < torch.tensor(lengths)[:, None]
-    mask = torch.zeros(n, bucket, dtype=query.dtype).masked_fill_(~seen, float("-inf"))
-    mask = mask.repeat(groups, 1)[None, None]
+    mask = _bucket_mask(bucket, tuple(lengths), query.shape[2] // len(lengths), query.dtype)
     return _FLASH_CPU(query, keys[:, :, :bucket], values[:, :, :bucket], 0.0, False, attn_mask=mask, scale=scaling)[0]
+
+
+@lru_cache(maxsize=64)  # a forward needs one per sequence and bucket; a long bucket is a few MB
+def _bucket_mask(bucket: int, lengths: tuple[int, ...], groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, groups * n, bucket]: 0 where row g * n + r may look, -inf after its ``lengths[r]`` columns.
+    Cached: every layer of a forward asks for the same masks, and building one took as long as the call."""
+    seen = torch.arange(bucket)[None, :] < torch.tensor(lengths)[:, None]
+    mask = torch.zeros(len(lengths), bucket, dtype=dtype).masked_fill_(~seen, float("-inf"))
+    return mask.repeat(groups, 1)[None, None]
 
 
 def attend_chain_in_buckets(
