@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
+from specdecode.bench.suites import resolve_settings
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.engine import ancestor_mask
@@ -21,6 +22,7 @@ from specdecode.models.quantize import (
     Int4Linear,
     Int8Linear,
     RowSplit,
+    draft_quantization,
     probe_row_split,
     quantize_model,
     quantize_supported,
@@ -154,10 +156,20 @@ def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dir
         assert main(["generate", "w1 w2 w3 w1 w2", *common, *extra]) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
-    assert loads == [(target, "int8"), (target, "int8"), (draft, "int8")]
+    assert loads == [(target, "int8"), (target, "int8"), (draft, "int4")]  # a draft is int4 unless told
     argv = ["generate", "w1", *common, "--drafter", "draft-model", "--draft-model", draft, "--quantize-draft", "none"]
     assert main(argv) == 0
     assert loads[-1] == (draft, "none")
+
+
+def test_a_draft_model_is_int4_by_default_except_where_it_trains_or_off_the_cpu():
+    assert draft_quantization(None, "none") == draft_quantization(None, "bf16") == "int4"
+    assert draft_quantization("bf16", "none") == "bf16" and draft_quantization("none", "int4") == "none"
+    assert draft_quantization(None, "int8", trains=True) == "none"  # adapt trains fp32 LoRA layers
+    assert draft_quantization(None, "none", device="cuda:0") == "none"
+    assert resolve_settings(methods="none,pld").quantize_draft is None  # no draft model: nothing recorded
+    assert resolve_settings(methods="draft-model:m2").quantize_draft == "int4"
+    assert resolve_settings(methods="draft-model:m2:adapt=true").quantize_draft == "none"
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,8 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
     parser.add_argument(
         "--quantize-draft",
         metavar="{none,int8,int4,bf16}",
-        help="quantization of the --draft-model (default: as --quantize); drafts never change the output",
+        help="quantization of the --draft-model (default int4, measured fastest; none with adapt=true); "
+        "drafts never change the output",
     )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
     parser.add_argument(
@@ -165,17 +166,23 @@ def check_registry_vocabularies(target: str, draft: str) -> None:
     )
 
 
-def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabulary: bool = True):
+def adapts(options: dict) -> bool:
+    """Whether drafter options (checked or as given on the command line) ask for online adaptation."""
+    value = options.get("adapt", False)
+    return value is True or str(value).lower() in ("true", "1", "yes", "on")
+
+
+def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabulary: bool = True, adapts: bool = False):
     """The target (``--model``) and, if named, the draft model, with ``--no-fast-path``, ``--quantize``
-    (``--quantize-draft`` for the draft model, default the same) and ``--device`` applied; a model drafting
-    for itself with the target's quantization is loaded once.  Bad ``--quantize`` values and registered
-    models with different vocabularies are refused before either is loaded."""
+    (``--quantize-draft`` for the draft model, default :func:`~specdecode.models.quantize.draft_quantization`:
+    int4, or fp32 when it ``adapts``) and ``--device`` applied; a model drafting for itself with the target's
+    quantization is loaded once.  Bad ``--quantize`` values and registered models with different
+    vocabularies are refused before either is loaded."""
     from specdecode.models.loading import load_model
-    from specdecode.models.quantize import check_quantize
+    from specdecode.models.quantize import check_quantize, draft_quantization
 
     quantize = check_quantize(args.quantize)
-    draft_flag = args.quantize_draft
-    quantize_draft = quantize if draft_flag is None else check_quantize(draft_flag, "--quantize-draft")
+    quantize_draft = draft_quantization(args.quantize_draft, quantize, device=args.device, trains=adapts)
     if draft_model is not None and same_vocabulary:  # not with --drafter-option vocab_mapping=
         check_registry_vocabularies(args.model, draft_model)
     fast_path = False if args.no_fast_path else None
@@ -196,7 +203,7 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
     # draft-model drafts across vocabularies (a mapping by default); other drafters need the target's vocabulary.
     same_vocabulary = drafter != "draft-model" and "vocab_mapping" not in options
-    target, draft = load_models(args, options.get("draft_model"), same_vocabulary)
+    target, draft = load_models(args, options.get("draft_model"), same_vocabulary, adapts(options))
     if draft is not None:
         options["draft_model"] = draft
     return SpeculativeGenerator.build(target, drafter, defaults, **options)

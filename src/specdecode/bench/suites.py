@@ -14,7 +14,7 @@ from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, pars
 from specdecode.bench.prompt_file import PromptFile, read_prompt_file
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
-from specdecode.models.quantize import check_quantize
+from specdecode.models.quantize import check_quantize, draft_quantization
 
 #: The peers ``bench`` can run beside us: transformers' ``generate()`` (in process, always installed) and the
 #: native CPU engines of :mod:`specdecode.bench.native_peers` (optional extras); ``openvino`` means both
@@ -90,7 +90,7 @@ class BenchSettings:
     out: Path
     drafter_state: str = "request"
     quantize: str = "none"  # our target's weights (none, int8, int4); peers keep their own precision
-    quantize_draft: str | None = None  # our draft models' weights (None: as ``quantize``)
+    quantize_draft: str | None = None  # our draft models' weights (None: no draft model, or as ``quantize``)
     prompts_file: str | None = None  # the user's prompts (``--prompts``) instead of the built-in tasks
     prompts_sha256: str | None = None  # of that file, as read when the settings were resolved
 
@@ -171,6 +171,10 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
     lengths = given.get("draft_lengths", base.draft_lengths)
     if isinstance(lengths, str):
         lengths = () if lengths.strip() in {"", "0", "none"} else parse_int_list(lengths, "--draft-lengths")
+    quantize, quantize_draft = given.get("quantize", "none"), given.get("quantize_draft")
+    if any(m.draft_model for m in methods):  # recorded as loaded: the default may change between versions
+        trains = any(str(dict(m.options).get("adapt", False)).lower() in ("true", "1") for m in methods)
+        quantize_draft = draft_quantization(quantize_draft, quantize, trains=trains)
     sweep_tasks = given.get("sweep_tasks")
     if isinstance(sweep_tasks, str):
         sweep_tasks = split_names(sweep_tasks)
@@ -193,8 +197,8 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
         out=Path(given.get("out", Path("bench-out") / suite)),
         drafter_state=given.get("drafter_state", "request"),
-        quantize=given.get("quantize", "none"),
-        quantize_draft=given.get("quantize_draft"),
+        quantize=quantize,
+        quantize_draft=quantize_draft,
         prompts_file=str(prompt_file.path) if prompt_file is not None else None,
         prompts_sha256=prompt_file.sha256 if prompt_file is not None else None,
     )

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from specdecode.decode_commands import add_model_flags, load_models, parse_option
+from specdecode.decode_commands import adapts, add_model_flags, load_models, parse_option
 from specdecode.errors import SpecDecodeError
 
 
@@ -67,7 +67,7 @@ def build_service(args: argparse.Namespace):
     # draft-model drafts across vocabularies (a mapping by default); other drafters need the target's vocabulary.
     takers = [name for name in names if "draft_model" in per_drafter[name]]
     same_vocabulary = "vocab_mapping" not in options and any(name != "draft-model" for name in takers)
-    target, draft = load_models(args, options.get("draft_model"), same_vocabulary)
+    target, draft = load_models(args, options.get("draft_model"), same_vocabulary, adapts(options))
     if draft is not None:
         for taken in per_drafter.values():
             if "draft_model" in taken:
