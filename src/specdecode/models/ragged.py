@@ -258,7 +258,11 @@ def ragged_attention(
     for index, seq in enumerate(ragged.sequences):
         n, end = seq.new, seq.end
         if ragged.row_invariant and not seq.prefill:
-            bucketed = sliding_window is None and buckets_are_row_invariant(kv_heads, groups, dim, query.dtype)
+            bucketed = (
+                sliding_window is None
+                and query.device.type == "cpu"
+                and buckets_are_row_invariant(kv_heads, groups, dim, query.dtype)
+            )
             if bucketed and seq.tree_mask is None:
                 slot = slice(seq.slot, seq.slot + 1)
                 outputs.append(attend_chain_in_buckets(query, key[slot], value[slot], seq.rows, seq.past, scaling))
