@@ -166,12 +166,6 @@ def check_registry_vocabularies(target: str, draft: str) -> None:
     )
 
 
-def adapts(options: dict) -> bool:
-    """Whether drafter options (checked or as given on the command line) ask for online adaptation."""
-    value = options.get("adapt", False)
-    return value is True or str(value).lower() in ("true", "1", "yes", "on")
-
-
 def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabulary: bool = True, adapts: bool = False):
     """The target (``--model``) and, if named, the draft model, with ``--no-fast-path``, ``--quantize``
     (``--quantize-draft`` for the draft model, default :func:`~specdecode.models.quantize.draft_quantization`:
@@ -196,6 +190,7 @@ def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabula
 
 def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     from specdecode.drafters import check_drafter_options
+    from specdecode.drafters.adapt import asks_to_adapt
     from specdecode.generator import SpeculativeGenerator
 
     options = dict(parse_option(o) for o in args.drafter_option)
@@ -203,7 +198,7 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
     # draft-model drafts across vocabularies (a mapping by default); other drafters need the target's vocabulary.
     same_vocabulary = drafter != "draft-model" and "vocab_mapping" not in options
-    target, draft = load_models(args, options.get("draft_model"), same_vocabulary, adapts(options))
+    target, draft = load_models(args, options.get("draft_model"), same_vocabulary, asks_to_adapt(options))
     if draft is not None:
         options["draft_model"] = draft
     return SpeculativeGenerator.build(target, drafter, defaults, **options)

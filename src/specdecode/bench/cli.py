@@ -66,7 +66,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         help="weight-only quantization of our target (default none); transformers peers stay fp32",
     )
     bench.add_argument(
-        "--quantize-draft", metavar="{none,int8,int4,bf16}", help="of our draft models (default: as --quantize)"
+        "--quantize-draft",
+        metavar="{none,int8,int4,bf16}",
+        help="of our draft models (default int4; none with adapt=true)",
     )
     bench.add_argument(
         "--draft-lengths",

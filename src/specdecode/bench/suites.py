@@ -13,6 +13,7 @@ from specdecode.bench.common import check_known_tasks, check_positive_ints, give
 from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.prompt_file import PromptFile, read_prompt_file
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
+from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
 from specdecode.models.quantize import check_quantize, draft_quantization
 
@@ -89,7 +90,7 @@ class BenchSettings:
     sweep_tasks: tuple[str, ...]
     out: Path
     drafter_state: str = "request"
-    quantize: str = "none"  # our target's weights (none, int8, int4); peers keep their own precision
+    quantize: str = "none"  # our target's weights (none, int8, int4, bf16); peers keep their own precision
     quantize_draft: str | None = None  # our draft models' weights (None: no draft model, or as ``quantize``)
     prompts_file: str | None = None  # the user's prompts (``--prompts``) instead of the built-in tasks
     prompts_sha256: str | None = None  # of that file, as read when the settings were resolved
@@ -173,7 +174,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         lengths = () if lengths.strip() in {"", "0", "none"} else parse_int_list(lengths, "--draft-lengths")
     quantize, quantize_draft = given.get("quantize", "none"), given.get("quantize_draft")
     if any(m.draft_model for m in methods):  # recorded as loaded: the default may change between versions
-        trains = any(str(dict(m.options).get("adapt", False)).lower() in ("true", "1") for m in methods)
+        trains = any(asks_to_adapt(dict(m.options)) for m in methods)
         quantize_draft = draft_quantization(quantize_draft, quantize, trains=trains)
     sweep_tasks = given.get("sweep_tasks")
     if isinstance(sweep_tasks, str):

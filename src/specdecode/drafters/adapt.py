@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,13 @@ def _flag(name: str, value: Any) -> bool:
     if text in {"false", "0", "no", "off"}:
         return False
     raise SpecDecodeError(f"{name} must be true or false, got {value!r}")
+
+
+def asks_to_adapt(options: Mapping[str, Any]) -> bool:
+    """Whether drafter options (checked, or as given on a command line) turn online adaptation on; a bad
+    ``adapt`` value is the same one-line error as when the drafter is built."""
+    value = options.get("adapt")
+    return value is not None and _flag("adapt", value)
 
 
 def _positive(name: str, value: Any, kind: type) -> Any:

@@ -248,7 +248,7 @@ def _split_call(packed: torch.Tensor, rows: torch.Tensor, split: RowSplit) -> to
 
 
 def probe_row_split(packed: torch.Tensor, in_features: int) -> RowSplit:
-    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise, on 64
+    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise, on 32
     random rows: one row alone against the same row in every call of 2 up to the chunk size.  The
     kernel's reduction order does not depend on the values, so random rows find every difference; with no
     split that passes, calls go row by row (chunk 1), which is invariant by construction."""

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from specdecode.decode_commands import adapts, add_model_flags, load_models, parse_option
+from specdecode.decode_commands import add_model_flags, load_models, parse_option
 from specdecode.errors import SpecDecodeError
 
 
@@ -43,6 +43,7 @@ def build_service(args: argparse.Namespace):
     """The generator, every served drafter and the service around them (models loaded once)."""
     from specdecode.config import GenerationConfig
     from specdecode.drafters import accepted_options, create_drafter, drafter_class
+    from specdecode.drafters.adapt import asks_to_adapt
     from specdecode.generator import SpeculativeGenerator
     from specdecode.server.app import ServerConfig, Service
 
@@ -67,7 +68,7 @@ def build_service(args: argparse.Namespace):
     # draft-model drafts across vocabularies (a mapping by default); other drafters need the target's vocabulary.
     takers = [name for name in names if "draft_model" in per_drafter[name]]
     same_vocabulary = "vocab_mapping" not in options and any(name != "draft-model" for name in takers)
-    target, draft = load_models(args, options.get("draft_model"), same_vocabulary, adapts(options))
+    target, draft = load_models(args, options.get("draft_model"), same_vocabulary, asks_to_adapt(options))
     if draft is not None:
         for taken in per_drafter.values():
             if "draft_model" in taken:
