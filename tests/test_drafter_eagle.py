@@ -52,7 +52,7 @@ def test_target_hands_out_hidden_states_of_any_layer(tiny_target):
     torch.testing.assert_close(outs[0].hidden, alone.hidden, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("tree_nodes", [0, 10])
+@pytest.mark.parametrize("tree_nodes", [0, 10, "auto"])
 @pytest.mark.parametrize("draft_length", [3, "auto"])
 def test_greedy_output_is_plain_greedy_for_any_head(tiny_target, trained_head, tree_nodes, draft_length):
     for head in (random_eagle_head(tiny_target.backend, 40), trained_head):

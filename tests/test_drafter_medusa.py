@@ -63,7 +63,7 @@ def trained(tiny_target, features) -> dict[str, DraftHeads]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("tree_nodes", [0, 10])
+@pytest.mark.parametrize("tree_nodes", [0, 10, "auto"])
 @pytest.mark.parametrize("draft_length", [3, "auto"])
 def test_greedy_output_is_plain_greedy_for_any_heads(tiny_target, trained, kind, tree_nodes, draft_length):
     for heads in (random_heads(tiny_target.backend, kind, 40), trained[kind]):

@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes
 from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
@@ -34,13 +35,10 @@ from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.files import head_directory
 from specdecode.heads.storage import load_eagle, target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, require_capability
-from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
 HEAD_DIR = "eagle-head"
-#: Most nodes an automatically sized tree verifies.
-MAX_TREE_NODES = 48
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
 #: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
 DRAFT_SHARE = 0.3
@@ -67,46 +65,15 @@ class EagleDrafter(Drafter):
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"eagle: top-k must be a positive integer, got {top_k!r}")
-        if tree_nodes != "auto" and (not isinstance(tree_nodes, int) or tree_nodes < 0):
-            raise SpecDecodeError(
-                f"eagle: tree-nodes must be 'auto' or an integer >= 0 (0: a chain), got {tree_nodes!r}"
-            )
+        tree_nodes = check_tree_nodes("eagle", tree_nodes)
         loaded = head if isinstance(head, EagleHead) else self._load(target, head)
         self._check(loaded, target)
         self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.tree_nodes = tree_nodes
-        self._curve: tuple[float, ...] | None = None
+        self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
-
-    def verification_cost(self, width: int) -> float:
-        """A verification forward over ``width`` inputs relative to one (measured once per target)."""
-        if self._curve is None:
-            self._curve = relative_cost_curve(self.target.backend) or (1.0,)
-        curve = self._curve
-        if width <= len(curve):
-            return curve[width - 1]
-        slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
-        return curve[-1] + slope * (width - len(curve))
-
-    def tree_size(self, probabilities: list[float]) -> int:
-        """How many of the nodes (their path probabilities, best first) to verify.
-
-        Fixed, or with ``tree_nodes=auto`` the count that maximises expected tokens per step over its cost:
-        a node's path probability is the draft's estimate that verification reaches it, so N nodes yield
-        about 1 + (the sum of the N best), and cost ``DRAFT_SHARE`` (drafting and bookkeeping, already
-        spent) plus the measured verification cost of N + 1 inputs — EAGLE-2's reranking, sized by the
-        target's own cost curve instead of a constant."""
-        if self.tree_nodes != "auto":
-            return min(self.tree_nodes, len(probabilities))
-        best, best_rate, gain = 1, 0.0, 1.0
-        for count, probability in enumerate(probabilities[:MAX_TREE_NODES], start=1):
-            gain += probability
-            rate = gain / (DRAFT_SHARE + self.verification_cost(count + 1))
-            if rate > best_rate:
-                best, best_rate = count, rate
-        return best
 
     @staticmethod
     def _load(target: LoadedModel, head: str | None) -> EagleHead:
@@ -124,40 +91,6 @@ class EagleDrafter(Drafter):
 
     def session(self, request: DraftRequest) -> EagleSession:
         return EagleSession(self, request)
-
-
-class Calibration:
-    """How often a drafted node is accepted given that its parent was, by the head's confidence in it.
-
-    A head trained on a CPU budget is not calibrated (SmolLM2's was accepted far less often than its
-    probabilities said), and trees are sized and grown from these probabilities: sizing on raw ones
-    verifies nodes that do not pay.  Learned online from every verified tree (bins of confidence, each
-    starting at the confidence itself, worth ``PRIOR`` observations), shared by a drafter's sessions."""
-
-    BINS = 10
-    PRIOR = 4.0
-
-    def __init__(self) -> None:
-        self.accepted = [self.PRIOR * (b + 0.5) / self.BINS for b in range(self.BINS)]
-        self.seen = [self.PRIOR] * self.BINS
-
-    def _bin(self, confidence: float) -> int:
-        return min(int(confidence * self.BINS), self.BINS - 1)
-
-    def __call__(self, confidence: float) -> float:
-        b = self._bin(confidence)
-        return self.accepted[b] / self.seen[b]
-
-    def learn(self, draft: Draft, path: tuple[int, ...]) -> None:
-        """Every node whose parent was accepted (or is the context) was tried: accepted iff on the path."""
-        if draft.confidence is None:
-            return
-        reached = {-1, *path}
-        for node, parent in enumerate(draft.parent_list):
-            if parent in reached:
-                b = self._bin(draft.confidence[node])
-                self.seen[b] += 1.0
-                self.accepted[b] += 1.0 if node in reached else 0.0
 
 
 @dataclass
@@ -263,7 +196,7 @@ class EagleSession(DraftSession):
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
         # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
         ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))
-        best = ranked[: self.drafter.tree_size([nodes[i].score for i in ranked])]
+        best = ranked[: self.drafter.budget.size([nodes[i].score for i in ranked])]
         order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].score))
         index_of = {old: new for new, old in enumerate(order)}
         return Draft(
@@ -283,7 +216,7 @@ class EagleSession(DraftSession):
             base = nodes[parent].score if parent >= 0 else 1.0
             for logprob, token in zip(logprobs[row].tolist(), tokens[row]):
                 confidence = math.exp(logprob)
-                nodes.append(_Node(token, parent, base * calibrated(confidence), confidence, depth, hidden[row]))
+                nodes.append(_Node(token, parent, base * calibrated(confidence, depth), confidence, depth, hidden[row]))
         return list(range(start, len(nodes)))
 
     def _expand(self, expand: list[int], nodes: list[_Node], position: int) -> torch.Tensor:

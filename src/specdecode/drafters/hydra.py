@@ -8,16 +8,15 @@ what was drafted (:mod:`specdecode.heads.medusa`).  Medusa's depth-2+ guesses ca
 alternative; Hydra's can, which is where its higher acceptance comes from.
 
 Greedy requests grow a tree by expanding the best nodes, as EAGLE-2 does: at each depth the ``top_k``
-nodes with the highest cumulative log-probability are expanded in one batched head call (each on its own
-path) into their ``top_k`` likeliest tokens, and the ``tree_nodes`` best nodes overall are verified (a
-parent scores at least as high as its children, so they form a tree).  Sampled requests draft a chain,
-each token sampled from its head's distribution given the path drawn so far, returned with the draft so
-rejection sampling stays exact.
+nodes with the highest path probability are expanded in one batched head call (each on its own path)
+into their ``top_k`` likeliest tokens, and the best nodes overall are verified (a parent scores at least
+as high as its children, so they form a tree) — scored, calibrated and counted as Medusa's are.  Sampled
+requests draft a chain, each token sampled from its head's distribution given the path drawn so far,
+returned with the draft so rejection sampling stays exact.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +41,7 @@ class HydraDrafter(MedusaDrafter):
 class _Node:
     token: int  # target id
     parent: int  # index in the tree's node list, -1 for children of the context
-    score: float  # cumulative draft log-probability
+    score: float  # calibrated probability that verification accepts the whole path to this node
     confidence: float  # draft probability given the parent
     path: list[int]  # draft tokens from the root to this node, itself included
 
@@ -59,15 +58,16 @@ class HydraSession(HeadsSession):
         return self.heads.logits(self.heads.head(k, hidden, embeds))
 
     def _tree(self, depth: int) -> Draft:
-        top_k, budget = self.drafter.top_k, self.drafter.tree_nodes
+        top_k = self.drafter.top_k
         nodes: list[_Node] = []
-        frontier = self._children([-1], [[]], [0.0], 0, nodes)
+        frontier = self._children([-1], [[]], [1.0], 0, nodes)
         for k in range(1, depth):
             expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
             paths = [nodes[i].path for i in expand]
             frontier = self._children(expand, paths, [nodes[i].score for i in expand], k, nodes)
         # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
-        best = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, len(nodes[i].path)))[:budget]
+        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, len(nodes[i].path)))
+        best = ranked[: self.drafter.budget.size([nodes[i].score for i in ranked])]
         order = sorted(best, key=lambda i: (len(nodes[i].path), -nodes[i].score))
         index_of = {old: new for new, old in enumerate(order)}
         return Draft(
@@ -82,9 +82,10 @@ class HydraSession(HeadsSession):
         """Head ``k`` after each path (one batched call): each parent's ``top_k`` likeliest continuations."""
         logprobs, ids = torch.log_softmax(self._head_logits(k, paths), dim=-1).topk(self.drafter.top_k, dim=-1)
         start = len(nodes)
+        calibrated = self.drafter.calibration
         for parent, path, score, row, row_ids in zip(
-            parents, paths, scores, logprobs.tolist(), self.drafter.target_ids[ids].tolist()
+            parents, paths, scores, logprobs.exp().tolist(), self.drafter.target_ids[ids].tolist()
         ):
-            for logprob, token in zip(row, row_ids):
-                nodes.append(_Node(token, parent, score + logprob, math.exp(logprob), [*path, token]))
+            for prob, token in zip(row, row_ids):
+                nodes.append(_Node(token, parent, score * calibrated(prob, k + 1), prob, [*path, token]))
         return list(range(start, len(nodes)))

@@ -1,0 +1,43 @@
+"""Tree sizing for trained heads: calibration learned from verified trees, and a budget that verifies
+only the nodes that pay for their share of the forward (none when no node does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes
+from specdecode.errors import SpecDecodeError
+from specdecode.types import Draft
+
+CURVE = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35)
+
+
+def test_an_unobserved_calibration_takes_the_confidence_at_its_word():
+    calibration = Calibration()
+    assert calibration(0.37, 1) == pytest.approx(0.37)
+    assert calibration(0.99, 5) == pytest.approx(0.99)
+
+
+def test_calibration_learns_per_depth_from_the_tried_nodes_only():
+    calibration = Calibration()
+    # Root children 0 and 1 (confidence 0.9 each), node 2 a child of 1, node 3 a child of 0.  The target
+    # accepted node 0 and then rejected node 3; nodes 1 and 2: node 1 was tried (rejected), 2 never was.
+    draft = Draft(tokens=[5, 6, 7, 8], parents=[-1, -1, 1, 0], confidence=[0.9, 0.9, 0.9, 0.9])
+    for _ in range(50):
+        calibration.learn(draft, (0,))
+    assert calibration(0.9, 1) == pytest.approx((50 + 4 * 0.9) / (100 + 4))  # one of two depth-1 nodes accepted
+    assert calibration(0.9, 2) < 0.1  # node 3 was always rejected; node 2 (untried) taught nothing
+
+
+def test_auto_budget_verifies_what_pays_and_nothing_when_nothing_does():
+    budget = TreeBudget(None, "auto", draft_share=0.05, curve=CURVE)
+    assert budget.size([0.9, 0.8, 0.6, 0.3, 0.01, 0.01]) == 4
+    assert budget.size([0.02, 0.01]) == 0
+    assert budget.size([]) == 0
+    assert TreeBudget(None, 3, 0.05, CURVE).size([0.02, 0.01, 0.01, 0.01]) == 3
+
+
+@pytest.mark.parametrize("bad", [-1, "many", 2.5, True])
+def test_tree_nodes_must_be_auto_or_a_count(bad):
+    with pytest.raises(SpecDecodeError, match="tree-nodes"):
+        check_tree_nodes("medusa", bad)
