@@ -252,3 +252,28 @@ def test_draft_model_reports_its_prompt_prefill_as_setup(tiny_target, tiny_draft
     assert first.setup_s > 0  # 80 prompt tokens fed before the first draft token
     following = session.propose([*prompt, *first.tokens[:2]], 3)
     assert drafter.clock.one_token_s > 0 and following.setup_s < first.setup_s
+
+
+def tree_step(policy, accepted: int, nodes: int = 30, one_input_s: float = 0.1) -> StepObservation:
+    """A two-deep tree of ``nodes`` nodes: the cost model reasons in depth, the forward pays for every node."""
+    return StepObservation(
+        depth=2, nodes=nodes, accepted=accepted, draft_s=0.0, verify_s=one_input_s * policy.relative_cost(nodes + 1)
+    )
+
+
+def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed():
+    policy = CostModelLength(curve=curve(0.1), probe_every=4)
+    for _ in range(12):  # 1.5 tokens per step for a forward four times a plain one's
+        policy.observe(tree_step(policy, accepted=1 if policy.gain.weight % 2 else 0))
+    assert policy.losing
+    lengths = [policy.next_length(8) for _ in range(4)]
+    assert lengths == [0, 0, 0, 1]  # nothing, then a probe of depth 1
+    # A probe that pays (two tokens for a forward over two inputs) brings drafting back.
+    policy.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.0, verify_s=0.1 * policy.relative_cost(2)))
+    assert not policy.losing and policy.next_length(8) > 0
+
+
+def test_drafting_that_pays_is_never_turned_off():
+    policy = CostModelLength(curve=curve(0.05))
+    feed(policy, 60, accept_rate=0.6, depth=4)
+    assert not policy.losing and policy.gain.value > 1.2

@@ -28,7 +28,7 @@ def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int
             depths[i] = policies[i].next_length(limits[i])
         return depths
     models: list[CostModelLength] = [policies[i] for i in auto]  # type: ignore[misc]
-    caps = [min(m.maximum, limits[i]) for m, i in zip(models, auto)]
+    caps = [0 if m.losing else min(m.maximum, limits[i]) for m, i in zip(models, auto)]
     reference = models[0]  # forks share the scale and cost curve
     fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in auto)
     tokens_at = [[m.expected_tokens(k) for k in range(cap + 1)] for m, cap in zip(models, caps)]
@@ -63,5 +63,5 @@ def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int
         verify = reference.verify_seconds(width)
         chosen[j] = k
     for j, (i, m) in enumerate(zip(auto, models)):
-        depths[i] = m.settle(chosen[j], caps[j])
+        depths[i] = m.settle(chosen[j], min(m.maximum, limits[i]))
     return depths

@@ -139,6 +139,14 @@ _CALIBRATION_BINS = 10
 #: How many steps of evidence a new sequence's acceptance estimate inherits from earlier requests.
 SEQUENCE_PRIOR_WEIGHT = 4.0
 
+#: A sequence stops drafting (and only probes) once its drafting steps have measurably yielded less than
+#: this share of the tokens per second that plain steps would have, over at least ``MIN_GAIN_EVIDENCE``
+#: steps' worth of (decayed) evidence.
+LOSING_GAIN = 0.97
+MIN_GAIN_EVIDENCE = 6.0
+#: A probe that paid replaces that evidence with itself, worth this many steps.
+PROBE_GAIN_WEIGHT = 2.0
+
 
 def _calibration_prior() -> list[_RunningMean]:
     """Before any evidence a confidence c is taken at its word: acceptance c (bin centres)."""
@@ -173,6 +181,12 @@ class CostModelLength(DraftLengthPolicy):
     self-drafter whose tokens the target rejects costs a partial forward per step for nothing), the
     policy drafts nothing and only probes depth 1, after ``probe_every`` steps, twice as long after each
     probe that was rejected (at most ``max_probe_every``), back to ``probe_every`` once one is accepted.
+
+    The model can be wrong where its inputs are estimates (a tree verifies more nodes than it is deep; a
+    drafter's cost varies with the text), so it is also checked against what drafting actually achieved:
+    each step that drafted is scored by its tokens per second over what a plain step would have given
+    (the same overhead, the forward over one input instead of the draft), and a sequence whose recent
+    score falls below ``LOSING_GAIN`` drafts nothing but probes until a probe pays.
     """
 
     maximum: int = 16
@@ -194,6 +208,8 @@ class CostModelLength(DraftLengthPolicy):
     achieved_seconds: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
     others_width: int = 0  # inputs the rest of the batch added to the last verification forward
+    #: Tokens per second of recent drafting steps over what plain steps would have given (1: break-even).
+    gain: _RunningMean = field(default_factory=lambda: _RunningMean(1.0, weight=0.0, decay=0.9))
     parent: CostModelLength | None = field(default=None, repr=False)  # a fork's origin, which learns too
 
     def __post_init__(self) -> None:
@@ -253,7 +269,13 @@ class CostModelLength(DraftLengthPolicy):
             run: [_RunningMean(m.value, min(m.weight, SEQUENCE_PRIOR_WEIGHT), m.decay) for m in means]
             for run, means in self.acceptance_after.items()
         }
+        twin.gain = _RunningMean(self.gain.value, min(self.gain.weight, SEQUENCE_PRIOR_WEIGHT / 2), self.gain.decay)
         return twin
+
+    @property
+    def losing(self) -> bool:
+        """Drafting has recently yielded measurably less than plain decoding would have."""
+        return self.gain.weight >= MIN_GAIN_EVIDENCE and self.gain.value < LOSING_GAIN
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a step yields when drafting k deep (the target's own token included)."""
@@ -265,7 +287,7 @@ class CostModelLength(DraftLengthPolicy):
 
     def next_length(self, limit: int) -> int:
         cap = min(self.maximum, limit)
-        return self.settle(max(range(cap + 1), key=self.expected_rate), cap)
+        return self.settle(0 if self.losing else max(range(cap + 1), key=self.expected_rate), cap)
 
     def settle(self, best: int, cap: int) -> int:
         """The depth to ask for once the cost model chose ``best``: a confidence drafter gets ``cap`` (its stop
@@ -288,6 +310,21 @@ class CostModelLength(DraftLengthPolicy):
                 prior = table[-1].value if table else self.prior_acceptance
                 table.append(_RunningMean(prior, weight=2.0))
             table[position].add(1.0 if position < step.accepted else 0.0)
+
+    def _score_drafting(self, step: StepObservation) -> None:
+        """Score a step that drafted against the plain step it replaced: this sequence's share of a forward
+        with its one input instead of its draft, and the same overhead."""
+        spent = step.overhead_s + step.draft_s - step.setup_s + step.verify_s / step.batch
+        plain = step.overhead_s + self.verify_seconds(self.others_width + 1) / step.batch
+        if spent <= 0.0:
+            return
+        score = (step.accepted + 1.0) * plain / spent
+        if self.probing and score >= 1.0:  # a probe that paid: the text changed, judge drafting afresh
+            self.gain = _RunningMean(score, weight=PROBE_GAIN_WEIGHT, decay=self.gain.decay)
+        else:
+            self.gain.add(score)
+        if self.parent is not None:
+            self.parent.gain.add(score)
 
     def calibrated(self, confidence: float) -> float:
         """Online acceptance rate of tokens the drafter gave this confidence."""
@@ -334,6 +371,7 @@ class CostModelLength(DraftLengthPolicy):
         self.overhead.add(step.overhead_s)
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
             self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
+            self._score_drafting(step)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
         self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s / step.batch)
