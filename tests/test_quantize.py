@@ -13,6 +13,7 @@ from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
 from specdecode.bench.suites import resolve_settings
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
+from specdecode.drafters._vocab import DraftHead
 from specdecode.engine import ancestor_mask
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models import loading, quantize
@@ -227,3 +228,16 @@ def test_smollm2_quantized_prompt_lookup_equals_plain(mode):
     prompt = "Repeat this list exactly, then add two more fruits: apple, banana, cherry, date, elderberry, fig."
     expected = plain.generate(prompt, chat=True, max_new_tokens=32, ignore_eos=True).token_ids
     assert lookup.generate(prompt, chat=True, max_new_tokens=32, ignore_eos=True).token_ids == expected
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+def test_a_draft_head_cut_from_a_quantized_lm_head_keeps_its_precision(quantized, mode):
+    """VocabTrim's rows of a quantized head stay in that precision (an fp32 copy cost as much per token as
+    the whole int4 head), and give the head's own logits on those rows; prompt rows come as a second block."""
+    backend = quantized[mode][0].backend
+    head = DraftHead(backend, 32).for_prompt([40, 3, 40, 70])
+    assert head.ids.tolist() == [*range(32), 40, 70]
+    assert type(head.blocks[0]) is type(backend.lm_head()) and len(head.blocks) == 2
+    normed = torch.randn(2, backend.config.hidden_size)
+    full = backend.lm_head()(normed)
+    torch.testing.assert_close(head(normed), full[:, head.ids], rtol=0.05, atol=0.05)

@@ -265,7 +265,7 @@ def test_kangaroo_adapter_round_trips_and_checks_the_model(tiny_target, tiny_dra
     loaded = drafter.adapter
     h = torch.randn(3, tiny_target.backend.config.hidden_size)
     torch.testing.assert_close(loaded(h), adapter(h))
-    assert session_for(drafter, [5, 3]).state.head.ids.tolist() == [0, 3, 5, 9]
+    assert sorted(session_for(drafter, [5, 3]).state.head.ids.tolist()) == [0, 3, 5, 9]
     with pytest.raises(SpecDecodeError, match="trained for"):
         create_drafter("kangaroo", tiny_draft, adapter=str(path))  # 1 layer, not 3
 

@@ -20,6 +20,7 @@ from specdecode.config import DEFAULT_DRAFT_VOCAB, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
+from specdecode.models.quantize import QuantizedLinear, quantized_like
 from specdecode.sampling import sample, sampling_probs
 
 
@@ -27,9 +28,10 @@ class DraftHead:
     """The target's LM head restricted to the first ``size`` token ids (or a given ``base`` set, e.g. the
     tokens a trained adapter saw) plus each request's prompt tokens.
 
-    ``size`` 0 (or at least the vocabulary) keeps the full head.  :meth:`for_prompt` copies the rows a
-    request needs (prepacked for oneDNN where the CPU supports it); the last set is reused while prompts
-    bring no new tokens."""
+    ``size`` 0 (or at least the vocabulary) keeps the full head.  The base rows are copied once per
+    drafter, in the head's own precision (an int4 head's rows stay int4: in fp32 a 32k-row copy of a 0.5B
+    model's head cost about as much per token as the whole int4 head), or prepacked for oneDNN in fp32;
+    each request adds only the rows of its prompt tokens outside the base, as a small second block."""
 
     def __init__(
         self, backend: LayerwiseExecution, size: int = DEFAULT_DRAFT_VOCAB, base: torch.Tensor | None = None
@@ -41,33 +43,59 @@ class DraftHead:
         self.full = size == 0 or too_big or getattr(backend.lm_head(), "bias", None) is not None
         self.base = base if base is not None else torch.arange(min(size, backend.vocab_size))
         self._packed = fast_path_supported() and backend.device.type == "cpu"
+        self._weight: torch.Tensor | None = None  # the head's weight, read once (a quantized head dequantizes)
+        self._base_rows: HeadRows | None = None
         self._last: HeadRows | None = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._weight is None:
+            weight = self.backend.output_weight()
+            # A quantized head computes a dense copy on each read: keep one, in bf16 (half the memory),
+            # for the rows prompts add later.
+            self._weight = weight.to(torch.bfloat16) if isinstance(self.backend.lm_head(), QuantizedLinear) else weight
+        return self._weight.index_select(0, ids.to(self._weight.device)).float().contiguous()
+
+    def _block(self, ids: torch.Tensor, like_head: bool) -> nn.Module:
+        rows = nn.Linear(self.backend.config.hidden_size, len(ids), bias=False, device="meta")
+        rows.weight = nn.Parameter(self._rows(ids), requires_grad=False)
+        quantized = quantized_like(self.backend.lm_head(), rows) if like_head else None
+        if quantized is not None:
+            return quantized
+        return PackedLinear(rows, tied=False) if self._packed else rows
 
     def for_prompt(self, prompt_ids: tuple[int, ...] | list[int]) -> HeadRows:
         if self.full:
-            return HeadRows(self.backend, None, None)
-        ids = torch.unique(torch.cat([self.base, torch.tensor(list(prompt_ids), dtype=torch.long)]))
+            return HeadRows(self.backend, None, ())
+        if self._base_rows is None:
+            self._base_rows = HeadRows(self.backend, self.base, (self._block(self.base, like_head=True),))
+        prompt = torch.unique(torch.tensor(list(prompt_ids), dtype=torch.long))
+        extra = prompt[~torch.isin(prompt, self.base)]
+        if not len(extra):
+            return self._base_rows
         last = self._last
-        if last is not None and last.ids is not None and torch.equal(ids, last.ids):
+        if last is not None and torch.equal(last.ids[len(self.base) :], extra):
             return last
-        weight = self.backend.output_weight().index_select(0, ids.to(self.backend.device)).contiguous()
-        rows = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        rows.weight = nn.Parameter(weight, requires_grad=False)
-        self._last = HeadRows(self.backend, ids, PackedLinear(rows, tied=False) if self._packed else rows)
+        block = self._block(extra, like_head=False)
+        self._last = HeadRows(self.backend, torch.cat([self.base, extra]), (*self._base_rows.blocks, block))
         return self._last
 
 
 @dataclass
 class HeadRows:
-    """One request's draft head: the rows of ``ids`` (None: the full vocabulary)."""
+    """One request's draft head: the rows of ``ids`` (None: the full vocabulary), computed by ``blocks``
+    (their outputs side by side, in the order of ``ids``)."""
 
     backend: LayerwiseExecution
     ids: torch.Tensor | None
-    rows: nn.Module | None
+    blocks: tuple[nn.Module, ...]
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Head logits for final-normed hidden states [n, d]: over ``ids``, or the full vocabulary."""
-        return (self.rows or self.backend.lm_head())(normed)
+        if not self.blocks:
+            return self.backend.lm_head()(normed)
+        if len(self.blocks) == 1:
+            return self.blocks[0](normed)
+        return torch.cat([block(normed) for block in self.blocks], dim=-1)
 
     def full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Subset logits → full-vocabulary logits, -inf outside the subset."""

@@ -298,6 +298,19 @@ def int4_group_size(linear: nn.Linear) -> int | None:
     return next((g for g in INT4_GROUP_SIZES if linear.in_features % g == 0), None)
 
 
+def quantized_like(layer: nn.Module, linear: nn.Linear) -> QuantizedLinear | None:
+    """``linear`` in the precision ``layer`` has (a draft head's rows copied from a quantized LM head);
+    None when ``layer`` is not quantized or ``linear``'s shape does not fit it."""
+    if isinstance(layer, Int8Linear):
+        return Int8Linear(linear, tied=False)
+    if isinstance(layer, Bf16Linear):
+        return Bf16Linear(linear, tied=False)
+    if isinstance(layer, Int4Linear):
+        group_size = int4_group_size(linear)
+        return Int4Linear(linear, tied=False, group_size=group_size) if group_size else None
+    return None
+
+
 def quantize_model(model: nn.Module, mode: str) -> list[str]:
     """Replace every CPU ``nn.Linear`` of ``model`` (LM head included) by its ``mode`` quantized version.
 
