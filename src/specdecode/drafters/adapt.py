@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from specdecode.drafters.adapt_data import Example
+from specdecode.drafters.base import flag_option
 from specdecode.errors import SpecDecodeError
 from specdecode.models.fastpath import PackedLinear
 from specdecode.models.loading import LoadedModel
@@ -58,22 +59,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
 
 
-def _flag(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in {"true", "1", "yes", "on"}:
-        return True
-    if text in {"false", "0", "no", "off"}:
-        return False
-    raise SpecDecodeError(f"{name} must be true or false, got {value!r}")
-
-
 def asks_to_adapt(options: Mapping[str, Any]) -> bool:
     """Whether drafter options (checked, or as given on a command line) turn online adaptation on; a bad
     ``adapt`` value is the same one-line error as when the drafter is built."""
     value = options.get("adapt")
-    return value is not None and _flag("adapt", value)
+    return value is not None and flag_option("adapt", value)
 
 
 def _positive(name: str, value: Any, kind: type) -> Any:
@@ -114,7 +104,7 @@ class AdaptOptions:
         adapt_load: Any = None,
     ) -> AdaptOptions | None:
         """None when no adapter is asked for; a one-line error for a bad value or a meaningless combination."""
-        train = _flag("adapt", adapt) if adapt is not None else False
+        train = flag_option("adapt", adapt) if adapt is not None else False
         tuning = {"adapt_budget": adapt_budget, "adapt_steps": adapt_steps, "adapt_lr": adapt_lr}
         given = [name for name, value in {**tuning, "adapt_save": adapt_save}.items() if value is not None]
         if not train and given:

@@ -23,11 +23,25 @@ import numpy as np
 import torch
 
 from specdecode.config import SamplingParams
+from specdecode.errors import SpecDecodeError
 from specdecode.types import Draft, StepFeedback
 
 if TYPE_CHECKING:
     from specdecode.models.base import KVCache
     from specdecode.models.loading import LoadedModel
+
+
+def flag_option(name: str, value: object) -> bool:
+    """A drafter's on/off option, as given in Python or on a command line (``true``/``false``, ``1``/``0``...)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in {"true", "1", "yes", "on"}:
+        return True
+    if text in {"false", "0", "no", "off"}:
+        return False
+    raise SpecDecodeError(f"{name} must be true or false, got {value!r}")
+
 
 #: Called with the confidences of the tokens drafted so far, says whether to stop drafting.
 StopRule = Callable[[Sequence[float]], bool]

@@ -31,17 +31,18 @@ import torch
 
 from specdecode.drafters import register_drafter
 from specdecode.drafters._forward_clock import ForwardClock
+from specdecode.drafters._lookahead import Lookahead
 from specdecode.drafters._vocab import DraftHead, HeadRows
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
 from specdecode.drafters.adapt_data import AdaptingSession, cross_vocab_example, same_vocab_example
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
 from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
 from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
-from specdecode.types import Draft
+from specdecode.types import Draft, StepFeedback
 
 
 def choose_draft_token(
@@ -84,8 +85,12 @@ class DraftModelDrafter(Drafter):
         adapt_lr: float | None = None,
         adapt_save: str | None = None,
         adapt_load: str | None = None,
+        parallel: bool | str = False,
     ) -> None:
         super().__init__(target)
+        self.parallel = flag_option("parallel", parallel)
+        if self.parallel and vocab_mapping is not None:
+            raise SpecDecodeError("parallel drafting needs a draft model with the target's vocabulary")
         if draft_model is None:
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
         if vocab_mapping is not None:
@@ -130,7 +135,7 @@ class DraftModelDrafter(Drafter):
             session: DraftSession = self.cross.session(request)
         else:
             rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
-            session = DraftModelSession(self.draft.backend, request, rows, self.clock)
+            session = DraftModelSession(self.draft.backend, request, rows, self.clock, self.parallel)
         if self.adapter is None:
             return session
         cross = self.cross
@@ -142,7 +147,12 @@ class DraftModelSession(DraftSession):
     """One request: the draft model's own cache of it, its sampling and random stream."""
 
     def __init__(
-        self, backend: CausalLM, request: DraftRequest, head: HeadRows | None = None, clock: ForwardClock | None = None
+        self,
+        backend: CausalLM,
+        request: DraftRequest,
+        head: HeadRows | None = None,
+        clock: ForwardClock | None = None,
+        parallel: bool = False,
     ) -> None:
         self.backend = backend
         self.clock = clock if clock is not None else ForwardClock()
@@ -154,6 +164,9 @@ class DraftModelSession(DraftSession):
         self.generator = request.torch_generator()
         self.cache = backend.new_cache()
         self.cached_tokens: list[int] = []
+        # Drafting on while the target verifies, where the drafts are a function of the context.
+        deterministic = self.sampling.greedy or self.sampling.is_coupled
+        self.lookahead = Lookahead(self._draft_one) if parallel and deterministic else None
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
         """The next draft token (for absolute ``position``): :func:`choose_draft_token`, over the VocabTrim
@@ -167,18 +180,28 @@ class DraftModelSession(DraftSession):
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend
+        if self.lookahead is not None:
+            self.cached_tokens.extend(self.lookahead.join())
         max_tokens = min(max_tokens, backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
-        keep = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
-        self.cache.crop(keep)
-        self.cached_tokens = list(context)
-        pending = torch.tensor(context[keep:], dtype=torch.long)
-        tokens: list[int] = []
+        # Tokens the worker drafted while the target verified, if the target went the way it assumed.
+        tokens, confidence = self.lookahead.continuation(context) if self.lookahead is not None else ([], [])
+        tokens, confidence = tokens[:max_tokens], confidence[:max_tokens]
+        stopped = next((n for n in range(1, len(tokens) + 1) if self.request.stop(confidence[:n])), None)
+        if stopped is not None:
+            tokens, confidence = tokens[:stopped], confidence[:stopped]
+        if tokens:  # the cache holds the context and more of them: keep what the draft needs
+            self.cache.crop(len(context) + len(tokens) - 1)
+            pending = torch.tensor(tokens[-1:], dtype=torch.long)
+        else:
+            keep = min(common_prefix_length(self.cached_tokens, context), len(context) - 1)
+            self.cache.crop(keep)
+            pending = torch.tensor(context[keep:], dtype=torch.long)
         prob_rows: list[torch.Tensor] = []
-        confidence: list[float] = []
         setup_s = 0.0
-        for index in range(max_tokens):
+        more = 0 if stopped is not None else max_tokens - len(tokens)
+        for index in range(len(tokens), len(tokens) + more):
             # The first forward may also catch up with the context: its prompt, tokens skipped while not drafting.
             logits, catching_up = self.clock.timed(partial(self._next_logits, pending), len(pending))
             setup_s += catching_up
@@ -191,9 +214,21 @@ class DraftModelSession(DraftSession):
                 break
             pending = torch.tensor([token], dtype=torch.long)
         # The last drafted token was never fed to the draft model, so the cache ends one before it.
-        self.cached_tokens.extend(tokens[:-1])
+        self.cached_tokens = [*context, *tokens[:-1]]
+        if self.lookahead is not None and tokens:
+            room = backend.max_context - len(context) - len(tokens) - 1
+            self.lookahead.start(context, tokens, min(max_tokens + 1, room))
         probs_out = torch.stack(prob_rows) if prob_rows else None
         return Draft(tokens=tokens, probs=probs_out, confidence=confidence, setup_s=setup_s)
+
+    def _draft_one(self, token: int, position: int) -> tuple[int, float]:
+        """The lookahead worker's step: feed ``token``, choose the token at ``position`` (deterministically)."""
+        token, _, confidence = self._choose(self._next_logits(torch.tensor([token], dtype=torch.long)), position)
+        return token, confidence
+
+    def observe(self, context: list[int], feedback: StepFeedback) -> None:
+        if self.lookahead is not None:
+            self.lookahead.stop()
 
     def _next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
@@ -204,7 +239,12 @@ class DraftModelSession(DraftSession):
 
     def restart(self) -> None:
         """The draft model's weights changed (online adaptation): nothing cached is valid any more."""
+        if self.lookahead is not None:
+            self.lookahead.join()
         self.cached_tokens = []
 
     def finish(self, context: list[int]) -> None:
+        if self.lookahead is not None:
+            self.lookahead.stop()
+            self.lookahead.join()
         self.cache.release()

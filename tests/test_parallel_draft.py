@@ -1,0 +1,89 @@
+"""Drafting while the target verifies (``draft-model`` with ``parallel=true``, PEARL's post-verify): the
+worker's tokens are the ones sequential drafting would give, so output is unchanged; a pure-function test
+of when its continuation may be used."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from helpers import PROMPTS, hf_greedy, run
+from specdecode.config import SamplingParams
+from specdecode.drafters import create_drafter
+from specdecode.drafters._lookahead import Lookahead
+from specdecode.errors import SpecDecodeError
+
+
+def counting(token: int, position: int) -> tuple[int, float]:
+    """A stand-in draft model: the next token is the position."""
+    return position, 0.5
+
+
+def test_the_continuation_is_used_only_when_the_target_accepted_everything_and_chose_a0():
+    lookahead = Lookahead(counting)
+    lookahead.start([1, 2], [3, 4], limit=4)  # assumes context 1 2 3 4, drafts a_0..a_3 at positions 4..7
+    assert lookahead.join() == [4, 4, 5, 6]  # fed d_k = 4, then a_0 .. a_2
+    assert lookahead.tokens == [4, 5, 6, 7]
+    assert lookahead.continuation([1, 2, 3, 4, 4]) == ([5, 6, 7], [0.5] * 3)
+    assert lookahead.continuation([1, 2, 3, 4, 9]) == ([], [])  # the target chose another token
+    assert lookahead.continuation([1, 2, 3, 5]) == ([], [])  # d_2 rejected
+    assert lookahead.continuation([1, 2, 3, 4, 4, 5]) == ([], [])
+
+
+def test_the_worker_stops_when_asked_and_hands_its_errors_over():
+    release = threading.Event()
+
+    def slow(token: int, position: int) -> tuple[int, float]:
+        release.wait(5)
+        return position, 1.0
+
+    lookahead = Lookahead(slow)
+    lookahead.start([0], [1], limit=100)
+    lookahead.stop()
+    release.set()
+    assert len(lookahead.join()) <= 1
+
+    def broken(token: int, position: int) -> tuple[int, float]:
+        raise RuntimeError("draft forward failed")
+
+    lookahead = Lookahead(broken)
+    lookahead.start([0], [1], limit=3)
+    with pytest.raises(RuntimeError, match="draft forward failed"):
+        lookahead.join()
+
+
+@pytest.mark.parametrize("draft_length", [3, "auto"])
+def test_parallel_drafting_keeps_greedy_output_and_reuses_drafts(tiny_target, draft_length, monkeypatch):
+    used = []
+    continuation = Lookahead.continuation
+
+    def counted(self, context):
+        tokens, confidence = continuation(self, context)
+        used.append(len(tokens))
+        return tokens, confidence
+
+    monkeypatch.setattr(Lookahead, "continuation", counted)
+    # The target drafting for itself: every draft is accepted, so lookaheads get used.
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, parallel="true")
+    for prompt in PROMPTS:
+        tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=30, num_draft_tokens=draft_length)
+        assert tokens == hf_greedy(tiny_target, prompt, 30)
+    assert sum(used) > 0
+
+
+def test_parallel_drafting_with_another_draft_model_keeps_greedy_and_coupled_output(tiny_target, tiny_draft):
+    sequential = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    parallel = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel=True)
+    coupled = SamplingParams(temperature=0.9, seed=3)
+    for prompt in PROMPTS:
+        assert run(tiny_target, parallel, prompt, max_new_tokens=30)[0] == hf_greedy(tiny_target, prompt, 30)
+        got = [run(tiny_target, d, prompt, max_new_tokens=30, sampling=coupled)[0] for d in (sequential, parallel)]
+        assert got[0] == got[1]
+
+
+def test_parallel_drafting_refuses_what_it_cannot_do(tiny_target, tiny_draft):
+    with pytest.raises(SpecDecodeError, match="parallel must be true or false"):
+        create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel="sometimes")
+    with pytest.raises(SpecDecodeError, match="parallel drafting needs"):
+        create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel=True, vocab_mapping="text")
