@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cost import cost_at
 from specdecode.types import StepObservation
 
 __all__ = ["StepObservation"]  # re-exported: policies are written against it
@@ -231,11 +232,7 @@ class CostModelLength(DraftLengthPolicy):
 
     def relative_cost(self, width: int) -> float:
         """Verification cost of ``width`` inputs relative to one; linear extrapolation past the curve."""
-        curve = self.curve
-        if width <= len(curve):
-            return curve[max(width, 1) - 1]
-        slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
-        return curve[-1] + slope * (width - len(curve))
+        return cost_at(self.curve, width)
 
     def verify_seconds(self, width: int) -> float:
         """Expected seconds of a verification forward over ``width`` inputs (in units of one input

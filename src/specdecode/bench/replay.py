@@ -19,6 +19,7 @@ from specdecode.draft_length import DraftLengthPolicy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import Checked, step
 from specdecode.engine import Sequence as DecodeSequence
+from specdecode.models.cost import cost_at
 from specdecode.types import Draft, StepFeedback, Verdict, children_by_row
 
 
@@ -34,11 +35,7 @@ class StepCosts:
     overhead_s: float = 0.0
 
     def verify_s(self, width: int) -> float:
-        curve = self.curve
-        if width <= len(curve):
-            return self.one_input_s * curve[width - 1]
-        slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
-        return self.one_input_s * (curve[-1] + slope * (width - len(curve)))
+        return self.one_input_s * cost_at(self.curve, width)
 
 
 @dataclass(frozen=True)

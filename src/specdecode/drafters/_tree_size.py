@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
-from specdecode.models.cost import relative_cost_curve
+from specdecode.models.cost import cost_at, relative_cost_curve
 from specdecode.types import Draft
 
 #: Most nodes an automatically sized tree verifies.
@@ -85,11 +85,7 @@ class TreeBudget:
         """A verification forward over ``width`` inputs relative to one (measured once per target)."""
         if self._curve is None:
             self._curve = (relative_cost_curve(self.backend) if self.backend is not None else None) or (1.0,)
-        curve = self._curve
-        if width <= len(curve):
-            return curve[width - 1]
-        slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
-        return curve[-1] + slope * (width - len(curve))
+        return cost_at(self._curve, width)
 
     def size(self, probabilities: list[float]) -> int:
         """How many of the nodes (their path probabilities, best first) to verify.

@@ -63,6 +63,15 @@ def timed_rounds(
 _CURVES: WeakKeyDictionary[CausalLM, tuple[float, ...]] = WeakKeyDictionary()
 
 
+def cost_at(curve: tuple[float, ...], width: int) -> float:
+    """The relative cost of a forward over ``width`` inputs from a curve of t(w) / t(1) for w = 1, 2, ...:
+    read off the curve, or extrapolated linearly past it (from its first and last points)."""
+    if width <= len(curve):
+        return curve[max(width, 1) - 1]
+    slope = (curve[-1] - curve[0]) / (len(curve) - 1) if len(curve) > 1 else 0.0
+    return curve[-1] + slope * (width - len(curve))
+
+
 def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -> tuple[float, ...] | None:
     """``t(w) / t(1)`` for w = 1..widths, measured once per loaded backend and then cached.
 
