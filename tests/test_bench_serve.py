@@ -108,31 +108,31 @@ def test_files_written(finished):
 
 def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
     settings, results = finished
-    forbid(monkeypatch, serve, "load_model", "run_cell", "stream_one", "InProcessServer")
+    forbid(monkeypatch, serve, "load_model", "ClientProcess", "InProcessServer")
     again = serve.run_serve_bench(settings, tasks=tiny_bench_tasks(), progress=False)
     assert again["cells"] == results["cells"]
 
     # A directory missing one cell measures that cell only, after one warm-up of its method.
     out = without_cell(settings, tmp_path / "partial", "concurrency", ("pld", 2))
     monkeypatch.undo()
-    cells, requests = [], []
-    real_run_cell, real_stream_one = serve.run_cell, serve.stream_one
+    cells, warmups = [], []
+    real_run_cell, real_stream_one = serve.ClientProcess.run_cell, serve.ClientProcess.stream_one
 
-    def spy_cell(client, model, chat, texts, method, concurrency, max_tokens):
+    def spy_cell(self, model, chat, texts, method, concurrency, max_tokens):
         cells.append((method.spec, concurrency, len(texts)))
-        return real_run_cell(client, model, chat, texts, method, concurrency, max_tokens)
+        return real_run_cell(self, model, chat, texts, method, concurrency, max_tokens)
 
-    def spy_request(client, model, chat, text, method, max_tokens):
-        requests.append((method.spec, max_tokens))
-        return real_stream_one(client, model, chat, text, method, max_tokens)
+    def spy_warmup(self, model, chat, text, method, max_tokens):
+        warmups.append((method.spec, max_tokens))
+        return real_stream_one(self, model, chat, text, method, max_tokens)
 
-    monkeypatch.setattr(serve, "run_cell", spy_cell)
-    monkeypatch.setattr(serve, "stream_one", spy_request)
+    monkeypatch.setattr(serve.ClientProcess, "run_cell", spy_cell)
+    monkeypatch.setattr(serve.ClientProcess, "stream_one", spy_warmup)
     resumed = serve.run_serve_bench(
         _settings({"target": settings.model}, out), tasks=tiny_bench_tasks(), progress=False
     )
     assert cells == [("pld", 2, 3)]
-    assert requests == [("pld", serve.WARMUP_TOKENS)] + [("pld", MAX_NEW)] * 3
+    assert warmups == [("pld", serve.WARMUP_TOKENS)]
     assert list(_cells(resumed)) == CELLS and _cells(resumed)["pld", 2]["equal_to_none_c1"] == 1.0
 
 

@@ -10,6 +10,9 @@ chat completions (a model without a chat template gets ``/v1/completions`` on th
 ``extra_body={"speculative": {"drafter": METHOD}}``; the API has no ``ignore_eos``, so a request may end at
 EOS and only the tokens the final usage chunk reports are counted.
 
+The clients run in a child process of their own (spawned once per run): like real clients, they never
+hold the server's interpreter lock, though they still share the machine's CPUs with it.
+
 Timing is client side: a cell's wall time runs from its first send to its last finish; TTFT from a request's
 send to its first content-bearing chunk; inter-token latency (ITL) is, for every later content-bearing chunk,
 the gap since the previous one divided by the tokens that chunk carried, counted once per token.  A chunk's
@@ -166,15 +169,6 @@ class InProcessServer:
         self.thread.join(timeout=60)
         self.socket.close()
 
-    def client(self) -> Any:
-        import openai
-
-        # trust_env=False: a proxy configured for the outside world must not see loopback requests.
-        http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
-        return openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, http_client=http
-        )
-
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Until the engine holds no request (the drafters may then be reset from this thread)."""
         worker = self.service.worker
@@ -265,6 +259,51 @@ def run_cell(
     return done, max(r["finished"] for r in done) - min(r["sent"] for r in done)
 
 
+class ClientProcess:
+    """The benchmark's clients, in a spawned child process that lives for the whole run.
+
+    In the server's process, eight client threads parsing SSE chunks took the interpreter lock from the
+    engine's thread between its torch calls, and the steps grew by some milliseconds; real clients run
+    elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
+
+    def __init__(self, port: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.port = port
+        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    def __enter__(self) -> ClientProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def stream_one(self, *args: Any) -> dict[str, Any]:
+        return self.pool.submit(_in_child, self.port, stream_one, *args).result()
+
+    def run_cell(self, *args: Any) -> tuple[list[dict[str, Any]], float]:
+        return self.pool.submit(_in_child, self.port, run_cell, *args).result()
+
+
+_CHILD_CLIENTS: dict[int, Any] = {}
+
+
+def _in_child(port: int, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(client, *args)`` in the client process, with that process's client of the server on ``port``."""
+    if port not in _CHILD_CLIENTS:
+        _CHILD_CLIENTS[port] = client_for(port)
+    return call(_CHILD_CLIENTS[port], *args)
+
+
+def client_for(port: int) -> Any:
+    import openai
+
+    # trust_env=False: a proxy configured for the outside world must not see loopback requests.
+    http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, http_client=http)
+
+
 # --------------------------------------------------------------------------------------------------------
 # The run
 
@@ -333,18 +372,18 @@ def _measure(
     started = time.perf_counter()
     with (
         InProcessServer(service) as server,
+        ClientProcess(server.port) as clients,
         tqdm(total=len(pending), unit="cell", desc="bench serve", disable=not progress, dynamic_ncols=True) as bar,
     ):
 
         def measure_cells() -> None:
-            client = server.client()
             warm: set[str] = set()
             for name, concurrency in pending:
                 bar.set_postfix_str(f"{name} C={concurrency}", refresh=False)
                 method = methods[name]
                 if name not in warm:  # first-call allocations, the cost curve, the HTTP path: not measured
                     try:
-                        stream_one(client, settings.model, chat, texts[0], method, WARMUP_TOKENS)
+                        clients.stream_one(settings.model, chat, texts[0], method, WARMUP_TOKENS)
                     except Exception as exc:
                         raise SpecDecodeError(f"warm-up request of method {name!r} failed: {_one_line(exc)}") from exc
                     warm.add(name)
@@ -352,8 +391,8 @@ def _measure(
                 for drafter in drafters.values():  # every cell starts cold
                     drafter.reset()
                 generator.reset_drafter()  # also forgets what the adaptive draft-length policies learned
-                replies, wall_s = run_cell(
-                    client, settings.model, chat, texts, method, concurrency, settings.max_new_tokens
+                replies, wall_s = clients.run_cell(
+                    settings.model, chat, texts, method, concurrency, settings.max_new_tokens
                 )
                 server.wait_idle()
                 records = [request_record(key, reply, target.tokenizer) for key, reply in zip(keys, replies)]

@@ -105,13 +105,13 @@ def markdown(results: Mapping[str, Any]) -> str:
         common.machine_line(
             results.get("environment", {}), ("torch", "transformers", "openai", "uvicorn", "specdecode")
         )
-        + " **The server and its client share this CPU**: the client threads' HTTP and JSON work is taken from the "
-        "decoding.",
+        + " **The server and its clients share this CPU**: the clients run in a process of their own, and their "
+        "HTTP and JSON work is taken from the decoding.",
         "",
         f"One real uvicorn server in-process (`{endpoint}`, max batch size {s['max_batch_size']}) serving every "
         f"method; {requests} requests ({', '.join(s['tasks'])}; {s['prompts_per_task']} prompt(s) per task, seed "
-        f"{s['seed']}) replayed per cell by C closed-loop client threads of the official `openai` client (each "
-        f"sends its next request when its previous one finished), streamed, greedy, `max_tokens` "
+        f"{s['seed']}) replayed per cell by C closed-loop client threads of the official `openai` client in a "
+        "child process (each sends its next request when its previous one finished), streamed, greedy, `max_tokens` "
         f"{s['max_new_tokens']} (requests may end at EOS; tokens are the usage chunk's `completion_tokens`). Every "
         "cell starts with cold drafters after one untimed warm-up request per method. Client-side timing: wall "
         "time from the first send to the last finish; TTFT from a request's send to its first content chunk; ITL "
