@@ -10,7 +10,7 @@ from specdecode.draft_length import CostModelLength, DraftLengthPolicy
 #: smollm2-135m at concurrency 8 better than 0.25 on throughput and p95 inter-token latency alike with 30
 #: requests (1.30x / 1.49x plain's p95 against 1.11x / 2.19x) and about as well with 10; 0.10 drafted too
 #: little (1.36x with 10).  One run each, on a 2-core machine: see the README's serving section.
-STEP_COST_SLACK = float(__import__("os").environ.get("SLACK", "0.15"))
+STEP_COST_SLACK = 0.15
 
 
 def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int]:
