@@ -13,13 +13,14 @@ from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.batch_plan import plan_batch
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import CostModelLength, FixedLength, linear_curve
+from specdecode.draft_length import CostModelLength, FixedLength
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.heads.medusa import heads_for_target
+from specdecode.models.cost import linear_curve
 
 REPEATS = [12, 13, 14, 12, 13, 14, 12, 13]
 BATCH_PROMPTS = [

@@ -9,11 +9,11 @@ from specdecode.draft_length import (
     FixedLength,
     HeuristicLength,
     StepObservation,
-    _LinearFit,
-    linear_curve,
     make_policy,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.estimators import LinearFit
+from specdecode.models.cost import linear_curve
 
 
 def curve(per_input: float, widths: int = 16) -> tuple[float, ...]:
@@ -131,12 +131,12 @@ def test_overhead_per_step_favours_deeper_drafts():
 
 
 def test_draft_cost_separates_a_fixed_part_from_a_part_per_token():
-    fit = _LinearFit()
+    fit = LinearFit()
     for depth in (1, 4, 8, 2, 6) * 4:
         fit.add(depth, 0.002 + 0.01 * depth)
     fixed, per_token = fit.coefficients()
     assert fixed == pytest.approx(0.002) and per_token == pytest.approx(0.01)
-    constant = _LinearFit()
+    constant = LinearFit()
     for _ in range(5):
         constant.add(4, 0.02)  # depth never varied: all of it counts per token (the cautious reading)
     assert constant.coefficients() == pytest.approx((0.0, 0.005))

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from specdecode.bench.replay import ReplayResult, StepCosts, replay
 from specdecode.bench.tasks import TASK_NAMES, load_tasks
-from specdecode.draft_length import CostModelLength, FixedLength, HeuristicLength, linear_curve
+from specdecode.draft_length import CostModelLength, FixedLength, HeuristicLength
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
+from specdecode.models.cost import linear_curve
 from specdecode.models.loading import load_model
 
 

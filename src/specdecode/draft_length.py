@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.cost import cost_at
+from specdecode.estimators import LinearFit, RunningMean
+from specdecode.models.cost import cost_at, linear_curve
 from specdecode.types import StepObservation
 
 __all__ = ["StepObservation"]  # re-exported: policies are written against it
@@ -77,64 +78,6 @@ class HeuristicLength(DraftLengthPolicy):
         self.k = min(self.k + 2, self.maximum) if step.accepted == step.depth else max(1, self.k - 1)
 
 
-@dataclass
-class _RunningMean:
-    """Exponentially weighted mean; ``weight`` is how many observations the starting value is worth."""
-
-    value: float
-    weight: float = 1.0
-    decay: float = 0.98
-
-    def add(self, x: float) -> None:
-        self.weight = self.weight * self.decay + 1.0
-        self.value += (x - self.value) / self.weight
-
-
-@dataclass
-class _LinearFit:
-    """Decayed least squares of y = fixed + per_unit * x with both coefficients >= 0.
-
-    A drafter's cost per step is partly fixed (prompt lookup scans the context once whatever the depth)
-    and partly per token (a draft model runs once per token); this separates the two.  While x has
-    not varied yet, everything is attributed to the per-unit slope (the cautious reading)."""
-
-    decay: float = 0.98
-    n: float = 0.0
-    sx: float = 0.0
-    sy: float = 0.0
-    sxx: float = 0.0
-    sxy: float = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        d = self.decay
-        self.n, self.sx, self.sy = self.n * d + 1.0, self.sx * d + x, self.sy * d + y
-        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
-
-    def coefficients(self) -> tuple[float, float]:
-        if self.n == 0.0:
-            return 0.0, 0.0
-        det = self.n * self.sxx - self.sx * self.sx
-        if det <= 1e-9 * max(self.n * self.sxx, 1e-12):
-            return 0.0, self.sy / self.sx if self.sx > 0 else 0.0
-        slope = (self.n * self.sxy - self.sx * self.sy) / det
-        fixed = (self.sy - slope * self.sx) / self.n
-        if slope < 0.0:
-            return max(self.sy / self.n, 0.0), 0.0
-        if fixed < 0.0:
-            return 0.0, self.sxy / self.sxx
-        return fixed, slope
-
-    def __call__(self, x: float) -> float:
-        fixed, slope = self.coefficients()
-        return fixed + slope * x
-
-
-def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
-    """A relative cost curve t(w) / t(1) growing linearly to ``ratio_8_1`` at w = 8 (a stand-in before
-    anything is measured)."""
-    return tuple(1.0 + (w - 1) * (ratio_8_1 - 1.0) / 7.0 for w in range(1, widths + 1))
-
-
 _CALIBRATION_BINS = 10
 
 #: How many steps of evidence a new sequence's acceptance estimate inherits from earlier requests.
@@ -149,9 +92,9 @@ MIN_GAIN_EVIDENCE = 6.0
 PROBE_GAIN_WEIGHT = 2.0
 
 
-def _calibration_prior() -> list[_RunningMean]:
+def _calibration_prior() -> list[RunningMean]:
     """Before any evidence a confidence c is taken at its word: acceptance c (bin centres)."""
-    return [_RunningMean((i + 0.5) / _CALIBRATION_BINS, weight=2.0) for i in range(_CALIBRATION_BINS)]
+    return [RunningMean((i + 0.5) / _CALIBRATION_BINS, weight=2.0) for i in range(_CALIBRATION_BINS)]
 
 
 @dataclass
@@ -198,19 +141,19 @@ class CostModelLength(DraftLengthPolicy):
     probe_interval: int = field(init=False)  # steps until the next probe while not drafting
     probing: bool = False  # the step asked for is a probe
     #: Per-position acceptance, keyed by whether the previous draft was accepted in full.
-    acceptance_after: dict[bool, list[_RunningMean]] = field(default_factory=lambda: {True: [], False: []})
+    acceptance_after: dict[bool, list[RunningMean]] = field(default_factory=lambda: {True: [], False: []})
     in_run: bool = False  # the last step that drafted had its whole draft accepted
-    scale: _RunningMean = field(default_factory=lambda: _RunningMean(1.0, weight=0.0, decay=0.9))
-    draft_cost: _LinearFit = field(default_factory=_LinearFit)
-    overhead: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
-    calibration: list[_RunningMean] = field(default_factory=lambda: _calibration_prior())
+    scale: RunningMean = field(default_factory=lambda: RunningMean(1.0, weight=0.0, decay=0.9))
+    draft_cost: LinearFit = field(default_factory=LinearFit)
+    overhead: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
+    calibration: list[RunningMean] = field(default_factory=lambda: _calibration_prior())
     uses_confidence: bool = False
-    achieved_tokens: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
-    achieved_seconds: _RunningMean = field(default_factory=lambda: _RunningMean(0.0, weight=0.0))
+    achieved_tokens: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
+    achieved_seconds: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
     others_width: int = 0  # inputs the rest of the batch added to the last verification forward
     #: Tokens per second of recent drafting steps over what plain steps would have given (1: break-even).
-    gain: _RunningMean = field(default_factory=lambda: _RunningMean(1.0, weight=0.0, decay=0.9))
+    gain: RunningMean = field(default_factory=lambda: RunningMean(1.0, weight=0.0, decay=0.9))
     parent: CostModelLength | None = field(default=None, repr=False)  # a fork's origin, which learns too
 
     def __post_init__(self) -> None:
@@ -221,7 +164,7 @@ class CostModelLength(DraftLengthPolicy):
 
     # -- the cost model --------------------------------------------------------------------------
     @property
-    def acceptance(self) -> list[_RunningMean]:
+    def acceptance(self) -> list[RunningMean]:
         """The per-position acceptance that applies to the next step."""
         return self.acceptance_after[self.in_run]
 
@@ -263,10 +206,10 @@ class CostModelLength(DraftLengthPolicy):
         twin.probe_interval = self.probe_every
         twin.parent = self
         twin.acceptance_after = {
-            run: [_RunningMean(m.value, min(m.weight, SEQUENCE_PRIOR_WEIGHT), m.decay) for m in means]
+            run: [RunningMean(m.value, min(m.weight, SEQUENCE_PRIOR_WEIGHT), m.decay) for m in means]
             for run, means in self.acceptance_after.items()
         }
-        twin.gain = _RunningMean(self.gain.value, min(self.gain.weight, SEQUENCE_PRIOR_WEIGHT / 2), self.gain.decay)
+        twin.gain = RunningMean(self.gain.value, min(self.gain.weight, SEQUENCE_PRIOR_WEIGHT / 2), self.gain.decay)
         return twin
 
     @property
@@ -305,7 +248,7 @@ class CostModelLength(DraftLengthPolicy):
         for position in range(min(step.depth, step.accepted + 1)):
             while len(table) <= position:
                 prior = table[-1].value if table else self.prior_acceptance
-                table.append(_RunningMean(prior, weight=2.0))
+                table.append(RunningMean(prior, weight=2.0))
             table[position].add(1.0 if position < step.accepted else 0.0)
 
     def _score_drafting(self, step: StepObservation) -> None:
@@ -317,7 +260,7 @@ class CostModelLength(DraftLengthPolicy):
             return
         score = (step.accepted + 1.0) * plain / spent
         if self.probing and score >= 1.0:  # a probe that paid: the text changed, judge drafting afresh
-            self.gain = _RunningMean(score, weight=PROBE_GAIN_WEIGHT, decay=self.gain.decay)
+            self.gain = RunningMean(score, weight=PROBE_GAIN_WEIGHT, decay=self.gain.decay)
         else:
             self.gain.add(score)
         if self.parent is not None:

@@ -81,6 +81,11 @@ class TreeBudget:
         """The most nodes worth drafting."""
         return MAX_TREE_NODES if self.tree_nodes == "auto" else int(self.tree_nodes)
 
+    @property
+    def drafts_trees(self) -> bool:
+        """False for ``tree_nodes=0``: the drafter drafts a chain."""
+        return self.tree_nodes != 0
+
     def verification_cost(self, width: int) -> float:
         """A verification forward over ``width`` inputs relative to one (measured once per target)."""
         if self._curve is None:

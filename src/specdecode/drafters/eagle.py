@@ -71,7 +71,6 @@ class EagleDrafter(Drafter):
         self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
-        self.tree_nodes = tree_nodes
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
 
@@ -134,7 +133,7 @@ class EagleSession(DraftSession):
         root = self._catch_up(context)
         if root is None or max_tokens <= 0:
             return Draft(tokens=[])
-        if self.sampling.greedy and self.drafter.tree_nodes != 0:
+        if self.sampling.greedy and self.drafter.budget.drafts_trees:
             return self._tree(root, len(context), max_tokens)
         return self._chain(root, len(context), max_tokens)
 

@@ -72,7 +72,6 @@ class MedusaDrafter(Drafter):
         self.heads = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.heads.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.heads.config.draft_vocab_size)
-        self.tree_nodes = tree_nodes
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
 
@@ -135,7 +134,7 @@ class HeadsSession(DraftSession):
         if self.last is None or depth <= 0 or self.known != len(context) - 1:
             return Draft(tokens=[])  # no feature of the position before the last token: nothing to draft from
         self._start(context, depth)
-        if self.sampling.greedy and self.drafter.tree_nodes != 0:
+        if self.sampling.greedy and self.drafter.budget.drafts_trees:
             return self._tree(depth)
         return self._chain(depth)
 

@@ -19,6 +19,12 @@ from specdecode.models.base import CausalLM, KVCache
 _SEED = 0
 
 
+def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
+    """A relative cost curve t(w) / t(1) growing linearly to ``ratio_8_1`` at w = 8 (a stand-in before
+    anything is measured)."""
+    return tuple(1.0 + (w - 1) * (ratio_8_1 - 1.0) / 7.0 for w in range(1, widths + 1))
+
+
 def prefilled(backend: CausalLM, context_tokens: int, max_new: int) -> tuple[KVCache, torch.Tensor]:
     """A cache holding ``context_tokens`` tokens, plus ``max_new`` tokens to run on top of it.
 

@@ -1,0 +1,58 @@
+"""Online estimators the draft-length cost model learns with: a decayed running mean and a decayed
+least-squares line, each cheap enough to update after every step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunningMean:
+    """Exponentially weighted mean; ``weight`` is how many observations the starting value is worth."""
+
+    value: float
+    weight: float = 1.0
+    decay: float = 0.98
+
+    def add(self, x: float) -> None:
+        self.weight = self.weight * self.decay + 1.0
+        self.value += (x - self.value) / self.weight
+
+
+@dataclass
+class LinearFit:
+    """Decayed least squares of y = fixed + per_unit * x with both coefficients >= 0.
+
+    A drafter's cost per step is partly fixed (prompt lookup scans the context once whatever the depth)
+    and partly per token (a draft model runs once per token); this separates the two.  While x has
+    not varied yet, everything is attributed to the per-unit slope (the cautious reading)."""
+
+    decay: float = 0.98
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sx, self.sy = self.n * d + 1.0, self.sx * d + x, self.sy * d + y
+        self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        if self.n == 0.0:
+            return 0.0, 0.0
+        det = self.n * self.sxx - self.sx * self.sx
+        if det <= 1e-9 * max(self.n * self.sxx, 1e-12):
+            return 0.0, self.sy / self.sx if self.sx > 0 else 0.0
+        slope = (self.n * self.sxy - self.sx * self.sy) / det
+        fixed = (self.sy - slope * self.sx) / self.n
+        if slope < 0.0:
+            return max(self.sy / self.n, 0.0), 0.0
+        if fixed < 0.0:
+            return 0.0, self.sxy / self.sxx
+        return fixed, slope
+
+    def __call__(self, x: float) -> float:
+        fixed, slope = self.coefficients()
+        return fixed + slope * x
