@@ -214,6 +214,23 @@ def test_plan_batch_gives_more_depth_to_the_likelier_sequence():
     assert plan_batch([confident, doubtful], [0, 0]) == [0, 0]
 
 
+def test_plan_batch_weighs_drafts_already_proposed_by_their_confidences():
+    # Same sequence history: only the drafts differ.  A sure copy is verified deep, a doubtful guess not at all;
+    # an empty draft costs nothing, and no draft is planned deeper than it is.
+    shared = _trained_auto(0.6)
+    policies = [shared.fork() for _ in range(4)]
+    sure, guess, empty, short = [0.95] * 12, [0.15] * 12, [], [0.95] * 2
+    depths = plan_batch(policies, [16] * 4, [sure, guess, empty, short])
+    assert depths[0] > depths[1] and depths[0] > 2
+    assert depths[2] == 0 and depths[3] <= 2
+    assert plan_batch([shared.fork() for _ in range(2)], [16] * 2, [short, guess])[0] == 2
+    # One sequence alone chooses the same way; the limit still binds.
+    (alone_sure,) = plan_batch([shared.fork()], [16], [sure])
+    (alone_guess,) = plan_batch([shared.fork()], [16], [guess])
+    assert alone_sure > alone_guess and alone_sure <= len(sure)
+    assert plan_batch([shared.fork()], [3], [sure]) == [3]
+
+
 def test_drafters_never_import_the_transformers_backend():
     from pathlib import Path
 

@@ -331,3 +331,41 @@ def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(
     generator.reset_drafter()
     generator.generate(PROMPTS[1], max_new_tokens=4, num_draft_tokens="auto")
     assert relative_cost_curve(tiny_target.backend) is measured  # measured once per loaded model
+
+
+class ProposesFirstOracle(Drafter):
+    """Knows the greedy continuation, proposes it with a confidence per token, and records what it was asked."""
+
+    name = "proposes-first-oracle"
+
+    def __init__(self, target, expected: list[int], prompt_len: int) -> None:
+        super().__init__(target)
+        self.expected, self.prompt_len, self.asked = expected, prompt_len, []
+
+    def session(self, request):
+        return StatelessSession(self.propose, proposes_first=True)
+
+    def propose(self, context, max_tokens):
+        self.asked.append(max_tokens)
+        done = len(context) - self.prompt_len
+        right = self.expected[done : done + max_tokens]
+        return Draft(tokens=right, confidence=[0.95] * len(right))
+
+
+def test_a_lookup_drafts_once_per_step_before_the_plan_and_stays_lossless(tiny_target):
+    from specdecode.drafters.pld import match_confidence
+
+    expected, _ = run(tiny_target, create_drafter("none", tiny_target), PROMPTS[0], max_new_tokens=24)
+    oracle = ProposesFirstOracle(tiny_target, expected, len(PROMPTS[0]))
+    tokens, outcome = run(tiny_target, oracle, PROMPTS[0], max_new_tokens=24, num_draft_tokens="auto")
+    assert tokens == expected
+    # Asked once per step, for as much as the request has room for; the plan then cut what it verifies.
+    assert len(oracle.asked) == outcome.stats.steps and oracle.asked[0] >= 16
+    assert outcome.stats.new_tokens / outcome.stats.steps > 1.5
+
+    # Prompt lookup: a unique earlier occurrence of the last three tokens is the surest copy, one token the weakest.
+    assert match_confidence(3, 1) > match_confidence(3, 2) > match_confidence(2, 1) > match_confidence(1, 1)
+    lookup = create_drafter("pld", tiny_target)
+    draft = lookup.propose([5, 6, 7, 8, 9, 5, 6, 7], 4)
+    assert draft.tokens == [8, 9, 5, 6] and draft.confidence == [match_confidence(3, 1)] * 4
+    assert lookup.propose([1, 2, 3], 4).tokens == []

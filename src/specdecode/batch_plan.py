@@ -4,6 +4,8 @@ its drafts are expected to gain."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from specdecode.draft_length import CostModelLength, DraftLengthPolicy
 
 #: How much longer than a plain step (no drafts) a batched step may take, as a fraction.  0.15 served
@@ -13,26 +15,51 @@ from specdecode.draft_length import CostModelLength, DraftLengthPolicy
 STEP_COST_SLACK = 0.15
 
 
-def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int]:
+def plan_batch(
+    policies: list[DraftLengthPolicy],
+    limits: list[int],
+    proposed: Sequence[Sequence[float] | None] | None = None,
+) -> list[int]:
     """Each sequence's draft depth for one batched step (``limits``: at most this deep).
 
     Sequences under ``auto`` share one verification forward whose width is the sum of their drafts, so
     their depths are chosen together to maximise the batch's expected tokens per second: starting from no
     drafts, the depth increase with the best gain in that rate is taken while there is one.  As the batch
     grows the forward's width gets dearer, so each sequence drafts less (vLLM shrinks its draft length with
-    the batch for the same reason).  Other policies choose alone."""
+    the batch for the same reason).  Other policies choose alone.
+
+    ``proposed[i]``, when given, holds the confidences of a chain sequence i has already drafted (a drafter
+    whose proposals cost next to nothing drafts before the plan): its expected tokens then come from that
+    draft's own calibrated confidences rather than from the sequence's average acceptance, its drafting
+    costs nothing more, and it is never planned deeper than the draft.  Prompt lookup's matches of three
+    tokens are accepted several times as often as its matches of one: the plan spends the width on them."""
+    known = list(proposed) if proposed is not None else [None] * len(policies)
     auto = [i for i, p in enumerate(policies) if isinstance(p, CostModelLength)]
     depths = [0 if i in auto else p.next_length(limit) for i, (p, limit) in enumerate(zip(policies, limits))]
     if len(auto) <= 1:
         for i in auto:
-            depths[i] = policies[i].next_length(limits[i])
+            policy: CostModelLength = policies[i]  # type: ignore[assignment]
+            confidences = known[i]
+            depths[i] = (
+                policy.next_length(limits[i]) if confidences is None else policy.depth_for_draft(confidences, limits[i])
+            )
         return depths
     models: list[CostModelLength] = [policies[i] for i in auto]  # type: ignore[misc]
-    caps = [0 if m.losing else min(m.maximum, limits[i]) for m, i in zip(models, auto)]
+    drafted = [known[i] for i in auto]
+    caps = [
+        0 if m.losing else min(m.maximum, limits[i], len(d) if d is not None else m.maximum)
+        for m, i, d in zip(models, auto, drafted)
+    ]
     reference = models[0]  # forks share the scale and cost curve
     fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in auto)
-    tokens_at = [[m.expected_tokens(k) for k in range(cap + 1)] for m, cap in zip(models, caps)]
-    draft_at = [[m.draft_cost(k) if k else 0.0 for k in range(cap + 1)] for m, cap in zip(models, caps)]
+    tokens_at = [
+        [m.expected_tokens(k) for k in range(cap + 1)] if d is None else m.expected_tokens_of(d, cap)
+        for m, cap, d in zip(models, caps, drafted)
+    ]
+    draft_at = [
+        [m.draft_cost(k) if k and d is None else 0.0 for k in range(cap + 1)]
+        for m, cap, d in zip(models, caps, drafted)
+    ]
     chosen = [0] * len(models)
     width = fixed + len(models)
     tokens = sum(t[0] for t in tokens_at)
@@ -63,5 +90,8 @@ def plan_batch(policies: list[DraftLengthPolicy], limits: list[int]) -> list[int
         verify = reference.verify_seconds(width)
         chosen[j] = k
     for j, (i, m) in enumerate(zip(auto, models)):
-        depths[i] = m.settle(chosen[j], min(m.maximum, limits[i]))
+        if drafted[j] is None:
+            depths[i] = m.settle(chosen[j], min(m.maximum, limits[i]))
+        else:
+            depths[i] = m.settle(chosen[j], caps[j], proposed=True)
     return depths

@@ -229,13 +229,14 @@ class CostModelLength(DraftLengthPolicy):
         cap = min(self.maximum, limit)
         return self.settle(0 if self.losing else max(range(cap + 1), key=self.expected_rate), cap)
 
-    def settle(self, best: int, cap: int) -> int:
+    def settle(self, best: int, cap: int, proposed: bool = False) -> int:
         """The depth to ask for once the cost model chose ``best``: a confidence drafter gets ``cap`` (its stop
-        rule decides token by token); a choice of 0 may become a probe of depth 1 now and then."""
+        rule decides token by token) unless its draft was ``proposed`` already and ``best`` was chosen from its
+        confidences; a choice of 0 may become a probe of depth 1 now and then."""
         if best > 0 or cap == 0:
             self.steps_without_drafting = 0
             # A drafter that reports confidences: the stop rule decides how deep, token by token.
-            return cap if self.uses_confidence else best
+            return cap if self.uses_confidence and not proposed else best
         self.steps_without_drafting += 1
         if self.steps_without_drafting < self.probe_interval:
             return 0
@@ -274,7 +275,23 @@ class CostModelLength(DraftLengthPolicy):
     def _bin(confidence: float) -> int:
         return min(max(int(confidence * _CALIBRATION_BINS), 0), _CALIBRATION_BINS - 1)
 
-    def _survival(self, confidences: Sequence[float]) -> list[float]:
+    def depth_for_draft(self, confidences: Sequence[float], limit: int) -> int:
+        """How much of a chain already proposed (its cost spent) to verify: the depth with the best expected
+        tokens per second, from the chances that its prefixes survive (:meth:`survival`)."""
+        cap = 0 if self.losing else min(self.maximum, limit, len(confidences))
+        tokens = self.expected_tokens_of(confidences, cap)
+        best = max(range(cap + 1), key=lambda k: tokens[k] / (self.overhead.value + self.verify_seconds(k + 1)))
+        return self.settle(best, cap, proposed=True)
+
+    def expected_tokens_of(self, confidences: Sequence[float], cap: int) -> list[float]:
+        """Tokens a step yields when verifying 0..cap tokens of a chain with these confidences."""
+        tokens = [1.0]
+        for chance in self.survival(confidences)[:cap]:
+            tokens.append(tokens[-1] + chance)
+        return tokens
+
+    def survival(self, confidences: Sequence[float]) -> list[float]:
+        """The chance that each prefix of a chain with these confidences is accepted in full (calibrated)."""
         survival, chance = [], 1.0
         for confidence in confidences:
             chance *= self.calibrated(confidence)
@@ -285,7 +302,7 @@ class CostModelLength(DraftLengthPolicy):
         n = len(confidences)
         if n == 0:
             return False
-        survival = self._survival(confidences)[-1]
+        survival = self.survival(confidences)[-1]
         base = self.others_width
         extra = (
             self.draft_cost(n + 1)
@@ -297,7 +314,7 @@ class CostModelLength(DraftLengthPolicy):
 
     def keep_length(self, confidences: Sequence[float]) -> int:
         rate = self.achieved_rate()
-        for depth, survival in enumerate(self._survival(confidences), start=1):
+        for depth, survival in enumerate(self.survival(confidences), start=1):
             base = self.others_width
             if survival < rate * (self.verify_seconds(base + depth + 1) - self.verify_seconds(base + depth)):
                 return depth - 1

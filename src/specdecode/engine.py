@@ -200,16 +200,28 @@ class TargetVerifier:
 def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter) -> list[list[int]]:
     """One speculative step for every (unfinished) sequence: draft, verify all drafts in one forward,
     accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done."""
-    depths = plan_batch([seq.length_policy for seq in sequences], [max(seq.room, 0) for seq in sequences])
-    drafts, draft_times, idle_times = [], [], []
-    for seq, max_depth in zip(sequences, depths):
+    limits = [max(seq.room, 0) for seq in sequences]
+    # Lookups draft before the plan, as deep as allowed, so that it can weigh each draft's confidences.
+    early: list[Draft | None] = []
+    draft_times, idle_times = [], []
+    for seq, limit in zip(sequences, limits):
         tick = clock()
-        draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
-        if draft.confidence is not None and draft.is_chain:
-            max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
-        drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
+        early.append(seq.session.propose(seq.context, limit) if seq.session.proposes_first and limit > 0 else None)
         draft_times.append(clock() - tick)
         idle_times.append(tick - seq.step_end)
+    # An empty early draft is known too: nothing to verify.
+    known = [None if d is None or not d.is_chain else d.confidence if d.tokens else [] for d in early]
+    depths = plan_batch([seq.length_policy for seq in sequences], limits, known)
+    drafts = []
+    for index, (seq, max_depth, draft) in enumerate(zip(sequences, depths, early)):
+        tick = clock()
+        if draft is None:
+            draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
+            if draft.confidence is not None and draft.is_chain:
+                max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
+            idle_times[index] = tick - seq.step_end
+        drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
+        draft_times[index] += clock() - tick
     tick = clock()
     checked = verifier(sequences, drafts)
     verify_s = clock() - tick

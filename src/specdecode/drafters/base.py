@@ -92,6 +92,9 @@ class DraftSession(ABC):
     prompt's, ``StepFeedback.target_hidden`` with each step's — at no extra forward."""
 
     hidden_layers: tuple[int, ...] = ()
+    #: Its proposals cost next to nothing and do not depend on the depth asked for (a lookup): the engine
+    #: asks for the deepest draft before it plans the step, so the plan can weigh each draft's confidences.
+    proposes_first: bool = False
 
     def observe_prompt(self, hidden: torch.Tensor) -> None:  # noqa: B027
         """The prompt but its last token has run through the target; ``hidden``: their features, one row
@@ -131,8 +134,9 @@ class Drafter(ABC):
 class StatelessSession(DraftSession):
     """A session for drafters that need nothing per request: ``propose`` is a function of the context."""
 
-    def __init__(self, propose: Callable[[list[int], int], Draft]) -> None:
+    def __init__(self, propose: Callable[[list[int], int], Draft], proposes_first: bool = False) -> None:
         self._propose = propose
+        self.proposes_first = proposes_first
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         return self._propose(context, max_tokens)

@@ -16,20 +16,32 @@ from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft
 
 
-def lookup_continuation(context: list[int] | np.ndarray, ngram: int, max_tokens: int) -> list[int]:
-    """Tokens that followed the most recent earlier occurrence of the last ``ngram`` tokens."""
+def lookup_continuation(context: list[int] | np.ndarray, ngram: int, max_tokens: int) -> tuple[list[int], int]:
+    """Tokens that followed the most recent earlier occurrence of the last ``ngram`` tokens, and how many
+    earlier occurrences there are (0: no match)."""
     tokens = np.asarray(context, dtype=np.int64)
     if max_tokens <= 0 or len(tokens) <= ngram:
-        return []
+        return [], 0
     pattern = tokens[-ngram:]
     # Windows over tokens[:-1] start at most at len-1-ngram, so the suffix never matches itself and
     # every match is followed by at least one token.
     windows = sliding_window_view(tokens[:-1], ngram)
     starts = np.flatnonzero((windows == pattern).all(axis=1))
     if len(starts) == 0:
-        return []
+        return [], 0
     begin = int(starts[-1]) + ngram
-    return tokens[begin : begin + max_tokens].tolist()
+    return tokens[begin : begin + max_tokens].tolist(), len(starts)
+
+
+def match_confidence(ngram: int, occurrences: int) -> float:
+    """How likely each copied token is to be accepted, by the kind of match (the engine calibrates these
+    online; they only order the kinds and start the calibration where it was measured).  Over the quick
+    prompts on ``smollm2-135m`` (offline replay, 8 sequences), tokens copied after a unique earlier
+    occurrence of the last 3 tokens were accepted at 81%, after one of several at 56%, after 2 tokens at
+    about 23%, after 1 token at 16%."""
+    if ngram >= 3:
+        return 0.85 if occurrences == 1 else 0.55
+    return 0.25 if ngram == 2 else 0.15
 
 
 @register_drafter("pld")
@@ -47,12 +59,13 @@ class PromptLookupDrafter(Drafter):
         self.ngram_sizes = range(max_ngram, min_ngram - 1, -1)
 
     def session(self, request: DraftRequest) -> DraftSession:
-        return StatelessSession(self.propose)
+        return StatelessSession(self.propose, proposes_first=True)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         tokens = np.asarray(context, dtype=np.int64)
         for ngram in self.ngram_sizes:
-            continuation = lookup_continuation(tokens, ngram, max_tokens)
+            continuation, occurrences = lookup_continuation(tokens, ngram, max_tokens)
             if continuation:
-                return Draft(tokens=continuation)
+                confidence = match_confidence(ngram, occurrences)
+                return Draft(tokens=continuation, confidence=[confidence] * len(continuation))
         return Draft(tokens=[])
