@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import random_eagle_head
+from specdecode import batch_plan
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.batch_plan import plan_batch
 from specdecode.cli import main
@@ -214,9 +215,10 @@ def test_plan_batch_gives_more_depth_to_the_likelier_sequence():
     assert plan_batch([confident, doubtful], [0, 0]) == [0, 0]
 
 
-def test_plan_batch_weighs_drafts_already_proposed_by_their_confidences():
-    # Same sequence history: only the drafts differ.  A sure copy is verified deep, a doubtful guess not at all;
+def test_plan_batch_weighs_drafts_already_proposed_by_their_confidences(monkeypatch):
+    # Same sequence history: only the drafts differ.  A sure copy is verified deeper than a doubtful guess;
     # an empty draft costs nothing, and no draft is planned deeper than it is.
+    monkeypatch.setattr(batch_plan, "STEP_COST_SLACK", 0.15)  # room for several drafted tokens
     shared = _trained_auto(0.6)
     policies = [shared.fork() for _ in range(4)]
     sure, guess, empty, short = [0.95] * 12, [0.15] * 12, [], [0.95] * 2

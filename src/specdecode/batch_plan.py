@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from specdecode.draft_length import CostModelLength, DraftLengthPolicy
 
-#: How much longer than a plain step (no drafts) a batched step may take, as a fraction.  0.15 served
-#: smollm2-135m at concurrency 8 better than 0.25 on throughput and p95 inter-token latency alike with 30
-#: requests (1.30x / 1.49x plain's p95 against 1.11x / 2.19x) and about as well with 10; 0.10 drafted too
-#: little (1.36x with 10).  One run each, on a 2-core machine: see the README's serving section.
-STEP_COST_SLACK = 0.15
+#: How much longer than a plain step (no drafts) a batched step may take, as a fraction.  Serving smollm2-135m
+#: (bf16) at concurrency 8, with lookups weighed by their own confidences: 0.08 gave 1.57-1.61x plain's
+#: tokens/s with a p95 inter-token latency 0.97-1.05x plain's over four runs; 0.15 gave 1.66-1.71x at
+#: 1.09-1.15x (three runs).  One 2-core machine: see the README's serving section.
+STEP_COST_SLACK = 0.08
 
 
 def plan_batch(

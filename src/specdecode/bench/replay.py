@@ -81,6 +81,7 @@ class _TimedSession(DraftSession):
 
     def __init__(self, inner: DraftSession, clock: SimulatedClock, draft_s: float) -> None:
         self.inner, self.clock, self.draft_s = inner, clock, draft_s
+        self.proposes_first = inner.proposes_first
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         self.clock.now += self.draft_s
