@@ -57,12 +57,13 @@ Run = Callable[[list[int], int], tuple[list[int], float]]  # (prompt ids, max ne
 
 
 def unavailable(family: str, model: str) -> str | None:
-    """Why ``family`` cannot run ``model`` on this machine, or None when it can."""
+    """Why ``family`` cannot run ``model`` on this machine, or None when it can.  An unregistered model
+    comes first: installing the peer would not help it."""
+    if not is_registered(model):
+        return f"it runs registered models only (their GGUF and checkpoint), not {model!r}"
     for module, hint in NATIVE_FAMILIES[family]:
         if not _importable(module):
             return f"{module} is not installed; {hint}"
-    if not is_registered(model):
-        return f"it runs registered models only (their GGUF and checkpoint), not {model!r}"
     return None
 
 
