@@ -363,9 +363,12 @@ def test_a_lookup_drafts_once_per_step_before_the_plan_and_stays_lossless(tiny_t
     assert len(oracle.asked) == outcome.stats.steps and oracle.asked[0] >= 16
     assert outcome.stats.new_tokens / outcome.stats.steps > 1.5
 
-    # Prompt lookup: a unique earlier occurrence of the last three tokens is the surest copy, one token the weakest.
-    assert match_confidence(3, 1) > match_confidence(3, 2) > match_confidence(2, 1) > match_confidence(1, 1)
+    # Prompt lookup copies from the occurrence whose match goes furthest back, surer the longer it is.
+    assert match_confidence(8) > match_confidence(5) > match_confidence(3) > match_confidence(2) > match_confidence(1)
     lookup = create_drafter("pld", tiny_target)
     draft = lookup.propose([5, 6, 7, 8, 9, 5, 6, 7], 4)
-    assert draft.tokens == [8, 9, 5, 6] and draft.confidence == [match_confidence(3, 1)] * 4
+    assert draft.tokens == [8, 9, 5, 6] and draft.confidence == [match_confidence(3)] * 4
+    copied = [1, 2, 3, 4, 5, 6, 7, 8, 60, 0, 6, 7, 8, 50, 0, 1, 2, 3, 4, 5, 6, 7, 8]  # a later, shorter match: 6 7 8 50
+    draft = lookup.propose(copied, 2)
+    assert draft.tokens == [60, 0] and draft.confidence == [match_confidence(8)] * 2
     assert lookup.propose([1, 2, 3], 4).tokens == []

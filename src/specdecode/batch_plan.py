@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from specdecode.draft_length import CostModelLength, DraftLengthPolicy
 
 #: How much longer than a plain step (no drafts) a batched step may take, as a fraction.  Serving smollm2-135m
-#: (bf16) at concurrency 8, with lookups weighed by their own confidences: 0.08 gave 1.57-1.61x plain's
-#: tokens/s with a p95 inter-token latency 0.97-1.05x plain's over four runs; 0.15 gave 1.66-1.71x at
-#: 1.09-1.15x (three runs).  One 2-core machine: see the README's serving section.
+#: (bf16) at concurrency 8 with prompt lookup rated by its match length: 0.08 gave 1.65-1.68x plain's tokens/s
+#: with a p95 inter-token latency 1.03-1.09x plain's over three runs, 0.05 1.53-1.63x at 1.03-1.08x; with the
+#: earlier n-gram rating 0.15 gave 1.66-1.78x at 1.07-1.15x.  One 2-core machine: see the README's serving
+#: section.
 STEP_COST_SLACK = 0.08
 
 
