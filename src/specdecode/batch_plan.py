@@ -32,8 +32,8 @@ def plan_batch(
     ``proposed[i]``, when given, holds the confidences of a chain sequence i has already drafted (a drafter
     whose proposals cost next to nothing drafts before the plan): its expected tokens then come from that
     draft's own calibrated confidences rather than from the sequence's average acceptance, its drafting
-    costs nothing more, and it is never planned deeper than the draft.  Prompt lookup's matches of three
-    tokens are accepted several times as often as its matches of one: the plan spends the width on them."""
+    costs nothing more, and it is never planned deeper than the draft.  Prompt lookup's long matches are
+    accepted far more often than its short ones: the plan spends the width on them."""
     known = list(proposed) if proposed is not None else [None] * len(policies)
     auto = [i for i, p in enumerate(policies) if isinstance(p, CostModelLength)]
     depths = [0 if i in auto else p.next_length(limit) for i, (p, limit) in enumerate(zip(policies, limits))]
@@ -47,10 +47,7 @@ def plan_batch(
         return depths
     models: list[CostModelLength] = [policies[i] for i in auto]  # type: ignore[misc]
     drafted = [known[i] for i in auto]
-    caps = [
-        0 if m.losing else min(m.maximum, limits[i], len(d) if d is not None else m.maximum)
-        for m, i, d in zip(models, auto, drafted)
-    ]
+    caps = [m.draft_cap(limits[i], d) for m, i, d in zip(models, auto, drafted)]
     reference = models[0]  # forks share the scale and cost curve
     fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in auto)
     tokens_at = [

@@ -275,10 +275,17 @@ class CostModelLength(DraftLengthPolicy):
     def _bin(confidence: float) -> int:
         return min(max(int(confidence * _CALIBRATION_BINS), 0), _CALIBRATION_BINS - 1)
 
+    def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
+        """The deepest draft worth weighing this step: none while losing, never past ``limit``, the policy's
+        maximum or a draft already proposed (its ``confidences``)."""
+        if self.losing:
+            return 0
+        return min(self.maximum, limit, len(confidences) if confidences is not None else self.maximum)
+
     def depth_for_draft(self, confidences: Sequence[float], limit: int) -> int:
         """How much of a chain already proposed (its cost spent) to verify: the depth with the best expected
         tokens per second, from the chances that its prefixes survive (:meth:`survival`)."""
-        cap = 0 if self.losing else min(self.maximum, limit, len(confidences))
+        cap = self.draft_cap(limit, confidences)
         tokens = self.expected_tokens_of(confidences, cap)
         best = max(range(cap + 1), key=lambda k: tokens[k] / (self.overhead.value + self.verify_seconds(k + 1)))
         return self.settle(best, cap, proposed=True)

@@ -197,29 +197,36 @@ class TargetVerifier:
         return (*layers, self.target.num_layers) if seq.config.verifier == "judge" else layers
 
 
+def _plan_confidences(early: Draft | None) -> list[float] | None:
+    """What the plan may know of a draft made before it: its confidences (none for an empty draft), or None
+    when there is no such draft, it is a tree, or it reports no confidence."""
+    if early is None or not early.is_chain:
+        return None
+    return early.confidence if early.tokens else []
+
+
 def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter) -> list[list[int]]:
     """One speculative step for every (unfinished) sequence: draft, verify all drafts in one forward,
     accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done."""
     limits = [max(seq.room, 0) for seq in sequences]
+    count = len(sequences)
+    early: list[Draft | None] = [None] * count
+    draft_times, idle_times = [0.0] * count, [0.0] * count
     # Lookups draft before the plan, as deep as allowed, so that it can weigh each draft's confidences.
-    early: list[Draft | None] = []
-    draft_times, idle_times = [], []
-    for seq, limit in zip(sequences, limits):
-        tick = clock()
-        early.append(seq.session.propose(seq.context, limit) if seq.session.proposes_first and limit > 0 else None)
-        draft_times.append(clock() - tick)
-        idle_times.append(tick - seq.step_end)
-    # An empty early draft is known too: nothing to verify.
-    known = [None if d is None or not d.is_chain else d.confidence if d.tokens else [] for d in early]
-    depths = plan_batch([seq.length_policy for seq in sequences], limits, known)
+    for index, (seq, limit) in enumerate(zip(sequences, limits)):
+        if seq.session.proposes_first and limit > 0:
+            tick = clock()
+            early[index] = seq.session.propose(seq.context, limit)
+            draft_times[index], idle_times[index] = clock() - tick, tick - seq.step_end
+    depths = plan_batch([seq.length_policy for seq in sequences], limits, [_plan_confidences(d) for d in early])
     drafts = []
     for index, (seq, max_depth, draft) in enumerate(zip(sequences, depths, early)):
         tick = clock()
         if draft is None:
+            idle_times[index] = tick - seq.step_end
             draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
             if draft.confidence is not None and draft.is_chain:
                 max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
-            idle_times[index] = tick - seq.step_end
         drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
         draft_times[index] += clock() - tick
     tick = clock()

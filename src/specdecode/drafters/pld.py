@@ -40,7 +40,8 @@ def lookup_continuation(context: list[int] | np.ndarray, ngram: int, max_tokens:
     for back in range(1, MAX_MATCH - ngram + 1):
         before = starts - back
         alive &= before >= 0
-        if not alive.any() or len(tokens) - ngram - back < 0:
+        # Every occurrence starts before the suffix does: while one can still go back, so can the suffix.
+        if not alive.any():
             break
         alive &= tokens[np.maximum(before, 0)] == tokens[len(tokens) - ngram - back]
         lengths += alive
