@@ -22,6 +22,7 @@ from specdecode.drafters import available_drafters, create_drafter, drafter_clas
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import speculative_decode
 from specdecode.sampling import (
+    argmax_last,
     coupled_argmax,
     coupled_sample,
     gumbel_noise,
@@ -69,6 +70,16 @@ def test_log_weights_have_the_support_and_shape_of_the_processed_distribution():
 def test_coupled_sample_with_greedy_params_is_the_argmax():
     logits = torch.tensor([0.1, 2.0, -1.0])
     assert coupled_sample(logits, SamplingParams(seed=1), seed=1, position=5) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_last_is_torchs_argmax_first_among_ties(dtype):
+    values = torch.randn(6, 3000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    values[2, [7, 1500, 2999]] = 50.0  # a three-way tie: the first index wins
+    assert argmax_last(values) == values.argmax(-1).tolist()
+    assert argmax_last(values)[2] == 7
+    assert argmax_last(values[:, ::2]) == values[:, ::2].argmax(-1).tolist()  # a strided view
+    assert argmax_last(values[4]) == int(values[4].argmax())
 
 
 # --- the verifier alone: the emitted token follows p, whatever was drafted -----------------------------

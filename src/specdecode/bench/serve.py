@@ -141,14 +141,15 @@ class InProcessServer:
     def __init__(self, service: Any) -> None:
         import uvicorn
 
-        from specdecode.server.app import create_app
+        from specdecode.server.app import create_app, freeze_startup_heap, uvicorn_config
 
+        freeze_startup_heap()  # as specdecode serve does
         self.service = service
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.socket.bind(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
         app = create_app(service)
-        config = uvicorn.Config(app, port=self.port, log_level="error", access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, port=self.port, log_level="error", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.socket]}, name="specdecode-bench-server", daemon=True
@@ -367,7 +368,7 @@ def _measure(
     results["endpoint"] = "/v1/chat/completions" if chat else "/v1/completions"
     results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
     results["prompts"] = [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded]
-    versions = common.package_versions(("openai", "uvicorn", "fastapi"))
+    versions = common.package_versions(("openai", "uvicorn", "uvloop", "httptools", "fastapi"))
     results["environment"] = {**runner.environment(settings.threads), **versions, "fast_path": fast_path_default()}
     started = time.perf_counter()
     with (

@@ -103,7 +103,8 @@ def markdown(results: Mapping[str, Any]) -> str:
         + ("" if s.get("quantize", "none") == "none" else f" ({s['quantize']} weights)"),
         "",
         common.machine_line(
-            results.get("environment", {}), ("torch", "transformers", "openai", "uvicorn", "specdecode")
+            results.get("environment", {}),
+            ("torch", "transformers", "openai", "uvicorn", "uvloop", "httptools", "specdecode"),
         )
         + " **The server and its clients share this CPU**: the clients run in a process of their own, and their "
         "HTTP and JSON work is taken from the decoding.",

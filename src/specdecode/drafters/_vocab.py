@@ -21,7 +21,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
 from specdecode.models.quantize import QuantizedLinear, quantized_like
-from specdecode.sampling import sample, sampling_probs
+from specdecode.sampling import argmax_last, sample, sampling_probs
 
 
 class DraftHead:
@@ -119,7 +119,7 @@ def choose_from_subset(
     entry): greedy, or sampled from the processed distribution over the whole vocabulary (zero outside the
     subset, returned so that rejection sampling stays exact); with the drafter's probability of it."""
     if sampling.greedy:
-        choice = int(logits.argmax())
+        choice = argmax_last(logits)
         return int(target_ids[choice]), float(torch.softmax(logits, dim=-1)[choice]), None
     full = logits.new_full((vocab_size,), float("-inf"))
     full[target_ids] = logits

@@ -56,7 +56,7 @@ from specdecode.drafters._vocab_map import (
 from specdecode.drafters.base import DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
-from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
+from specdecode.sampling import argmax_last, coupled_argmax, sample, sampling_log_weights, sampling_probs
 from specdecode.types import Draft
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class CrossVocabSession(DraftSession):
         first token that is not ``usable``."""
         drafted: list[int] = []
         for step in range(room):
-            drafted.append(int(self._logits(pending).argmax()))
+            drafted.append(argmax_last(self._logits(pending)))
             if usable is not None and not usable(drafted[-1]):
                 break
             if step + 1 == room or drafted[-1] in self.backend.eos_token_ids:

@@ -11,13 +11,16 @@ slot before the next step.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -125,6 +128,25 @@ class Service:
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc)) from exc
         return Submission(prompt_ids, config, self.drafter_for(body), asyncio.get_running_loop())
+
+
+def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
+    """uvicorn's settings for the app: the fastest event loop and HTTP parser it finds (uvloop and httptools,
+    which the ``server`` extra installs; asyncio and h11 otherwise) and no access log.  The event loop shares
+    two cores with the engine: serving ``smollm2-135m`` at concurrency 8, uvloop and httptools decoded 88-90
+    tokens/s with plain decoding over three runs where asyncio and h11 gave 82-90."""
+    return uvicorn.Config(app, loop="auto", http="auto", access_log=False, **options)
+
+
+def freeze_startup_heap() -> None:
+    """Exempt what is alive once the models are loaded from Python's cyclic garbage collector.
+
+    The libraries, the tokenizer and the model leave some million objects behind; a full collection scans
+    them all and took 140-210 ms on a 2-core Xeon, a pause in whatever thread triggered it — the engine's,
+    between two steps of every running request, a few times a minute under load.  Frozen, they are never
+    scanned again (they live as long as the server anyway); what serving allocates is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def _sse(data: dict | str) -> str:

@@ -90,16 +90,17 @@ def build_service(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdecode.server.app import create_app
+    from specdecode.server.app import create_app, freeze_startup_heap, uvicorn_config
 
     service = build_service(args)
+    freeze_startup_heap()
     guarded = ", API key required" if service.config.api_key else ""
     print(
         f"[serve] {args.model} with drafters {', '.join(service.drafters)} on http://{args.host}:{args.port} "
         f"(batch {args.max_batch_size}, queue {args.max_queue}{guarded})",
         file=sys.stderr,
     )
-    config = uvicorn.Config(
+    config = uvicorn_config(
         create_app(service),
         host=args.host,
         port=args.port,
