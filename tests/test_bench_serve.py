@@ -19,7 +19,7 @@ from helpers import (
     tiny_bench_tasks,
     without_cell,
 )
-from specdecode.bench import serve, serve_report
+from specdecode.bench import serve, serve_client, serve_report
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -116,7 +116,7 @@ def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
     out = without_cell(settings, tmp_path / "partial", "concurrency", ("pld", 2))
     monkeypatch.undo()
     cells, warmups = [], []
-    real_run_cell, real_stream_one = serve.ClientProcess.run_cell, serve.ClientProcess.stream_one
+    real_run_cell, real_stream_one = serve_client.ClientProcess.run_cell, serve_client.ClientProcess.stream_one
 
     def spy_cell(self, model, chat, texts, method, concurrency, max_tokens):
         cells.append((method.spec, concurrency, len(texts)))
@@ -126,8 +126,8 @@ def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
         warmups.append((method.spec, max_tokens))
         return real_stream_one(self, model, chat, text, method, max_tokens)
 
-    monkeypatch.setattr(serve.ClientProcess, "run_cell", spy_cell)
-    monkeypatch.setattr(serve.ClientProcess, "stream_one", spy_warmup)
+    monkeypatch.setattr(serve_client.ClientProcess, "run_cell", spy_cell)
+    monkeypatch.setattr(serve_client.ClientProcess, "stream_one", spy_warmup)
     resumed = serve.run_serve_bench(
         _settings({"target": settings.model}, out), tasks=tiny_bench_tasks(), progress=False
     )

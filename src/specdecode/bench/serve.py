@@ -27,7 +27,6 @@ request first.  The reference for equality is method ``none`` at C=1 (always mea
 
 from __future__ import annotations
 
-import queue
 import socket
 import threading
 import time
@@ -37,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench import common, runner
-from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
@@ -48,7 +48,6 @@ SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
 REFERENCE = "none"  # at concurrency 1: the outputs every cell is compared with
 WARMUP_TOKENS = 8
-REQUEST_TIMEOUT_S = 900.0
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
     "methods": "none,pld,suffix",
@@ -131,7 +130,7 @@ def cell_order(settings: ServeSettings) -> list[tuple[str, int]]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The server and its clients
+# The server (its clients: specdecode.bench.serve_client)
 
 
 class InProcessServer:
@@ -178,131 +177,6 @@ class InProcessServer:
             if time.monotonic() > deadline:
                 raise SpecDecodeError("the benchmark server still has requests in flight after a cell")
             time.sleep(0.01)
-
-
-def stream_one(client: Any, model: str, chat: bool, text: str, method: MethodSpec, max_tokens: int) -> dict[str, Any]:
-    """One streamed request → its send/finish times, content chunks (arrival time, text), usage and metrics."""
-    speculative: dict[str, Any] = {"drafter": method.spec}
-    if method.k != DEFAULT_K:
-        speculative["num_draft_tokens"] = method.k
-    params = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "extra_body": {"speculative": speculative},
-    }
-    times: list[float] = []
-    pieces: list[str] = []
-    reply: dict[str, Any] = {"completion_tokens": None, "metrics": None, "finish_reason": None}
-    sent = time.perf_counter()
-    if chat:
-        stream = client.chat.completions.create(messages=[{"role": "user", "content": text}], **params)
-    else:
-        stream = client.completions.create(prompt=text, **params)
-    with stream:
-        for chunk in stream:
-            now = time.perf_counter()
-            if chunk.choices:
-                choice = chunk.choices[0]
-                piece = choice.delta.content if chat else choice.text
-                if piece:
-                    times.append(now)
-                    pieces.append(piece)
-                reply["finish_reason"] = choice.finish_reason or reply["finish_reason"]
-            if chunk.usage is not None:
-                reply["completion_tokens"] = chunk.usage.completion_tokens
-                reply["metrics"] = (chunk.model_extra or {}).get("metrics")
-    finished = time.perf_counter()
-    if reply["completion_tokens"] is None:
-        raise SpecDecodeError("the stream ended without a usage chunk")
-    return {**reply, "sent": sent, "finished": finished, "times": times, "pieces": pieces}
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def run_cell(
-    client: Any, model: str, chat: bool, texts: Sequence[str], method: MethodSpec, concurrency: int, max_tokens: int
-) -> tuple[list[dict[str, Any]], float]:
-    """All prompts through ``concurrency`` closed-loop client threads → (replies in input order, wall s)."""
-    work: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for index in range(len(texts)):
-        work.put(index)
-    replies: list[dict[str, Any] | None] = [None] * len(texts)
-    failures: list[tuple[int, BaseException]] = []
-
-    def client_loop() -> None:
-        while not failures:
-            try:
-                index = work.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                replies[index] = stream_one(client, model, chat, texts[index], method, max_tokens)
-            except Exception as exc:  # reported by the main thread
-                failures.append((index, exc))
-                return
-
-    threads = [threading.Thread(target=client_loop, name=f"bench-client-{i}", daemon=True) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        index, exc = failures[0]
-        raise SpecDecodeError(
-            f"request {index} of method {method.spec!r} at concurrency {concurrency} failed: {_one_line(exc)}"
-        )
-    done = [r for r in replies if r is not None]
-    return done, max(r["finished"] for r in done) - min(r["sent"] for r in done)
-
-
-class ClientProcess:
-    """The benchmark's clients, in a spawned child process that lives for the whole run.
-
-    In the server's process, eight client threads parsing SSE chunks took the interpreter lock from the
-    engine's thread between its torch calls, and the steps grew by some milliseconds; real clients run
-    elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
-
-    def __init__(self, port: int) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        self.port = port
-        self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-
-    def __enter__(self) -> ClientProcess:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def stream_one(self, *args: Any) -> dict[str, Any]:
-        return self.pool.submit(_in_child, self.port, stream_one, *args).result()
-
-    def run_cell(self, *args: Any) -> tuple[list[dict[str, Any]], float]:
-        return self.pool.submit(_in_child, self.port, run_cell, *args).result()
-
-
-_CHILD_CLIENTS: dict[int, Any] = {}
-
-
-def _in_child(port: int, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(client, *args)`` in the client process, with that process's client of the server on ``port``."""
-    if port not in _CHILD_CLIENTS:
-        _CHILD_CLIENTS[port] = client_for(port)
-    return call(_CHILD_CLIENTS[port], *args)
-
-
-def client_for(port: int) -> Any:
-    import openai
-
-    # trust_env=False: a proxy configured for the outside world must not see loopback requests.
-    http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, http_client=http)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -386,7 +260,7 @@ def _measure(
                     try:
                         clients.stream_one(settings.model, chat, texts[0], method, WARMUP_TOKENS)
                     except Exception as exc:
-                        raise SpecDecodeError(f"warm-up request of method {name!r} failed: {_one_line(exc)}") from exc
+                        raise SpecDecodeError(f"warm-up request of method {name!r} failed: {one_line(exc)}") from exc
                     warm.add(name)
                 server.wait_idle()
                 for drafter in drafters.values():  # every cell starts cold
