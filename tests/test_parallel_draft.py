@@ -1,6 +1,6 @@
 """Drafting while the target verifies (``draft-model`` with ``parallel=true``, PEARL's post-verify): the
-worker's tokens are the ones sequential drafting would give, so output is unchanged; a pure-function test
-of when its continuation may be used."""
+worker's tokens are the ones sequential drafting would give, so output is unchanged; pure-function tests of
+when its continuation may be used and of the switch that keeps the worker only where it is faster."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from helpers import PROMPTS, hf_greedy, run
 from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._lookahead import Lookahead
+from specdecode.drafters._parallel_switch import ParallelSwitch
 from specdecode.errors import SpecDecodeError
 
 
@@ -64,8 +65,9 @@ def test_parallel_drafting_keeps_greedy_output_and_reuses_drafts(tiny_target, dr
         return tokens, confidence
 
     monkeypatch.setattr(Lookahead, "continuation", counted)
-    # The target drafting for itself: every draft is accepted, so lookaheads get used.
-    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, parallel="true")
+    # The target drafting for itself: every draft is accepted, so lookaheads get used (always: the switch would
+    # rightly find the worker slower here, where the draft model is the target).
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, parallel="always")
     for prompt in PROMPTS:
         tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=30, num_draft_tokens=draft_length)
         assert tokens == hf_greedy(tiny_target, prompt, 30)
@@ -83,7 +85,48 @@ def test_parallel_drafting_with_another_draft_model_keeps_greedy_and_coupled_out
 
 
 def test_parallel_drafting_refuses_what_it_cannot_do(tiny_target, tiny_draft):
-    with pytest.raises(SpecDecodeError, match="parallel must be true or false"):
+    with pytest.raises(SpecDecodeError, match="parallel must be true, false or always"):
         create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel="sometimes")
     with pytest.raises(SpecDecodeError, match="parallel drafting needs"):
         create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel=True, vocab_mapping="text")
+
+
+def modes_run(switch: ParallelSwitch, seconds_per_token: dict[bool, float], steps: int) -> list[bool]:
+    """The mode of each of ``steps`` steps, each gaining 2 tokens at the given speed per mode."""
+    modes = []
+    for _ in range(steps):
+        mode = switch.parallel
+        modes.append(mode)
+        switch.record(mode, 2 * seconds_per_token[mode], 2)
+    return modes
+
+
+def test_the_switch_keeps_the_worker_off_where_it_loses_and_tries_it_again_now_and_then():
+    switch = ParallelSwitch(trial=4, settle=20)
+    modes = modes_run(switch, {True: 0.14, False: 0.10}, 4 + 4 + 20 + 4 + 20)
+    assert modes[:8] == [True] * 4 + [False] * 4  # both measured first
+    assert modes[8:28] == [False] * 20  # then the faster
+    assert modes[28:32] == [True] * 4 and modes[32:] == [False] * 20  # the slower is tried again, and loses again
+
+
+def test_the_switch_keeps_the_worker_where_it_wins_and_follows_a_change():
+    switch = ParallelSwitch(trial=4, settle=20)
+    modes = modes_run(switch, {True: 0.08, False: 0.10}, 28)
+    assert modes[8:] == [True] * 20
+    # The machine got busy and the worker now loses: the next settle phase still has it (its rate is old), the
+    # one after does not.
+    modes = modes_run(switch, {True: 0.30, False: 0.10}, 4 + 20 + 4 + 20)
+    assert modes == [False] * 4 + [True] * 20 + [False] * 4 + [False] * 20
+    switch.record(True, 0.0, 0)  # nothing gained or no time: not evidence
+    assert switch.rates[True].steps == 4 + 20 + 20
+
+
+def test_parallel_true_times_both_modes_and_always_never_switches(tiny_target, tiny_draft):
+    timed = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel="true")
+    always = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel="always")
+    assert isinstance(timed.switch, ParallelSwitch) and always.switch is None
+    timed.switch = ParallelSwitch(trial=2)  # both modes within these short requests
+    for prompt in PROMPTS:
+        for drafter in (timed, always):
+            assert run(tiny_target, drafter, prompt, max_new_tokens=40)[0] == hf_greedy(tiny_target, prompt, 40)
+    assert timed.switch.rates[True].steps > 0 and timed.switch.rates[False].steps > 0

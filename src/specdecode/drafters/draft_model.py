@@ -25,6 +25,7 @@ happens most often where q is close to p (an independent draw would be accepted 
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from specdecode.drafters import register_drafter
 from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._lookahead import Lookahead
+from specdecode.drafters._parallel_switch import ParallelSwitch
 from specdecode.drafters._vocab import DraftHead, HeadRows
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
@@ -65,6 +67,17 @@ def choose_draft_token(
     return token, probs, float(probs[token])
 
 
+def parallel_mode(value: bool | str) -> str:
+    """The ``parallel`` option: "off"; "true" (the worker is timed against drafting in turn and runs only
+    while it is faster, :mod:`specdecode.drafters._parallel_switch`); or "always"."""
+    if str(value).strip().lower() == "always":
+        return "always"
+    try:
+        return "true" if flag_option("parallel", value) else "off"
+    except SpecDecodeError:
+        raise SpecDecodeError(f"parallel must be true, false or always, got {value!r}") from None
+
+
 #: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
 DEFAULT_VOCAB_MAPPING = "text"
 
@@ -88,8 +101,10 @@ class DraftModelDrafter(Drafter):
         parallel: bool | str = False,
     ) -> None:
         super().__init__(target)
-        self.parallel = flag_option("parallel", parallel)
-        if self.parallel and vocab_mapping is not None:
+        self.parallel = parallel_mode(parallel)
+        # true: the worker is timed against drafting in turn and kept only where it is faster; always: kept.
+        self.switch = ParallelSwitch() if self.parallel == "true" else None
+        if self.parallel != "off" and vocab_mapping is not None:
             raise SpecDecodeError("parallel drafting needs a draft model with the target's vocabulary")
         if draft_model is None:
             raise SpecDecodeError("drafter 'draft-model' needs --draft-model (e.g. qwen2.5-coder-0.5b)")
@@ -135,7 +150,8 @@ class DraftModelDrafter(Drafter):
             session: DraftSession = self.cross.session(request)
         else:
             rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
-            session = DraftModelSession(self.draft.backend, request, rows, self.clock, self.parallel)
+            parallel = self.parallel != "off"
+            session = DraftModelSession(self.draft.backend, request, rows, self.clock, parallel, self.switch)
         if self.adapter is None:
             return session
         cross = self.cross
@@ -153,6 +169,7 @@ class DraftModelSession(DraftSession):
         head: HeadRows | None = None,
         clock: ForwardClock | None = None,
         parallel: bool = False,
+        switch: ParallelSwitch | None = None,
     ) -> None:
         self.backend = backend
         self.clock = clock if clock is not None else ForwardClock()
@@ -167,6 +184,8 @@ class DraftModelSession(DraftSession):
         # Drafting on while the target verifies, where the drafts are a function of the context.
         deterministic = self.sampling.greedy or self.sampling.is_coupled
         self.lookahead = Lookahead(self._draft_one) if parallel and deterministic else None
+        self.switch = switch  # None: the worker runs after every draft
+        self._step: tuple[float, int, bool] | None = None  # (start, context length, worker ran) of the last step
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
         """The next draft token (for absolute ``position``): :func:`choose_draft_token`, over the VocabTrim
@@ -180,13 +199,19 @@ class DraftModelSession(DraftSession):
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend
+        started = time.perf_counter()
+        worked = self._step is not None and self._step[2]  # the worker ran during the last verification
         if self.lookahead is not None:
             self.cached_tokens.extend(self.lookahead.join())
+            if self.switch is not None and self._step is not None:
+                since, length, _ = self._step
+                self.switch.record(worked, started - since, len(context) - length)
+        self._step = None
         max_tokens = min(max_tokens, backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
         # Tokens the worker drafted while the target verified, if the target went the way it assumed.
-        tokens, confidence = self.lookahead.continuation(context) if self.lookahead is not None else ([], [])
+        tokens, confidence = self.lookahead.continuation(context) if worked else ([], [])
         tokens, confidence = tokens[:max_tokens], confidence[:max_tokens]
         stopped = next((n for n in range(1, len(tokens) + 1) if self.request.stop(confidence[:n])), None)
         if stopped is not None:
@@ -216,8 +241,11 @@ class DraftModelSession(DraftSession):
         # The last drafted token was never fed to the draft model, so the cache ends one before it.
         self.cached_tokens = [*context, *tokens[:-1]]
         if self.lookahead is not None and tokens:
-            room = backend.max_context - len(context) - len(tokens) - 1
-            self.lookahead.start(context, tokens, min(max_tokens + 1, room))
+            work = self.switch is None or self.switch.parallel
+            if work:
+                room = backend.max_context - len(context) - len(tokens) - 1
+                self.lookahead.start(context, tokens, min(max_tokens + 1, room))
+            self._step = (started, len(context), work)
         probs_out = torch.stack(prob_rows) if prob_rows else None
         return Draft(tokens=tokens, probs=probs_out, confidence=confidence, setup_s=setup_s)
 
