@@ -12,7 +12,7 @@ from specdecode.draft_length import (
     make_policy,
 )
 from specdecode.errors import SpecDecodeError
-from specdecode.estimators import LinearFit
+from specdecode.estimators import LinearFit, ShareWithPrior
 from specdecode.models.cost import linear_curve
 
 
@@ -140,6 +140,15 @@ def test_draft_cost_separates_a_fixed_part_from_a_part_per_token():
     for _ in range(5):
         constant.add(4, 0.02)  # depth never varied: all of it counts per token (the cautious reading)
     assert constant.coefficients() == pytest.approx((0.0, 0.005))
+
+
+def test_a_share_with_a_prior_moves_with_the_evidence_and_forgets_with_the_discount():
+    share = ShareWithPrior()
+    assert share.estimate(0.3, weight=4) == pytest.approx(0.3)  # no evidence: the prior
+    share.add(8, 8)
+    assert share.estimate(0.3, weight=4) == pytest.approx((8 + 1.2) / 12)
+    share.add(0, 10, discount=0.0)  # the old evidence forgotten
+    assert (share.successes, share.trials) == (0.0, 10.0)
 
 
 def test_linear_curve_is_the_guess_before_measuring():

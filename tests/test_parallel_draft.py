@@ -101,32 +101,34 @@ def modes_run(switch: ParallelSwitch, seconds_per_token: dict[bool, float], step
     return modes
 
 
-def test_the_switch_keeps_the_worker_off_where_it_loses_and_tries_it_again_now_and_then():
+def test_the_switch_keeps_the_worker_off_where_it_loses_and_times_both_again_now_and_then():
     switch = ParallelSwitch(trial=4, settle=20)
-    modes = modes_run(switch, {True: 0.14, False: 0.10}, 4 + 4 + 20 + 4 + 20)
-    assert modes[:8] == [True] * 4 + [False] * 4  # both measured first
-    assert modes[8:28] == [False] * 20  # then the faster
-    assert modes[28:32] == [True] * 4 and modes[32:] == [False] * 20  # the slower is tried again, and loses again
+    modes = modes_run(switch, {True: 0.14, False: 0.10}, 8 + 20 + 8 + 20)
+    assert modes[:8] == [True, False] * 4  # a trial alternates the modes
+    assert modes[8:28] == [False] * 20  # then the faster runs
+    assert modes[28:36] == [True, False] * 4 and modes[36:] == [False] * 20  # timed again: it still loses
 
 
 def test_the_switch_keeps_the_worker_where_it_wins_and_follows_a_change():
     switch = ParallelSwitch(trial=4, settle=20)
-    modes = modes_run(switch, {True: 0.08, False: 0.10}, 28)
-    assert modes[8:] == [True] * 20
-    # The machine got busy and the worker now loses: the next settle phase still has it (its rate is old), the
-    # one after does not.
-    modes = modes_run(switch, {True: 0.30, False: 0.10}, 4 + 20 + 4 + 20)
-    assert modes == [False] * 4 + [True] * 20 + [False] * 4 + [False] * 20
+    assert modes_run(switch, {True: 0.08, False: 0.10}, 28)[8:] == [True] * 20
+    # The machine got busy and the worker now loses: the next trial finds it out.
+    modes = modes_run(switch, {True: 0.30, False: 0.10}, 8 + 20)
+    assert modes == [False, True] * 4 + [False] * 20
+    assert not switch.settled and switch.left == 8  # the next trial is due
     switch.record(True, 0.0, 0)  # nothing gained or no time: not evidence
-    assert switch.rates[True].steps == 4 + 20 + 20
+    assert switch.left == 8
 
 
-def test_parallel_true_times_both_modes_and_always_never_switches(tiny_target, tiny_draft):
+def test_parallel_true_times_both_modes_and_always_never_switches(tiny_target, tiny_draft, monkeypatch):
     timed = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel="true")
     always = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, parallel="always")
     assert isinstance(timed.switch, ParallelSwitch) and always.switch is None
-    timed.switch = ParallelSwitch(trial=2)  # both modes within these short requests
+    recorded = []
+    record = ParallelSwitch.record
+    monkeypatch.setattr(ParallelSwitch, "record", lambda self, *args: (recorded.append(args), record(self, *args)))
     for prompt in PROMPTS:
         for drafter in (timed, always):
             assert run(tiny_target, drafter, prompt, max_new_tokens=40)[0] == hf_greedy(tiny_target, prompt, 40)
-    assert timed.switch.rates[True].steps > 0 and timed.switch.rates[False].steps > 0
+    assert {parallel for parallel, _, _ in recorded} == {True, False}
+    assert all(tokens > 0 for _, _, tokens in recorded)

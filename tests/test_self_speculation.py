@@ -201,11 +201,11 @@ def test_layer_skip_windows_count_only_steps_that_drafted(tiny_target):
 
 def test_early_exit_prefers_exits_that_get_accepted(tiny_target):
     drafter = create_drafter("early-exit", tiny_target, exits="1,2", explore=0.0)
-    drafter.stats[1].update(accepted=0, examined=50, discount=1.0)
-    drafter.stats[2].update(accepted=50, examined=52, discount=1.0)
+    drafter.stats[1].add(0, 50)
+    drafter.stats[2].add(50, 52)
     layer, k = drafter.plan(5)
     assert layer == 2 and k >= 1
-    drafter.stats[2].update(accepted=0, examined=500, discount=1.0)
+    drafter.stats[2].add(0, 500)
     assert drafter.plan(5)[1] == 0  # nothing pays: decode plainly
 
 
@@ -213,7 +213,7 @@ def test_sampled_drafts_carry_their_distributions(tiny_target):
     sampling = SamplingParams(temperature=0.9, top_k=20, seed=3)
     drafters = self_drafters(tiny_target)
     for stats in drafters["early-exit"].stats.values():
-        stats.update(accepted=100, examined=100, discount=1.0)  # make drafting pay
+        stats.add(100, 100)  # make drafting pay
     for name, drafter in drafters.items():
         draft = session_for(drafter, [5, 6, 7], sampling, seed=sampling.seed).propose([5, 6, 7], 3)
         assert draft.probs is not None and draft.probs.shape == (len(draft.tokens), tiny_target.backend.vocab_size)

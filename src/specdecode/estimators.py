@@ -1,5 +1,6 @@
-"""Online estimators the draft-length cost model learns with: a decayed running mean and a decayed
-least-squares line, each cheap enough to update after every step."""
+"""Online estimators the drafters and the draft-length cost model learn with: a decayed running mean, a
+decayed least-squares line and a share of successes with a prior, each cheap enough to update after every
+step."""
 
 from __future__ import annotations
 
@@ -56,3 +57,21 @@ class LinearFit:
     def __call__(self, x: float) -> float:
         fixed, slope = self.coefficients()
         return fixed + slope * x
+
+
+@dataclass
+class ShareWithPrior:
+    """How often something succeeds (a draft token is accepted), from the successes and trials seen, blended
+    with a prior share worth ``weight`` trials, so that little evidence moves the estimate little.
+
+    ``add`` may discount the evidence so far first (``discount`` < 1: recent steps count more)."""
+
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def add(self, successes: float, trials: float, discount: float = 1.0) -> None:
+        self.successes = discount * self.successes + successes
+        self.trials = discount * self.trials + trials
+
+    def estimate(self, prior: float, weight: float) -> float:
+        return (self.successes + weight * prior) / (self.trials + weight)

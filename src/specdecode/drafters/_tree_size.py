@@ -11,6 +11,7 @@ target's measured cost of the verification forward — possibly none, when no no
 from __future__ import annotations
 
 from specdecode.errors import SpecDecodeError
+from specdecode.estimators import ShareWithPrior
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import cost_at, relative_cost_curve
 from specdecode.types import Draft
@@ -32,17 +33,15 @@ class Calibration:
     PRIOR = 4.0
 
     def __init__(self) -> None:
-        self.accepted = [[0.0] * self.BINS for _ in range(self.DEPTHS)]
-        self.seen = [[0.0] * self.BINS for _ in range(self.DEPTHS)]
+        self.cells = [[ShareWithPrior() for _ in range(self.BINS)] for _ in range(self.DEPTHS)]
 
-    def _cell(self, confidence: float, depth: int) -> tuple[int, int]:
-        return min(max(depth, 1), self.DEPTHS) - 1, min(int(confidence * self.BINS), self.BINS - 1)
+    def _cell(self, confidence: float, depth: int) -> ShareWithPrior:
+        return self.cells[min(max(depth, 1), self.DEPTHS) - 1][min(int(confidence * self.BINS), self.BINS - 1)]
 
     def __call__(self, confidence: float, depth: int) -> float:
         """The estimated chance that a node ``depth`` deep drafted with ``confidence`` is accepted, given
         that its parent was."""
-        d, b = self._cell(confidence, depth)
-        return (self.accepted[d][b] + self.PRIOR * confidence) / (self.seen[d][b] + self.PRIOR)
+        return self._cell(confidence, depth).estimate(confidence, self.PRIOR)
 
     def learn(self, draft: Draft, path: tuple[int, ...]) -> None:
         """Every node whose parent was accepted (or is the context) was tried: accepted iff on the path."""
@@ -53,9 +52,7 @@ class Calibration:
         for node, parent in enumerate(draft.parent_list):
             depths.append(depths[parent] + 1 if parent >= 0 else 1)
             if parent in reached:
-                d, b = self._cell(draft.confidence[node], depths[node])
-                self.seen[d][b] += 1.0
-                self.accepted[d][b] += 1.0 if node in reached else 0.0
+                self._cell(draft.confidence[node], depths[node]).add(1.0 if node in reached else 0.0, 1.0)
 
 
 class TreeBudget:

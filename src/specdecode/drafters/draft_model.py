@@ -26,6 +26,7 @@ happens most often where q is close to p (an independent draw would be accepted 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -159,6 +160,18 @@ class DraftModelDrafter(Drafter):
         return AdaptingSession(session, self.adapter, request, builder)
 
 
+@dataclass(frozen=True)
+class StepMark:
+    """What the parallel switch needs of a step when the next one starts: when it started, the context's
+    length then, whether the worker ran during its verification, and the drafting it was spared by the
+    worker of the step before (``received`` seconds)."""
+
+    started: float
+    length: int
+    worked: bool
+    received: float
+
+
 class DraftModelSession(DraftSession):
     """One request: the draft model's own cache of it, its sampling and random stream."""
 
@@ -185,7 +198,7 @@ class DraftModelSession(DraftSession):
         deterministic = self.sampling.greedy or self.sampling.is_coupled
         self.lookahead = Lookahead(self._draft_one) if parallel and deterministic else None
         self.switch = switch  # None: the worker runs after every draft
-        self._step: tuple[float, int, bool] | None = None  # (start, context length, worker ran) of the last step
+        self._step: StepMark | None = None  # the last step, for the switch
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
         """The next draft token (for absolute ``position``): :func:`choose_draft_token`, over the VocabTrim
@@ -200,22 +213,23 @@ class DraftModelSession(DraftSession):
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend
         started = time.perf_counter()
-        worked = self._step is not None and self._step[2]  # the worker ran during the last verification
+        last, self._step = self._step, None
+        worked = last is not None and last.worked  # the worker ran during the last verification
         if self.lookahead is not None:
             self.cached_tokens.extend(self.lookahead.join())
-            if self.switch is not None and self._step is not None:
-                since, length, _ = self._step
-                self.switch.record(worked, started - since, len(context) - length)
-        self._step = None
         max_tokens = min(max_tokens, backend.max_context - len(context))
-        if max_tokens <= 0:
-            return Draft(tokens=[])
         # Tokens the worker drafted while the target verified, if the target went the way it assumed.
         tokens, confidence = self.lookahead.continuation(context) if worked else ([], [])
-        tokens, confidence = tokens[:max_tokens], confidence[:max_tokens]
+        tokens, confidence = tokens[: max(max_tokens, 0)], confidence[: max(max_tokens, 0)]
         stopped = next((n for n in range(1, len(tokens) + 1) if self.request.stop(confidence[:n])), None)
         if stopped is not None:
             tokens, confidence = tokens[:stopped], confidence[:stopped]
+        saved = len(tokens) * self.clock.one_token_s  # draft forwards this step skips thanks to the worker
+        if self.switch is not None and last is not None:
+            # The last step's time, with the saving moved to it from this step (the worker earned it then).
+            self.switch.record(last.worked, started - last.started + last.received - saved, len(context) - last.length)
+        if max_tokens <= 0:
+            return Draft(tokens=[])
         if tokens:  # the cache holds the context and more of them: keep what the draft needs
             self.cache.crop(len(context) + len(tokens) - 1)
             pending = torch.tensor(tokens[-1:], dtype=torch.long)
@@ -245,7 +259,7 @@ class DraftModelSession(DraftSession):
             if work:
                 room = backend.max_context - len(context) - len(tokens) - 1
                 self.lookahead.start(context, tokens, min(max_tokens + 1, room))
-            self._step = (started, len(context), work)
+            self._step = StepMark(started, len(context), work, saved)
         probs_out = torch.stack(prob_rows) if prob_rows else None
         return Draft(tokens=tokens, probs=probs_out, confidence=confidence, setup_s=setup_s)
 

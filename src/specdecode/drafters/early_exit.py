@@ -20,7 +20,6 @@ drafts run on the target's own cache of the context, so not drafting costs nothi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
@@ -28,26 +27,11 @@ from specdecode.drafters._self_draft import CostModel, SelfDraftSession, expecte
 from specdecode.drafters._vocab import DraftHead
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
+from specdecode.estimators import ShareWithPrior
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
 DEFAULT_EXIT_FRACTIONS = (0.2, 0.3, 0.4, 0.5)
-
-
-@dataclass
-class ExitStats:
-    """Discounted evidence about one exit layer's per-token acceptance."""
-
-    prior: float
-    accepted: float = 0.0
-    examined: float = 0.0
-
-    def acceptance(self, prior_weight: float) -> float:
-        return (self.accepted + prior_weight * self.prior) / (self.examined + prior_weight)
-
-    def update(self, accepted: int, examined: int, discount: float) -> None:
-        self.accepted = discount * self.accepted + accepted
-        self.examined = discount * self.examined + examined
 
 
 def parse_exits(exits: str | int | None, num_layers: int) -> list[int]:
@@ -94,12 +78,13 @@ class EarlyExitDrafter(Drafter):
         self.costs = CostModel.of(backend, verify_token_cost)
         self.backend = backend
         self.head = DraftHead(backend, draft_vocab)
-        self.stats: dict[int, ExitStats] = {}
+        # Per exit layer, discounted evidence of its per-token acceptance; its prior is its share of the depth.
+        self.stats: dict[int, ShareWithPrior] = {}
         self.steps = 0
         self.reset()
 
     def reset(self) -> None:
-        self.stats = {layer: ExitStats(prior=layer / self.costs.num_layers) for layer in self.exits}
+        self.stats = {layer: ShareWithPrior() for layer in self.exits}
         self.steps = 0
 
     def session(self, request: DraftRequest) -> DraftSession:
@@ -109,8 +94,8 @@ class EarlyExitDrafter(Drafter):
         """(exit layer, draft length) with the best optimistic expected tokens per cost; length 0 = no draft."""
         best, best_rate = (self.exits[0], 0), 1.0  # plain decoding: one token per unit cost
         for layer, stats in self.stats.items():
-            bonus = self.explore * math.sqrt(math.log(self.steps + 2) / (stats.examined + 1))
-            alpha = min(0.99, stats.acceptance(self.prior_weight) + bonus)
+            bonus = self.explore * math.sqrt(math.log(self.steps + 2) / (stats.trials + 1))
+            alpha = min(0.99, stats.estimate(layer / self.costs.num_layers, self.prior_weight) + bonus)
             per_token = self.costs.draft_token(layer)
             for k in range(1, max_tokens + 1):
                 rate = expected_tokens(alpha, k) / self.costs.step(k, per_token)
@@ -122,7 +107,7 @@ class EarlyExitDrafter(Drafter):
         drafted = len(feedback.draft.tokens)
         if drafted:
             accepted = feedback.num_accepted
-            self.stats[layer].update(accepted, min(drafted, accepted + 1), self.discount)
+            self.stats[layer].add(accepted, min(drafted, accepted + 1), self.discount)
 
 
 class EarlyExitSession(DraftSession):
