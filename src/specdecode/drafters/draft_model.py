@@ -212,11 +212,11 @@ class DraftModelSession(DraftSession):
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend
-        started = time.perf_counter()
         last, self._step = self._step, None
         worked = last is not None and last.worked  # the worker ran during the last verification
         if self.lookahead is not None:
             self.cached_tokens.extend(self.lookahead.join())
+        started = time.perf_counter()  # after the join: waiting for the worker belongs to the step it worked in
         max_tokens = min(max_tokens, backend.max_context - len(context))
         # Tokens the worker drafted while the target verified, if the target went the way it assumed.
         tokens, confidence = self.lookahead.continuation(context) if worked else ([], [])
