@@ -115,6 +115,17 @@ def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
     assert steps_to_next_probe(1) == 16 and policy.probe_interval == 4  # an accepted probe: back to 4
 
 
+def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed():
+    policy = make_policy("auto", [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])
+    cheap = policy.next_length(16)
+    assert cheap > 2  # a drafter not known to read the context: its drafts are taken as free
+    policy.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.5, setup_s=0.49, verify_s=0.1))
+    assert policy.next_length(16) == 2 and policy.draft_cap(16) == 2  # its prompt prefill timed, no token yet
+    assert policy.draft_cap(16, [0.9] * 6) == 6  # a draft already made: all of it may be weighed
+    feed(policy, 1, accept_rate=0.95, depth=2, draft_s=0.002)
+    assert policy.next_length(16) > 2
+
+
 def test_cost_model_counts_a_slow_drafter():
     free, slow = CostModelLength(curve=curve(0.1)), CostModelLength(curve=curve(0.1))
     feed(free, 60, accept_rate=0.7, draft_s=0.0)

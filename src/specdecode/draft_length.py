@@ -90,6 +90,13 @@ LOSING_GAIN = 0.97
 MIN_GAIN_EVIDENCE = 6.0
 #: A probe that paid replaces that evidence with itself, worth this many steps.
 PROBE_GAIN_WEIGHT = 2.0
+#: A drafter that reads the context (its first forward also reads the prompt: ``StepObservation.setup_s``)
+#: drafts at most ``UNTIMED_DEPTH`` deep until its cost has been timed over this many drafting steps.  A
+#: prompt's forward tells little of a token's cost: a 0.5B fp32 draft model for an int4 1.5B target, taken
+#: at its prompt's share (12 ms a token), drafted 10 tokens next at 89 ms each, all rejected — a second
+#: lost on a 64-token answer.  Depth 2 times a one-token forward at the price of one.
+UNTIMED_STEPS = 2
+UNTIMED_DEPTH = 2
 
 
 def _calibration_prior() -> list[RunningMean]:
@@ -148,6 +155,7 @@ class CostModelLength(DraftLengthPolicy):
     overhead: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     calibration: list[RunningMean] = field(default_factory=lambda: _calibration_prior())
     uses_confidence: bool = False
+    reads_context: bool = False  # a step's drafting included catching up with the context (setup)
     achieved_tokens: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     achieved_seconds: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
@@ -225,8 +233,15 @@ class CostModelLength(DraftLengthPolicy):
             tokens += survive
         return tokens
 
+    @property
+    def deepest(self) -> int:
+        """The policy's maximum, or ``UNTIMED_DEPTH`` while the cost of a drafter that reads the context is
+        not timed yet."""
+        untimed = self.reads_context and self.draft_cost.count < UNTIMED_STEPS
+        return min(self.maximum, UNTIMED_DEPTH) if untimed else self.maximum
+
     def next_length(self, limit: int) -> int:
-        cap = min(self.maximum, limit)
+        cap = min(self.deepest, limit)
         return self.settle(0 if self.losing else max(range(cap + 1), key=self.expected_rate), cap)
 
     def settle(self, best: int, cap: int, proposed: bool = False) -> int:
@@ -277,10 +292,11 @@ class CostModelLength(DraftLengthPolicy):
 
     def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
         """The deepest draft worth weighing this step: none while losing, never past ``limit``, the policy's
-        maximum or a draft already proposed (its ``confidences``)."""
+        maximum or a draft already proposed (its ``confidences``); before the drafter's cost is timed,
+        ``UNTIMED_DEPTH`` for a draft still to be made."""
         if self.losing:
             return 0
-        return min(self.maximum, limit, len(confidences) if confidences is not None else self.maximum)
+        return min(limit, len(confidences) if confidences is not None else self.deepest, self.maximum)
 
     def depth_for_draft(self, confidences: Sequence[float], limit: int) -> int:
         """How much of a chain already proposed (its cost spent) to verify: the depth with the best expected
@@ -335,6 +351,7 @@ class CostModelLength(DraftLengthPolicy):
         self.overhead.add(step.overhead_s)
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
             self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
+            self.reads_context = self.reads_context or step.setup_s > 0
             self._score_drafting(step)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)

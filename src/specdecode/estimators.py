@@ -29,6 +29,7 @@ class LinearFit:
     not varied yet, everything is attributed to the per-unit slope (the cautious reading)."""
 
     decay: float = 0.98
+    count: int = 0  # observations, undecayed
     n: float = 0.0
     sx: float = 0.0
     sy: float = 0.0
@@ -36,6 +37,7 @@ class LinearFit:
     sxy: float = 0.0
 
     def add(self, x: float, y: float) -> None:
+        self.count += 1
         d = self.decay
         self.n, self.sx, self.sy = self.n * d + 1.0, self.sx * d + x, self.sy * d + y
         self.sxx, self.sxy = self.sxx * d + x * x, self.sxy * d + x * y
