@@ -23,6 +23,7 @@ from specdecode.bench import serve, serve_client, serve_report
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
+from specdecode.models.quantize import draft_quantization
 
 MAX_NEW = BENCH_MAX_NEW
 CELLS = [("none", 1), ("none", 2), ("pld", 1), ("pld", 2)]
@@ -199,6 +200,15 @@ def test_cli_parses_flags_and_defaults():
     assert [m.spec for m in settings.methods] == ["none", "pld", "suffix"] and settings.model == "smollm2-135m"
     assert str(settings.out) == "bench-out/serve" and len(settings.tasks) == 8 and settings.prompts_per_task == 1
     assert serve.resolve_settings(concurrency="8,2,2").concurrency == (2, 8)
+    # Draft models load as generate loads them: int4 by default, fp32 for one that adapts, or as asked.
+    assert (settings.quantize, settings.quantize_draft) == ("none", None)  # no draft model served
+    drafting = serve.resolve_settings(methods="none,draft-model:qwen2.5-coder-0.5b")
+    assert drafting.quantize_draft == draft_quantization(None, "none")
+    adapting = serve.resolve_settings(methods="draft-model:qwen2.5-coder-0.5b:adapt=true")
+    assert adapting.quantize_draft == "none"
+    assert (
+        serve.resolve_settings(methods="draft-model:m", quantize="bf16", quantize_draft="int8").quantize_draft == "int8"
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,6 +221,7 @@ def test_cli_parses_flags_and_defaults():
         (["--tasks", "edit,nope"], "unknown benchmark task 'nope'"),
         (["--max-batch-size", "0"], "--max-batch-size must be a positive integer"),
         (["--max-new-tokens", "0"], "--max-new-tokens must be a positive integer"),
+        (["--methods", "draft-model:m", "--quantize-draft", "int3"], "--quantize-draft"),
     ],
 )
 def test_cli_errors_are_one_line(flags, message, capsys, monkeypatch):

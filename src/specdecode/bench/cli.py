@@ -171,7 +171,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--out", default=keep, help="output directory (default bench-out/serve)")
     serve.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
     serve.add_argument(
-        "--quantize", default=keep, metavar="{none,int8,int4,bf16}", help="weights of the served models (default none)"
+        "--quantize", default=keep, metavar="{none,int8,int4,bf16}", help="weights of the served target (default none)"
+    )
+    serve.add_argument(
+        "--quantize-draft",
+        default=keep,
+        metavar="{none,int8,int4,bf16}",
+        help="of the served draft models (default int4; none with adapt=true)",
     )
     serve.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
     serve.set_defaults(run=run_bench_serve)
@@ -276,7 +282,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from specdecode.bench import serve
 
     flags = ("model", "methods", "concurrency", "tasks", "prompts_per_task", "max_new_tokens", "max_batch_size")
-    settings = serve.resolve_settings(**_flags(args, *flags, "seed", "out", "threads", "quantize"))
+    settings = serve.resolve_settings(**_flags(args, *flags, "seed", "out", "threads", "quantize", "quantize_draft"))
     files = "results.json, results.md, serve.png"
     return _run_and_print("bench serve", files, settings, serve.run_serve_bench, args.progress)
 

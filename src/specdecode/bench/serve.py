@@ -40,9 +40,10 @@ from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
+from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import fast_path_default, load_model
-from specdecode.models.quantize import check_quantize
+from specdecode.models.quantize import check_quantize, draft_quantization
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -59,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "out": "bench-out/serve",
     "quantize": "none",
+    "quantize_draft": None,  # draft models, if any: as specdecode generate loads them (int4 on a CPU)
 }
 
 
@@ -74,10 +76,13 @@ class ServeSettings:
     seed: int
     threads: int
     out: Path
-    quantize: str = "none"  # the target's and the draft models' weights (--quantize)
+    quantize: str = "none"  # the target's weights (--quantize)
+    quantize_draft: str | None = None  # the draft models' (--quantize-draft); None: no method has one
 
     def __post_init__(self) -> None:
         check_quantize(self.quantize)
+        if self.quantize_draft is not None:
+            check_quantize(self.quantize_draft, "--quantize-draft")
         if not self.concurrency or not all(common.is_positive_int(c) for c in self.concurrency):
             raise SpecDecodeError(f"--concurrency takes comma-separated positive integers, got {self.concurrency!r}")
         common.check_positive_ints(
@@ -106,9 +111,14 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
     if all(common.is_positive_int(c) for c in concurrency):  # else ServeSettings reports them as given
         concurrency = tuple(sorted(set(concurrency)))
     batch = values["max_batch_size"]
+    methods = tuple(values["methods"])
+    quantize_draft = values["quantize_draft"]
+    if any(m.draft_model for m in methods):  # as generate loads them: int4 by default, fp32 while adapting
+        trains = any(asks_to_adapt(dict(m.options)) for m in methods)
+        quantize_draft = draft_quantization(quantize_draft, values["quantize"], trains=trains)
     return ServeSettings(
         model=values["model"],
-        methods=tuple(values["methods"]),
+        methods=methods,
         concurrency=concurrency,
         tasks=tuple(values["tasks"]),
         prompts_per_task=values["prompts_per_task"],
@@ -118,6 +128,7 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
         threads=values["threads"],
         out=Path(values["out"]),
         quantize=values["quantize"],
+        quantize_draft=quantize_draft,
     )
 
 
@@ -188,7 +199,8 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size", "quantize")
+    drafts = ("quantize_draft",) if settings.quantize_draft is not None else ()
+    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts)
     path = settings.out / RESULTS_FILE
     results = _load_previous(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
 
@@ -225,7 +237,8 @@ def _measure(
     needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
     target = load_model(settings.model, quantize=settings.quantize)
     drafts = {
-        name: load_model(name, quantize=settings.quantize) for name in sorted({m.draft_model for m in needed} - {None})
+        name: load_model(name, quantize=settings.quantize_draft or settings.quantize)
+        for name in sorted({m.draft_model for m in needed} - {None})
     }
     encode = common.PromptEncoder(target, settings.model, settings.max_new_tokens)
     chat = encode.chat  # a base model gets /v1/completions
