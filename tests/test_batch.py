@@ -233,6 +233,18 @@ def test_plan_batch_weighs_drafts_already_proposed_by_their_confidences(monkeypa
     assert plan_batch([shared.fork()], [3], [sure]) == [3]
 
 
+def test_a_batch_of_untimed_context_readers_drafts_shallow_like_one_alone():
+    # Confidence drafters whose first forward read the prompt: before their cost is timed, the plan asks at
+    # most UNTIMED_DEPTH of them in a batch, as next_length does for one sequence.
+    shared = _trained_auto(0.9)
+    shared.uses_confidence, shared.reads_context = True, True
+    assert shared.next_length(16) == 2
+    assert max(plan_batch([shared.fork() for _ in range(4)], [16] * 4)) <= 2
+    shared.draft_cost.add(2, 0.002)
+    shared.draft_cost.add(2, 0.002)
+    assert max(plan_batch([shared.fork() for _ in range(4)], [16] * 4)) > 2
+
+
 def test_drafters_never_import_the_transformers_backend():
     from pathlib import Path
 

@@ -89,7 +89,7 @@ def plan_batch(
         chosen[j] = k
     for j, (i, m) in enumerate(zip(auto, models)):
         if drafted[j] is None:
-            depths[i] = m.settle(chosen[j], min(m.maximum, limits[i]))
+            depths[i] = m.settle(chosen[j], min(m.deepest, limits[i]))
         else:
             depths[i] = m.settle(chosen[j], caps[j], proposed=True)
     return depths
