@@ -7,12 +7,15 @@ benchmark (``bench``, ``bench throughput``, ``bench serve``, ``bench coupling``)
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specdecode.config import GenerationConfig
 from specdecode.drafters import accepted_options, drafter_class
+from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
+from specdecode.models.quantize import draft_quantization
 
 DEFAULT_K = GenerationConfig().num_draft_tokens
 
@@ -115,3 +118,13 @@ def parse_int_list(text: str, label: str) -> tuple[int, ...]:
     if not values or any(v < 1 for v in values):
         raise SpecDecodeError(f"{label} takes comma-separated positive integers, got {text!r}")
     return values
+
+
+def draft_weights(methods: Sequence[MethodSpec], quantize: str, given: str | None) -> str | None:
+    """The weights the methods' draft models load with (``--quantize-draft``): ``given``, else as ``generate``
+    loads them (int4 by default, fp32 for a draft that adapts); None when no method has a draft model.
+    Recorded as loaded in results: the default may change between versions."""
+    if not any(m.draft_model for m in methods):
+        return given
+    trains = any(asks_to_adapt(dict(m.options)) for m in methods)
+    return draft_quantization(given, quantize, trains=trains)

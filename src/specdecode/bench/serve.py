@@ -36,14 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench import common, runner
-from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.methods import MethodSpec, draft_weights, parse_int_list, parse_methods
 from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
 from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
-from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import fast_path_default, load_model
-from specdecode.models.quantize import check_quantize, draft_quantization
+from specdecode.models.quantize import check_quantize
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -112,10 +111,6 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
         concurrency = tuple(sorted(set(concurrency)))
     batch = values["max_batch_size"]
     methods = tuple(values["methods"])
-    quantize_draft = values["quantize_draft"]
-    if any(m.draft_model for m in methods):  # as generate loads them: int4 by default, fp32 while adapting
-        trains = any(asks_to_adapt(dict(m.options)) for m in methods)
-        quantize_draft = draft_quantization(quantize_draft, values["quantize"], trains=trains)
     return ServeSettings(
         model=values["model"],
         methods=methods,
@@ -128,7 +123,7 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
         threads=values["threads"],
         out=Path(values["out"]),
         quantize=values["quantize"],
-        quantize_draft=quantize_draft,
+        quantize_draft=draft_weights(methods, values["quantize"], values["quantize_draft"]),
     )
 
 

@@ -10,12 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.common import check_known_tasks, check_positive_ints, given_settings, split_names
-from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.methods import DEFAULT_K, MethodSpec, draft_weights, parse_int_list, parse_methods
 from specdecode.bench.prompt_file import PromptFile, read_prompt_file
 from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
-from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
-from specdecode.models.quantize import check_quantize, draft_quantization
+from specdecode.models.quantize import check_quantize
 
 #: The peers ``bench`` can run beside us: transformers' ``generate()`` (in process, always installed) and the
 #: native CPU engines of :mod:`specdecode.bench.native_peers` (optional extras); ``openvino`` means both
@@ -172,10 +171,8 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
     lengths = given.get("draft_lengths", base.draft_lengths)
     if isinstance(lengths, str):
         lengths = () if lengths.strip() in {"", "0", "none"} else parse_int_list(lengths, "--draft-lengths")
-    quantize, quantize_draft = given.get("quantize", "none"), given.get("quantize_draft")
-    if any(m.draft_model for m in methods):  # recorded as loaded: the default may change between versions
-        trains = any(asks_to_adapt(dict(m.options)) for m in methods)
-        quantize_draft = draft_quantization(quantize_draft, quantize, trains=trains)
+    quantize = given.get("quantize", "none")
+    quantize_draft = draft_weights(methods, quantize, given.get("quantize_draft"))
     sweep_tasks = given.get("sweep_tasks")
     if isinstance(sweep_tasks, str):
         sweep_tasks = split_names(sweep_tasks)

@@ -20,12 +20,10 @@ class StepRate:
 
     seconds: float = 0.0
     tokens: float = 0.0
-    steps: int = 0
 
     def add(self, seconds: float, tokens: int) -> None:
         self.seconds += seconds
         self.tokens += tokens
-        self.steps += 1
 
     @property
     def rate(self) -> float:
