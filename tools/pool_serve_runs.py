@@ -19,14 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def token_latencies(cell: dict) -> list[float]:
-    """Every token's inter-token latency in a cell (the first chunk of each request has no gap)."""
-    latencies: list[float] = []
-    for request in cell["per_request"]:
-        for tokens, gap in zip(request["chunk_tokens"][1:], request["chunk_gaps_s"]):
-            latencies += [gap / tokens] * tokens
-    return latencies
+from specdecode.bench.serve_report import itl_samples
 
 
 def main() -> None:
@@ -42,7 +35,7 @@ def main() -> None:
         base = cells[0]
         parts = []
         for cell in cells:
-            latencies = token_latencies(cell)
+            latencies = [itl for request in cell["per_request"] for itl in itl_samples(request)]
             pooled.setdefault(cell["method"], []).extend(latencies)
             p95_ratio = cell["itl_p95_s"] / base["itl_p95_s"]
             speed = cell["tokens_per_s"] / base["tokens_per_s"]
