@@ -19,11 +19,13 @@ from specdecode.generator import SpeculativeGenerator
 from specdecode.models import loading, quantize
 from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import (
+    BLOCK_MIN_ROWS,
     Bf16Linear,
     Int4Linear,
     Int8Linear,
     RowSplit,
     draft_quantization,
+    free_row_calls,
     probe_row_split,
     quantize_model,
     quantize_supported,
@@ -115,7 +117,7 @@ def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quanti
 
     def prefilled(pool=None):
         cache = (pool or backend.new_pool()).allocate()
-        backend.forward_batch([SequenceInput(prompt, cache, prefill=True)])
+        backend.forward_batch([SequenceInput(prompt, cache, invariant=False)])
         return cache
 
     def fed_alone(branch: list[int]) -> list[torch.Tensor]:
@@ -139,6 +141,48 @@ def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quanti
         [SequenceInput(torch.tensor([5, 6, 7]), first), SequenceInput(torch.tensor([1, 2]), second)]
     )[0].logits
     assert all(torch.equal(beside[i], a[i]) for i in range(3))
+
+
+@pytest.mark.parametrize("layer_type", [Int8Linear, Int4Linear])
+def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type):
+    """int8 and int4 kernels cost about linearly in the rows, so a prompt (or a draft catching up) goes to a
+    bf16 copy of the dequantized weight; invariant calls (plain decoding, verification) never do."""
+    linear = nn.Linear(128, 64)
+    extra = {"group_size": 64} if layer_type is Int4Linear else {}
+    layer, lean = layer_type(linear, tied=False, block_copy=True, **extra), layer_type(linear, tied=False, **extra)
+    assert lean.block_weight is None
+    torch.testing.assert_close(layer.block_weight.to_dense().float(), layer.dequantized(), rtol=0.01, atol=1e-3)
+    x = torch.randn(BLOCK_MIN_ROWS + 4, 128)
+    with torch.inference_mode():
+        kernel = lean(x)
+        assert torch.equal(layer(x), kernel)  # not free: the quantized kernel
+        with free_row_calls():
+            assert torch.equal(layer(x[: BLOCK_MIN_ROWS - 1]), kernel[: BLOCK_MIN_ROWS - 1])  # too few rows
+            copied = layer(x)
+    expected = quantize._packed_bf16_call(layer.block_weight, x.bfloat16()).float() + linear.bias
+    assert torch.equal(copied, expected)
+    torch.testing.assert_close(copied, kernel, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossless(quantized, mode, monkeypatch):
+    """A prompt of many tokens and a draft model catching up on it take the bf16 copies; plain decoding,
+    every drafter and transformers' own generate (given the same prompt kernel) still agree token for token."""
+    target, draft = quantized[mode]
+    calls = []
+    exact = quantize._packed_bf16_call
+    monkeypatch.setattr(
+        quantize, "_packed_bf16_call", lambda packed, rows: calls.append(len(rows)) or exact(packed, rows)
+    )
+    prompt = [(7 * i) % 50 + 3 for i in range(30)]
+    plain, _ = run(target, create_drafter("none", target), prompt, max_new_tokens=24)
+    assert calls and min(calls) >= BLOCK_MIN_ROWS  # the prompt's forward, and only it
+    with free_row_calls():
+        assert hf_greedy(target, prompt, 24) == plain
+    for drafter in (create_drafter("pld", target), create_drafter("draft-model", target, draft_model=draft)):
+        calls.clear()
+        assert run(target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)[0] == plain
+        assert calls and min(calls) >= BLOCK_MIN_ROWS
 
 
 def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dirs):

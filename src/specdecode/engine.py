@@ -315,7 +315,7 @@ def start_sequence(
     if len(prompt_ids) > 1:
         prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long)
         out = target.forward(
-            prompt, cache, logits_rows=slice(-1, None), hidden_layers=session.hidden_layers, prefill=True
+            prompt, cache, logits_rows=slice(-1, None), hidden_layers=session.hidden_layers, invariant=False
         )
         if session.hidden_layers:
             session.observe_prompt(out.hidden)

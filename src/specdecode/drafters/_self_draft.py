@@ -103,7 +103,9 @@ class SelfDraftSession:
         del self._own_tokens[keep:]
         rest = context[keep:-1]
         if rest:
-            self.backend.forward(torch.tensor(rest, dtype=torch.long), self._own, logits_rows=self._no_rows)
+            self.backend.forward(
+                torch.tensor(rest, dtype=torch.long), self._own, logits_rows=self._no_rows, invariant=False
+            )
             self._own_tokens.extend(rest)
         return self._own
 

@@ -274,9 +274,12 @@ class DraftModelSession(DraftSession):
 
     def _next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
+        # invariant=False: a draft never changes the output, so its rows may take the fastest kernels.
         if self.head is None:
-            return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None)).logits[0]
-        out = self.backend.forward(pending, self.cache, logits_rows=self._no_rows, hidden_layers=self._final)
+            return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None), invariant=False).logits[0]
+        out = self.backend.forward(
+            pending, self.cache, logits_rows=self._no_rows, hidden_layers=self._final, invariant=False
+        )
         return self.backend.head_logits(out.hidden[-1:], self.head)[0]
 
     def restart(self) -> None:

@@ -88,8 +88,10 @@ class SequenceInput:
     logits_rows: which of the n rows get logits (default: all).
     hidden_layers: also return these hidden states of every new token (a backend with :class:`HiddenStates`;
         see there for the numbering), concatenated in this order in ``ForwardOutput.hidden``.
-    prefill: the tokens are a prompt, fed by this same call whether decoding is plain or speculative, so a
-        backend that makes continuation rows batch invariant (row by row, at some cost) need not for them.
+    invariant: whether every row must get bitwise what it would get in any other call (a backend that makes
+        rows batch invariant does so at some cost).  False where nothing depends on it: a prompt, fed by
+        this same call whether decoding is plain or speculative, and a draft model's forwards, which never
+        change the output; the backend may then run the rows in the fastest kernel it has.
     """
 
     tokens: torch.Tensor
@@ -98,7 +100,7 @@ class SequenceInput:
     tree_mask: torch.Tensor | None = None
     logits_rows: torch.Tensor | slice | None = None
     hidden_layers: tuple[int, ...] = ()
-    prefill: bool = False
+    invariant: bool = True
 
 
 class CausalLM(ABC):
@@ -132,10 +134,10 @@ class CausalLM(ABC):
         tree_mask: torch.Tensor | None = None,
         logits_rows: torch.Tensor | slice | None = None,
         hidden_layers: tuple[int, ...] = (),
-        prefill: bool = False,
+        invariant: bool = True,
     ) -> ForwardOutput:
         """One sequence's forward (see :class:`SequenceInput`)."""
-        item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers, prefill)
+        item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers, invariant)
         return self.forward_batch([item])[0]
 
 

@@ -40,7 +40,7 @@ def prefilled(backend: CausalLM, context_tokens: int, max_new: int) -> tuple[KVC
     generator = torch.Generator().manual_seed(_SEED)
     ids = torch.randint(0, backend.vocab_size, (context_tokens + max_new,), generator=generator)
     cache = backend.new_cache()
-    backend.forward(ids[:context_tokens], cache, logits_rows=slice(-1, None), prefill=True)
+    backend.forward(ids[:context_tokens], cache, logits_rows=slice(-1, None), invariant=False)
     return cache, ids[context_tokens:]
 
 

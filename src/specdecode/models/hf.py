@@ -29,7 +29,7 @@ from specdecode.models.base import (
     LayerwiseExecution,
     SequenceInput,
 )
-from specdecode.models.quantize import QuantizedLinear, prompt_block_calls
+from specdecode.models.quantize import QuantizedLinear, free_row_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.threads import GOVERNOR
 
@@ -137,7 +137,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
                 item.positions.to(device) if item.positions is not None else torch.arange(past, past + n, device=device)
             )
             sequences.append(
-                SequenceSlice(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask, item.prefill)
+                SequenceSlice(item.cache.slot, slice(start, start + n), past, pos, item.tree_mask, item.invariant)
             )
             tokens.append(item.tokens.to(device))
             positions.append(pos)
@@ -149,11 +149,11 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         every_row = all(item.logits_rows is None for item in inputs)
         rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
         captured: dict[int, torch.Tensor] = {}
-        # Prompts alone: plain and speculative decoding prefill them by this same call.
-        prompts_only = all(item.prefill for item in inputs)
+        # No row needs invariance (prompts, which plain and speculative decoding prefill by this same call; drafts).
+        free_rows = not any(item.invariant for item in inputs)
         with (
             self._capture_layers({i for item in inputs for i in item.hidden_layers}, captured),
-            prompt_block_calls() if prompts_only else nullcontext(),
+            free_row_calls() if free_rows else nullcontext(),
         ):
             out = self.model(
                 input_ids=torch.cat(tokens).view(1, -1),

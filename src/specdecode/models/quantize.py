@@ -56,6 +56,14 @@ INT4_OUT_MULTIPLE = 16
 COMPUTE_DTYPE = torch.bfloat16
 
 
+#: From this many rows on, a call of an int8 or int4 layer in which no row needs invariance
+#: (:func:`free_row_calls`) goes to the layer's bf16 copy, when it keeps one.  Both kernels cost about
+#: linearly in the rows (they loop over them), oneDNN's bf16 one hardly grows: on a 2-core AVX-512 Xeon a
+#: 896→4864 layer took 0.20 / 0.40 / 14.2 ms in int4 for 4 / 8 / 300 rows against 0.24 / 0.24 / 0.87 ms
+#: in bf16 (``docs/results/quantize-kernels/block-rows.md``).
+BLOCK_MIN_ROWS = 8
+
+
 #: A draft model's weights when ``--quantize-draft`` is not given.  A draft's precision never changes the
 #: output, and int4 measured fastest: qwen2.5-coder-1.5b drafted by the 0.5B model (4 prompts, 64 tokens, one
 #: run each on a 2-core Xeon) ran at 1.96x plain with the draft in int4 against 1.37x in fp32 (fp32 target),
@@ -103,6 +111,10 @@ def quantize_supported(mode: str) -> bool:
 class QuantizedLinear(nn.Module):
     """What int8 and int4 layers share: the shapes, the bias, and a dense view of the weight.
 
+    ``block_weight``, when kept, is the dequantized weight in bf16, in oneDNN's layout, for calls of many
+    rows where no row needs invariance (:data:`BLOCK_MIN_ROWS`): a 300-token prompt then costs a layer
+    about a sixteenth of what the int4 kernel takes, for two more bytes per weight held in memory.
+
     ``weight`` is read by code that inspects shapes or copies rows of the LM head for a draft head
     (``HFCausalLM.output_weight``).  A tied head answers with the fp32 embedding it was quantized from
     (no copy, so checks against a head trained on the fp32 target still hold); an untied one with its
@@ -115,6 +127,11 @@ class QuantizedLinear(nn.Module):
         self.out_features = linear.out_features
         self.bias = linear.bias
         self.register_buffer("tied_weight", linear.weight.detach() if tied else None, persistent=False)
+        self.register_buffer("block_weight", None, persistent=False)
+
+    def keep_block_weight(self, dense: torch.Tensor) -> None:
+        """Keep ``dense`` (the [out, in] weight this layer's kernel multiplies by) for many-row free calls."""
+        self.block_weight = torch.ops.mkldnn._reorder_linear_weight(dense.to(COMPUTE_DTYPE).contiguous(), None)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -129,7 +146,11 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()).to(x.dtype)
+        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()
+        if self.block_weight is not None and rows.shape[0] >= BLOCK_MIN_ROWS and _FREE_ROWS.get():
+            out = _packed_bf16_call(self.block_weight, rows).to(x.dtype)
+        else:
+            out = self.matmul(rows).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -149,13 +170,15 @@ class Int8Linear(QuantizedLinear):
     ``q`` is rounded against the scale as stored (bf16), not as computed.
     """
 
-    def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
+    def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
         q = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scale)
+        if block_copy:
+            self.keep_block_weight(self.dequantized())
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales.float()[:, None]
@@ -173,7 +196,7 @@ class Int4Linear(QuantizedLinear):
     ``q`` is rounded against the scale and zero as stored (bf16), not as computed.
     """
 
-    def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int) -> None:
+    def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
         self.group_size = group_size
         weight = linear.weight.detach().float()
@@ -186,6 +209,9 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [in_features // group_size, out_features, 2]: (scale, zero) per group and output channel.
         self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        if block_copy:  # from q directly: dequantized() multiplies an identity, far slower for big layers
+            dense = (q.reshape(groups.shape) - 8) * scale.float()[..., None] + zero.float()[..., None]
+            self.keep_block_weight(dense.reshape(weight.shape))
 
     def dequantized(self) -> torch.Tensor:
         # The kernel is linear in its input: multiplying the identity reads the weight back (as bf16 values).
@@ -217,22 +243,24 @@ ROW_CHUNKS = (32, 16, 8, 4, 2)
 
 #: The probed split per (in_features, out_features, threads).
 _SPLITS: dict[tuple[int, int, int], RowSplit] = {}
-#: Set while a forward only prefills prompts (:func:`prompt_block_calls`).
-_WHOLE_BLOCKS: ContextVar[bool] = ContextVar("whole_blocks", default=False)
+#: Set while no row of a forward needs batch invariance (:func:`free_row_calls`).
+_FREE_ROWS: ContextVar[bool] = ContextVar("free_rows", default=False)
 
 
 @contextmanager
-def prompt_block_calls() -> Iterator[None]:
-    """Within, bf16 layers multiply all rows in one call, uncut.
+def free_row_calls() -> Iterator[None]:
+    """Within, layers take their fastest kernel for the call's rows, whether or not it is batch invariant.
 
-    For forwards that only prefill prompts: plain and speculative decoding prefill a prompt by the same
-    call, so its rows need no invariance, and cutting a 500-token prompt into 32-row calls reads every
-    weight 16 times (measured 8x slower on a Qwen2.5-1.5B MLP layer)."""
-    token = _WHOLE_BLOCKS.set(True)
+    For forwards no output depends on bitwise: a prompt's prefill (plain and speculative decoding prefill it
+    by the same call) and a draft model's forwards.  bf16 layers then multiply all rows in one uncut call
+    (cut into 32-row calls a 500-token prompt read every weight 16 times: 8x slower on a Qwen2.5-1.5B MLP
+    layer), and int8 and int4 layers with a :attr:`QuantizedLinear.block_weight` use it from
+    :data:`BLOCK_MIN_ROWS` rows on."""
+    token = _FREE_ROWS.set(True)
     try:
         yield
     finally:
-        _WHOLE_BLOCKS.reset(token)
+        _FREE_ROWS.reset(token)
 
 
 def _packed_bf16_call(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -286,7 +314,7 @@ class Bf16Linear(QuantizedLinear):
         return self.packed.to_dense().float()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if _WHOLE_BLOCKS.get():
+        if _FREE_ROWS.get():
             return _packed_bf16_call(self.packed, rows)
         return _split_call(self.packed, rows, self.split)
 
@@ -311,10 +339,12 @@ def quantized_like(layer: nn.Module, linear: nn.Linear) -> QuantizedLinear | Non
     return None
 
 
-def quantize_model(model: nn.Module, mode: str) -> list[str]:
+def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -> list[str]:
     """Replace every CPU ``nn.Linear`` of ``model`` (LM head included) by its ``mode`` quantized version.
 
     In place and for inference only; returns the names of the replaced layers.  ``none`` changes nothing.
+    ``block_copies``: int8 and int4 layers also keep a bf16 copy of their weight for prompts and drafts
+    (:attr:`QuantizedLinear.block_weight`).
     Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16) keep
     their weights; so do subclasses of ``nn.Linear`` (LoRA and the like) and layers off the CPU.
     """
@@ -329,14 +359,14 @@ def quantize_model(model: nn.Module, mode: str) -> list[str]:
             continue
         tied = uses[id(linear.weight)] > 1
         if mode == "int8":
-            module: QuantizedLinear = Int8Linear(linear, tied=tied)
+            module: QuantizedLinear = Int8Linear(linear, tied=tied, block_copy=block_copies)
         elif mode == "bf16":
             module = Bf16Linear(linear, tied=tied)
         else:
             group_size = int4_group_size(linear)
             if group_size is None:
                 continue
-            module = Int4Linear(linear, tied=tied, group_size=group_size)
+            module = Int4Linear(linear, tied=tied, group_size=group_size, block_copy=block_copies)
         model.set_submodule(name, module)
         replaced.append(name)
     return replaced

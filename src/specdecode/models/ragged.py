@@ -13,7 +13,7 @@ For a model whose other layers are batch invariant (weight-only quantized, :mod:
 ``RaggedBatch.row_invariant`` makes attention invariant too: every token that continues a sequence attends
 in its own SDPA call, the one a one-token forward makes, so speculative verification gives each row bitwise
 the logits plain decoding gives it.  A prompt keeps one call per sequence: plain and
-speculative decoding feed it alike (``SequenceInput.prefill``).
+speculative decoding feed it alike (``SequenceInput.invariant`` false), as does a draft model's forward.
 
 The pool keeps, per layer, one tensor ``[slots, kv_heads, capacity, head_dim]`` for keys and one for
 values, grown by doubling; a sequence's cache is a slot and a length.  Cropping is setting the length;
@@ -149,7 +149,7 @@ class SequenceSlice:
     past: int  # cached positions before this forward
     positions: torch.Tensor  # [n] positions of its new tokens
     tree_mask: torch.Tensor | None
-    prefill: bool = False  # a prompt (SequenceInput.prefill): no row invariance needed
+    invariant: bool = True  # False: no row invariance needed (SequenceInput.invariant)
 
     @property
     def new(self) -> int:
@@ -257,7 +257,7 @@ def ragged_attention(
     outputs = []
     for index, seq in enumerate(ragged.sequences):
         n, end = seq.new, seq.end
-        if ragged.row_invariant and not seq.prefill:
+        if ragged.row_invariant and seq.invariant:
             bucketed = (
                 sliding_window is None
                 and query.device.type == "cpu"

@@ -83,7 +83,7 @@ def compute_features(
     for ids in tqdm(sequences, desc="target features", unit="seq", disable=not progress):
         tokens = torch.tensor(ids, dtype=torch.long)
         hidden = backend.forward(
-            tokens, backend.new_cache(), logits_rows=no_rows, hidden_layers=wanted, prefill=True
+            tokens, backend.new_cache(), logits_rows=no_rows, hidden_layers=wanted, invariant=False
         ).hidden
         out.append(Features(tokens, hidden[:, :-width].clone(), hidden[:, -width:].clone()))
     return out

@@ -51,7 +51,8 @@ def collect_examples(
     final = (backend.num_layers,)
     cache = backend.new_cache()
     try:
-        out = backend.forward(torch.tensor(sequence[:answer_start]), cache, logits_rows=slice(-1, None), prefill=True)
+        prompt = torch.tensor(sequence[:answer_start])
+        out = backend.forward(prompt, cache, logits_rows=slice(-1, None), invariant=False)
         logits = out.logits[-1]
         candidates = range(answer_start, len(sequence) - window)
         chosen = set(rng.sample(candidates, min(positions, len(candidates))))
