@@ -207,6 +207,17 @@ def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dir
     assert loads[-1] == (draft, "none")
 
 
+def test_lean_weights_loads_target_and_draft_without_block_copies(capsys, monkeypatch, tiny_dirs):
+    loaded = []
+    real_load = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda name, **kw: loaded.append(real_load(name, **kw)) or loaded[-1])
+    target, draft = str(tiny_dirs["target"]), str(tiny_dirs["draft"])
+    argv = ["generate", "w1 w2", "--model", target, "--drafter", "draft-model", "--draft-model", draft]
+    assert main([*argv, "--max-new-tokens", "4", "--quantize", "int8", "--lean-weights"]) == 0
+    layers = [m for model in loaded for m in model.backend.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert len(loaded) == 2 and layers and all(layer.block_weight is None for layer in layers)
+
+
 def test_a_draft_model_is_int4_by_default_except_where_it_trains_or_off_the_cpu():
     assert draft_quantization(None, "none") == draft_quantization(None, "bf16") == "int4"
     assert draft_quantization("bf16", "none") == "bf16" and draft_quantization("none", "int4") == "none"

@@ -74,6 +74,12 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
         help="quantization of the --draft-model (default int4, measured fastest; none with adapt=true); "
         "drafts never change the output",
     )
+    parser.add_argument(
+        "--lean-weights",
+        action="store_true",
+        help="int8/int4 layers hold no bf16 copy of their weights for prompts and drafts catching up: "
+        "half the memory or less, but a 300-token prompt prefills about 6x slower",
+    )
     parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
     parser.add_argument(
         "--verbose", action="store_true", help="also show other libraries' warnings and log lines (hidden by default)"
@@ -167,11 +173,12 @@ def check_registry_vocabularies(target: str, draft: str) -> None:
 
 
 def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabulary: bool = True, adapts: bool = False):
-    """The target (``--model``) and, if named, the draft model, with ``--no-fast-path``, ``--quantize``
-    (``--quantize-draft`` for the draft model, default :func:`~specdecode.models.quantize.draft_quantization`:
-    int4, or fp32 when it ``adapts``) and ``--device`` applied; a model drafting for itself with the target's
-    quantization is loaded once.  Bad ``--quantize`` values and registered models with different
-    vocabularies are refused before either is loaded."""
+    """The target (``--model``) and, if named, the draft model, with ``--no-fast-path``, ``--lean-weights``,
+    ``--quantize`` (``--quantize-draft`` for the draft model, default
+    :func:`~specdecode.models.quantize.draft_quantization`: int4, or fp32 when it ``adapts``) and
+    ``--device`` applied; a model drafting for itself with the target's quantization is loaded once.  Bad
+    ``--quantize`` values and registered models with different vocabularies are refused before either is
+    loaded."""
     from specdecode.models.loading import load_model
     from specdecode.models.quantize import check_quantize, draft_quantization
 
@@ -179,13 +186,14 @@ def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabula
     quantize_draft = draft_quantization(args.quantize_draft, quantize, device=args.device, trains=adapts)
     if draft_model is not None and same_vocabulary:  # not with --drafter-option vocab_mapping=
         check_registry_vocabularies(args.model, draft_model)
-    fast_path = False if args.no_fast_path else None
-    target = load_model(args.model, fast_path=fast_path, device=args.device, quantize=quantize)
+    common = {"fast_path": False if args.no_fast_path else None, "device": args.device}
+    common["block_copies"] = not args.lean_weights
+    target = load_model(args.model, quantize=quantize, **common)
     if draft_model is None:
         return target, None
     if draft_model == args.model and quantize_draft == quantize:
         return target, target
-    return target, load_model(draft_model, fast_path=fast_path, device=args.device, quantize=quantize_draft)
+    return target, load_model(draft_model, quantize=quantize_draft, **common)
 
 
 def _build_generator(args: argparse.Namespace, drafter: str, defaults):
