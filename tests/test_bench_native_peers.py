@@ -79,6 +79,15 @@ def test_missing_extra_names_its_install_command(monkeypatch):
     assert reason.startswith("llama_cpp is not installed") and "[llamacpp]" in reason
 
 
+def test_a_llamacpp_build_with_amx_is_refused_with_the_rebuild_command(monkeypatch):
+    """Its AMX backend segfaults in decode: a clear skip, not a crash that loses the whole benchmark."""
+    monkeypatch.setattr(native_peers, "_importable", lambda module: True)
+    monkeypatch.setattr(native_peers, "_llamacpp_uses_amx", lambda: True)
+    reason = native_peers.unavailable("llamacpp", "smollm2-135m")
+    assert "AMX" in reason and "GGML_NATIVE=OFF" in reason and "\n" not in reason
+    assert native_peers.unavailable("openvino-int8", "smollm2-135m") is None
+
+
 def _record(tokens: list[int]) -> dict:
     return {"token_ids": tokens, "new_tokens": len(tokens), "wall_s": [1.0], "repeats_identical": True}
 

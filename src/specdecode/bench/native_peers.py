@@ -35,6 +35,14 @@ from specdecode.models.cache import model_cache_dir
 from specdecode.models.registry import ensure_gguf, ensure_model, is_registered
 
 _LLAMACPP_HINT = "pip install -e '.[llamacpp]' (compiles llama.cpp, about 13 min on 2 cores)"
+#: llama.cpp's AMX backend (built when the compiling CPU has AMX) crashed in decode on every model we ran
+#: (llama-cpp-python 0.3.36, a 2-core Sapphire Rapids Xeon; ggml-org/llama.cpp#20824): build without it.
+_NO_AMX_HINT = (
+    "reinstall llama.cpp without its AMX backend, which segfaults here (ggml-org/llama.cpp#20824): "
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON '
+    '-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" pip install --force-reinstall --no-deps --no-cache-dir '
+    "llama-cpp-python==0.3.36"
+)
 # optimum-intel requires torchvision, whose PyPI wheels pull a CUDA torch: it is installed without its
 # dependencies, beside the extra that brings the ones it needs.
 _OPENVINO_HINT = "pip install -e '.[openvino]' && pip install --no-deps optimum-intel==2.2.0 optimum==2.3.0"
@@ -64,7 +72,16 @@ def unavailable(family: str, model: str) -> str | None:
     for module, hint in NATIVE_FAMILIES[family]:
         if not _importable(module):
             return f"{module} is not installed; {hint}"
+    if family == "llamacpp" and _llamacpp_uses_amx():
+        return f"its llama.cpp build runs the AMX backend; {_NO_AMX_HINT}"
     return None
+
+
+def _llamacpp_uses_amx() -> bool:
+    """Whether the installed llama.cpp was built with its AMX backend (a crash, not an error, would follow)."""
+    import llama_cpp
+
+    return "AMX_INT8 = 1" in llama_cpp.llama_print_system_info().decode(errors="replace")
 
 
 def _importable(module: str) -> bool:
