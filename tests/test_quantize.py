@@ -169,6 +169,9 @@ def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossle
     """A prompt of many tokens and a draft model catching up on it take the bf16 copies; plain decoding,
     every drafter and transformers' own generate (given the same prompt kernel) still agree token for token."""
     target, draft = quantized[mode]
+    model = target.backend.model
+    assert model.get_output_embeddings().block_weight is None  # the head gives prompts one row of logits
+    assert model.get_submodule("model.layers.0.mlp.down_proj").block_weight is not None
     calls = []
     exact = quantize._packed_bf16_call
     monkeypatch.setattr(

@@ -344,7 +344,8 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
 
     In place and for inference only; returns the names of the replaced layers.  ``none`` changes nothing.
     ``block_copies``: int8 and int4 layers also keep a bf16 copy of their weight for prompts and drafts
-    (:attr:`QuantizedLinear.block_weight`).
+    (:attr:`QuantizedLinear.block_weight`), except the LM head: prompts and drafts ask it for the logits of
+    one row (a 152k-token head's copy would hold 270-470 MB for nothing).
     Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16) keep
     their weights; so do subclasses of ``nn.Linear`` (LoRA and the like) and layers off the CPU.
     """
@@ -353,20 +354,22 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
     if not quantize_supported(mode):
         raise SpecDecodeError(f"--quantize {mode}: this torch build has no CPU kernel for it")
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     replaced = []
     for name, linear in [(n, m) for n, m in model.named_modules() if n and type(m) is nn.Linear]:
         if linear.weight.device.type != "cpu":
             continue
         tied = uses[id(linear.weight)] > 1
+        copy = block_copies and linear is not head
         if mode == "int8":
-            module: QuantizedLinear = Int8Linear(linear, tied=tied, block_copy=block_copies)
+            module: QuantizedLinear = Int8Linear(linear, tied=tied, block_copy=copy)
         elif mode == "bf16":
             module = Bf16Linear(linear, tied=tied)
         else:
             group_size = int4_group_size(linear)
             if group_size is None:
                 continue
-            module = Int4Linear(linear, tied=tied, group_size=group_size, block_copy=block_copies)
+            module = Int4Linear(linear, tied=tied, group_size=group_size, block_copy=copy)
         model.set_submodule(name, module)
         replaced.append(name)
     return replaced
