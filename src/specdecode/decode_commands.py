@@ -186,8 +186,11 @@ def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabula
     quantize_draft = draft_quantization(args.quantize_draft, quantize, device=args.device, trains=adapts)
     if draft_model is not None and same_vocabulary:  # not with --drafter-option vocab_mapping=
         check_registry_vocabularies(args.model, draft_model)
-    common = {"fast_path": False if args.no_fast_path else None, "device": args.device}
-    common["block_copies"] = not args.lean_weights
+    common = {
+        "fast_path": False if args.no_fast_path else None,
+        "device": args.device,
+        "block_copies": not args.lean_weights,
+    }
     target = load_model(args.model, quantize=quantize, **common)
     if draft_model is None:
         return target, None
