@@ -67,3 +67,12 @@ def test_relative_cost_curve_is_normalised_monotone_and_measured_once(backend, m
     assert all(later >= earlier for earlier, later in zip(curve, curve[1:]))
     monkeypatch.setattr(backend, "forward", None)  # a second call must not run the model again
     assert relative_cost_curve(backend, widths=12) is curve
+
+
+def test_monotone_fit_keeps_a_staircase_and_pools_only_what_decreases():
+    from specdecode.models.cost import monotone_fit
+
+    staircase = [1.0, 1.08, 1.12, 1.25, 2.18, 2.18, 2.2, 2.3]  # int4's blocks of 4 rows
+    assert monotone_fit(staircase) == staircase
+    assert monotone_fit([1.0, 1.3, 1.1, 1.2]) == pytest.approx([1.0, 1.2, 1.2, 1.2])
+    assert monotone_fit([2.0, 1.0]) == pytest.approx([1.5, 1.5])

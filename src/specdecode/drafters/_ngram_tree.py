@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from specdecode.drafters._tree_size import Calibration, TreeBudget
 from specdecode.errors import SpecDecodeError
-from specdecode.types import Draft
+from specdecode.models.base import CausalLM
+from specdecode.types import Draft, StepFeedback
 
 State = TypeVar("State")
 
@@ -33,30 +35,66 @@ class TreeProposal:
 
 def grow_tree(root: State, expand: Expand, max_nodes: int, max_depth: int, min_prob: float) -> TreeProposal:
     """Best-first token tree below ``root``: up to ``max_nodes`` nodes no deeper than ``max_depth``, each
-    with an estimated path probability of at least ``min_prob``.
+    with an estimated path probability of at least ``min_prob``; each node's ``confidence`` is its
+    estimated probability given its parent.
 
     A child's path probability never exceeds its parent's, so nodes come out parents first, and
     siblings in order of preference (ties keep ``expand``'s order)."""
     tokens: list[int] = []
     parents: list[int] = []
+    chances: list[float] = []
     score = 0.0
-    heap: list[tuple[float, int, int, int, State, int]] = []
+    heap: list[tuple[float, int, int, int, State, int, float]] = []
     order = itertools.count()
 
     def push_children(state: State, parent: int, prob: float, depth: int) -> None:
         if depth > max_depth or len(tokens) >= max_nodes:
             return
         for token, p, child in expand(state, min_prob / prob):
-            heapq.heappush(heap, (-prob * p, next(order), parent, token, child, depth))
+            heapq.heappush(heap, (-prob * p, next(order), parent, token, child, depth, p))
 
     push_children(root, -1, 1.0, 1)
     while heap and len(tokens) < max_nodes:
-        neg_prob, _, parent, token, state, depth = heapq.heappop(heap)
+        neg_prob, _, parent, token, state, depth, chance = heapq.heappop(heap)
         tokens.append(token)
         parents.append(parent)
+        chances.append(chance)
         score -= neg_prob
         push_children(state, len(tokens) - 1, -neg_prob, depth + 1)
-    return TreeProposal(Draft(tokens=tokens, parents=parents), score)
+    return TreeProposal(Draft(tokens=tokens, parents=parents, confidence=chances), score)
+
+
+class PayingTrees:
+    """Which nodes of a best-first tree to verify on this target: the leading ones that pay for their width.
+
+    A forward's cost per input depends on the target: over fp32 or bf16 weights 17 inputs cost about
+    1.15x one, but torch's int4 kernel works in blocks of 4 rows, so 5 inputs cost 2.2x one and 17 about
+    4.6x (``qwen2.5-coder-1.5b``).  A 16-node suffix tree whose branches are mostly rejected then costs
+    far more than it yields.  So, as for the trained heads: the counts' probabilities are calibrated
+    online against what verification accepted (per depth), and the tree is cut to the node count with
+    the most expected tokens per unit of the target's measured cost (:class:`TreeBudget`).
+
+    Chains pass through whole, without confidences: their depth is the draft-length policy's choice,
+    which learns acceptance per position and does not read count-based chances."""
+
+    def __init__(self, backend: CausalLM | None) -> None:
+        self.budget = TreeBudget(backend, "auto", draft_share=0.0)
+        self.calibration = Calibration()
+
+    def choose(self, draft: Draft) -> Draft:
+        """The part of ``draft`` (grown best first, with per-node chances) worth verifying."""
+        if draft.is_chain or draft.confidence is None:
+            return Draft(tokens=draft.tokens)
+        depths, reach = draft.depths(), []
+        for node, parent in enumerate(draft.parent_list):
+            chance = self.calibration(draft.confidence[node], depths[node])
+            reach.append(chance * (reach[parent] if parent >= 0 else 1.0))
+        kept = draft.limited(self.budget.size(reach), len(draft.tokens))
+        return Draft(tokens=kept.tokens) if kept.is_chain else kept
+
+    def learn(self, feedback: StepFeedback) -> None:
+        """What verification accepted of a tree (chains carry no chances and teach nothing here)."""
+        self.calibration.learn(feedback.draft, feedback.path)
 
 
 class Transcript:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._ngram_tree import Transcript, check_fraction, check_int, grow_tree
+from specdecode.drafters._ngram_tree import PayingTrees, Transcript, check_fraction, check_int, grow_tree
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
@@ -94,6 +94,7 @@ class CachebackDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
+        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
         self.tables = [NgramCache(n, self.width, self.max_entries) for n in sorted({self.leader, 1}, reverse=True)]
 
     def session(self, request: DraftRequest) -> DraftSession:
@@ -136,9 +137,11 @@ class CachebackSession(DraftSession):
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         self.transcript = self.drafter.record(self.transcript, context)
+        self.drafter.trees.learn(feedback)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         drafter = self.drafter
         self.transcript = drafter.record(self.transcript, context)
         root = tuple(context[-drafter.leader :])
-        return grow_tree(root, drafter._next_tokens, drafter.max_nodes, max_tokens, drafter.min_prob).draft
+        tree = grow_tree(root, drafter._next_tokens, drafter.max_nodes, max_tokens, drafter.min_prob)
+        return drafter.trees.choose(tree.draft)

@@ -14,7 +14,14 @@ from collections import deque
 from collections.abc import Sequence
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._ngram_tree import Transcript, TreeProposal, check_fraction, check_int, grow_tree
+from specdecode.drafters._ngram_tree import (
+    PayingTrees,
+    Transcript,
+    TreeProposal,
+    check_fraction,
+    check_int,
+    grow_tree,
+)
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
@@ -202,6 +209,7 @@ class SuffixDrafter(Drafter):
 
     # -- state shared across requests -------------------------------------------------------------
     def reset(self) -> None:
+        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
         self.global_trie = SuffixTrie(self.tree_depth)
         self.global_outputs: deque[list[int]] = deque()
         self.version = 0  # bumped whenever the global trie changes: sessions then re-match against it
@@ -261,6 +269,7 @@ class SuffixSession(DraftSession):
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         self._index(context)
+        self.drafter.trees.learn(feedback)
 
     def finish(self, context: list[int]) -> None:
         self._index(context)
@@ -287,4 +296,4 @@ class SuffixSession(DraftSession):
                 proposal = grow_tree(node, trie.continuations, drafter.max_nodes, depth, drafter.min_prob)
                 if best is None or proposal.score > best.score:
                     best = proposal
-        return best.draft if best is not None else Draft(tokens=[])
+        return self.drafter.trees.choose(best.draft) if best is not None else Draft(tokens=[])
