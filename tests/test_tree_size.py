@@ -41,3 +41,47 @@ def test_auto_budget_verifies_what_pays_and_nothing_when_nothing_does():
 def test_tree_nodes_must_be_auto_or_a_count(bad):
     with pytest.raises(SpecDecodeError, match="tree-nodes"):
         check_tree_nodes("medusa", bad)
+
+
+INT4_STAIRCASE = (1.0, 1.05, 1.19, 1.3, 2.2, 2.2, 2.2, 2.3, 3.3, 3.4, 3.4, 3.6, 4.5, 4.4, 4.5, 4.6, 4.6)
+
+
+def _wide_tree() -> Draft:
+    """A suffix-style tree: eight alternatives after the context, each with one child, counts-based
+    chances of 0.4 for the first and 0.1 or so for the rest."""
+    parents = [-1] * 8 + list(range(8))
+    chances = [0.4, *[0.1] * 7, *[1.0] * 8]
+    return Draft(tokens=list(range(100, 116)), parents=parents, confidence=chances)
+
+
+def test_model_free_trees_are_cut_where_the_targets_cost_steps_up():
+    from specdecode.drafters._ngram_tree import PayingTrees
+
+    trees = PayingTrees(None)
+    trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
+    kept = trees.choose(_wide_tree())
+    assert 1 <= len(kept.tokens) <= 3  # widths past 4 cost twice as much
+    flat = PayingTrees(None)  # no target: every width costs one forward, the whole tree pays
+    assert len(flat.choose(_wide_tree()).tokens) == 16
+
+
+def test_model_free_chains_pass_whole_and_without_chances():
+    from specdecode.drafters._ngram_tree import PayingTrees
+
+    trees = PayingTrees(None)
+    trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
+    chain = Draft(tokens=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4], confidence=[0.1] * 6)
+    assert trees.choose(chain) == Draft(tokens=[1, 2, 3, 4, 5, 6])  # its depth is the policy's call
+
+
+def test_model_free_trees_shrink_once_verification_rejects_their_confident_nodes():
+    from specdecode.drafters._ngram_tree import PayingTrees
+    from specdecode.types import StepFeedback
+
+    trees = PayingTrees(None)
+    trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
+    siblings = Draft(tokens=[7, 8, 9], parents=[-1, -1, -1], confidence=[0.9, 0.9, 0.9])
+    assert len(trees.choose(siblings).tokens) == 3
+    for _ in range(20):  # the target took none of them
+        trees.learn(StepFeedback(draft=siblings, path=(), target_logits=None))
+    assert len(trees.choose(siblings).tokens) < 3
