@@ -82,7 +82,8 @@ class PayingTrees:
         self.calibration = Calibration()
 
     def choose(self, draft: Draft) -> Draft:
-        """The part of ``draft`` (grown best first, with per-node chances) worth verifying."""
+        """The leading nodes of ``draft`` (parents first, best first where the drafter grows it so; a chance per
+        node given its parent) worth verifying."""
         if draft.is_chain or draft.confidence is None:
             return Draft(tokens=draft.tokens)
         depths, reach = draft.depths(), []

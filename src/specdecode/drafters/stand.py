@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._ngram_tree import PayingTrees
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.recycling import DEFAULT_TEMPLATE, grow_tree, parse_template, positive_int
 from specdecode.errors import SpecDecodeError
@@ -75,6 +76,7 @@ class StandDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
+        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
         self._slots: OrderedDict[tuple[int, ...], int] = OrderedDict()  # n-gram → row, oldest update first
         width = min(self.topk, self._vocab) if self._vocab else self.topk
         self._ids = np.zeros((0, width), dtype=np.int32)  # [entries, width] token ids, most likely first
@@ -151,6 +153,11 @@ class StandDrafter(Drafter):
         return used
 
 
+def _stored_chance(ids: np.ndarray, probs: np.ndarray, token: int) -> float:
+    """The stored probability of ``token`` among a table row's ids, capped at 1 (rows are averages)."""
+    return min(float(probs[np.flatnonzero(ids == token)[0]]), 1.0)
+
+
 class StandSession(DraftSession):
     """One request: its sampling, its own random stream, and the context tail at the step's start."""
 
@@ -164,6 +171,7 @@ class StandSession(DraftSession):
         drafter = self.drafter
         tail = tuple(context[-drafter.ngram_sizes.start :])
         drawn: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # path → ids, q, order
+        stored: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}  # greedy: path → ids, probabilities
 
         def candidates(path: tuple[int, ...]) -> np.ndarray:
             found = drafter.lookup(tail + path)
@@ -171,6 +179,7 @@ class StandSession(DraftSession):
                 return np.zeros(0, dtype=np.int32)
             ids, probs = found
             if self.sampling.greedy:
+                stored[path] = found
                 return ids
             q = sampling_probs(torch.from_numpy(np.log(probs)), self.sampling).double().numpy()
             live = np.flatnonzero(q > 0)
@@ -180,8 +189,11 @@ class StandSession(DraftSession):
             return ids[order]
 
         tokens, parents, parent_paths = grow_tree(drafter.shape, max_tokens, drafter.max_nodes, candidates)
-        if self.sampling.greedy or not tokens:
-            return Draft(tokens=tokens, parents=parents)
+        if not tokens:
+            return Draft(tokens=[])
+        if self.sampling.greedy:  # the template's nodes that pay on this target, by their stored chances
+            chances = [_stored_chance(*stored[path], token) for token, path in zip(tokens, parent_paths)]
+            return drafter.trees.choose(Draft(tokens=tokens, parents=parents, confidence=chances))
         probs = torch.zeros(len(tokens), drafter._vocab, dtype=torch.float32)
         for path, (ids, q, order) in drawn.items():
             siblings = [node for node, parent_path in enumerate(parent_paths) if parent_path == path]
@@ -193,4 +205,5 @@ class StandSession(DraftSession):
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         if feedback.target_logits.numel():
             self.drafter.learn(self._tail, feedback.draft, feedback.target_logits)
+        self.drafter.trees.learn(feedback)
         self._tail = tuple(context[-self.drafter.ngram_sizes.start :])
