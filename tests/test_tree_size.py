@@ -72,6 +72,8 @@ def test_model_free_chains_pass_whole_and_without_chances():
     trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
     chain = Draft(tokens=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4], confidence=[0.1] * 6)
     assert trees.choose(chain) == Draft(tokens=[1, 2, 3, 4, 5, 6])  # its depth is the policy's call
+    unrated = Draft(tokens=[1, 2], parents=[-1, -1])  # a tree without chances is left as it is
+    assert trees.choose(unrated) is unrated
 
 
 def test_model_free_trees_shrink_once_verification_rejects_their_confident_nodes():

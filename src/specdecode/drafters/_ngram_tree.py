@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from specdecode.drafters._tree_size import Calibration, TreeBudget
@@ -84,14 +84,16 @@ class PayingTrees:
     def choose(self, draft: Draft) -> Draft:
         """The leading nodes of ``draft`` (parents first, best first where the drafter grows it so; a chance per
         node given its parent) worth verifying."""
-        if draft.is_chain or draft.confidence is None:
-            return Draft(tokens=draft.tokens)
+        if draft.confidence is None:
+            return draft
+        if draft.is_chain:
+            return replace(draft, parents=None, confidence=None)
         depths, reach = draft.depths(), []
         for node, parent in enumerate(draft.parent_list):
             chance = self.calibration(draft.confidence[node], depths[node])
             reach.append(chance * (reach[parent] if parent >= 0 else 1.0))
         kept = draft.limited(self.budget.size(reach), len(draft.tokens))
-        return Draft(tokens=kept.tokens) if kept.is_chain else kept
+        return replace(kept, parents=None, confidence=None) if kept.is_chain else kept
 
     def learn(self, feedback: StepFeedback) -> None:
         """What verification accepted of a tree (chains carry no chances and teach nothing here)."""
