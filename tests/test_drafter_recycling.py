@@ -79,3 +79,19 @@ def test_state_stays_within_its_documented_bound(vocab, template):
     assert drafter.state_bytes <= 4 * vocab + 2 * 4 * k * (len(seen) + 1)  # rows only for tokens seen
     if vocab == 32_000:
         assert drafter.state_bytes < 2 << 20  # the paper's configuration stays under 2 MB
+
+
+def test_template_trees_are_cut_where_the_targets_cost_steps_up(tiny_target):
+    """Recycled top-k lists carry no probabilities: each node starts at its rank's chance and is kept only
+    while it pays for its width (here a cost that doubles at 5 inputs, as int4's blocks of 4 rows do)."""
+    from specdecode.drafters._tree_size import TreeBudget
+
+    drafter = create_drafter("recycling", tiny_target)
+    drafter.trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=(1.0, 1.05, 1.19, 1.3, 2.2, 2.2, 2.3, 2.4))
+    session = session_for(drafter, [7, 8])
+    logits = torch.randn(1, 96, generator=torch.Generator().manual_seed(1))
+    session.observe([7, 8], StepFeedback(draft=Draft(tokens=[]), path=(), target_logits=logits))
+    whole = drafter.shape  # the target's top 4 after 8 fill the template's first level
+    proposal = session.propose([7, 8], max_tokens=8)
+    assert 1 <= len(proposal.tokens) <= 3 < len([node for node in whole if node[0] == -1])
+    assert proposal.tokens[0] == torch.topk(logits[0], 1).indices.item()  # the best candidate survives

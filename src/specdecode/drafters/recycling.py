@@ -27,13 +27,18 @@ import numpy as np
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._ngram_tree import Transcript
+from specdecode.drafters._ngram_tree import PayingTrees, Transcript
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
 DEFAULT_TEMPLATE = "4,3,3,2,2,1,1,1"
+
+#: The chance a candidate of each rank is taken at before verification has said otherwise: recycled top-k
+#: lists carry no probabilities, so the rank stands in for one, each rank its own calibration bin (the
+#: calibration, per depth, then learns what each rank is really accepted at).
+RANK_CHANCES = (0.9, 0.7, 0.5, 0.3, 0.1)
 
 #: A tree shape: nodes in breadth-first order as (parent index or -1, rank among the parent's candidates).
 Shape = list[tuple[int, int]]
@@ -133,6 +138,7 @@ class TokenRecyclingDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
+        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
         self._slot: np.ndarray | None = None  # [vocab] int32: row of each token in _rows, -1 if unseen
         self._rows = np.empty((0, self.k), dtype=np.int32)  # [capacity, k] top-k successors
         self._used = 0
@@ -215,14 +221,21 @@ class RecyclingSession(DraftSession):
         self._index(context)
         tail = tuple(context[-2:]) if len(context) >= 2 else (-1, *context)
 
+        offered: dict[tuple[int, ...], list[int]] = {}
+
         def candidates(path: tuple[int, ...]) -> list[int]:
             before, last = (*tail, *path)[-2:]
-            return self.candidates(before, last)
+            offered[path] = self.candidates(before, last)
+            return offered[path]
 
-        tokens, parents, _ = grow_tree(self.drafter.shape, max_tokens, self.drafter.max_nodes, candidates)
-        return Draft(tokens=tokens, parents=parents)
+        tokens, parents, paths = grow_tree(self.drafter.shape, max_tokens, self.drafter.max_nodes, candidates)
+        # The template's nodes that pay on this target, each taken at its rank's chance until calibrated.
+        ranks = [offered[path].index(token) for token, path in zip(tokens, paths)]
+        chances = [RANK_CHANCES[min(rank, len(RANK_CHANCES) - 1)] for rank in ranks]
+        return self.drafter.trees.choose(Draft(tokens=tokens, parents=parents, confidence=chances))
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         if feedback.target_logits.numel():
             self.drafter.recycle([self._last, *feedback.draft.tokens], feedback.target_logits)
+        self.drafter.trees.learn(feedback)
         self._last = context[-1]
