@@ -9,6 +9,7 @@ import torch
 from helpers import PROMPTS, hf_greedy, run, tiny_gemma3, tiny_qwen2
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
+from specdecode.drafters._tree_size import TreeBudget
 from specdecode.drafters.base import Drafter, DraftRequest, StatelessSession
 from specdecode.engine import DecodeOutcome, ancestor_mask, speculative_decode
 from specdecode.generator import SpeculativeGenerator
@@ -249,6 +250,9 @@ LEARNERS = {
 def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_target, name):
     margin, state_size = LEARNERS[name]
     drafter = create_drafter(name, tiny_target)
+    # What is under test is the drafter's memory, not its tree cut: a flat cost keeps every node, so the
+    # calibration the first request teaches (a random model accepts almost nothing) cannot hide it.
+    drafter.trees.budget = TreeBudget(None, "auto", draft_share=0.0)
     first_tokens, first = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
     again_tokens, again = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
     assert again_tokens == first_tokens
@@ -256,6 +260,7 @@ def test_learning_across_requests_raises_acceptance_and_reset_forgets(tiny_targe
     drafter.reset()
     if state_size is not None:
         assert state_size(drafter) == 0
+    drafter.trees.budget = TreeBudget(None, "auto", draft_share=0.0)  # as above (reset made a new one)
     _, fresh = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=48, num_draft_tokens=5)
     assert fresh.stats.mean_accepted_tokens == first.stats.mean_accepted_tokens
 

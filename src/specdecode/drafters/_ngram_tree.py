@@ -80,6 +80,8 @@ class PayingTrees:
     def __init__(self, backend: CausalLM | None) -> None:
         self.budget = TreeBudget(backend, "auto", draft_share=0.0)
         self.calibration = Calibration()
+        if backend is not None:  # measured now (once per model), not inside a step whose drafting is timed
+            self.budget.verification_cost(1)
 
     def choose(self, draft: Draft) -> Draft:
         """The leading nodes of ``draft`` (parents first, best first where the drafter grows it so; a chance per

@@ -77,6 +77,9 @@ class StandDrafter(Drafter):
 
     def reset(self) -> None:
         self.trees = PayingTrees(self.target.backend if self.target is not None else None)
+        self._clear_tables()
+
+    def _clear_tables(self) -> None:
         self._slots: OrderedDict[tuple[int, ...], int] = OrderedDict()  # n-gram → row, oldest update first
         width = min(self.topk, self._vocab) if self._vocab else self.topk
         self._ids = np.zeros((0, width), dtype=np.int32)  # [entries, width] token ids, most likely first
@@ -105,7 +108,7 @@ class StandDrafter(Drafter):
         ending at that row (``tail``: the context's last tokens before the draft)."""
         if self._vocab != logits.shape[-1]:
             self._vocab = logits.shape[-1]
-            self.reset()  # sizes rows for this vocabulary (a drafter serves one target)
+            self._clear_tables()  # sizes rows for this vocabulary (a drafter serves one target)
         top = torch.topk(torch.softmax(logits.float().cpu(), dim=-1), self._ids.shape[1], dim=-1)
         ids, probs = top.indices.numpy().astype(np.int32), top.values.numpy()
         keep = self.ngram_sizes.start
