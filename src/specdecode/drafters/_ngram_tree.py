@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from specdecode.drafters._tree_size import Calibration, TreeBudget
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import CausalLM
+from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
 State = TypeVar("State")
@@ -77,10 +77,11 @@ class PayingTrees:
     Chains pass through whole, without confidences: their depth is the draft-length policy's choice,
     which learns acceptance per position and does not read count-based chances."""
 
-    def __init__(self, backend: CausalLM | None) -> None:
-        self.budget = TreeBudget(backend, "auto", draft_share=0.0)
+    def __init__(self, target: LoadedModel | None) -> None:
+        """``target``: whose verification cost decides (None: every width costs one forward)."""
+        self.budget = TreeBudget(target.backend if target is not None else None, "auto", draft_share=0.0)
         self.calibration = Calibration()
-        if backend is not None:  # measured now (once per model), not inside a step whose drafting is timed
+        if target is not None:  # measured now (once per model), not inside a step whose drafting is timed
             self.budget.verification_cost(1)
 
     def choose(self, draft: Draft) -> Draft:

@@ -94,7 +94,7 @@ class CachebackDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
+        self.trees = PayingTrees(self.target)
         self.tables = [NgramCache(n, self.width, self.max_entries) for n in sorted({self.leader, 1}, reverse=True)]
 
     def session(self, request: DraftRequest) -> DraftSession:

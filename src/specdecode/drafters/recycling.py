@@ -138,7 +138,7 @@ class TokenRecyclingDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
+        self.trees = PayingTrees(self.target)
         self._slot: np.ndarray | None = None  # [vocab] int32: row of each token in _rows, -1 if unseen
         self._rows = np.empty((0, self.k), dtype=np.int32)  # [capacity, k] top-k successors
         self._used = 0

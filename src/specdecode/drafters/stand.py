@@ -76,7 +76,7 @@ class StandDrafter(Drafter):
         self.reset()
 
     def reset(self) -> None:
-        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
+        self.trees = PayingTrees(self.target)
         self._clear_tables()
 
     def _clear_tables(self) -> None:

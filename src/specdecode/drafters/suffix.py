@@ -209,7 +209,7 @@ class SuffixDrafter(Drafter):
 
     # -- state shared across requests -------------------------------------------------------------
     def reset(self) -> None:
-        self.trees = PayingTrees(self.target.backend if self.target is not None else None)
+        self.trees = PayingTrees(self.target)
         self.global_trie = SuffixTrie(self.tree_depth)
         self.global_outputs: deque[list[int]] = deque()
         self.version = 0  # bumped whenever the global trie changes: sessions then re-match against it
