@@ -12,6 +12,7 @@ from specdecode.draft_length import (
     make_policy,
 )
 from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
 from specdecode.estimators import LinearFit, ShareWithPrior
 from specdecode.models.cost import linear_curve
 
@@ -124,6 +125,18 @@ def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed
     assert policy.draft_cap(16, [0.9] * 6) == 6  # a draft already made: all of it may be weighed
     feed(policy, 1, accept_rate=0.95, depth=2, draft_s=0.002)
     assert policy.next_length(16) > 2
+
+
+def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_step(tiny_target, tiny_draft):
+    """The prompt's prefill and the first draft tokens come in one propose: before anything is timed, a
+    draft model would be taken as free and asked for a deep first draft (a Gemma edit prompt drafted 4
+    tokens at 17 ms each by SmolLM2, one accepted)."""
+    shape = [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
+    assert make_policy("auto", shape, reads_context=True).next_length(16) == 2
+    assert make_policy("auto", shape).next_length(16) > 2
+    generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
+    assert generator.draft_length_policy("auto").deepest == 2
+    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy("auto").deepest == 16
 
 
 def test_cost_model_counts_a_slow_drafter():

@@ -155,7 +155,7 @@ class CostModelLength(DraftLengthPolicy):
     overhead: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     calibration: list[RunningMean] = field(default_factory=lambda: _calibration_prior())
     uses_confidence: bool = False
-    reads_context: bool = False  # a step's drafting included catching up with the context (setup)
+    reads_context: bool = False  # the drafter runs a model over the context: declared, or seen catching up
     achieved_tokens: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     achieved_seconds: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
@@ -371,16 +371,21 @@ class CostModelLength(DraftLengthPolicy):
                 self.calibration[self._bin(confidence)].add(1.0 if position < step.accepted else 0.0)
 
 
-def make_policy(spec: int | str, curve: Sequence[float] | None = None) -> DraftLengthPolicy:
+def make_policy(
+    spec: int | str, curve: Sequence[float] | None = None, reads_context: bool = False
+) -> DraftLengthPolicy:
     """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
 
-    ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it."""
+    ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it.
+    ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
+    shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``)."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 0:
             raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
         return FixedLength(spec)
     if spec == "auto":
-        return CostModelLength(curve=tuple(curve)) if curve else CostModelLength()
+        shape = {"curve": tuple(curve)} if curve else {}
+        return CostModelLength(**shape, reads_context=reads_context)
     if spec == "heuristic":
         return HeuristicLength()
     raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")

@@ -81,12 +81,13 @@ class SpeculativeGenerator:
         generator's): what an adaptive policy learns about one drafter's acceptance says nothing of another's."""
         if isinstance(spec, int):
             return make_policy(spec)
-        key = (spec, drafter or self.drafter)
+        drafter = drafter or self.drafter
+        key = (spec, drafter)
         if key not in self._adaptive_policies:
             # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
             # on first use, a second or so, and cached per loaded model: reset_drafter keeps it).
             curve = relative_cost_curve(self.target.backend) if spec == "auto" else None
-            self._adaptive_policies[key] = make_policy(spec, curve)
+            self._adaptive_policies[key] = make_policy(spec, curve, reads_context=drafter.reads_context)
         return self._adaptive_policies[key]
 
     # -- prompt handling -------------------------------------------------------------------------

@@ -119,6 +119,9 @@ class Drafter(ABC):
     provides_probs: ClassVar[bool] = False
     #: True if the drafter cannot be built before something is trained for the target (e.g. an adapter).
     needs_training: ClassVar[bool] = False
+    #: True if the drafter runs a model of its own over the context (its first draft also reads the prompt):
+    #: the draft-length policy drafts it shallow until a draft token's cost is timed, from the first step.
+    reads_context: ClassVar[bool] = False
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target

@@ -86,6 +86,7 @@ DEFAULT_VOCAB_MAPPING = "text"
 @register_drafter("draft-model")
 class DraftModelDrafter(Drafter):
     provides_probs = True
+    reads_context = True
 
     def __init__(
         self,
