@@ -12,8 +12,8 @@ from specdecode.draft_length import (
     make_policy,
 )
 from specdecode.errors import SpecDecodeError
-from specdecode.generator import SpeculativeGenerator
 from specdecode.estimators import LinearFit, ShareWithPrior
+from specdecode.generator import SpeculativeGenerator
 from specdecode.models.cost import linear_curve
 
 
