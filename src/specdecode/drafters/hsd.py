@@ -258,7 +258,10 @@ class HierarchicalSession(DraftSession):
             # Rows: what follows the last written token, then what follows each guessed token.
             tick = time.perf_counter()
             rows = slice(len(pending) - 1, None)
-            logits = self.backend.forward(fed, self.cache, logits_rows=rows, invariant=False).logits
+            if len(fed) == 1:  # nothing guessed: the backend's fastest one-token route
+                logits = self.backend.draft_logits(int(fed[0]), self.cache)[None]
+            else:
+                logits = self.backend.forward(fed, self.cache, logits_rows=rows, invariant=False).logits
             self.chooser.timed_forward(time.perf_counter() - tick, len(fed))
             self.draft_forwards += 1
             agreed = 0

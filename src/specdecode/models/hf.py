@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from specdecode.models.base import (
     LayerwiseExecution,
     SequenceInput,
 )
+from specdecode.models.draft_step import DraftStep, build_draft_step
 from specdecode.models.quantize import QuantizedLinear, free_row_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.threads import GOVERNOR
@@ -73,6 +75,20 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
 
     def new_pool(self) -> SlotPool:
         return SlotPool(self.device)
+
+    def draft_logits(self, token: int, cache: KVCache) -> torch.Tensor:
+        """Through the written-out step (:mod:`specdecode.models.draft_step`) where it takes this model."""
+        if self._draft_step is not None and isinstance(cache, SlotCache):
+            GOVERNOR.before_forward()
+            logits = self._draft_step(token, cache)
+            if logits is not None:
+                return logits
+        return super().draft_logits(token, cache)
+
+    @cached_property
+    def _draft_step(self) -> DraftStep | None:
+        """Built on the first draft (it fuses projections): a target never drafting never pays for it."""
+        return build_draft_step(self.model, self.config)
 
     def forward_batch(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
         return self._run(inputs)
