@@ -15,6 +15,7 @@ from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.drafters._vocab import DraftHead
 from specdecode.engine import ancestor_mask
+from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models import loading, quantize
 from specdecode.models.base import SequenceInput
@@ -24,6 +25,7 @@ from specdecode.models.quantize import (
     Int4Linear,
     Int8Linear,
     RowSplit,
+    block_copies_supported,
     draft_quantization,
     free_row_calls,
     probe_row_split,
@@ -33,25 +35,37 @@ from specdecode.models.quantize import (
 from specdecode.types import Draft
 from tiny_models import tiny_llama
 
-MODES = ["int8", "int4", "bf16"]
 LAYERS = {"int8": Int8Linear, "int4": Int4Linear, "bf16": Bf16Linear}
 
 pytestmark = pytest.mark.skipif(
-    not all(quantize_supported(mode) for mode in MODES), reason="torch build without the CPU weight-only kernels"
+    not all(quantize_supported(mode) for mode in ("int8", "int4")),
+    reason="torch build without the CPU weight-only kernels",
 )
+#: bf16 needs oneDNN's bf16 matmul, which an AVX2-only CPU lacks (int8 and int4 run there, without block copies).
+needs_bf16 = pytest.mark.skipif(
+    not quantize_supported("bf16"), reason="this CPU has no oneDNN bf16 matmul (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
+)
+needs_block_copies = pytest.mark.skipif(
+    not block_copies_supported(), reason="this CPU has no oneDNN bf16 matmul: int8/int4 layers keep no block copy"
+)
+MODES = ["int8", "int4", pytest.param("bf16", marks=needs_bf16)]
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_dirs):
-    """mode -> (target, draft), both quantized in that mode."""
-    return {
-        mode: tuple(loading.load_model(str(tiny_dirs[name]), quantize=mode) for name in ("target", "draft"))
-        for mode in MODES
-    }
+    """mode -> (target, draft), both quantized in that mode, loaded on first use."""
+
+    class Loaded(dict):
+        def __missing__(self, mode: str):
+            self[mode] = tuple(loading.load_model(str(tiny_dirs[n]), quantize=mode) for n in ("target", "draft"))
+            return self[mode]
+
+    return Loaded()
 
 
 @pytest.mark.parametrize(
-    ("mode", "layer_error", "logit_error"), [("int8", 0.02, 0.1), ("int4", 0.15, 0.8), ("bf16", 0.01, 0.05)]
+    ("mode", "layer_error", "logit_error"),
+    [("int8", 0.02, 0.1), ("int4", 0.15, 0.8), pytest.param("bf16", 0.01, 0.05, marks=needs_bf16)],
 )
 def test_quantized_layers_and_forward_are_close_to_fp32(tiny_target, quantized, mode, layer_error, logit_error):
     """Loose bounds: 4 bits per weight of a random network (initialiser range 0.3) is a coarse copy of it,
@@ -143,6 +157,7 @@ def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quanti
     assert all(torch.equal(beside[i], a[i]) for i in range(3))
 
 
+@needs_block_copies
 @pytest.mark.parametrize("layer_type", [Int8Linear, Int4Linear])
 def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type):
     """int8 and int4 kernels cost about linearly in the rows, so a prompt (or a draft catching up) goes to a
@@ -164,6 +179,7 @@ def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type):
     torch.testing.assert_close(copied, kernel, rtol=0.05, atol=0.05)
 
 
+@needs_block_copies
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossless(quantized, mode, monkeypatch):
     """A prompt of many tokens and a draft model catching up on it take the bf16 copies; plain decoding,
@@ -256,6 +272,14 @@ def test_forward_cost_reports_the_quantization(capsys, tiny_dirs):
     assert result["quantize"] == "int4" and result["ratio_8_1"] > 0
 
 
+def test_bf16_on_a_cpu_without_its_matmul_is_a_one_line_error_and_int4_keeps_no_block_copy(monkeypatch):
+    monkeypatch.setattr(quantize, "quantize_supported", lambda mode: mode != "bf16")
+    with pytest.raises(SpecDecodeError, match="this CPU has no oneDNN bf16 matmul"):
+        quantize_model(nn.Sequential(nn.Linear(64, 32)), "bf16")
+    model = nn.Sequential(nn.Linear(64, 32))
+    assert quantize_model(model, "int4", block_copies=True) == ["0"] and model[0].block_weight is None
+
+
 def test_quantize_model_leaves_other_layers_alone():
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(48, 32), nn.Linear(64, 24))
     assert quantize_model(model, "none") == []
@@ -263,6 +287,7 @@ def test_quantize_model_leaves_other_layers_alone():
     assert quantize_model(model, "int8") == ["1", "2"]  # a quantized layer is not quantized again
 
 
+@needs_bf16
 def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatch):
     """Whatever split the probe picks on this CPU, a row's result is the same in every call of 1 to 70 rows;
     a kernel whose rows depend on their neighbours in every call shape is called row by row."""
@@ -288,7 +313,7 @@ def test_smollm2_quantized_prompt_lookup_equals_plain(mode):
     assert lookup.generate(prompt, chat=True, max_new_tokens=32, ignore_eos=True).token_ids == expected
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
 def test_a_draft_head_cut_from_a_quantized_lm_head_keeps_its_precision(quantized, mode):
     """VocabTrim's rows of a quantized head stay in that precision (an fp32 copy cost as much per token as
     the whole int4 head), and give the head's own logits on those rows; prompt rows come as a second block."""

@@ -361,6 +361,11 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
     if check_quantize(mode) == "none":
         return []
     if not quantize_supported(mode):
+        if mode == "bf16" and torch.backends.mkldnn.is_available():
+            raise SpecDecodeError(
+                "--quantize bf16: this CPU has no oneDNN bf16 matmul (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT);"
+                " int8 and int4 run on it"
+            )
         raise SpecDecodeError(f"--quantize {mode}: this torch build has no CPU kernel for it")
     block_copies = block_copies and block_copies_supported()
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
