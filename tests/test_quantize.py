@@ -21,11 +21,11 @@ from specdecode.models import loading, quantize
 from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import (
     BLOCK_MIN_ROWS,
+    DENSE_BLOCK_MIN_ROWS,
     Bf16Linear,
     Int4Linear,
     Int8Linear,
     RowSplit,
-    block_copies_supported,
     draft_quantization,
     free_row_calls,
     probe_row_split,
@@ -44,9 +44,6 @@ pytestmark = pytest.mark.skipif(
 #: bf16 needs oneDNN's bf16 matmul, which an AVX2-only CPU lacks (int8 and int4 run there, without block copies).
 needs_bf16 = pytest.mark.skipif(
     not quantize_supported("bf16"), reason="this CPU has no oneDNN bf16 matmul (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
-)
-needs_block_copies = pytest.mark.skipif(
-    not block_copies_supported(), reason="this CPU has no oneDNN bf16 matmul: int8/int4 layers keep no block copy"
 )
 MODES = ["int8", "int4", pytest.param("bf16", marks=needs_bf16)]
 
@@ -157,29 +154,37 @@ def test_a_quantized_forward_gives_every_row_the_logits_it_gets_fed_alone(quanti
     assert all(torch.equal(beside[i], a[i]) for i in range(3))
 
 
-@needs_block_copies
+@pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_bf16, id="onednn-bf16"), False], ids=str)
 @pytest.mark.parametrize("layer_type", [Int8Linear, Int4Linear])
-def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type):
+def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type, packed, monkeypatch):
     """int8 and int4 kernels cost about linearly in the rows, so a prompt (or a draft catching up) goes to a
-    bf16 copy of the dequantized weight; invariant calls (plain decoding, verification) never do."""
+    bf16 copy of the dequantized weight — oneDNN's bf16 layout, or a plain bf16 tensor multiplied in fp32
+    slices where the CPU has no bf16 matmul; invariant calls (plain decoding, verification) never do."""
+    monkeypatch.setattr(quantize, "quantize_supported", lambda mode: packed or mode != "bf16")
+    monkeypatch.setattr(quantize, "DENSE_BLOCK_SLICE", 24)  # several slices, the last one partial
     linear = nn.Linear(128, 64)
     extra = {"group_size": 64} if layer_type is Int4Linear else {}
     layer, lean = layer_type(linear, tied=False, block_copy=True, **extra), layer_type(linear, tied=False, **extra)
-    assert lean.block_weight is None
-    torch.testing.assert_close(layer.block_weight.to_dense().float(), layer.dequantized(), rtol=0.01, atol=1e-3)
-    x = torch.randn(BLOCK_MIN_ROWS + 4, 128)
+    assert lean.block_weight is None and layer.block_weight.is_mkldnn == packed
+    dense = layer.block_weight.to_dense() if packed else layer.block_weight
+    torch.testing.assert_close(dense.float(), layer.dequantized(), rtol=0.01, atol=1e-3)
+    least = quantize._block_min_rows(layer.block_weight)
+    assert least == (BLOCK_MIN_ROWS if packed else DENSE_BLOCK_MIN_ROWS)
+    x = torch.randn(least + 4, 128)
     with torch.inference_mode():
         kernel = lean(x)
         assert torch.equal(layer(x), kernel)  # not free: the quantized kernel
         with free_row_calls():
-            assert torch.equal(layer(x[: BLOCK_MIN_ROWS - 1]), kernel[: BLOCK_MIN_ROWS - 1])  # too few rows
+            assert torch.equal(layer(x[: least - 1]), kernel[: least - 1])  # too few rows
             copied = layer(x)
-    expected = quantize._packed_bf16_call(layer.block_weight, x.bfloat16()).float() + linear.bias
-    assert torch.equal(copied, expected)
+    if packed:
+        expected = quantize._packed_bf16_call(layer.block_weight, x.bfloat16()).float() + linear.bias
+    else:
+        expected = x.bfloat16().float() @ dense.float().T + linear.bias
+    torch.testing.assert_close(copied, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(copied, kernel, rtol=0.05, atol=0.05)
 
 
-@needs_block_copies
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossless(quantized, mode, monkeypatch):
     """A prompt of many tokens and a draft model catching up on it take the bf16 copies; plain decoding,
@@ -189,19 +194,18 @@ def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossle
     assert model.get_output_embeddings().block_weight is None  # the head gives prompts one row of logits
     assert model.get_submodule("model.layers.0.mlp.down_proj").block_weight is not None
     calls = []
-    exact = quantize._packed_bf16_call
-    monkeypatch.setattr(
-        quantize, "_packed_bf16_call", lambda packed, rows: calls.append(len(rows)) or exact(packed, rows)
-    )
-    prompt = [(7 * i) % 50 + 3 for i in range(30)]
+    exact = quantize._block_call
+    monkeypatch.setattr(quantize, "_block_call", lambda block, rows: calls.append(len(rows)) or exact(block, rows))
+    prompt = [(7 * i) % 50 + 3 for i in range(40)]  # past DENSE_BLOCK_MIN_ROWS too
     plain, _ = run(target, create_drafter("none", target), prompt, max_new_tokens=24)
-    assert calls and min(calls) >= BLOCK_MIN_ROWS  # the prompt's forward, and only it
+    least = quantize._block_min_rows(model.get_submodule("model.layers.0.mlp.down_proj").block_weight)
+    assert calls and min(calls) >= least  # the prompt's forward, and only it
     with free_row_calls():
         assert hf_greedy(target, prompt, 24) == plain
     for drafter in (create_drafter("pld", target), create_drafter("draft-model", target, draft_model=draft)):
         calls.clear()
         assert run(target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)[0] == plain
-        assert calls and min(calls) >= BLOCK_MIN_ROWS
+        assert calls and min(calls) >= least
 
 
 def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dirs):
@@ -272,12 +276,10 @@ def test_forward_cost_reports_the_quantization(capsys, tiny_dirs):
     assert result["quantize"] == "int4" and result["ratio_8_1"] > 0
 
 
-def test_bf16_on_a_cpu_without_its_matmul_is_a_one_line_error_and_int4_keeps_no_block_copy(monkeypatch):
+def test_bf16_on_a_cpu_without_its_matmul_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(quantize, "quantize_supported", lambda mode: mode != "bf16")
     with pytest.raises(SpecDecodeError, match="this CPU has no oneDNN bf16 matmul"):
         quantize_model(nn.Sequential(nn.Linear(64, 32)), "bf16")
-    model = nn.Sequential(nn.Linear(64, 32))
-    assert quantize_model(model, "int4", block_copies=True) == ["0"] and model[0].block_weight is None
 
 
 def test_quantize_model_leaves_other_layers_alone():

@@ -62,6 +62,15 @@ COMPUTE_DTYPE = torch.bfloat16
 #: 896→4864 layer took 0.20 / 0.40 / 14.2 ms in int4 for 4 / 8 / 300 rows against 0.24 / 0.24 / 0.87 ms
 #: in bf16 (``docs/results/quantize-kernels/block-rows.md``).
 BLOCK_MIN_ROWS = 8
+#: The same threshold where the CPU has no oneDNN bf16 matmul (AVX2 only) and the copy is a plain bf16 tensor
+#: multiplied in fp32 slices (:func:`_dense_block_call`).  On a 2-core AVX2 EPYC, a 1536→8960 layer (Qwen2.5-1.5B's
+#: MLP) took 16.8 / 34.8 / 158 ms in int4 for 32 / 64 / 295 rows against 11.7 / 17.7 / 66.7 ms through the copy;
+#: under 32 rows the slices' conversion costs more than the int4 kernel saves.
+DENSE_BLOCK_MIN_ROWS = 32
+#: Output channels converted to fp32 at a time by :func:`_dense_block_call`: a slice stays in cache, where
+#: converting the whole weight at once (55 MB for that layer) cost 29 ms alone, and slicing even beat a
+#: resident fp32 copy (66.7 against 88.9 ms for 295 rows).
+DENSE_BLOCK_SLICE = 512
 
 
 #: A draft model's weights when ``--quantize-draft`` is not given.  A draft's precision never changes the
@@ -92,14 +101,6 @@ def check_quantize(mode: str, flag: str = "--quantize") -> str:
     return mode
 
 
-def block_copies_supported() -> bool:
-    """Whether int8 and int4 layers can keep a bf16 copy for prompts (:attr:`QuantizedLinear.block_weight`):
-    oneDNN's bf16 matmul needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT.  Without them (an AVX2-only CPU) the
-    layers keep no copy and prompts go through the quantized kernels, which cost linearly in the rows: on a
-    2-core AVX2 EPYC a 896→4864 int4 layer took 65 ms for 300 rows, against 35 ms for oneDNN's fp32 one."""
-    return quantize_supported("bf16")
-
-
 def quantize_supported(mode: str) -> bool:
     """Whether this torch build has the CPU kernel of ``mode``."""
     if mode == "bf16":
@@ -121,7 +122,9 @@ class QuantizedLinear(nn.Module):
 
     ``block_weight``, when kept, is the dequantized weight in bf16, in oneDNN's layout, for calls of many
     rows where no row needs invariance (:data:`BLOCK_MIN_ROWS`): a 300-token prompt then costs a layer
-    about a sixteenth of what the int4 kernel takes, for two more bytes per weight held in memory.
+    about a sixteenth of what the int4 kernel takes, for two more bytes per weight held in memory.  A CPU
+    without oneDNN's bf16 matmul (AVX2 only) keeps it as a plain bf16 tensor, multiplied in fp32 slices
+    from :data:`DENSE_BLOCK_MIN_ROWS` rows on (2.4x faster than int4 for a 295-token prompt there).
 
     ``weight`` is read by code that inspects shapes or copies rows of the LM head for a draft head
     (``HFCausalLM.output_weight``).  A tied head answers with the fp32 embedding it was quantized from
@@ -138,8 +141,12 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("block_weight", None, persistent=False)
 
     def keep_block_weight(self, dense: torch.Tensor) -> None:
-        """Keep ``dense`` (the [out, in] weight this layer's kernel multiplies by) for many-row free calls."""
-        self.block_weight = torch.ops.mkldnn._reorder_linear_weight(dense.to(COMPUTE_DTYPE).contiguous(), None)
+        """Keep ``dense`` (the [out, in] weight this layer's kernel multiplies by) for many-row free calls: in
+        oneDNN's bf16 layout where the CPU has its bf16 matmul, else as a plain bf16 tensor."""
+        weight = dense.to(COMPUTE_DTYPE).contiguous()
+        self.block_weight = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, None) if quantize_supported("bf16") else weight
+        )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -155,8 +162,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()
-        if self.block_weight is not None and rows.shape[0] >= BLOCK_MIN_ROWS and _FREE_ROWS.get():
-            out = _packed_bf16_call(self.block_weight, rows).to(x.dtype)
+        block = self.block_weight
+        if block is not None and rows.shape[0] >= _block_min_rows(block) and _FREE_ROWS.get():
+            out = _block_call(block, rows).to(x.dtype)
         else:
             out = self.matmul(rows).to(x.dtype)
         if self.bias is not None:
@@ -275,6 +283,30 @@ def _packed_bf16_call(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
+def _block_min_rows(block: torch.Tensor) -> int:
+    return BLOCK_MIN_ROWS if block.is_mkldnn else DENSE_BLOCK_MIN_ROWS
+
+
+def _block_call(block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[m, in] bf16 rows times a layer's block copy (:attr:`QuantizedLinear.block_weight`), either kind."""
+    return _packed_bf16_call(block, rows) if block.is_mkldnn else _dense_block_call(block, rows)
+
+
+def _dense_block_call(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[m, in] rows times a plain bf16 [out, in] weight, in fp32, :data:`DENSE_BLOCK_SLICE` output channels at a
+    time converted into one reused buffer: the CPU has no bf16 matmul, and fp32 products of many rows beat the
+    int4 and int8 kernels, which loop over the rows."""
+    rows = rows.float()
+    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    buffer = rows.new_empty(min(DENSE_BLOCK_SLICE, weight.shape[0]), weight.shape[1])
+    for start in range(0, weight.shape[0], DENSE_BLOCK_SLICE):
+        part = weight[start : start + DENSE_BLOCK_SLICE]
+        converted = buffer[: part.shape[0]]
+        converted.copy_(part)
+        torch.mm(rows, converted.T, out=out[:, start : start + part.shape[0]])
+    return out
+
+
 def _split_call(packed: torch.Tensor, rows: torch.Tensor, split: RowSplit) -> torch.Tensor:
     if rows.shape[0] > split.chunk:
         return torch.cat([_split_call(packed, part, split) for part in rows.split(split.chunk)])
@@ -353,8 +385,7 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
     In place and for inference only; returns the names of the replaced layers.  ``none`` changes nothing.
     ``block_copies``: int8 and int4 layers also keep a bf16 copy of their weight for prompts and drafts
     (:attr:`QuantizedLinear.block_weight`), except the LM head: prompts and drafts ask it for the logits of
-    one row (a 152k-token head's copy would hold 270-470 MB for nothing); ignored where the CPU has no bf16
-    matmul (:func:`block_copies_supported`).
+    one row (a 152k-token head's copy would hold 270-470 MB for nothing).
     Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16) keep
     their weights; so do subclasses of ``nn.Linear`` (LoRA and the like) and layers off the CPU.
     """
@@ -367,7 +398,6 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
                 " int8 and int4 run on it"
             )
         raise SpecDecodeError(f"--quantize {mode}: this torch build has no CPU kernel for it")
-    block_copies = block_copies and block_copies_supported()
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     replaced = []
