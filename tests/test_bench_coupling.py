@@ -20,7 +20,7 @@ MAX_NEW = 8
 def finished(tiny_dirs, tmp_path_factory):
     settings = coupling.resolve_settings(
         model=str(tiny_dirs["target"]),
-        methods="none,pld,suffix:k=3",
+        methods="none,pld:k=3,suffix:k=3",  # fixed depths: under `auto` a loaded machine may draft nothing
         tasks="edit",
         max_new_tokens=MAX_NEW,
         threads=1,
@@ -34,7 +34,7 @@ def finished(tiny_dirs, tmp_path_factory):
 def test_every_method_with_both_verifiers_and_coupled_rows_equal_plain(finished):
     settings, results = finished
     rows = {(r["method"], r["verifier"]): r for r in results["rows"]}
-    methods = ["none", "pld", "suffix:k=3"]  # none once, first, though also listed
+    methods = ["none", "pld:k=3", "suffix:k=3"]  # none once, first, though also listed
     assert list(rows) == [(m, v) for m in methods for v in ("coupled", "rejection")]
     for (method, verifier), row in rows.items():
         assert 1 <= row["new_tokens"] <= MAX_NEW and row["new_tokens"] == row["steps"] + row["accepted_tokens"]
@@ -47,7 +47,7 @@ def test_every_method_with_both_verifiers_and_coupled_rows_equal_plain(finished)
             assert row["drafted_tokens"] > 0 and 0.0 <= row["acceptance_rate"] <= 1.0
         if verifier == "coupled":
             assert row["equal_to_plain_coupled"] == 1.0, method  # drafter invariance
-    assert results["settings"]["methods"] == ["pld", "suffix:k=3"] and results["settings"]["temperature"] == 0.8
+    assert results["settings"]["methods"] == ["pld:k=3", "suffix:k=3"] and results["settings"]["temperature"] == 0.8
     assert results["environment"]["threads"] == 1 and results["prompts"][0]["prompt_tokens"] > 0
 
 
@@ -56,7 +56,7 @@ def test_files_written(finished):
     assert json.loads((settings.out / "results.json").read_text()) == results
     report = (settings.out / "results.md").read_text()
     assert "| method | verifier | mean accepted tokens / step |" in report
-    assert "| `pld` | coupled |" in report and "| `suffix:k=3` | rejection |" in report
+    assert "| `pld:k=3` | coupled |" in report and "| `suffix:k=3` | rejection |" in report
     assert "| 1/1 |" in report and "temperature 0.8" in report
 
 
