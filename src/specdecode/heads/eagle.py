@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.models.base import DecoderShape
+from specdecode.models.base import DecoderShape, apply_rotary
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class EagleLayer(nn.Module):
         q = _heads(attn.q_proj(x), c.num_heads, c.head_dim)
         k = _heads(attn.k_proj(x), c.num_kv_heads, c.head_dim)
         v = _heads(attn.v_proj(x), c.num_kv_heads, c.head_dim)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual over the feature, attention output [..., heads, n, d] projected back, then the MLP."""
@@ -133,12 +133,6 @@ class EagleLayer(nn.Module):
 
 def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     return x.unflatten(-1, (heads, dim)).transpose(-2, -3)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class HeadCache:

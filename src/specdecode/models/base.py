@@ -147,6 +147,13 @@ class CausalLM(ABC):
         return self.forward(tokens, cache, logits_rows=slice(-1, None), invariant=False).logits[0]
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotary position embedding by halves (transformers' ``rotate_half`` convention), as Llama-shaped
+    decoders apply it to queries and keys."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 @dataclass(frozen=True)
 class DecoderShape:
     """One decoder layer's sizes and constants (Llama-style: RMSNorm, rotary attention, gated MLP)."""

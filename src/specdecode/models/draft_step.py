@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.models.base import apply_rotary
 from specdecode.models.quantize import COMPUTE_DTYPE, Int4Linear, Int8Linear, QuantizedLinear
 from specdecode.models.ragged import SlotCache
 
@@ -85,12 +86,6 @@ def _project(layer: QuantizedLinear, rows: torch.Tensor) -> torch.Tensor:
     return out + layer.bias if layer.bias is not None else out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding by halves (transformers' ``rotate_half`` convention)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 @dataclass
 class _Layer:
     attention_norm: torch.Tensor
@@ -144,9 +139,9 @@ class DraftStep:
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (width,), layer.attention_norm, self.eps).to(COMPUTE_DTYPE)
             query, key, value = layer.qkv(normed).split(layer.qkv.sizes, dim=-1)
-            query = _rotate(query.view(heads, dim), cos, sin)
+            query = apply_rotary(query.view(heads, dim), cos, sin)
             keys, values = pool.layers[index]
-            keys[slot, :, position] = _rotate(key.view(kv_heads, dim), cos, sin)
+            keys[slot, :, position] = apply_rotary(key.view(kv_heads, dim), cos, sin)
             values[slot, :, position] = value.view(kv_heads, dim)
             # The query heads sharing a key head stacked along the query axis (as in ragged_attention).
             attended = F.scaled_dot_product_attention(
