@@ -144,14 +144,10 @@ class CrossVocabSession(DraftSession):
     def _logits(self, pending: torch.Tensor) -> torch.Tensor:
         """The drafter's next-token logits after ``pending``; a forward of several tokens (the drafter catching
         up with the context) adds its cost beyond one token's to ``setup_s``."""
-        logits, catching_up = self.shared.clock.timed(partial(self._forward, pending), len(pending))
+        forward = partial(self.backend.draft_logits, pending, self.cache)
+        logits, catching_up = self.shared.clock.timed(forward, len(pending))
         self.setup_s += catching_up
         return logits
-
-    def _forward(self, pending: torch.Tensor) -> torch.Tensor:
-        if len(pending) == 1:  # a draft token: the backend's fastest one-token route
-            return self.backend.draft_logits(int(pending[0]), self.cache)
-        return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None), invariant=False).logits[0]
 
     def _greedy(self, pending: torch.Tensor, room: int, usable: Callable[[int], bool] | None = None) -> list[int]:
         """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary, to its EOS or the

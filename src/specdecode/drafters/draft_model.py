@@ -276,10 +276,8 @@ class DraftModelSession(DraftSession):
     def _next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
         # invariant=False: a draft never changes the output, so its rows may take the fastest kernels.
-        if self.head is None and len(pending) == 1:
-            return self.backend.draft_logits(int(pending[0]), self.cache)
         if self.head is None:
-            return self.backend.forward(pending, self.cache, logits_rows=slice(-1, None), invariant=False).logits[0]
+            return self.backend.draft_logits(pending, self.cache)
         out = self.backend.forward(
             pending, self.cache, logits_rows=self._no_rows, hidden_layers=self._final, invariant=False
         )

@@ -259,7 +259,7 @@ class HierarchicalSession(DraftSession):
             tick = time.perf_counter()
             rows = slice(len(pending) - 1, None)
             if len(fed) == 1:  # nothing guessed: the backend's fastest one-token route
-                logits = self.backend.draft_logits(int(fed[0]), self.cache)[None]
+                logits = self.backend.draft_logits(fed, self.cache)[None]
             else:
                 logits = self.backend.forward(fed, self.cache, logits_rows=rows, invariant=False).logits
             self.chooser.timed_forward(time.perf_counter() - tick, len(fed))

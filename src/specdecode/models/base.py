@@ -140,10 +140,10 @@ class CausalLM(ABC):
         item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers, invariant)
         return self.forward_batch([item])[0]
 
-    def draft_logits(self, token: int, cache: KVCache) -> torch.Tensor:
-        """[vocab] logits after ``token`` fed on top of ``cache`` (which grows by one), for a draft: a backend
-        may take a faster route whose last bits differ from :meth:`forward`'s, since the target verifies."""
-        tokens = torch.tensor([token], dtype=torch.long)
+    def draft_logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """[vocab] logits after ``tokens`` fed on top of ``cache`` (which grows by as many), for a draft: a
+        backend may take a faster route for one token whose last bits differ from :meth:`forward`'s, since
+        the target verifies."""
         return self.forward(tokens, cache, logits_rows=slice(-1, None), invariant=False).logits[0]
 
 

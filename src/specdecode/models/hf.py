@@ -76,14 +76,15 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     def new_pool(self) -> SlotPool:
         return SlotPool(self.device)
 
-    def draft_logits(self, token: int, cache: KVCache) -> torch.Tensor:
-        """Through the written-out step (:mod:`specdecode.models.draft_step`) where it takes this model."""
-        if self._draft_step is not None and isinstance(cache, SlotCache):
+    def draft_logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token through the written-out step (:mod:`specdecode.models.draft_step`) where it takes this
+        model; several (a draft catching up with the context) through the modules."""
+        if len(tokens) == 1 and self._draft_step is not None and isinstance(cache, SlotCache):
             GOVERNOR.before_forward()
-            logits = self._draft_step(token, cache)
+            logits = self._draft_step(int(tokens[0]), cache)
             if logits is not None:
                 return logits
-        return super().draft_logits(token, cache)
+        return super().draft_logits(tokens, cache)
 
     @cached_property
     def _draft_step(self) -> DraftStep | None:
