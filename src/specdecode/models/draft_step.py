@@ -15,7 +15,7 @@ every draft token with its own forward.  The fused weights share the layers' pac
 own weights become views of it), so nothing is held twice but the small scales.
 
 It takes models whose ``model_type`` is in :data:`LEAN_MODEL_TYPES`, with SiLU MLPs, no sliding window and
-every decoder projection an int4 or int8 layer (:mod:`specdecode.models.quantize`, how draft models load
+every decoder projection an int4, int8 or w4a8 layer (:mod:`specdecode.models.quantize`, how draft models load
 by default); any other model keeps its modules (:func:`build_draft_step` returns None).
 """
 
@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.models.base import apply_rotary
-from specdecode.models.quantize import COMPUTE_DTYPE, Int4Linear, Int8Linear, QuantizedLinear
+from specdecode.models.quantize import Int4Linear, Int8Linear, QuantizedLinear
 from specdecode.models.ragged import SlotCache
+from specdecode.models.w4a8 import W4A8Linear
+from specdecode.models.w4a8 import kernel as w4a8_kernel
 
 #: transformers' ``model_type`` of the decoders laid out as Llama's (pre-norm RMSNorm scaled by its weight,
 #: rotary embedding by halves, grouped-query attention, gated SiLU MLP).
@@ -51,30 +53,43 @@ class FusedProjection:
         if any(bias is not None for bias in biases):
             parts = [bias if bias is not None else torch.zeros(size) for bias, size in zip(biases, self.sizes)]
             self.bias = torch.cat(parts).detach()
-        self.qweight: torch.Tensor | None = torch.cat([layer.qweight for layer in layers])
-        if isinstance(layers[0], Int4Linear):
-            self.group_size = layers[0].group_size
-            self.scales: torch.Tensor | None = torch.cat([layer.scales_zeros for layer in layers], dim=1).contiguous()
+        self.w4a8 = isinstance(layers[0], W4A8Linear)
+        if self.w4a8:  # every buffer is per output channel: they all concatenate
+            self.qweight: torch.Tensor | None = torch.cat([layer.nibbles for layer in layers])
+            self.scales: torch.Tensor | None = torch.cat([layer.scales for layer in layers])
+            self.offsets = torch.cat([layer.offsets for layer in layers])
         else:
-            self.scales = torch.cat([layer.scales for layer in layers])
+            self.qweight = torch.cat([layer.qweight for layer in layers])
+            if isinstance(layers[0], Int4Linear):
+                self.group_size = layers[0].group_size
+                self.scales = torch.cat([layer.scales_zeros for layer in layers], dim=1).contiguous()
+            else:
+                self.scales = torch.cat([layer.scales for layer in layers])
         probe = torch.randn(1, layers[0].in_features, generator=torch.Generator().manual_seed(0))
-        probe = probe.to(COMPUTE_DTYPE)
+        probe = probe.to(layers[0].input_dtype)
         self.fused = torch.equal(self._kernel(probe), torch.cat([layer.matmul(probe) for layer in layers], dim=-1))
         if not self.fused:
-            self.qweight = self.scales = None  # the layers keep their own weights; no second copy
+            self.qweight = self.scales = self.offsets = None  # the layers keep their own weights; no second copy
             return
         start = 0
         for layer, size in zip(layers, self.sizes):
-            layer.qweight = self.qweight[start : start + size]  # rows of the packed weight: a contiguous view
+            # rows of the packed weight: contiguous views
+            if self.w4a8:
+                layer.nibbles = self.qweight[start : start + size]
+                layer.scales, layer.offsets = self.scales[start : start + size], self.offsets[start : start + size]
+            else:
+                layer.qweight = self.qweight[start : start + size]
             start += size
 
     def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.w4a8:
+            return w4a8_kernel().w4a8_mm(rows, self.qweight, self.scales, self.offsets)
         if self.qweight.dtype == torch.int8:
             return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.scales)
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        """[1, in] bf16 → [1, sum of sizes] fp32, biases added."""
+        """[1, in] rows in the layers' input dtype → [1, sum of sizes] fp32, biases added."""
         if not self.fused:
             return torch.cat([_project(layer, rows) for layer in self.layers], dim=-1)
         out = self._kernel(rows).float()
@@ -109,6 +124,7 @@ class DraftStep:
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.input_dtype = decoder.layers[0].self_attn.q_proj.input_dtype  # what the quantized kernels take
         self.layers = []
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -137,7 +153,7 @@ class DraftStep:
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         width = hidden.shape[-1]
         for index, layer in enumerate(self.layers):
-            normed = F.rms_norm(hidden, (width,), layer.attention_norm, self.eps).to(COMPUTE_DTYPE)
+            normed = F.rms_norm(hidden, (width,), layer.attention_norm, self.eps).to(self.input_dtype)
             query, key, value = layer.qkv(normed).split(layer.qkv.sizes, dim=-1)
             query = apply_rotary(query.view(heads, dim), cos, sin)
             keys, values = pool.layers[index]
@@ -149,10 +165,10 @@ class DraftStep:
                 keys[slot : slot + 1, :, : position + 1],
                 values[slot : slot + 1, :, : position + 1],
             )
-            hidden = hidden + _project(layer.output, attended.reshape(1, heads * dim).to(COMPUTE_DTYPE))
-            normed = F.rms_norm(hidden, (width,), layer.mlp_norm, self.eps).to(COMPUTE_DTYPE)
+            hidden = hidden + _project(layer.output, attended.reshape(1, heads * dim).to(self.input_dtype))
+            normed = F.rms_norm(hidden, (width,), layer.mlp_norm, self.eps).to(self.input_dtype)
             gate, up = layer.gate_up(normed).split(layer.gate_up.sizes, dim=-1)
-            hidden = hidden + _project(layer.down, (F.silu(gate) * up).to(COMPUTE_DTYPE))
+            hidden = hidden + _project(layer.down, (F.silu(gate) * up).to(self.input_dtype))
         pool.lengths[slot] = position + 1
         return self.head(F.rms_norm(hidden, (width,), self.norm, self.eps))[0].float()
 
@@ -173,6 +189,6 @@ def build_draft_step(model: nn.Module, config) -> DraftStep | None:
         projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
         projections += (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         kinds |= {type(p) for p in projections}
-    if len(kinds) != 1 or not kinds <= {Int4Linear, Int8Linear}:
+    if len(kinds) != 1 or not kinds <= {Int4Linear, Int8Linear, W4A8Linear}:
         return None  # fp32 or bf16 layers, LoRA wrappers, layers int4 could not take: the modules run
     return DraftStep(model, config)

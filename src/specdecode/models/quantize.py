@@ -47,7 +47,7 @@ from torch import nn
 from specdecode.errors import SpecDecodeError
 
 #: The values of ``--quantize`` (a contract: scripts pass them).
-QUANTIZE_MODES = ("none", "int8", "int4", "bf16")
+QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "w4a8")
 #: int4 group sizes, preferred first: a layer takes the first one that divides its ``in_features``.
 INT4_GROUP_SIZES = (64, 32)
 #: ``_convert_weight_to_int4pack_for_cpu`` packs output channels in blocks of this many.
@@ -102,7 +102,11 @@ def check_quantize(mode: str, flag: str = "--quantize") -> str:
 
 
 def quantize_supported(mode: str) -> bool:
-    """Whether this torch build has the CPU kernel of ``mode``."""
+    """Whether this torch build (for ``w4a8``: this CPU and a C++ compiler) has the CPU kernel of ``mode``."""
+    if mode == "w4a8":
+        from specdecode.models.w4a8 import w4a8_available
+
+        return w4a8_available()
     if mode == "bf16":
         mkldnn = torch.ops.mkldnn
         return (
@@ -131,6 +135,9 @@ class QuantizedLinear(nn.Module):
     (no copy, so checks against a head trained on the fp32 target still hold); an untied one with its
     dequantized weight, computed on each read.
     """
+
+    #: What :meth:`matmul` takes: the kernels below want bf16 rows (see the module doc).
+    input_dtype = COMPUTE_DTYPE
 
     def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
         super().__init__()
@@ -161,12 +168,12 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE).contiguous()
+        rows = x.reshape(-1, self.in_features)
         block = self.block_weight
         if block is not None and rows.shape[0] >= _block_min_rows(block) and _FREE_ROWS.get():
-            out = _block_call(block, rows).to(x.dtype)
+            out = _block_call(block, rows.to(COMPUTE_DTYPE).contiguous()).to(x.dtype)
         else:
-            out = self.matmul(rows).to(x.dtype)
+            out = self.matmul(rows.to(self.input_dtype).contiguous()).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -373,6 +380,10 @@ def quantized_like(layer: nn.Module, linear: nn.Linear) -> QuantizedLinear | Non
         return Int8Linear(linear, tied=False)
     if isinstance(layer, Bf16Linear):
         return Bf16Linear(linear, tied=False)
+    from specdecode.models.w4a8 import W4A8Linear, w4a8_fits
+
+    if isinstance(layer, W4A8Linear):
+        return W4A8Linear(linear, tied=False) if w4a8_fits(linear) else None
     if isinstance(layer, Int4Linear):
         group_size = int4_group_size(linear)
         return Int4Linear(linear, tied=False, group_size=group_size) if group_size else None
@@ -386,8 +397,9 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
     ``block_copies``: int8 and int4 layers also keep a bf16 copy of their weight for prompts and drafts
     (:attr:`QuantizedLinear.block_weight`), except the LM head: prompts and drafts ask it for the logits of
     one row (a 152k-token head's copy would hold 270-470 MB for nothing).
-    Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16) keep
-    their weights; so do subclasses of ``nn.Linear`` (LoRA and the like) and layers off the CPU.
+    Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16; for
+    ``w4a8`` ``in_features`` not a multiple of 64) keep their weights; so do subclasses of ``nn.Linear``
+    (LoRA and the like) and layers off the CPU.
     """
     if check_quantize(mode) == "none":
         return []
@@ -397,6 +409,10 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
                 "--quantize bf16: this CPU has no oneDNN bf16 matmul (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT);"
                 " int8 and int4 run on it"
             )
+        if mode == "w4a8":
+            from specdecode.models.w4a8 import kernel
+
+            kernel()  # raises the one-line reason
         raise SpecDecodeError(f"--quantize {mode}: this torch build has no CPU kernel for it")
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -410,6 +426,12 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
             module: QuantizedLinear = Int8Linear(linear, tied=tied, block_copy=copy)
         elif mode == "bf16":
             module = Bf16Linear(linear, tied=tied)
+        elif mode == "w4a8":
+            from specdecode.models.w4a8 import W4A8Linear, w4a8_fits
+
+            if not w4a8_fits(linear):
+                continue
+            module = W4A8Linear(linear, tied=tied, block_copy=copy)
         else:
             group_size = int4_group_size(linear)
             if group_size is None:
