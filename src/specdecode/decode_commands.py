@@ -63,16 +63,17 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
     parser.add_argument(
         "--quantize",
         default="none",
-        metavar="{none,int8,int4,bf16}",
+        metavar="{none,int8,int4,bf16,w4a8}",
         help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group, "
-        "bf16 (verification costs about one token on CPUs with AMX); lossless against plain decoding of the "
-        "same quantized model (default none)",
+        "bf16 (verification costs about one token on CPUs with AMX), w4a8 (int4 weights on int8 activations, our "
+        "AVX2 kernel: fastest on AVX2-only CPUs); lossless against plain decoding of the same quantized model "
+        "(default none)",
     )
     parser.add_argument(
         "--quantize-draft",
-        metavar="{none,int8,int4,bf16}",
-        help="quantization of the --draft-model (default int4, measured fastest; none with adapt=true); "
-        "drafts never change the output",
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="quantization of the --draft-model (default int4, w4a8 on AVX2-only CPUs: measured fastest; "
+        "none with adapt=true); drafts never change the output",
     )
     parser.add_argument(
         "--lean-weights",

@@ -13,7 +13,7 @@ def run(backend, use_step, n=30):
     for _ in range(n):
         t = time.perf_counter()
         if use_step:
-            logits = backend.draft_logits(token, cache)
+            logits = backend.draft_logits(torch.tensor([token]), cache)
         else:
             logits = backend.forward(torch.tensor([token]), cache, logits_rows=slice(-1, None), invariant=False).logits[0]
         times.append(time.perf_counter() - t)

@@ -62,13 +62,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--threads", type=int, help="torch threads (default: number of cores)")
     bench.add_argument(
         "--quantize",
-        metavar="{none,int8,int4,bf16}",
+        metavar="{none,int8,int4,bf16,w4a8}",
         help="weight-only quantization of our target (default none); transformers peers stay fp32",
     )
     bench.add_argument(
         "--quantize-draft",
-        metavar="{none,int8,int4,bf16}",
-        help="of our draft models (default int4; none with adapt=true)",
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="of our draft models (default int4, w4a8 on AVX2-only CPUs; none with adapt=true)",
     )
     bench.add_argument(
         "--draft-lengths",
@@ -99,7 +99,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     cost.add_argument(
         "--quantize",
         default=argparse.SUPPRESS,
-        metavar="{none,int8,int4,bf16}",
+        metavar="{none,int8,int4,bf16,w4a8}",
         help="weight-only quantization (default none)",
     )
     cost.add_argument("--json", action="store_true", help="print one JSON object")
@@ -171,13 +171,16 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--out", default=keep, help="output directory (default bench-out/serve)")
     serve.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
     serve.add_argument(
-        "--quantize", default=keep, metavar="{none,int8,int4,bf16}", help="weights of the served target (default none)"
+        "--quantize",
+        default=keep,
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="weights of the served target (default none)",
     )
     serve.add_argument(
         "--quantize-draft",
         default=keep,
-        metavar="{none,int8,int4,bf16}",
-        help="of the served draft models (default int4; none with adapt=true)",
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="of the served draft models (default int4, w4a8 on AVX2-only CPUs; none with adapt=true)",
     )
     serve.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
     serve.set_defaults(run=run_bench_serve)
