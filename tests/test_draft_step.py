@@ -47,7 +47,10 @@ def assert_steps_match_the_modules(backend, steps: int = 6) -> None:
     assert torch.allclose(after[0], after[1], atol=1e-3, rtol=1e-3)
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize(
+    "mode",
+    ["int4", "int8", pytest.param("w4a8", marks=pytest.mark.skipif(not quantize_supported("w4a8"), reason="no w4a8"))],
+)
 def test_a_quantized_llama_drafts_through_the_written_out_step(tiny_dirs, mode):
     backend = load_model(str(tiny_dirs["target"]), quantize=mode).backend
     assert_steps_match_the_modules(backend)

@@ -17,7 +17,7 @@ from specdecode.drafters._vocab import DraftHead
 from specdecode.engine import ancestor_mask
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models import loading, quantize
+from specdecode.models import loading, quantize, w4a8
 from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import (
     BLOCK_MIN_ROWS,
@@ -26,6 +26,7 @@ from specdecode.models.quantize import (
     Int4Linear,
     Int8Linear,
     RowSplit,
+    default_draft_quantization,
     draft_quantization,
     free_row_calls,
     probe_row_split,
@@ -238,7 +239,8 @@ def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dir
         assert main(["generate", "w1 w2 w3 w1 w2", *common, *extra]) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
-    assert loads == [(target, "int8"), (target, "int8"), (draft, "int4")]  # a draft is int4 unless told
+    default = default_draft_quantization()  # int4 unless told (w4a8 on an AVX2 CPU)
+    assert loads == [(target, "int8"), (target, "int8"), (draft, default)]
     argv = ["generate", "w1", *common, "--drafter", "draft-model", "--draft-model", draft, "--quantize-draft", "none"]
     assert main(argv) == 0
     assert loads[-1] == (draft, "none")
@@ -256,13 +258,23 @@ def test_lean_weights_loads_target_and_draft_without_block_copies(capsys, monkey
 
 
 def test_a_draft_model_is_int4_by_default_except_where_it_trains_or_off_the_cpu():
-    assert draft_quantization(None, "none") == draft_quantization(None, "bf16") == "int4"
+    default = default_draft_quantization()
+    assert draft_quantization(None, "none") == draft_quantization(None, "bf16") == default
     assert draft_quantization("bf16", "none") == "bf16" and draft_quantization("none", "int4") == "none"
     assert draft_quantization(None, "int8", trains=True) == "none"  # adapt trains fp32 LoRA layers
     assert draft_quantization(None, "none", device="cuda:0") == "none"
     assert resolve_settings(methods="none,pld").quantize_draft is None  # no draft model: nothing recorded
-    assert resolve_settings(methods="draft-model:m2").quantize_draft == "int4"
+    assert resolve_settings(methods="draft-model:m2").quantize_draft == default
     assert resolve_settings(methods="draft-model:m2:adapt=true").quantize_draft == "none"
+
+
+@pytest.mark.parametrize(
+    ("capability", "builds", "expected"), [("AVX2", True, "w4a8"), ("AVX2", False, "int4"), ("AVX512", True, "int4")]
+)
+def test_drafts_are_w4a8_only_on_avx2_cpus_that_build_its_kernel(monkeypatch, capability, builds, expected):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(w4a8, "unavailable_reason", lambda: None if builds else "no compiler")
+    assert default_draft_quantization() == expected
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,56 @@ void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* scales, fl
   });
 }
 
+struct Channels {  // two output channels' packed levels and scales (the same channel twice at an odd end)
+  const uint8_t* levels_a;
+  const uint8_t* levels_b;
+  const float* scales_a;
+  const float* scales_b;
+};
+
+struct Rows {  // a tile of quantized rows: int8 inputs [rows, K] and their scales [rows, G]
+  const int8_t* inputs;
+  const float* scales;
+  int64_t K;
+  int64_t G;
+};
+
+// The scaled dot products of R rows with two channels, without the offsets' term.  R is a compile-time
+// constant so that the accumulators stay in registers; each row's arithmetic is the same for every R.
+template <int R>
+inline void dot_tile(const Channels& w, const Rows& x, float dots[2][ROW_TILE]) {
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acca[R], accb[R];
+  for (int r = 0; r < R; ++r) acca[r] = accb[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < x.G; ++g) {
+    const __m256i pa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.levels_a + g * 32));
+    const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.levels_b + g * 32));
+    const __m256i lowa = _mm256_and_si256(pa, low_mask);
+    const __m256i higha = _mm256_and_si256(_mm256_srli_epi16(pa, 4), low_mask);
+    const __m256i lowb = _mm256_and_si256(pb, low_mask);
+    const __m256i highb = _mm256_and_si256(_mm256_srli_epi16(pb, 4), low_mask);
+    const float scalea = w.scales_a[g], scaleb = w.scales_b[g];
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xg = x.inputs + r * x.K + g * GROUP;
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 32));
+      const float xscale = x.scales[r * x.G + g];
+      // q in 0..15 times x in -127..127, pairs summed: |s| <= 4 * 15 * 127, no int16 saturation.
+      const __m256i suma = _mm256_add_epi16(_mm256_maddubs_epi16(lowa, x0), _mm256_maddubs_epi16(higha, x1));
+      const __m256i sumb = _mm256_add_epi16(_mm256_maddubs_epi16(lowb, x0), _mm256_maddubs_epi16(highb, x1));
+      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(suma, ones)), _mm256_set1_ps(scalea * xscale),
+                                acca[r]);
+      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sumb, ones)), _mm256_set1_ps(scaleb * xscale),
+                                accb[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    dots[0][r] = horizontal_sum(acca[r]);
+    dots[1][r] = horizontal_sum(accb[r]);
+  }
+}
+
 }  // namespace
 
 // x [M, K] fp32; nibbles [N, K/2] uint8, where byte j of group g holds q[g*64 + j] in its low nibble and
@@ -74,40 +124,19 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scal
   float* outp = out.data_ptr<float>();
   // Two output channels at a time: each activation load serves both, and their dependency chains interleave.
   at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t begin, int64_t end) {
-    const __m256i low_mask = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t n = 2 * pair;
       const int64_t channels = std::min<int64_t>(2, N - n);
-      const uint8_t* wa = wp + n * (K / 2);
-      const uint8_t* wb = channels == 2 ? wa + K / 2 : wa;
-      const float* sa = sp + n * G;
-      const float* sb = channels == 2 ? sa + G : sa;
+      const Channels weights{wp + n * (K / 2), wp + (n + channels - 1) * (K / 2), sp + n * G, sp + (n + channels - 1) * G};
       for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
         const int64_t rows = std::min(ROW_TILE, M - m0);
-        __m256 acca[ROW_TILE], accb[ROW_TILE];
-        for (int64_t r = 0; r < ROW_TILE; ++r) acca[r] = accb[r] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
-          const __m256i pa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wa + g * 32));
-          const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 32));
-          const __m256i lowa = _mm256_and_si256(pa, low_mask);
-          const __m256i higha = _mm256_and_si256(_mm256_srli_epi16(pa, 4), low_mask);
-          const __m256i lowb = _mm256_and_si256(pb, low_mask);
-          const __m256i highb = _mm256_and_si256(_mm256_srli_epi16(pb, 4), low_mask);
-          const float scalea = sa[g], scaleb = sb[g];
-          for (int64_t r = 0; r < rows; ++r) {
-            const int8_t* xg = xqp + (m0 + r) * K + g * GROUP;
-            const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
-            const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 32));
-            const float xscale = xsp[(m0 + r) * G + g];
-            // q in 0..15 times x in -127..127, pairs summed: |s| <= 4 * 15 * 127, no int16 saturation.
-            const __m256i suma = _mm256_add_epi16(_mm256_maddubs_epi16(lowa, x0), _mm256_maddubs_epi16(higha, x1));
-            const __m256i sumb = _mm256_add_epi16(_mm256_maddubs_epi16(lowb, x0), _mm256_maddubs_epi16(highb, x1));
-            acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(suma, ones)),
-                                      _mm256_set1_ps(scalea * xscale), acca[r]);
-            accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sumb, ones)),
-                                      _mm256_set1_ps(scaleb * xscale), accb[r]);
-          }
+        float dots[2][ROW_TILE];
+        const Rows tile{xqp + m0 * K, xsp + m0 * G, K, G};
+        switch (rows) {
+          case 1: dot_tile<1>(weights, tile, dots); break;
+          case 2: dot_tile<2>(weights, tile, dots); break;
+          case 3: dot_tile<3>(weights, tile, dots); break;
+          default: dot_tile<4>(weights, tile, dots); break;
         }
         for (int64_t r = 0; r < rows; ++r) {
           const float* xsum = xup + (m0 + r) * G;
@@ -115,7 +144,7 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scal
             const float* offset = op + (n + c) * G;
             float shift = 0.f;
             for (int64_t g = 0; g < G; ++g) shift += offset[g] * xsum[g];
-            outp[(m0 + r) * N + n + c] = horizontal_sum(c == 0 ? acca[r] : accb[r]) + shift;
+            outp[(m0 + r) * N + n + c] = dots[c][r] + shift;
           }
         }
       }
