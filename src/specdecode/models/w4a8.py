@@ -1,12 +1,12 @@
 """``--quantize w4a8``: int4 weights times int8 activations, our own kernel, for AVX2 CPUs.
 
 Why: on a 2-core AVX2-only AMD EPYC, torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) is bound by
-its arithmetic, not by memory: a 1536→8960 layer took 1.1 ms for one row (6 GB/s of int4 weights, half the
-memory bandwidth), and its cost grows with every row (4.2 ms for 8), so int4 decoding of
-``qwen2.5-coder-1.5b`` ran at 158 ms a token, 85% of it in that kernel, and llama.cpp decoded the same
-model twice as fast.  llama.cpp (and OpenVINO on CPUs) quantize the activations to int8 per block and
-multiply with integer dot products; this kernel does the same with AVX2's ``maddubs``: the same layer takes
-0.49 ms for one row (at memory bandwidth) and 2.5 ms for 8 (``docs/results/avx2/``).
+its arithmetic, not by memory: a 1536→8960 layer took 1.1 ms for one row and 4.2 ms for 8 (its cost grows
+with every row), so int4 decoding of ``qwen2.5-coder-1.5b`` spent 85% of its time in that kernel, and
+llama.cpp decoded the same model twice as fast.  llama.cpp (and OpenVINO on CPUs) quantize the activations
+to int8 per block and multiply with integer dot products; this kernel does the same with AVX2's
+``maddubs``: the same layer takes 0.33 ms for one row and 1.8 ms for 8 (fastest of 30, the weights warm in
+the cache; ``docs/results/avx2/w4a8_layer_timing.py``).
 
 What it computes: the weights are :class:`~specdecode.models.quantize.Int4Linear`'s (asymmetric int4,
 min-max per group of 64 inputs, scale and zero rounded to bf16), ``w = q * scale + offset``; each row of
