@@ -80,8 +80,9 @@ DENSE_BLOCK_SLICE = 512
 #: ``bf16-draft-bf16-*``.
 DEFAULT_DRAFT_QUANTIZE = "int4"
 #: The same where torch's CPU kernels are AVX2 code and our ``w4a8`` kernel runs: there a draft token took
-#: 26.0 ms in w4a8 against 38.7 ms in int4 (``smollm2-135m``) and 46.2 against 59.4 ms
-#: (``qwen2.5-coder-0.5b``), medians after a 500-token prompt on a 2-core AVX2 EPYC (``docs/results/avx2/``).
+#: 26.0 ms in w4a8 against 38.7 ms in int4 (``smollm2-135m``; 22.4 against 26.0 in another run) and 46.2
+#: against 59.4 ms (``qwen2.5-coder-0.5b``), medians after a 500-token prompt on a 2-core AVX2 EPYC
+#: (``docs/results/avx2/``).
 AVX2_DRAFT_QUANTIZE = "w4a8"
 
 
