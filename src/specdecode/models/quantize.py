@@ -87,10 +87,13 @@ AVX2_DRAFT_QUANTIZE = "w4a8"
 
 
 def default_draft_quantization() -> str:
-    """:data:`AVX2_DRAFT_QUANTIZE` on an AVX2 CPU that can build its kernel, else :data:`DEFAULT_DRAFT_QUANTIZE`
+    """:data:`AVX2_DRAFT_QUANTIZE` on an AVX2 CPU that builds its kernel, else :data:`DEFAULT_DRAFT_QUANTIZE`
     (on AVX-512 CPUs torch's int4 kernel is another code path, and w4a8 was not measured there)."""
     if torch.backends.cpu.get_cpu_capability() == "AVX2" and quantize_supported(AVX2_DRAFT_QUANTIZE):
-        return AVX2_DRAFT_QUANTIZE
+        from specdecode.models.w4a8 import kernel_builds
+
+        if kernel_builds():
+            return AVX2_DRAFT_QUANTIZE
     return DEFAULT_DRAFT_QUANTIZE
 
 

@@ -85,6 +85,17 @@ def w4a8_available() -> bool:
     return unavailable_reason() is None
 
 
+@functools.cache
+def kernel_builds() -> bool:
+    """Whether the kernel builds (or is built) here: what a default, unlike an explicit ``--quantize w4a8``,
+    must check before choosing it, since a compiler can be present and still fail (no Python headers)."""
+    try:
+        kernel()
+    except SpecDecodeError:
+        return False
+    return True
+
+
 def w4a8_fits(linear: nn.Linear) -> bool:
     return linear.in_features % GROUP == 0
 
