@@ -226,6 +226,18 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
 
 
+def int4_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] rounded as :class:`Int4Linear` (and ``w4a8``) store it: levels [out, in] int32 in
+    0..15, and per group of ``group_size`` inputs a scale and a zero [out, in / group_size] in bf16, with
+    ``w ≈ (q - 8) * scale + zero``; ``q`` is rounded against the scale and zero as stored."""
+    groups = weight.detach().float().reshape(weight.shape[0], -1, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
+    zero = (low + 8 * scale.float()).to(COMPUTE_DTYPE)
+    levels = (groups - zero.float()[..., None]) / scale.float()[..., None] + 8
+    return torch.round(levels).clamp(0, 15).to(torch.int32).reshape(weight.shape), scale, zero
+
+
 class Int4Linear(QuantizedLinear):
     """Asymmetric int4 per group of ``group_size`` inputs: ``w ≈ (q - 8) * scale + zero``, ``q`` in 0..15.
 
@@ -238,19 +250,14 @@ class Int4Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
         self.group_size = group_size
-        weight = linear.weight.detach().float()
-        groups = weight.reshape(self.out_features, self.in_features // group_size, group_size)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
-        zero = (low + 8 * scale.float()).to(COMPUTE_DTYPE)
-        levels = (groups - zero.float()[..., None]) / scale.float()[..., None] + 8
-        q = torch.round(levels).clamp(0, 15).to(torch.int32).reshape(weight.shape)
+        q, scale, zero = int4_levels(linear.weight, group_size)
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # [in_features // group_size, out_features, 2]: (scale, zero) per group and output channel.
         self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         if block_copy:  # from q directly: dequantized() multiplies an identity, far slower for big layers
-            dense = (q.reshape(groups.shape) - 8) * scale.float()[..., None] + zero.float()[..., None]
-            self.keep_block_weight(dense.reshape(weight.shape))
+            groups = q.reshape(self.out_features, -1, group_size)
+            dense = (groups - 8) * scale.float()[..., None] + zero.float()[..., None]
+            self.keep_block_weight(dense.reshape(q.shape))
 
     def dequantized(self) -> torch.Tensor:
         # The kernel is linear in its input: multiplying the identity reads the weight back (as bf16 values).

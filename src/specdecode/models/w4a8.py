@@ -33,28 +33,18 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.quantize import QuantizedLinear
+from specdecode.models.quantize import QuantizedLinear, int4_levels
 
 #: Inputs per weight group and per activation group (the kernel's unit).
 GROUP = 64
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run here, or None when it can (it may still have to be built)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"it needs an x86 CPU with AVX2, this is {platform.machine()}"
-    flags = _cpu_flags()
-    if not {"avx2", "fma"} <= flags:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):  # torch's AVX2 level implies FMA
         return "this CPU lacks AVX2 or FMA"
     if not (shutil.which("c++") or shutil.which("g++")):
         return "it is compiled on first use and no C++ compiler (c++ or g++) is on the PATH"
@@ -139,15 +129,10 @@ class W4A8Linear(QuantizedLinear):
     def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
         kernel()  # build (or load) it now: a missing compiler is a load-time error, not a mid-decode one
-        weight = linear.weight.detach().float()
-        groups = weight.reshape(self.out_features, self.in_features // GROUP, GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.bfloat16).tiny).to(torch.bfloat16).float()
-        zero = (low + 8 * scale).to(torch.bfloat16).float()
-        q = torch.round((groups - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
-        self.register_buffer("nibbles", pack_nibbles(q.reshape(weight.shape)))
-        self.register_buffer("scales", scale.contiguous())
-        self.register_buffer("offsets", (zero - 8 * scale).contiguous())
+        q, scale, zero = int4_levels(linear.weight, GROUP)
+        self.register_buffer("nibbles", pack_nibbles(q))
+        self.register_buffer("scales", scale.float())
+        self.register_buffer("offsets", zero.float() - 8 * scale.float())
         if block_copy:
             self.keep_block_weight(self.dequantized())
 
