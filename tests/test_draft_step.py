@@ -59,9 +59,14 @@ def test_a_quantized_llama_drafts_through_the_written_out_step(tiny_dirs, mode):
 
 def test_qwen2_biases_go_through_the_fused_projection():
     torch.manual_seed(0)
-    backend = quantized(tiny_qwen2(), "int4")
+    model = tiny_qwen2()
+    for name, parameter in model.named_parameters():  # transformers starts biases at zero: make them count
+        if name.endswith("bias"):
+            torch.nn.init.normal_(parameter, std=0.5)
+    backend = quantized(model, "int4")
     assert_steps_match_the_modules(backend)
     assert backend._draft_step.layers[0].qkv.bias is not None
+    assert backend.model.model.layers[0].self_attn.q_proj.bias is not None  # fusing left the layers' own
 
 
 def test_fused_weights_are_the_layers_own_storage_and_change_no_module_output(tiny_dirs):
@@ -70,17 +75,17 @@ def test_fused_weights_are_the_layers_own_storage_and_change_no_module_output(ti
     step = backend._draft_step
     layer, fused = backend.model.model.layers[0], step.layers[0]
     assert fused.gate_up.fused  # 2 x 128 output channels: whole blocks of the int4 layout on every CPU
-    storage = fused.gate_up.qweight.untyped_storage().data_ptr()
+    storage = fused.gate_up.layer.qweight.untyped_storage().data_ptr()
     for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
         assert projection.qweight.untyped_storage().data_ptr() == storage
     # 64 + 32 + 32 output channels: whole blocks of the layout on an AVX2 CPU, not on an AVX-512 one, where
     # each projection keeps its call and its own weight (no second copy is held).
     attention = layer.self_attn
     if fused.qkv.fused:
-        storage = fused.qkv.qweight.untyped_storage().data_ptr()
+        storage = fused.qkv.layer.qweight.untyped_storage().data_ptr()
         assert all(p.qweight.untyped_storage().data_ptr() == storage for p in (attention.q_proj, attention.k_proj))
     else:
-        assert fused.qkv.qweight is None
+        assert fused.qkv.layer is None
     assert torch.equal(backend.forward(PROMPT, backend.new_cache()).logits, before)
 
 

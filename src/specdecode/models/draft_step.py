@@ -31,7 +31,6 @@ from specdecode.models.base import apply_rotary
 from specdecode.models.quantize import Int4Linear, Int8Linear, QuantizedLinear
 from specdecode.models.ragged import SlotCache
 from specdecode.models.w4a8 import W4A8Linear
-from specdecode.models.w4a8 import kernel as w4a8_kernel
 
 #: transformers' ``model_type`` of the decoders laid out as Llama's (pre-norm RMSNorm scaled by its weight,
 #: rotary embedding by halves, grouped-query attention, gated SiLU MLP).
@@ -39,7 +38,8 @@ LEAN_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
 
 class FusedProjection:
-    """Several quantized projections of one input in one kernel call, where their packed weights concatenate.
+    """Several quantized projections of one input in one kernel call, where their packed weights concatenate
+    (:meth:`QuantizedLinear.fused`).
 
     Whether they do is checked once, bitwise, on a random row: torch's int4 CPU layout packs output channels
     in blocks, so parts whose sizes are not whole blocks (tiny test models) come out scrambled; those keep one
@@ -53,46 +53,27 @@ class FusedProjection:
         if any(bias is not None for bias in biases):
             parts = [bias if bias is not None else torch.zeros(size) for bias, size in zip(biases, self.sizes)]
             self.bias = torch.cat(parts).detach()
-        self.w4a8 = isinstance(layers[0], W4A8Linear)
-        if self.w4a8:  # every buffer is per output channel: they all concatenate
-            self.qweight: torch.Tensor | None = torch.cat([layer.nibbles for layer in layers])
-            self.scales: torch.Tensor | None = torch.cat([layer.scales for layer in layers])
-            self.offsets = torch.cat([layer.offsets for layer in layers])
-        else:
-            self.qweight = torch.cat([layer.qweight for layer in layers])
-            if isinstance(layers[0], Int4Linear):
-                self.group_size = layers[0].group_size
-                self.scales = torch.cat([layer.scales_zeros for layer in layers], dim=1).contiguous()
-            else:
-                self.scales = torch.cat([layer.scales for layer in layers])
+        self.layer: QuantizedLinear | None = layers[0].fused(layers)
         probe = torch.randn(1, layers[0].in_features, generator=torch.Generator().manual_seed(0))
         probe = probe.to(layers[0].input_dtype)
-        self.fused = torch.equal(self._kernel(probe), torch.cat([layer.matmul(probe) for layer in layers], dim=-1))
-        if not self.fused:
-            self.qweight = self.scales = self.offsets = None  # the layers keep their own weights; no second copy
+        expected = torch.cat([layer.matmul(probe) for layer in layers], dim=-1)
+        if not torch.equal(self.layer.matmul(probe), expected):
+            self.layer = None  # the layers keep their own weights; no second copy
             return
-        start = 0
-        for layer, size in zip(layers, self.sizes):
-            # rows of the packed weight: contiguous views
-            if self.w4a8:
-                layer.nibbles = self.qweight[start : start + size]
-                layer.scales, layer.offsets = self.scales[start : start + size], self.offsets[start : start + size]
-            else:
-                layer.qweight = self.qweight[start : start + size]
-            start += size
+        for name, dim in self.layer.channel_buffers:
+            if dim == 0:  # rows of the fused buffer: contiguous views
+                for layer, part in zip(layers, getattr(self.layer, name).split(self.sizes)):
+                    setattr(layer, name, part)
 
-    def _kernel(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.w4a8:
-            return w4a8_kernel().w4a8_mm(rows, self.qweight, self.scales, self.offsets)
-        if self.qweight.dtype == torch.int8:
-            return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.scales)
+    @property
+    def fused(self) -> bool:
+        return self.layer is not None
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """[1, in] rows in the layers' input dtype → [1, sum of sizes] fp32, biases added."""
-        if not self.fused:
+        if self.layer is None:
             return torch.cat([_project(layer, rows) for layer in self.layers], dim=-1)
-        out = self._kernel(rows).float()
+        out = self.layer.matmul(rows).float()
         return out + self.bias if self.bias is not None else out
 
 

@@ -35,6 +35,7 @@ gets a quantized copy for the matmul.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -154,6 +155,9 @@ class QuantizedLinear(nn.Module):
 
     #: What :meth:`matmul` takes: the kernels below want bf16 rows (see the module doc).
     input_dtype = COMPUTE_DTYPE
+    #: The buffers :meth:`matmul` reads, each with the dimension along which it lists output channels: layers
+    #: of one input concatenate along it into one (:meth:`fused`).  Empty: this kind does not fuse.
+    channel_buffers: tuple[tuple[str, int], ...] = ()
 
     def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
         super().__init__()
@@ -183,6 +187,19 @@ class QuantizedLinear(nn.Module):
         """[m, in_features] → [m, out_features] in :data:`COMPUTE_DTYPE`, without the bias."""
         raise NotImplementedError
 
+    def fused(self, layers: list[QuantizedLinear]) -> QuantizedLinear:
+        """A layer of this kind whose :meth:`matmul` gives ``layers``' outputs side by side, in one kernel call
+        (no bias, no block copy).  Whether the kernel's packed layout allows it is the caller's to check: torch's
+        int4 layout packs output channels in blocks, and parts that are not whole blocks come out scrambled."""
+        fused = copy.copy(self)
+        # Dicts of its own (a shallow copy shares them): its bias and buffers are set, the layers' stay theirs.
+        fused._parameters = {**self._parameters, "bias": None}
+        fused._buffers = {"tied_weight": None, "block_weight": None}
+        for name, dim in self.channel_buffers:
+            fused._buffers[name] = torch.cat([getattr(layer, name) for layer in layers], dim)
+        fused.out_features = sum(layer.out_features for layer in layers)
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         block = self.block_weight
@@ -208,6 +225,8 @@ class Int8Linear(QuantizedLinear):
     weights are centred on zero, and -128 is left out so that ``q`` and ``-q`` are both representable.
     ``q`` is rounded against the scale as stored (bf16), not as computed.
     """
+
+    channel_buffers = (("qweight", 0), ("scales", 0))
 
     def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
@@ -246,6 +265,8 @@ class Int4Linear(QuantizedLinear):
     ``_weight_int4pack_mm_for_cpu``, whose packed layout ``_convert_weight_to_int4pack_for_cpu`` makes.
     ``q`` is rounded against the scale and zero as stored (bf16), not as computed.
     """
+
+    channel_buffers = (("qweight", 0), ("scales_zeros", 1))
 
     def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)

@@ -125,6 +125,7 @@ class W4A8Linear(QuantizedLinear):
     the same row count as int4 layers do."""
 
     input_dtype = torch.float32
+    channel_buffers = (("nibbles", 0), ("scales", 0), ("offsets", 0))
 
     def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
