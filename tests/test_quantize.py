@@ -17,21 +17,23 @@ from specdecode.drafters._vocab import DraftHead
 from specdecode.engine import ancestor_mask
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models import loading, quantize, w4a8
+from specdecode.models import loading, quantize, quantized_layers, w4a8
 from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import (
+    default_draft_quantization,
+    draft_quantization,
+    quantize_model,
+    quantize_supported,
+)
+from specdecode.models.quantized_layers import (
     BLOCK_MIN_ROWS,
     DENSE_BLOCK_MIN_ROWS,
     Bf16Linear,
     Int4Linear,
     Int8Linear,
     RowSplit,
-    default_draft_quantization,
-    draft_quantization,
     free_row_calls,
     probe_row_split,
-    quantize_model,
-    quantize_supported,
 )
 from specdecode.models.w4a8 import W4A8Linear, reference_matmul, unavailable_reason
 from specdecode.types import Draft
@@ -175,15 +177,15 @@ def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type, packed, mon
     """int8 and int4 kernels cost about linearly in the rows, so a prompt (or a draft catching up) goes to a
     bf16 copy of the dequantized weight — oneDNN's bf16 layout, or a plain bf16 tensor multiplied in fp32
     slices where the CPU has no bf16 matmul; invariant calls (plain decoding, verification) never do."""
-    monkeypatch.setattr(quantize, "quantize_supported", lambda mode: packed or mode != "bf16")
-    monkeypatch.setattr(quantize, "DENSE_BLOCK_SLICE", 24)  # several slices, the last one partial
+    monkeypatch.setattr(quantized_layers, "bf16_matmul_supported", lambda: packed)
+    monkeypatch.setattr(quantized_layers, "DENSE_BLOCK_SLICE", 24)  # several slices, the last one partial
     linear = nn.Linear(128, 64)
     extra = {"group_size": 64} if layer_type is Int4Linear else {}
     layer, lean = layer_type(linear, tied=False, block_copy=True, **extra), layer_type(linear, tied=False, **extra)
     assert lean.block_weight is None and layer.block_weight.is_mkldnn == packed
     dense = layer.block_weight.to_dense() if packed else layer.block_weight
     torch.testing.assert_close(dense.float(), layer.dequantized(), rtol=0.01, atol=1e-3)
-    least = quantize._block_min_rows(layer.block_weight)
+    least = quantized_layers._block_min_rows(layer.block_weight)
     assert least == (BLOCK_MIN_ROWS if packed else DENSE_BLOCK_MIN_ROWS)
     x = torch.randn(least + 4, 128)
     with torch.inference_mode():
@@ -193,7 +195,7 @@ def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type, packed, mon
             assert torch.equal(layer(x[: least - 1]), kernel[: least - 1])  # too few rows
             copied = layer(x)
     if packed:
-        expected = quantize._packed_bf16_call(layer.block_weight, x.bfloat16()).float() + linear.bias
+        expected = quantized_layers._packed_bf16_call(layer.block_weight, x.bfloat16()).float() + linear.bias
     else:
         expected = x.bfloat16().float() @ dense.float().T + linear.bias
     torch.testing.assert_close(copied, expected, rtol=1e-5, atol=1e-5)
@@ -209,11 +211,12 @@ def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossle
     assert model.get_output_embeddings().block_weight is None  # the head gives prompts one row of logits
     assert model.get_submodule("model.layers.0.mlp.down_proj").block_weight is not None
     calls = []
-    exact = quantize._block_call
-    monkeypatch.setattr(quantize, "_block_call", lambda block, rows: calls.append(len(rows)) or exact(block, rows))
+    exact = quantized_layers._block_call
+    counting = lambda block, rows: calls.append(len(rows)) or exact(block, rows)
+    monkeypatch.setattr(quantized_layers, "_block_call", counting)
     prompt = [(7 * i) % 50 + 3 for i in range(40)]  # past DENSE_BLOCK_MIN_ROWS too
     plain, _ = run(target, create_drafter("none", target), prompt, max_new_tokens=24)
-    least = quantize._block_min_rows(model.get_submodule("model.layers.0.mlp.down_proj").block_weight)
+    least = quantized_layers._block_min_rows(model.get_submodule("model.layers.0.mlp.down_proj").block_weight)
     assert calls and min(calls) >= least  # the prompt's forward, and only it
     with free_row_calls():
         assert hf_greedy(target, prompt, 24) == plain
@@ -325,8 +328,9 @@ def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatc
     with torch.inference_mode():
         alone = torch.cat([layer(x[i : i + 1]) for i in range(70)])
         assert all(torch.equal(layer(x[:m]), alone[:m]) for m in (2, 5, 31, 32, 33, 64, 70))
-    exact = quantize._packed_bf16_call
-    monkeypatch.setattr(quantize, "_packed_bf16_call", lambda packed, rows: exact(packed, rows) + rows.sum().item())
+    exact = quantized_layers._packed_bf16_call
+    beside = lambda packed, rows: exact(packed, rows) + rows.sum().item()
+    monkeypatch.setattr(quantized_layers, "_packed_bf16_call", beside)
     assert probe_row_split(layer.packed, 96) == RowSplit(pad_single=False, chunk=1)
 
 

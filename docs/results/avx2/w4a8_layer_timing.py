@@ -7,7 +7,7 @@ import time
 import torch
 from torch import nn
 
-from specdecode.models.quantize import Int4Linear
+from specdecode.models.quantized_layers import Int4Linear
 from specdecode.models.w4a8 import W4A8Linear
 
 

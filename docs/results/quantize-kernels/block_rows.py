@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from specdecode.models.quantize import Int4Linear, Int8Linear, _packed_bf16_call
+from specdecode.models.quantized_layers import Int4Linear, Int8Linear, _packed_bf16_call
 
 SHAPES = [(896, 4864), (4864, 896), (896, 896), (1536, 8960), (8960, 1536)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 300)

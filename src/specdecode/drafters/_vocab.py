@@ -20,7 +20,8 @@ from specdecode.config import DEFAULT_DRAFT_VOCAB, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
-from specdecode.models.quantize import QuantizedLinear, quantized_like
+from specdecode.models.quantize import quantized_like
+from specdecode.models.quantized_layers import QuantizedLinear
 from specdecode.sampling import argmax_last, sample, sampling_probs
 
 

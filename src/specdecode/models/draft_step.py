@@ -15,7 +15,7 @@ every draft token with its own forward.  The fused weights share the layers' pac
 own weights become views of it), so nothing is held twice but the small scales.
 
 It takes models whose ``model_type`` is in :data:`LEAN_MODEL_TYPES`, with SiLU MLPs, no sliding window and
-every decoder projection an int4, int8 or w4a8 layer (:mod:`specdecode.models.quantize`, how draft models load
+every decoder projection an int4, int8 or w4a8 layer (:mod:`specdecode.models.quantized_layers`, how draft models load
 by default); any other model keeps its modules (:func:`build_draft_step` returns None).
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.models.base import apply_rotary
-from specdecode.models.quantize import Int4Linear, Int8Linear, QuantizedLinear
+from specdecode.models.quantized_layers import Int4Linear, Int8Linear, QuantizedLinear
 from specdecode.models.ragged import SlotCache
 from specdecode.models.w4a8 import W4A8Linear
 

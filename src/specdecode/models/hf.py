@@ -31,7 +31,7 @@ from specdecode.models.base import (
     SequenceInput,
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
-from specdecode.models.quantize import QuantizedLinear, free_row_calls
+from specdecode.models.quantized_layers import QuantizedLinear, free_row_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.threads import GOVERNOR
 

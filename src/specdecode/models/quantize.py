@@ -1,32 +1,16 @@
-"""Weight-only quantization of a loaded model's linear layers on the CPU: ``int8``, ``int4`` and ``bf16``.
+"""Weight-only quantization of a loaded model's linear layers on the CPU (``--quantize``): which modes exist,
+which layers take them, and the draft models' default.  The layers themselves are in
+:mod:`specdecode.models.quantized_layers` (``int8``, ``int4``, ``bf16``) and :mod:`specdecode.models.w4a8`.
 
 Why: decoding one token on a CPU reads every weight once, so a forward costs about its weight bytes over
 the memory bandwidth.  fp32 weights are 4 bytes each; int8 weights 1 byte (plus one scale per output
 channel) and int4 half a byte (plus a scale and a zero per group of ``in_features``).
 
-Which kernels: torch's own CPU weight-only matmuls, ``aten._weight_int8pack_mm`` (what gpt-fast uses) and
-``aten._weight_int4pack_mm_for_cpu``, fed bf16 activations: with fp32 activations both take a slow
-path (on a 2-core AVX-512 Xeon, int8 was 2-7x slower than the fp32 oneDNN layer it replaces and an
-8-row call cost 5-7x a 1-row one; int4 was worse), with bf16 ones they are the fastest kernels we measured.
-So a quantized layer rounds its input to bf16 and its output comes back as bf16 values in fp32; the rest
-of the model (embedding, norms, attention, residual stream) stays fp32.  ``torchao``'s CPU weight-only
-paths call the same int4 op, or dequantize the int8 weight on every call (eager mode), so it brings no
-kernel of its own here.  The measurements are in ``docs/results/quantize-kernels/``.
-
 Lossless: quantization changes the model, not the decoding.  :func:`quantize_model` replaces the layers
 once at load time, so plain decoding and speculative verification run the same quantized weights through
 the same kernels; greedy speculative output equals plain greedy output *of the quantized model* (tested),
-not of the fp32 one.  Both kernels are also batch invariant (measured bitwise, 1 to 64 rows, 1 and 2
-threads), and the backend then attends row by row (:mod:`specdecode.models.ragged`): a token's logits do
-not depend on how many tokens share the forward, bitwise, which the fp32 path cannot promise.  Bitwise
-matters here: the logits come in bf16 steps, so near-ties are common and a last-bit difference in a
-verification forward would break one differently from plain decoding.
-
-``bf16`` keeps 2 bytes per weight, in oneDNN's blocked layout, multiplied on bf16 activations (AMX where the
-CPU has it, :class:`Bf16Linear`).  It reads twice the bytes of int8, but its cost hardly grows with the rows of
-a call (measured 1.0x from 1 to 8 rows, against 2.4-3x for the int8 and int4 kernels): verifying a draft costs
-about what one plain token does, which is what speculation needs.  Its kernel is not batch invariant for
-every call shape, so each layer probes, once, how its calls must be cut to be (:func:`probe_row_split`).
+not of the fp32 one.  Every layer gives a row bitwise what it gives that row alone, which is what makes it
+hold (see :mod:`specdecode.models.quantized_layers`).
 
 Every decoder ``nn.Linear`` is quantized, and the LM head too (it is 15-21% of the weight bytes of the
 registered models).  A head tied to the input embedding keeps the embedding in fp32 for the look-up and
@@ -35,17 +19,21 @@ gets a quantized copy for the matmul.
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models import w4a8
+from specdecode.models.quantized_layers import (
+    Bf16Linear,
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    bf16_matmul_supported,
+    weight_only_kernels_present,
+)
 
 #: The values of ``--quantize`` (a contract: scripts pass them).
 QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "w4a8")
@@ -53,25 +41,6 @@ QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "w4a8")
 INT4_GROUP_SIZES = (64, 32)
 #: ``_convert_weight_to_int4pack_for_cpu`` packs output channels in blocks of this many.
 INT4_OUT_MULTIPLE = 16
-#: What the kernels compute in: their inputs, outputs, scales and zeros (see the module doc for why).
-COMPUTE_DTYPE = torch.bfloat16
-
-
-#: From this many rows on, a call of an int8 or int4 layer in which no row needs invariance
-#: (:func:`free_row_calls`) goes to the layer's bf16 copy, when it keeps one.  Both kernels cost about
-#: linearly in the rows (they loop over them), oneDNN's bf16 one hardly grows: on a 2-core AVX-512 Xeon a
-#: 896→4864 layer took 0.20 / 0.40 / 14.2 ms in int4 for 4 / 8 / 300 rows against 0.24 / 0.24 / 0.87 ms
-#: in bf16 (``docs/results/quantize-kernels/block-rows.md``).
-BLOCK_MIN_ROWS = 8
-#: The same threshold where the CPU has no oneDNN bf16 matmul (AVX2 only) and the copy is a plain bf16 tensor
-#: multiplied in fp32 slices (:func:`_dense_block_call`).  On a 2-core AVX2 EPYC, a 1536→8960 layer (Qwen2.5-1.5B's
-#: MLP) took 16.8 / 34.8 / 158 ms in int4 for 32 / 64 / 295 rows against 11.7 / 17.7 / 66.7 ms through the copy;
-#: under 32 rows the slices' conversion costs more than the int4 kernel saves.
-DENSE_BLOCK_MIN_ROWS = 32
-#: Output channels converted to fp32 at a time by :func:`_dense_block_call`: a slice stays in cache, where
-#: converting the whole weight at once (55 MB for that layer) cost 29 ms alone, and slicing even beat a
-#: resident fp32 copy (66.7 against 88.9 ms for 295 rows).
-DENSE_BLOCK_SLICE = 512
 
 
 #: A draft model's weights when ``--quantize-draft`` is not given.  A draft's precision never changes the
@@ -90,11 +59,12 @@ AVX2_DRAFT_QUANTIZE = "w4a8"
 def default_draft_quantization() -> str:
     """:data:`AVX2_DRAFT_QUANTIZE` on an AVX2 CPU that builds its kernel, else :data:`DEFAULT_DRAFT_QUANTIZE`
     (on AVX-512 CPUs torch's int4 kernel is another code path, and w4a8 was not measured there)."""
-    if torch.backends.cpu.get_cpu_capability() == "AVX2" and quantize_supported(AVX2_DRAFT_QUANTIZE):
-        from specdecode.models.w4a8 import kernel_builds
-
-        if kernel_builds():
-            return AVX2_DRAFT_QUANTIZE
+    if (
+        torch.backends.cpu.get_cpu_capability() == "AVX2"
+        and quantize_supported(AVX2_DRAFT_QUANTIZE)
+        and w4a8.kernel_builds()
+    ):
+        return AVX2_DRAFT_QUANTIZE
     return DEFAULT_DRAFT_QUANTIZE
 
 
@@ -121,293 +91,10 @@ def check_quantize(mode: str, flag: str = "--quantize") -> str:
 def quantize_supported(mode: str) -> bool:
     """Whether this torch build (for ``w4a8``: this CPU and a C++ compiler) has the CPU kernel of ``mode``."""
     if mode == "w4a8":
-        from specdecode.models.w4a8 import w4a8_available
-
-        return w4a8_available()
+        return w4a8.w4a8_available()
     if mode == "bf16":
-        mkldnn = torch.ops.mkldnn
-        return (
-            torch.backends.mkldnn.is_available()
-            and hasattr(mkldnn, "_linear_pointwise")
-            and bool(mkldnn._is_mkldnn_bf16_supported())
-        )
-    aten = torch.ops.aten
-    return all(
-        hasattr(aten, op)
-        for op in ("_weight_int8pack_mm", "_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")
-    )
-
-
-class QuantizedLinear(nn.Module):
-    """What int8 and int4 layers share: the shapes, the bias, and a dense view of the weight.
-
-    ``block_weight``, when kept, is the dequantized weight in bf16, in oneDNN's layout, for calls of many
-    rows where no row needs invariance (:data:`BLOCK_MIN_ROWS`): a 300-token prompt then costs a layer
-    about a sixteenth of what the int4 kernel takes, for two more bytes per weight held in memory.  A CPU
-    without oneDNN's bf16 matmul (AVX2 only) keeps it as a plain bf16 tensor, multiplied in fp32 slices
-    from :data:`DENSE_BLOCK_MIN_ROWS` rows on (2.4x faster than int4 for a 295-token prompt there).
-
-    ``weight`` is read by code that inspects shapes or copies rows of the LM head for a draft head
-    (``HFCausalLM.output_weight``).  A tied head answers with the fp32 embedding it was quantized from
-    (no copy, so checks against a head trained on the fp32 target still hold); an untied one with its
-    dequantized weight, computed on each read.
-    """
-
-    #: What :meth:`matmul` takes: the kernels below want bf16 rows (see the module doc).
-    input_dtype = COMPUTE_DTYPE
-    #: The buffers :meth:`matmul` reads, each with the dimension along which it lists output channels: layers
-    #: of one input concatenate along it into one (:meth:`fused`).  Empty: this kind does not fuse.
-    channel_buffers: tuple[tuple[str, int], ...] = ()
-
-    def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
-        super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.bias = linear.bias
-        self.register_buffer("tied_weight", linear.weight.detach() if tied else None, persistent=False)
-        self.register_buffer("block_weight", None, persistent=False)
-
-    def keep_block_weight(self, dense: torch.Tensor) -> None:
-        """Keep ``dense`` (the [out, in] weight this layer's kernel multiplies by) for many-row free calls: in
-        oneDNN's bf16 layout where the CPU has its bf16 matmul, else as a plain bf16 tensor."""
-        weight = dense.to(COMPUTE_DTYPE).contiguous()
-        self.block_weight = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, None) if quantize_supported("bf16") else weight
-        )
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.tied_weight if self.tied_weight is not None else self.dequantized()
-
-    def dequantized(self) -> torch.Tensor:
-        """The [out_features, in_features] weight this layer multiplies by, as a dense fp32 tensor."""
-        raise NotImplementedError
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """[m, in_features] → [m, out_features] in :data:`COMPUTE_DTYPE`, without the bias."""
-        raise NotImplementedError
-
-    def fused(self, layers: list[QuantizedLinear]) -> QuantizedLinear:
-        """A layer of this kind whose :meth:`matmul` gives ``layers``' outputs side by side, in one kernel call
-        (no bias, no block copy).  Whether the kernel's packed layout allows it is the caller's to check: torch's
-        int4 layout packs output channels in blocks, and parts that are not whole blocks come out scrambled."""
-        fused = copy.copy(self)
-        # Dicts of its own (a shallow copy shares them): its bias and buffers are set, the layers' stay theirs.
-        fused._parameters = {**self._parameters, "bias": None}
-        fused._buffers = {"tied_weight": None, "block_weight": None}
-        for name, dim in self.channel_buffers:
-            fused._buffers[name] = torch.cat([getattr(layer, name) for layer in layers], dim)
-        fused.out_features = sum(layer.out_features for layer in layers)
-        return fused
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        block = self.block_weight
-        if block is not None and rows.shape[0] >= _block_min_rows(block) and _FREE_ROWS.get():
-            out = _block_call(block, rows.to(COMPUTE_DTYPE).contiguous()).to(x.dtype)
-        else:
-            out = self.matmul(rows.to(self.input_dtype).contiguous()).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"tied={self.tied_weight is not None}"
-        )
-
-
-class Int8Linear(QuantizedLinear):
-    """Symmetric int8 per output channel: ``w[o, i] ≈ q[o, i] * scale[o]`` with ``q`` in -127..127.
-
-    One scale per row is what ``_weight_int8pack_mm`` takes; symmetric (no zero point) because decoder
-    weights are centred on zero, and -128 is left out so that ``q`` and ``-q`` are both representable.
-    ``q`` is rounded against the scale as stored (bf16), not as computed.
-    """
-
-    channel_buffers = (("qweight", 0), ("scales", 0))
-
-    def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
-        super().__init__(linear, tied=tied)
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
-        q = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scale)
-        if block_copy:
-            self.keep_block_weight(self.dequantized())
-
-    def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
-
-
-def int4_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``weight`` [out, in] rounded as :class:`Int4Linear` (and ``w4a8``) store it: levels [out, in] int32 in
-    0..15, and per group of ``group_size`` inputs a scale and a zero [out, in / group_size] in bf16, with
-    ``w ≈ (q - 8) * scale + zero``; ``q`` is rounded against the scale and zero as stored."""
-    groups = weight.detach().float().reshape(weight.shape[0], -1, group_size)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
-    zero = (low + 8 * scale.float()).to(COMPUTE_DTYPE)
-    levels = (groups - zero.float()[..., None]) / scale.float()[..., None] + 8
-    return torch.round(levels).clamp(0, 15).to(torch.int32).reshape(weight.shape), scale, zero
-
-
-class Int4Linear(QuantizedLinear):
-    """Asymmetric int4 per group of ``group_size`` inputs: ``w ≈ (q - 8) * scale + zero``, ``q`` in 0..15.
-
-    The min-max range of each group maps onto 0..15 (a zero per group keeps the range's full 16 levels,
-    which matters at 4 bits); ``zero`` is the value of the middle level 8, the convention of
-    ``_weight_int4pack_mm_for_cpu``, whose packed layout ``_convert_weight_to_int4pack_for_cpu`` makes.
-    ``q`` is rounded against the scale and zero as stored (bf16), not as computed.
-    """
-
-    channel_buffers = (("qweight", 0), ("scales_zeros", 1))
-
-    def __init__(self, linear: nn.Linear, *, tied: bool, group_size: int, block_copy: bool = False) -> None:
-        super().__init__(linear, tied=tied)
-        self.group_size = group_size
-        q, scale, zero = int4_levels(linear.weight, group_size)
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        # [in_features // group_size, out_features, 2]: (scale, zero) per group and output channel.
-        self.register_buffer("scales_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
-        if block_copy:  # from q directly: dequantized() multiplies an identity, far slower for big layers
-            groups = q.reshape(self.out_features, -1, group_size)
-            dense = (groups - 8) * scale.float()[..., None] + zero.float()[..., None]
-            self.keep_block_weight(dense.reshape(q.shape))
-
-    def dequantized(self) -> torch.Tensor:
-        # The kernel is linear in its input: multiplying the identity reads the weight back (as bf16 values).
-        eye = torch.eye(self.in_features, dtype=COMPUTE_DTYPE)
-        return self.matmul(eye).T.float().contiguous()
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, self.group_size, self.scales_zeros)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group_size={self.group_size}"
-
-
-@dataclass(frozen=True)
-class RowSplit:
-    """How calls to one bf16 layer are cut so that a row's result never depends on the rows beside it.
-
-    oneDNN picks its kernel and blocking from the call's shape: on a 2-core AVX-512 Xeon (AMX), a call of
-    2 to 32 rows gave every row bitwise what a call of that row alone gave, except that one-row calls with
-    8,960 inputs (Qwen2.5-1.5B's down projection) took another kernel, and calls of more than 32 rows
-    another blocking.  So a one-row call may be sent as two rows (the row twice) and longer calls are cut."""
-
-    pad_single: bool  # a one-row call is sent as the row twice
-    chunk: int  # calls of more rows are cut into calls of at most this many (1: row by row)
-
-
-#: The chunk sizes a probe tries, largest first.
-ROW_CHUNKS = (32, 16, 8, 4, 2)
-
-#: The probed split per (in_features, out_features, threads).
-_SPLITS: dict[tuple[int, int, int], RowSplit] = {}
-#: Set while no row of a forward needs batch invariance (:func:`free_row_calls`).
-_FREE_ROWS: ContextVar[bool] = ContextVar("free_rows", default=False)
-
-
-@contextmanager
-def free_row_calls() -> Iterator[None]:
-    """Within, layers take their fastest kernel for the call's rows, whether or not it is batch invariant.
-
-    For forwards no output depends on bitwise: a prompt's prefill (plain and speculative decoding prefill it
-    by the same call) and a draft model's forwards.  bf16 layers then multiply all rows in one uncut call
-    (cut into 32-row calls a 500-token prompt read every weight 16 times: 8x slower on a Qwen2.5-1.5B MLP
-    layer), and int8 and int4 layers with a :attr:`QuantizedLinear.block_weight` use it from
-    :data:`BLOCK_MIN_ROWS` rows on."""
-    token = _FREE_ROWS.set(True)
-    try:
-        yield
-    finally:
-        _FREE_ROWS.reset(token)
-
-
-def _packed_bf16_call(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-
-
-def _block_min_rows(block: torch.Tensor) -> int:
-    return BLOCK_MIN_ROWS if block.is_mkldnn else DENSE_BLOCK_MIN_ROWS
-
-
-def _block_call(block: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[m, in] bf16 rows times a layer's block copy (:attr:`QuantizedLinear.block_weight`), either kind."""
-    return _packed_bf16_call(block, rows) if block.is_mkldnn else _dense_block_call(block, rows)
-
-
-def _dense_block_call(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[m, in] rows times a plain bf16 [out, in] weight, in fp32, :data:`DENSE_BLOCK_SLICE` output channels at a
-    time converted into one reused buffer: the CPU has no bf16 matmul, and fp32 products of many rows beat the
-    int4 and int8 kernels, which loop over the rows."""
-    rows = rows.float()
-    out = rows.new_empty(rows.shape[0], weight.shape[0])
-    buffer = rows.new_empty(min(DENSE_BLOCK_SLICE, weight.shape[0]), weight.shape[1])
-    for start in range(0, weight.shape[0], DENSE_BLOCK_SLICE):
-        part = weight[start : start + DENSE_BLOCK_SLICE]
-        converted = buffer[: part.shape[0]]
-        converted.copy_(part)
-        torch.mm(rows, converted.T, out=out[:, start : start + part.shape[0]])
-    return out
-
-
-def _split_call(packed: torch.Tensor, rows: torch.Tensor, split: RowSplit) -> torch.Tensor:
-    if rows.shape[0] > split.chunk:
-        return torch.cat([_split_call(packed, part, split) for part in rows.split(split.chunk)])
-    if rows.shape[0] == 1 and split.pad_single:
-        return _packed_bf16_call(packed, rows.expand(2, -1).contiguous())[:1]
-    return _packed_bf16_call(packed, rows)
-
-
-def probe_row_split(packed: torch.Tensor, in_features: int) -> RowSplit:
-    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise, on 32
-    random rows: one row alone against the same row in every call of 2 up to the chunk size.  The
-    kernel's reduction order does not depend on the values, so random rows find every difference; with no
-    split that passes, calls go row by row (chunk 1), which is invariant by construction."""
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(max(ROW_CHUNKS), in_features, generator=generator).to(COMPUTE_DTYPE)
-    for pad_single in (False, True):
-        alone = RowSplit(pad_single, 1)
-        reference = torch.cat([_split_call(packed, rows[i : i + 1], alone) for i in range(len(rows))])
-        for chunk in ROW_CHUNKS:
-            if all(torch.equal(_packed_bf16_call(packed, rows[:m]), reference[:m]) for m in range(2, chunk + 1)):
-                return RowSplit(pad_single, chunk)
-    return RowSplit(False, 1)
-
-
-class Bf16Linear(QuantizedLinear):
-    """A bf16 weight in oneDNN's blocked layout, multiplied on bf16 activations (AMX where the CPU has it).
-
-    Calls are cut as :class:`RowSplit` says, so that verification rows get bitwise what plain decoding's
-    one-row calls get.  The probe runs on a layer's first call, once per weight shape and thread count
-    (:data:`_SPLITS`), since the kernel choice depends on nothing else."""
-
-    def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
-        super().__init__(linear, tied=tied)
-        weight = linear.weight.detach().to(COMPUTE_DTYPE)
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
-
-    @property
-    def split(self) -> RowSplit:
-        key = (self.in_features, self.out_features, torch.get_num_threads())
-        if key not in _SPLITS:
-            _SPLITS[key] = probe_row_split(self.packed, self.in_features)
-        return _SPLITS[key]
-
-    def dequantized(self) -> torch.Tensor:
-        return self.packed.to_dense().float()
-
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if _FREE_ROWS.get():
-            return _packed_bf16_call(self.packed, rows)
-        return _split_call(self.packed, rows, self.split)
+        return bf16_matmul_supported()
+    return weight_only_kernels_present()
 
 
 def int4_group_size(linear: nn.Linear) -> int | None:
@@ -424,10 +111,8 @@ def quantized_like(layer: nn.Module, linear: nn.Linear) -> QuantizedLinear | Non
         return Int8Linear(linear, tied=False)
     if isinstance(layer, Bf16Linear):
         return Bf16Linear(linear, tied=False)
-    from specdecode.models.w4a8 import W4A8Linear, w4a8_fits
-
-    if isinstance(layer, W4A8Linear):
-        return W4A8Linear(linear, tied=False) if w4a8_fits(linear) else None
+    if isinstance(layer, w4a8.W4A8Linear):
+        return w4a8.W4A8Linear(linear, tied=False) if w4a8.w4a8_fits(linear) else None
     if isinstance(layer, Int4Linear):
         group_size = int4_group_size(linear)
         return Int4Linear(linear, tied=False, group_size=group_size) if group_size else None
@@ -454,9 +139,7 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
                 " int8 and int4 run on it"
             )
         if mode == "w4a8":
-            from specdecode.models.w4a8 import kernel
-
-            kernel()  # raises the one-line reason
+            w4a8.kernel()  # raises the one-line reason
         raise SpecDecodeError(f"--quantize {mode}: this torch build has no CPU kernel for it")
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -471,11 +154,9 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
         elif mode == "bf16":
             module = Bf16Linear(linear, tied=tied)
         elif mode == "w4a8":
-            from specdecode.models.w4a8 import W4A8Linear, w4a8_fits
-
-            if not w4a8_fits(linear):
+            if not w4a8.w4a8_fits(linear):
                 continue
-            module = W4A8Linear(linear, tied=tied, block_copy=copy)
+            module = w4a8.W4A8Linear(linear, tied=tied, block_copy=copy)
         else:
             group_size = int4_group_size(linear)
             if group_size is None:

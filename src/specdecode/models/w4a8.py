@@ -8,7 +8,7 @@ to int8 per block and multiply with integer dot products; this kernel does the s
 ``maddubs``: the same layer takes 0.33 ms for one row and 1.8 ms for 8 (fastest of 30, the weights warm in
 the cache; ``docs/results/avx2/w4a8_layer_timing.py``).
 
-What it computes: the weights are :class:`~specdecode.models.quantize.Int4Linear`'s (asymmetric int4,
+What it computes: the weights are :class:`~specdecode.models.quantized_layers.Int4Linear`'s (asymmetric int4,
 min-max per group of 64 inputs, scale and zero rounded to bf16), ``w = q * scale + offset``; each row of
 the input is quantized to int8 per group of 64 (scale ``max|x| / 127``, round to nearest), each group's
 integer dot product is scaled in fp32 and the offsets multiply the group's exact fp32 sum.  It is a
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
-from specdecode.models.quantize import QuantizedLinear, int4_levels
+from specdecode.models.quantized_layers import QuantizedLinear, int4_levels
 
 #: Inputs per weight group and per activation group (the kernel's unit).
 GROUP = 64
@@ -117,7 +117,7 @@ def reference_matmul(layer: W4A8Linear, rows: torch.Tensor) -> torch.Tensor:
 
 
 class W4A8Linear(QuantizedLinear):
-    """Int4 weights (as :class:`~specdecode.models.quantize.Int4Linear` rounds them, groups of 64) multiplied
+    """Int4 weights (as :class:`~specdecode.models.quantized_layers.Int4Linear` rounds them, groups of 64) multiplied
     by int8-quantized activations in :func:`kernel`; fp32 in, fp32 out.
 
     Buffers: ``nibbles`` [out, in/2] uint8 (:func:`pack_nibbles`), ``scales`` and ``offsets`` [out, in/64]
