@@ -125,6 +125,8 @@ class QuantizedLinear(nn.Module):
         """A layer of this kind whose :meth:`matmul` gives ``layers``' outputs side by side, in one kernel call
         (no bias, no block copy).  Whether the kernel's packed layout allows it is the caller's to check: torch's
         int4 layout packs output channels in blocks, and parts that are not whole blocks come out scrambled."""
+        if not self.channel_buffers:
+            raise TypeError(f"{type(self).__name__} layers do not fuse")
         fused = copy.copy(self)
         # Dicts of its own (a shallow copy shares them): its bias and buffers are set, the layers' stay theirs.
         fused._parameters = {**self._parameters, "bias": None}
