@@ -61,8 +61,9 @@ class FusedProjection:
             self.layer = None  # the layers keep their own weights; no second copy
             return
         for name, dim in self.layer.channel_buffers:
-            if dim == 0:  # rows of the fused buffer: contiguous views
-                for layer, part in zip(layers, getattr(self.layer, name).split(self.sizes)):
+            if dim == 0:  # rows of the fused buffer: contiguous views (w4a8 keeps a row per channel pair)
+                sizes = [getattr(layer, name).shape[0] for layer in layers]
+                for layer, part in zip(layers, getattr(self.layer, name).split(sizes)):
                     setattr(layer, name, part)
 
     @property

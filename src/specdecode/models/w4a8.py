@@ -37,6 +37,8 @@ from specdecode.models.quantized_layers import QuantizedLinear, int4_levels
 
 #: Inputs per weight group and per activation group (the kernel's unit).
 GROUP = 64
+#: Bytes of one group of one channel pair in :func:`pack_blocks`' layout: 2 x 32 of nibbles, 4 bf16 numbers.
+BLOCK_BYTES = 72
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
 
 
@@ -87,20 +89,38 @@ def kernel_builds() -> bool:
 
 
 def w4a8_fits(linear: nn.Linear) -> bool:
-    return linear.in_features % GROUP == 0
+    return linear.in_features % GROUP == 0 and linear.out_features % 2 == 0
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] levels 0..15 → [N, K/2] uint8 in the kernel's layout: byte j of group g holds level g*64 + j in
-    its low nibble and level g*64 + 32 + j in its high one (one AVX2 load unpacks into 32 + 32 inputs)."""
-    halves = q.to(torch.uint8).reshape(q.shape[0], -1, 2, GROUP // 2)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(q.shape[0], -1).contiguous()
+def pack_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Levels [N, K] in 0..15 and bf16 scales and zeros [N, K/64] (:func:`int4_levels`) → the kernel's layout,
+    [N/2, K/64 * 72] uint8: per pair of output channels, its groups in order, each the two channels' 32 bytes
+    of nibbles (byte j: level j low, level 32 + j high; one AVX2 load unpacks into 32 + 32 inputs) and then
+    their scales and zeros' bf16 bits (scale a, scale b, zero a, zero b).  One contiguous run per pair is
+    one memory stream per thread."""
+    n, k = q.shape
+    if n % 2:
+        raise ValueError("w4a8 packs output channels in pairs: out_features must be even")
+    halves = q.to(torch.uint8).reshape(n, -1, 2, GROUP // 2)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n // 2, 2, -1, GROUP // 2)
+    levels = nibbles.transpose(1, 2).reshape(n // 2, -1, GROUP)  # [pairs, G, 64]
+    floats = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=1)  # [N, 2, G]
+    floats = floats.reshape(n // 2, 2, 2, -1).permute(0, 3, 2, 1).contiguous()  # [pairs, G, kind, channel]
+    floats = floats.view(torch.uint8).reshape(n // 2, -1, 8)
+    return torch.cat([levels, floats], dim=-1).reshape(n // 2, -1).contiguous()
 
 
-def unpack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_nibbles`: [N, K] levels as int64."""
-    groups = nibbles.reshape(nibbles.shape[0], -1, GROUP // 2).long()
-    return torch.cat([groups & 15, groups >> 4], dim=-1).reshape(nibbles.shape[0], -1)
+def unpack_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_blocks`: levels [N, K] int64, and fp32 scales and offsets [N, K/64] with
+    ``w = q * scale + offset`` (``offset = zero - 8 * scale``, as the kernel computes it)."""
+    pairs = blocks.shape[0]
+    groups = blocks.reshape(pairs, -1, BLOCK_BYTES)
+    nibbles = groups[..., :GROUP].reshape(pairs, -1, 2, GROUP // 2).transpose(1, 2).long()  # [pairs, 2, G, 32]
+    levels = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(2 * pairs, -1)
+    floats = groups[..., GROUP:].contiguous().view(torch.bfloat16).float()  # [pairs, G, 4]
+    floats = floats.reshape(pairs, -1, 2, 2).permute(0, 3, 2, 1).reshape(2 * pairs, 2, -1)  # [N, kind, G]
+    scale, zero = floats[:, 0], floats[:, 1]
+    return levels, scale, zero - 8 * scale
 
 
 def reference_matmul(layer: W4A8Linear, rows: torch.Tensor) -> torch.Tensor:
@@ -111,36 +131,34 @@ def reference_matmul(layer: W4A8Linear, rows: torch.Tensor) -> torch.Tensor:
     step = groups.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
     rounded = torch.round(groups * inverse) * step  # [M, G, 64]
-    levels = unpack_nibbles(layer.nibbles).float().reshape(layer.out_features, -1, GROUP)  # [N, G, 64]
+    q, scale, offset = unpack_blocks(layer.blocks)
+    levels = q.float().reshape(layer.out_features, -1, GROUP)  # [N, G, 64]
     dots = torch.einsum("mgk,ngk->mng", rounded, levels)
-    return (dots * layer.scales).sum(-1) + groups.sum(-1) @ layer.offsets.T
+    return (dots * scale).sum(-1) + groups.sum(-1) @ offset.T
 
 
 class W4A8Linear(QuantizedLinear):
     """Int4 weights (as :class:`~specdecode.models.quantized_layers.Int4Linear` rounds them, groups of 64) multiplied
     by int8-quantized activations in :func:`kernel`; fp32 in, fp32 out.
 
-    Buffers: ``nibbles`` [out, in/2] uint8 (:func:`pack_nibbles`), ``scales`` and ``offsets`` [out, in/64]
-    fp32 with ``w = q * scale + offset``.  Prompts and drafts go to the bf16 block copy from
-    the same row count as int4 layers do."""
+    Buffer: ``blocks`` [out/2, in/64 * 72] uint8 (:func:`pack_blocks`).  Prompts and drafts go to the bf16
+    block copy from the same row count as int4 layers do."""
 
     input_dtype = torch.float32
-    channel_buffers = (("nibbles", 0), ("scales", 0), ("offsets", 0))
+    channel_buffers = (("blocks", 0),)
 
     def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
         super().__init__(linear, tied=tied)
         kernel()  # build (or load) it now: a missing compiler is a load-time error, not a mid-decode one
-        q, scale, zero = int4_levels(linear.weight, GROUP)
-        self.register_buffer("nibbles", pack_nibbles(q))
-        self.register_buffer("scales", scale.float())
-        self.register_buffer("offsets", zero.float() - 8 * scale.float())
+        self.register_buffer("blocks", pack_blocks(*int4_levels(linear.weight, GROUP)))
         if block_copy:
             self.keep_block_weight(self.dequantized())
 
     def dequantized(self) -> torch.Tensor:
-        levels = unpack_nibbles(self.nibbles).float().reshape(self.out_features, -1, GROUP)
-        dense = levels * self.scales[..., None] + self.offsets[..., None]
+        q, scale, offset = unpack_blocks(self.blocks)
+        levels = q.float().reshape(self.out_features, -1, GROUP)
+        dense = levels * scale[..., None] + offset[..., None]
         return dense.reshape(self.out_features, self.in_features)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return kernel().w4a8_mm(rows.float().contiguous(), self.nibbles, self.scales, self.offsets)
+        return kernel().w4a8_mm(rows.float().contiguous(), self.blocks)

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -45,71 +46,96 @@ void quantize_rows(const float* x, int64_t groups, int8_t* xq, float* scales, fl
   });
 }
 
-struct Channels {  // two output channels' packed levels and scales (the same channel twice at an odd end)
-  const uint8_t* levels_a;
-  const uint8_t* levels_b;
-  const float* scales_a;
-  const float* scales_b;
+// One group of two output channels, as the weights are laid out: each channel pair is one contiguous run of
+// these, in group order, so a thread streams one sequential region per pair (with separate arrays for the
+// levels, scales and offsets the kernel read four streams at a time and reached half the memory bandwidth).
+// Scales and zeros stay in bf16, as int4_levels rounded them: 72 bytes per group instead of 80 with fp32
+// offsets, and reading the weights is what a one-row call waits for.
+struct PairGroup {
+  uint8_t levels_a[32];  // byte j: level j in the low nibble, level 32 + j in the high one
+  uint8_t levels_b[32];
+  uint16_t scale_a, scale_b, zero_a, zero_b;  // bf16 bits; w = (q - 8) * scale + zero
 };
+static_assert(sizeof(PairGroup) == 72, "the Python side packs 72-byte groups");
 
-struct Rows {  // a tile of quantized rows: int8 inputs [rows, K] and their scales [rows, G]
+inline float from_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+struct Rows {  // a tile of quantized rows: int8 inputs [rows, K], their scales and fp32 sums [rows, G]
   const int8_t* inputs;
   const float* scales;
+  const float* sums;
   int64_t K;
   int64_t G;
 };
 
-// The scaled dot products of R rows with two channels, without the offsets' term.  R is a compile-time
-// constant so that the accumulators stay in registers; each row's arithmetic is the same for every R.
+// How far ahead (in groups) the next weights are requested: the hardware prefetcher alone left the loads
+// waiting on memory.
+constexpr int64_t PREFETCH_GROUPS = 8;
+
+// The dot products of R rows with one channel pair.  R is a compile-time constant so that the accumulators
+// stay in registers; each row's arithmetic is the same for every R.  The offsets' term (offset times the
+// group's fp32 sum) is a scalar chain per row and channel, summed in the same loop so that its latency
+// hides behind the vector work: summed after the loop it took as long as the integer dots.
 template <int R>
-inline void dot_tile(const Channels& w, const Rows& x, float dots[2][ROW_TILE]) {
+inline void dot_tile(const PairGroup* w, const Rows& x, float dots[2][ROW_TILE]) {
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acca[R], accb[R];
-  for (int r = 0; r < R; ++r) acca[r] = accb[r] = _mm256_setzero_ps();
+  float shifta[R], shiftb[R];
+  for (int r = 0; r < R; ++r) {
+    acca[r] = accb[r] = _mm256_setzero_ps();
+    shifta[r] = shiftb[r] = 0.f;
+  }
   for (int64_t g = 0; g < x.G; ++g) {
-    const __m256i pa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.levels_a + g * 32));
-    const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.levels_b + g * 32));
+    const PairGroup& block = w[g];
+    _mm_prefetch(reinterpret_cast<const char*>(&block + PREFETCH_GROUPS), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(&block + PREFETCH_GROUPS) + 64, _MM_HINT_T0);  // 72 bytes span 2 lines
+    // 8 * scale is exact, so the offset is the same float however the compiler contracts this.
+    const float scalea = from_bf16(block.scale_a), scaleb = from_bf16(block.scale_b);
+    const float offseta = from_bf16(block.zero_a) - 8.f * scalea, offsetb = from_bf16(block.zero_b) - 8.f * scaleb;
+    const __m256i pa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.levels_a));
+    const __m256i pb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.levels_b));
     const __m256i lowa = _mm256_and_si256(pa, low_mask);
     const __m256i higha = _mm256_and_si256(_mm256_srli_epi16(pa, 4), low_mask);
     const __m256i lowb = _mm256_and_si256(pb, low_mask);
     const __m256i highb = _mm256_and_si256(_mm256_srli_epi16(pb, 4), low_mask);
-    const float scalea = w.scales_a[g], scaleb = w.scales_b[g];
     for (int r = 0; r < R; ++r) {
       const int8_t* xg = x.inputs + r * x.K + g * GROUP;
       const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg));
       const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 32));
-      const float xscale = x.scales[r * x.G + g];
+      const float xscale = x.scales[r * x.G + g], xsum = x.sums[r * x.G + g];
+      shifta[r] += offseta * xsum;
+      shiftb[r] += offsetb * xsum;
       // q in 0..15 times x in -127..127, pairs summed: |s| <= 4 * 15 * 127, no int16 saturation.
       const __m256i suma = _mm256_add_epi16(_mm256_maddubs_epi16(lowa, x0), _mm256_maddubs_epi16(higha, x1));
       const __m256i sumb = _mm256_add_epi16(_mm256_maddubs_epi16(lowb, x0), _mm256_maddubs_epi16(highb, x1));
-      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(suma, ones)), _mm256_set1_ps(scalea * xscale),
-                                acca[r]);
-      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sumb, ones)), _mm256_set1_ps(scaleb * xscale),
-                                accb[r]);
+      acca[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(suma, ones)),
+                                _mm256_set1_ps(scalea * xscale), acca[r]);
+      accb[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sumb, ones)),
+                                _mm256_set1_ps(scaleb * xscale), accb[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    dots[0][r] = horizontal_sum(acca[r]);
-    dots[1][r] = horizontal_sum(accb[r]);
+    dots[0][r] = horizontal_sum(acca[r]) + shifta[r];
+    dots[1][r] = horizontal_sum(accb[r]) + shiftb[r];
   }
 }
 
 }  // namespace
 
-// x [M, K] fp32; nibbles [N, K/2] uint8, where byte j of group g holds q[g*64 + j] in its low nibble and
-// q[g*64 + 32 + j] in its high one; scales, offsets [N, K/64] fp32, so that w = q * scale + offset.
-// Returns x @ w.T, [M, N] fp32.
-torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scales, torch::Tensor offsets) {
+// x [M, K] fp32; blocks [N/2, K/64 * 72] uint8, channel pair p's groups in order (PairGroup).  Returns x @ w.T, [M, N] fp32.
+torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor blocks) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x: contiguous [M, K] fp32");
-  const int64_t M = x.size(0), K = x.size(1), N = nibbles.size(0), G = K / GROUP;
+  const int64_t M = x.size(0), K = x.size(1), pairs = blocks.size(0), N = 2 * pairs, G = K / GROUP;
   TORCH_CHECK(K % GROUP == 0, "in_features must be a multiple of 64");
-  TORCH_CHECK(nibbles.scalar_type() == torch::kUInt8 && nibbles.is_contiguous() && nibbles.size(1) * 2 == K,
-              "nibbles: contiguous [N, K/2] uint8");
-  TORCH_CHECK(scales.is_contiguous() && offsets.is_contiguous() && scales.size(0) == N && scales.size(1) == G &&
-                  offsets.sizes() == scales.sizes() && scales.scalar_type() == torch::kFloat &&
-                  offsets.scalar_type() == torch::kFloat,
-              "scales, offsets: contiguous [N, K/64] fp32");
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.dim() == 2 &&
+                  blocks.size(1) == G * static_cast<int64_t>(sizeof(PairGroup)),
+              "blocks: contiguous [N/2, K/64 * 72] uint8");
   auto out = torch::empty({M, N}, x.options());
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto xscales = torch::empty({M, G}, x.options());
@@ -118,35 +144,24 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor nibbles, torch::Tensor scal
   const int8_t* xqp = xq.data_ptr<int8_t>();
   const float* xsp = xscales.data_ptr<float>();
   const float* xup = xsums.data_ptr<float>();
-  const uint8_t* wp = nibbles.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.data_ptr<float>();
+  const PairGroup* wp = reinterpret_cast<const PairGroup*>(blocks.data_ptr<uint8_t>());
   float* outp = out.data_ptr<float>();
   // Two output channels at a time: each activation load serves both, and their dependency chains interleave.
-  at::parallel_for(0, (N + 1) / 2, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs, 8, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n = 2 * pair;
-      const int64_t channels = std::min<int64_t>(2, N - n);
-      const Channels weights{wp + n * (K / 2), wp + (n + channels - 1) * (K / 2), sp + n * G, sp + (n + channels - 1) * G};
+      const PairGroup* weights = wp + pair * G;
       for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
         const int64_t rows = std::min(ROW_TILE, M - m0);
         float dots[2][ROW_TILE];
-        const Rows tile{xqp + m0 * K, xsp + m0 * G, K, G};
+        const Rows tile{xqp + m0 * K, xsp + m0 * G, xup + m0 * G, K, G};
         switch (rows) {
           case 1: dot_tile<1>(weights, tile, dots); break;
           case 2: dot_tile<2>(weights, tile, dots); break;
           case 3: dot_tile<3>(weights, tile, dots); break;
           default: dot_tile<4>(weights, tile, dots); break;
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* xsum = xup + (m0 + r) * G;
-          for (int64_t c = 0; c < channels; ++c) {
-            const float* offset = op + (n + c) * G;
-            float shift = 0.f;
-            for (int64_t g = 0; g < G; ++g) shift += offset[g] * xsum[g];
-            outp[(m0 + r) * N + n + c] = dots[c][r] + shift;
-          }
-        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < 2; ++c) outp[(m0 + r) * N + 2 * pair + c] = dots[c][r];
       }
     }
   });
