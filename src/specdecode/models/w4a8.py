@@ -5,8 +5,11 @@ its arithmetic, not by memory: a 1536→8960 layer took 1.1 ms for one row and 4
 with every row), so int4 decoding of ``qwen2.5-coder-1.5b`` spent 85% of its time in that kernel, and
 llama.cpp decoded the same model twice as fast.  llama.cpp (and OpenVINO on CPUs) quantize the activations
 to int8 per block and multiply with integer dot products; this kernel does the same with AVX2's
-``maddubs``: the same layer takes 0.33 ms for one row and 1.8 ms for 8 (fastest of 30, the weights warm in
-the cache; ``docs/results/avx2/w4a8_layer_timing.py``).
+``maddubs``.  The same layer, with its weights cold as in decoding, takes 0.50 ms for one row (7.7 MB read at 15 GB/s,
+near the machine's 19-22 GB/s; torch's int4: 1.1 ms) and 1.3 ms for 8 (int4: 4.1 ms;
+``docs/results/avx2/w4a8_layer_timing.py``).  What got it there: one contiguous, prefetched run of
+weights per channel pair (from 0.72 ms for one row with separate arrays), and the lanes of each group's
+integer dots summed across before one conversion and one fma (8 rows: 1.75 → 1.3 ms).
 
 What it computes: the weights are :class:`~specdecode.models.quantized_layers.Int4Linear`'s (asymmetric int4,
 min-max per group of 64 inputs, scale and zero rounded to bf16), ``w = q * scale + offset``; each row of
