@@ -202,6 +202,20 @@ def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type, packed, mon
     torch.testing.assert_close(copied, kernel, rtol=0.05, atol=0.05)
 
 
+@needs_w4a8
+@pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_bf16, id="onednn-bf16"), False], ids=str)
+def test_w4a8_keeps_a_block_copy_only_where_onednn_multiplies_bf16(packed, monkeypatch):
+    """Without oneDNN's bf16 matmul the copy would be multiplied in fp32 slices, slower than the w4a8 kernel at
+    every row count: prompts then go through the kernel and the layer holds no second copy of its weights."""
+    monkeypatch.setattr(w4a8, "bf16_matmul_supported", lambda: packed)
+    layer = W4A8Linear(nn.Linear(128, 64), tied=False, block_copy=True)
+    assert (layer.block_weight is not None) == packed
+    x = torch.randn(DENSE_BLOCK_MIN_ROWS + 4, 128)
+    with torch.inference_mode(), free_row_calls():
+        if not packed:
+            assert torch.equal(layer(x), layer.matmul(x) + layer.bias)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossless(quantized, mode, monkeypatch):
     """A prompt of many tokens and a draft model catching up on it take the bf16 copies; plain decoding,
