@@ -33,6 +33,7 @@ from specdecode.models.base import (
 from specdecode.models.draft_step import DraftStep, build_draft_step
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
+from specdecode.models.target_step import TargetStep, takes_target_step
 from specdecode.threads import GOVERNOR
 
 
@@ -91,7 +92,25 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         """Built on the first draft (it fuses projections): a target never drafting never pays for it."""
         return build_draft_step(self.model, self.config)
 
+    @cached_property
+    def _target_step(self) -> TargetStep | None:
+        """Built on the first forward it could take: the written-out step for w4a8 models whose modules' forward
+        it reproduces bitwise (:mod:`specdecode.models.target_step`)."""
+        if not self.row_invariant_attention or self._draft_step is None or not takes_target_step(self.model):
+            return None
+        return TargetStep(self.model, self._draft_step)
+
     def forward_batch(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
+        if len(inputs) == 1:
+            item = inputs[0]
+            chain = item.tree_mask is None and item.positions is None and not item.hidden_layers
+            if chain and item.invariant and isinstance(item.cache, SlotCache) and self._target_step is not None:
+                GOVERNOR.before_forward()
+                wanted = torch.arange(int(item.tokens.shape[0]))
+                wanted = wanted[item.logits_rows] if item.logits_rows is not None else wanted
+                logits = self._target_step(item.tokens, item.cache, wanted)
+                if logits is not None:
+                    return [ForwardOutput(logits=logits)]
         return self._run(inputs)
 
     @torch.inference_mode()
