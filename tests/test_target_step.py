@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helpers import tiny_qwen2
+from specdecode.models.base import SequenceInput
 from specdecode.models.loading import load_model
 from specdecode.models.quantize import quantize_model, quantize_supported
 from specdecode.models.target_step import TargetStep
@@ -18,8 +19,6 @@ PROMPT = torch.tensor([3, 9, 14, 2, 7, 30, 11, 5, 8, 21, 4, 17])
 
 
 def modules_logits(backend, tokens: torch.Tensor, cache, rows=None) -> torch.Tensor:
-    from specdecode.models.base import SequenceInput
-
     return backend._run([SequenceInput(tokens, cache, logits_rows=rows)])[0].logits
 
 

@@ -96,7 +96,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     def _target_step(self) -> TargetStep | None:
         """Built on the first forward it could take: the written-out step for w4a8 models whose modules' forward
         it reproduces bitwise (:mod:`specdecode.models.target_step`)."""
-        if not self.row_invariant_attention or self._draft_step is None or not takes_target_step(self.model):
+        if not self.row_invariant_attention or self._draft_step is None or not takes_target_step(self._draft_step):
             return None
         return TargetStep(self.model, self._draft_step)
 
@@ -106,9 +106,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             chain = item.tree_mask is None and item.positions is None and not item.hidden_layers
             if chain and item.invariant and isinstance(item.cache, SlotCache) and self._target_step is not None:
                 GOVERNOR.before_forward()
-                wanted = torch.arange(int(item.tokens.shape[0]))
-                wanted = wanted[item.logits_rows] if item.logits_rows is not None else wanted
-                logits = self._target_step(item.tokens, item.cache, wanted)
+                logits = self._target_step(item.tokens, item.cache, _logit_rows(item, self.device))
                 if logits is not None:
                     return [ForwardOutput(logits=logits)]
         return self._run(inputs)
@@ -177,8 +175,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             )
             tokens.append(item.tokens.to(device))
             positions.append(pos)
-            wanted = torch.arange(n, device=device)
-            logit_rows.append(wanted[item.logits_rows] if item.logits_rows is not None else wanted)
+            logit_rows.append(_logit_rows(item, device))
             start += n
         pool.reserve(pool.slots, max(seq.end for seq in sequences))
         batch = RaggedBatch(sequences, row_invariant=self.row_invariant_attention)
@@ -322,6 +319,12 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             yield
         finally:
             hook.remove()
+
+
+def _logit_rows(item: SequenceInput, device: torch.device) -> torch.Tensor:
+    """The indices, among ``item``'s new tokens, of the rows whose logits it asks for."""
+    every = torch.arange(int(item.tokens.shape[0]), device=device)
+    return every[item.logits_rows] if item.logits_rows is not None else every
 
 
 #: A 4D placeholder: transformers returns a 4D attention mask as it is instead of building one (the ragged

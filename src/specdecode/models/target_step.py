@@ -78,12 +78,9 @@ class TargetStep:
         return self.head(self.norm(hidden)[:, logits_rows])[0].float()
 
 
-def takes_target_step(model: nn.Module) -> bool:
-    """Whether every decoder projection is a w4a8 layer (the kernel whose fused calls agree bitwise with the
-    separate ones for any rows; torch's int4 and int8 kernels are not known to)."""
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj)
-        if not all(type(p) is W4A8Linear for p in (*projections, mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
-            return False
-    return True
+def takes_target_step(draft_step: DraftStep) -> bool:
+    """Whether the model behind ``draft_step`` has w4a8 projections, the kernel whose fused calls agree bitwise
+    with the separate ones for any rows (torch's int4 and int8 kernels are not known to).  A draft step exists
+    only where every decoder projection is of one kind (:func:`~specdecode.models.draft_step.build_draft_step`),
+    so one layer tells."""
+    return type(draft_step.layers[0].down) is W4A8Linear

@@ -101,7 +101,7 @@ def pack_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tor
     of nibbles (byte j: level j low, level 32 + j high; one AVX2 load unpacks into 32 + 32 inputs) and then
     their scales and zeros' bf16 bits (scale a, scale b, zero a, zero b).  One contiguous run per pair is
     one memory stream per thread."""
-    n, k = q.shape
+    n = q.shape[0]
     if n % 2:
         raise ValueError("w4a8 packs output channels in pairs: out_features must be even")
     halves = q.to(torch.uint8).reshape(n, -1, 2, GROUP // 2)
