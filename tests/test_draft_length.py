@@ -310,3 +310,67 @@ def test_drafting_that_pays_is_never_turned_off():
     policy = CostModelLength(curve=curve(0.05))
     feed(policy, 60, accept_rate=0.6, depth=4)
     assert not policy.losing and policy.gain.value > 1.2
+
+
+def plain_step(one_input_s: float = 0.1) -> StepObservation:
+    return StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=one_input_s)
+
+
+def reader(context_cost: float) -> CostModelLength:
+    """``auto`` for a drafter that reads the context at ``context_cost`` of the target's forward."""
+    return make_policy("auto", curve(0.05), reads_context=True, context_cost=context_cost)
+
+
+def test_a_reading_that_drafts_cannot_pay_back_leaves_the_sequence_plain():
+    """A draft model as dear as 0.4 of the target reading a prompt the target took 2 s over: over 64 tokens of
+    0.1 s its drafts (0.5 accepted a token before any evidence) save far less than its 0.8 s of reading."""
+    policy = reader(0.4).fork()
+    policy.begin(prefill_s=2.0)
+    assert policy.next_length(63) == 0  # nothing timed yet: a plain step first
+    policy.observe(plain_step())
+    lengths = []
+    for limit in range(62, 0, -1):  # no probes either: the prompt would still have to be read
+        lengths.append(policy.next_length(limit))
+        policy.observe(plain_step())
+    assert set(lengths) == {0} and policy.declined
+
+
+def test_a_cheap_reader_or_a_long_answer_drafts():
+    cheap = reader(0.05).fork()
+    cheap.begin(prefill_s=2.0)
+    cheap.observe(plain_step())
+    assert cheap.next_length(63) > 0
+    long_answer = reader(0.4).fork()
+    long_answer.begin(prefill_s=0.8)
+    long_answer.observe(plain_step())
+    assert long_answer.next_length(63) == 0 and long_answer.declined
+    again = reader(0.4).fork()
+    again.begin(prefill_s=0.8)
+    again.observe(plain_step())
+    assert again.next_length(1000) > 0  # 256 tokens (ANSWER_HORIZON) are worth reading the prompt for
+
+
+def test_what_reading_a_prompt_costs_is_learnt_from_first_drafts():
+    shared = reader(0.4)
+    first = shared.fork()
+    first.begin(prefill_s=2.0)
+    first.observe(StepObservation(depth=2, nodes=2, accepted=2, draft_s=0.25, setup_s=0.2, verify_s=0.1))
+    assert shared.context_cost.value == pytest.approx(0.4 + (0.1 - 0.4) / 1.98)  # 0.2 s over 2 s, and the prior
+    assert first.context_read and first.next_length(60) > 0  # read: the gate is passed
+    second = shared.fork()
+    assert not second.context_read and second.prefill_s == 0.0
+
+
+def test_a_drafter_without_a_declared_cost_or_a_prompt_is_never_gated():
+    unknown = reader(0.0).fork()  # 0: unknown
+    unknown.begin(prefill_s=2.0)
+    assert unknown.context_cost is None and unknown.next_length(63) == 2
+    no_prompt = reader(0.4).fork()  # a one-token prompt: nothing prefilled
+    assert no_prompt.next_length(63) == 2
+
+
+def test_the_draft_model_declares_its_cost_from_the_weights_it_multiplies(tiny_target, tiny_draft):
+    drafter = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft).drafter
+    ratio = tiny_draft.backend.matmul_weights() / tiny_target.backend.matmul_weights()
+    assert 0 < ratio < 1 and drafter.context_cost == pytest.approx(ratio)
+    assert SpeculativeGenerator.build(tiny_target, "pld").drafter.context_cost is None

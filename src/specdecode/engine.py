@@ -322,6 +322,7 @@ def start_sequence(
     seq.stats.verifier = config.verifier
     seq.step_end = time.perf_counter()
     seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
+    length_policy.begin(seq.stats.prefill_s)
     seq.done = len(prompt_ids) >= target.max_context
     return seq
 

@@ -87,7 +87,9 @@ class SpeculativeGenerator:
             # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
             # on first use, a second or so, and cached per loaded model: reset_drafter keeps it).
             curve = relative_cost_curve(self.target.backend) if spec == "auto" else None
-            self._adaptive_policies[key] = make_policy(spec, curve, reads_context=drafter.reads_context)
+            self._adaptive_policies[key] = make_policy(
+                spec, curve, reads_context=drafter.reads_context, context_cost=drafter.context_cost
+            )
         return self._adaptive_policies[key]
 
     # -- prompt handling -------------------------------------------------------------------------

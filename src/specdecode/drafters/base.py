@@ -122,6 +122,10 @@ class Drafter(ABC):
     #: True if the drafter runs a model of its own over the context (its first draft also reads the prompt):
     #: the draft-length policy drafts it shallow until a draft token's cost is timed, from the first step.
     reads_context: ClassVar[bool] = False
+    #: For a drafter that reads the context: the cost of its forward against the target's (a draft model's
+    #: weights multiplied per token over the target's), from which ``auto`` prices its reading of a prompt
+    #: before it drafts at all.  None: unknown, never weighed.
+    context_cost: float | None = None
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target

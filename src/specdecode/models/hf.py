@@ -31,6 +31,7 @@ from specdecode.models.base import (
     SequenceInput,
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
+from specdecode.models.fastpath import PackedLinear
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
@@ -87,9 +88,17 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
                 return logits
         return super().draft_logits(tokens, cache)
 
+    def prepare_drafting(self) -> None:
+        self._draft_step  # noqa: B018 - building it is the point
+
+    def matmul_weights(self) -> int:
+        layers = (m for m in self.model.modules() if isinstance(m, nn.Linear | PackedLinear | QuantizedLinear))
+        return sum(layer.in_features * layer.out_features for layer in layers)
+
     @cached_property
     def _draft_step(self) -> DraftStep | None:
-        """Built on the first draft (it fuses projections): a target never drafting never pays for it."""
+        """Built on the first draft, or by :meth:`prepare_drafting` (it fuses projections): a target never
+        drafting never pays for it."""
         return build_draft_step(self.model, self.config)
 
     @cached_property
