@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from specdecode.batch_plan import plan_batch
 from specdecode.draft_length import (
     CostModelLength,
     FixedLength,
@@ -333,6 +334,16 @@ def test_a_reading_that_drafts_cannot_pay_back_leaves_the_sequence_plain():
         lengths.append(policy.next_length(limit))
         policy.observe(plain_step())
     assert set(lengths) == {0} and policy.declined
+
+
+def test_a_batch_never_probes_a_sequence_that_declined_its_reading():
+    shared = reader(0.4)
+    shared.observe(plain_step())  # an earlier request timed the target
+    declined, other = shared.fork(), shared.fork()
+    declined.begin(prefill_s=2.0)
+    plans = [plan_batch([declined, other], [63 - i, 63 - i]) for i in range(40)]
+    assert declined.declined and {plan[0] for plan in plans} == {0}
+    assert {plan[1] for plan in plans} != {0}  # the other sequence, with no prompt read to pay for, drafts
 
 
 def test_a_cheap_reader_or_a_long_answer_drafts():

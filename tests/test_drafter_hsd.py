@@ -49,6 +49,17 @@ def test_drafts_are_the_draft_models_own_in_fewer_forwards(tiny_target, tiny_dra
     assert forwards < drafted  # the repetitive context lets prompt lookup guess right
 
 
+def test_it_reads_the_context_and_reports_its_prompt_prefill_as_setup(tiny_target, tiny_draft):
+    """Like ``draft-model``, so that ``auto`` prices its reading of a prompt and keeps it out of the per-token cost."""
+    drafter = create_drafter("hsd", tiny_target, draft_model=tiny_draft)
+    assert drafter.reads_context and 0 < drafter.context_cost < 1
+    prompt = PROMPT * 4
+    session = drafter.session(DraftRequest(prompt_ids=tuple(prompt)))
+    first = session.propose(prompt, 3)
+    assert first.setup_s > 0
+    assert session.propose([*prompt, *first.tokens[:2]], 3).setup_s == 0.0  # one token to feed: nothing to read
+
+
 def test_auto_guess_depth_follows_agreement_and_cost():
     cheap = GuessDepth(None, curve=tuple(1.0 + 0.05 * w for w in range(16)))
     for _ in range(20):

@@ -265,9 +265,7 @@ class CostModelLength(DraftLengthPolicy):
         return min(self.maximum, UNTIMED_DEPTH) if untimed else self.maximum
 
     def next_length(self, limit: int) -> int:
-        cap = min(self.deepest, limit)
-        if not self.reading_pays(limit):
-            return 0
+        cap = min(self.deepest, limit) if self.reading_pays(limit) else 0
         return self.settle(0 if self.losing else max(range(cap + 1), key=self.expected_rate), cap)
 
     def begin(self, prefill_s: float) -> None:
@@ -296,7 +294,10 @@ class CostModelLength(DraftLengthPolicy):
     def settle(self, best: int, cap: int, proposed: bool = False) -> int:
         """The depth to ask for once the cost model chose ``best``: a confidence drafter gets ``cap`` (its stop
         rule decides token by token) unless its draft was ``proposed`` already and ``best`` was chosen from its
-        confidences; a choice of 0 may become a probe of depth 1 now and then."""
+        confidences; a choice of 0 may become a probe of depth 1 now and then, unless the sequence declined to
+        have its prompt read (:meth:`reading_pays`)."""
+        if self.declined:
+            return 0
         if best > 0 or cap == 0:
             self.steps_without_drafting = 0
             # A drafter that reports confidences: the stop rule decides how deep, token by token.
@@ -340,10 +341,11 @@ class CostModelLength(DraftLengthPolicy):
         return min(max(int(confidence * _CALIBRATION_BINS), 0), _CALIBRATION_BINS - 1)
 
     def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
-        """The deepest draft worth weighing this step: none while losing, never past ``limit``, the policy's
+        """The deepest draft worth weighing this step: none while losing or where reading the prompt would not pay
+        (:meth:`reading_pays`), never past ``limit``, the policy's
         maximum or a draft already proposed (its ``confidences``); before the drafter's cost is timed,
         ``UNTIMED_DEPTH`` for a draft still to be made."""
-        if self.losing:
+        if self.losing or not self.reading_pays(limit):
             return 0
         return min(limit, len(confidences) if confidences is not None else self.deepest, self.maximum)
 

@@ -44,7 +44,7 @@ import torch
 from specdecode.drafters import create_drafter, register_drafter
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.drafters.draft_model import choose_draft_token
+from specdecode.drafters.draft_model import choose_draft_token, forward_cost_ratio
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import relative_cost_curve
@@ -173,6 +173,7 @@ class HierarchicalDrafter(Drafter):
     """Hierarchical drafting: a model-free drafter guesses, the draft model verifies it, the target verifies that."""
 
     provides_probs = True
+    reads_context = True
 
     def __init__(
         self,
@@ -202,6 +203,8 @@ class HierarchicalDrafter(Drafter):
             else load_model(draft_model, device=target.backend.device)
         )
         check_same_vocabulary(target, self.draft)
+        self.draft.backend.prepare_drafting()
+        self.context_cost = forward_cost_ratio(self.draft.backend, target.backend)
         # The lower levels draft for the draft model: built for it, as if it were the target.
         chosen = LOWER_LEVELS if names[0] == "auto" else (names[0],)
         self.lowers = {name: create_drafter(name, self.draft) for name in chosen}
@@ -250,6 +253,7 @@ class HierarchicalSession(DraftSession):
         tokens: list[int] = []
         prob_rows: list[torch.Tensor] = []
         confidence: list[float] = []
+        setup_s = 0.0  # the first forward's share of catching up with the context (Draft.setup_s)
         while len(tokens) < max_tokens:
             room = max_tokens - len(tokens) - 1  # the draft model adds a token of its own every round
             level, wanted = self.chooser.choose(room)
@@ -262,7 +266,9 @@ class HierarchicalSession(DraftSession):
                 logits = self.backend.draft_logits(fed, self.cache)[None]
             else:
                 logits = self.backend.forward(fed, self.cache, logits_rows=rows, invariant=False).logits
-            self.chooser.timed_forward(time.perf_counter() - tick, len(fed))
+            elapsed = time.perf_counter() - tick
+            self.chooser.timed_forward(elapsed, len(fed))
+            setup_s += elapsed * (len(pending) - 1) / len(fed)
             self.draft_forwards += 1
             agreed = 0
             while True:
@@ -288,7 +294,8 @@ class HierarchicalSession(DraftSession):
                 each.session.observe(written, feedback)
             if self.request.stop(confidence):  # SpecDec++-style early stop, as draft-model
                 break
-        return Draft(tokens=tokens, probs=torch.stack(prob_rows) if prob_rows else None, confidence=confidence)
+        probs_out = torch.stack(prob_rows) if prob_rows else None
+        return Draft(tokens=tokens, probs=probs_out, confidence=confidence, setup_s=setup_s)
 
     def finish(self, context: list[int]) -> None:
         for level in self.chooser.levels:
