@@ -1,5 +1,5 @@
-"""The target's written-out chain forward (:mod:`specdecode.models.target_step`): bitwise the logits and
-the cache the modules give, for every chain length, and the modules wherever it does not apply."""
+"""The target's written-out forward (:mod:`specdecode.models.target_step`): bitwise the logits and the cache
+the modules give, for every chain length and for a tree, and the modules wherever it does not apply."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ def modules_logits(backend, tokens: torch.Tensor, cache, rows=None) -> torch.Ten
 
 
 def assert_chains_match_the_modules_bitwise(backend, monkeypatch) -> None:
-    """Chains of 1 to 6 tokens through the step on one cache and the modules on another, in turn: the same
-    logits bit for bit, and caches that keep agreeing (the next chain reads what the last one wrote)."""
+    """Chains of 1 to 6 tokens, then a tree, through the step on one cache and the modules on another, in
+    turn: the same logits bit for bit, and caches that keep agreeing (the next forward reads what the last
+    one wrote)."""
     stepped_calls = []
     step_call = TargetStep.__call__
     monkeypatch.setattr(TargetStep, "__call__", lambda *args: stepped_calls.append(1) or step_call(*args))
@@ -41,7 +42,20 @@ def assert_chains_match_the_modules_bitwise(backend, monkeypatch) -> None:
     rows = torch.tensor([2])
     got = backend.forward(tokens, stepped, logits_rows=rows).logits
     assert torch.equal(got, modules_logits(backend, tokens, reference, rows))
-    assert len(stepped_calls) == 8  # every invariant chain went through the step
+    # A tree: the last token, two children of it and a grandchild under the first, at their depths' positions.
+    past = stepped.length
+    tokens, positions = torch.tensor([9, 4, 12, 30]), torch.tensor([past, past + 1, past + 1, past + 2])
+    mask = torch.eye(4, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[3, 1] = True
+    got = backend.forward(tokens, stepped, positions=positions, tree_mask=mask).logits
+    reference_out = backend._run([SequenceInput(tokens, reference, positions=positions, tree_mask=mask)])[0]
+    assert torch.equal(got, reference_out.logits)
+    for cache in (stepped, reference):
+        cache.keep(past, [0, 1, 3])  # the path through the first child, as verification keeps it
+    got = backend.forward(torch.tensor([6]), stepped).logits
+    assert torch.equal(got, modules_logits(backend, torch.tensor([6]), reference))
+    assert len(stepped_calls) == 10  # every invariant chain and tree went through the step
 
 
 def test_a_w4a8_llama_verifies_through_the_written_out_step(tiny_dirs, monkeypatch):

@@ -112,10 +112,11 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     def forward_batch(self, inputs: list[SequenceInput]) -> list[ForwardOutput]:
         if len(inputs) == 1:
             item = inputs[0]
-            chain = item.tree_mask is None and item.positions is None and not item.hidden_layers
-            if chain and item.invariant and isinstance(item.cache, SlotCache) and self._target_step is not None:
+            plain = not item.hidden_layers  # a chain or a tree, nothing captured
+            if plain and item.invariant and isinstance(item.cache, SlotCache) and self._target_step is not None:
                 GOVERNOR.before_forward()
-                logits = self._target_step(item.tokens, item.cache, _logit_rows(item, self.device))
+                rows = _logit_rows(item, self.device)
+                logits = self._target_step(item.tokens, item.cache, rows, item.positions, item.tree_mask)
                 if logits is not None:
                     return [ForwardOutput(logits=logits)]
         return self._run(inputs)
