@@ -13,7 +13,7 @@ Only drafts go through it (:meth:`HFCausalLM.draft_logits`): its logits differ f
 bits (another norm kernel, another rounding order), which cannot change the output — the target verifies
 every draft token with its own forward.  The fused weights share the layers' packed storage (the layers'
 own weights become views of it), so nothing is held twice but the small scales.  A w4a8 target's written-out
-chain forward (:mod:`specdecode.models.target_step`) multiplies through the same fused projections.
+forward (:mod:`specdecode.models.target_step`) multiplies through the same fused projections.
 
 It takes models whose ``model_type`` is in :data:`LEAN_MODEL_TYPES`, with SiLU MLPs, no sliding window and
 every decoder projection an int4, int8 or w4a8 layer (:mod:`specdecode.models.quantized_layers`, how draft models load
