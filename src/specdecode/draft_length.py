@@ -279,12 +279,11 @@ class CostModelLength(DraftLengthPolicy):
             return True
         if self.declined or self.scale.weight == 0.0:
             return False  # before any step is timed, a plain one prices the target's forward
-        token_s = self.context_cost.value * self.scale.value  # a draft token until the drafter's are timed
-        timed = self.draft_cost.count > 0
+        # Until the drafter's tokens are timed (its cost fit is then zero), each is priced at context_cost.
+        token_s = 0.0 if self.draft_cost.count else self.context_cost.value * self.scale.value
 
         def seconds_per_token(k: int) -> float:
-            draft = 0.0 if k == 0 else self.draft_cost(k) if timed else k * token_s
-            return (self.overhead.value + draft + self.verify_seconds(k + 1)) / self.expected_tokens(k)
+            return (self.step_seconds(k) + k * token_s) / self.expected_tokens(k)
 
         best = min(seconds_per_token(k) for k in range(1, min(self.maximum, limit) + 1))
         saving = min(limit + 1, ANSWER_HORIZON) * (seconds_per_token(0) - best)
@@ -400,13 +399,13 @@ class CostModelLength(DraftLengthPolicy):
         self.others_width = width - step.nodes - 1
         self.scale.add(step.verify_s / self.relative_cost(width))
         self.overhead.add(step.overhead_s)
-        if step.depth and not self.context_read:  # the drafter has read the prompt: learn what that cost
-            self.context_read = True
-            if self.context_cost is not None and self.prefill_s > 0.0 and step.setup_s > 0.0:
-                self.context_cost.add(step.setup_s / self.prefill_s)
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
             self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
             self.reads_context = self.reads_context or step.setup_s > 0
+            if not self.context_read:  # the drafter has read the prompt: learn what that cost
+                self.context_read = True
+                if self.context_cost is not None and self.prefill_s > 0.0 and step.setup_s > 0.0:
+                    self.context_cost.add(step.setup_s / self.prefill_s)
             self._score_drafting(step)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
