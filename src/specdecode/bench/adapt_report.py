@@ -72,6 +72,13 @@ def _num(value: float | None, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+def domain(settings: Mapping[str, Any]) -> str:
+    """The requests' domain in words: "humaneval problems", or "ShareGPT openings on 'python'"."""
+    if settings["task"] == "sharegpt":
+        return f"ShareGPT openings on {settings.get('topic', 'python')!r}"
+    return f"{settings['task']} problems"
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     s, settings, env = results["summary"], results["settings"], results["environment"]
     arms = s["arms"]
@@ -96,11 +103,14 @@ def markdown(results: Mapping[str, Any]) -> str:
         else f"**adapted outputs differ from frozen ones** on {', '.join(s['different'])}"
     )
     mapping = settings["vocab_mapping"] or "none"
+    target = settings["model"] + (
+        f" ({settings['quantize']} weights)" if settings.get("quantize", "none") != "none" else ""
+    )
     lines = [
         "# bench adapt",
         "",
-        f"`{settings['draft_model']}` drafting for `{settings['model']}` (vocab_mapping {mapping}), the first "
-        f"{settings['requests']} {settings['task']} problems in order, greedy, up to {settings['max_new_tokens']} new "
+        f"`{settings['draft_model']}` (fp32) drafting for `{target}` (vocab_mapping {mapping}), the first "
+        f"{settings['requests']} {domain(settings)} in order, greedy, up to {settings['max_new_tokens']} new "
         f"tokens, draft length {settings['num_draft_tokens']}; adapted: adapt_budget {settings['adapt_budget']}, "
         f"at most {settings['adapt_steps']} steps per request, learning rate {settings['adapt_lr'] or 1e-3}. Tokens/s "
         "count the whole call, training included.",
@@ -134,7 +144,7 @@ def plot(results: Mapping[str, Any], path: Path) -> None:
     below.plot(range(1, len(ratios) + 1), ratios, "k.-", markersize=3, linewidth=0.8)
     below.axhline(1.0, color="grey", linewidth=0.8)
     settings = results["settings"]
-    below.set_xlabel(f"request ({settings['task']}, in order)")
+    below.set_xlabel(f"request ({domain(settings)}, in order)")
     ax.set_ylabel("mean accepted tokens per step")
     below.set_ylabel("adapted / frozen")
     ax.set_title(f"{settings['draft_model']} → {settings['model']}: online adaptation")
