@@ -219,8 +219,10 @@ def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, A
             warmup.generate(request_of(warmup, problems[0], settings).ids, max_new_tokens=WARMUP_TOKENS)
             for index, arm in todo:
                 bar.set_postfix_str(f"{arm} {problems[index]['task_id']}", refresh=False)
-                record = decode(generators[arm], problems[index], settings)
                 adapter = generators["adapted"].drafter.adapter
+                drafted_by_adapter = adapter.drafting  # else the base weights drafted (the prequential check)
+                record = decode(generators[arm], problems[index], settings)
+                record["adapter_drafted"] = drafted_by_adapter if arm == "adapted" else False
                 record["adapter_steps"] = adapter.steps if arm == "adapted" else 0
                 record["adapter_train_s"] = round(adapter.train_s, 3) if arm == "adapted" else 0.0
                 records[arm].append(record)

@@ -63,6 +63,10 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
         "identical": len(pairs) - len(different),
         "different": different,
         "adapter_steps": adapted[-1]["adapter_steps"] if adapted else 0,
+        # Requests the adapter drafted, the base weights the rest (the prequential check); None in older results.
+        "adapter_drafted": sum(r["adapter_drafted"] for r in adapted)
+        if all("adapter_drafted" in r for r in adapted)
+        else None,
         "adapter_train_s": train_s,
         "train_share": train_s / adapted_wall if adapted_wall > 0 else None,
     }
@@ -103,6 +107,11 @@ def markdown(results: Mapping[str, Any]) -> str:
         else f"**adapted outputs differ from frozen ones** on {', '.join(s['different'])}"
     )
     mapping = settings["vocab_mapping"] or "none"
+    drafted = (
+        f"; the adapter drafted {s['adapter_drafted']} of {s['compared']} requests, the base weights the rest"
+        if s.get("adapter_drafted") is not None
+        else ""
+    )
     target = settings["model"] + (
         f" ({settings['quantize']} weights)" if settings.get("quantize", "none") != "none" else ""
     )
@@ -123,7 +132,7 @@ def markdown(results: Mapping[str, Any]) -> str:
         f"all {_num(s['paired_ratio'], 3)}x.",
         f"- Adaptation: {s['adapter_steps']} optimizer steps, {_num(s['adapter_train_s'], 1)} s of training, "
         f"{_num(100 * s['train_share'] if s['train_share'] is not None else None, 1)}% of the adapted drafter's "
-        "wall time.",
+        f"wall time{drafted}.",
         f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, threads {env.get('threads') or 'governed'}; "
         f"load average {env.get('load_average_start')} at the start, {env.get('load_average_end')} at the end.",
         "",
