@@ -79,6 +79,13 @@ def parallel_mode(value: bool | str) -> str:
         raise SpecDecodeError(f"parallel must be true, false or always, got {value!r}") from None
 
 
+def loaded_draft(draft_model: str | LoadedModel, target: LoadedModel) -> LoadedModel:
+    """The draft model as handed in, or loaded by name on the target's device."""
+    if isinstance(draft_model, LoadedModel):
+        return draft_model
+    return load_model(draft_model, device=target.backend.device)
+
+
 def forward_cost_ratio(draft: CausalLM, target: CausalLM) -> float | None:
     """A draft model's forward against the target's, by the weights each multiplies per token (None: unknown)."""
     draft_weights, target_weights = draft.matmul_weights(), target.matmul_weights()
@@ -121,11 +128,7 @@ class DraftModelDrafter(Drafter):
             if draft_vocab:
                 raise SpecDecodeError("draft_vocab does not combine with vocab_mapping")
         adapting = AdaptOptions.parse(adapt, adapt_budget, adapt_steps, adapt_lr, adapt_save, adapt_load)
-        self.draft = (
-            draft_model
-            if isinstance(draft_model, LoadedModel)
-            else load_model(draft_model, device=target.backend.device)
-        )
+        self.draft = loaded_draft(draft_model, target)
         # Adapted: LoRA on a copy of the draft model's modules (the base weights shared, never written).
         self.adapter = OnlineAdapter(self.draft, adapting) if adapting is not None else None
         if self.adapter is not None:

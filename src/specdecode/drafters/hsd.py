@@ -44,11 +44,11 @@ import torch
 from specdecode.drafters import create_drafter, register_drafter
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.drafters.draft_model import choose_draft_token, forward_cost_ratio
+from specdecode.drafters.draft_model import choose_draft_token, forward_cost_ratio, loaded_draft
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import relative_cost_curve
-from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
+from specdecode.models.loading import LoadedModel, check_same_vocabulary
 from specdecode.types import Draft, StepFeedback
 
 #: Drafters that can sit below the draft model: they need no model of their own and nothing of the target's
@@ -197,11 +197,7 @@ class HierarchicalDrafter(Drafter):
             not isinstance(lower_depth, int) or isinstance(lower_depth, bool) or lower_depth < 1
         ):
             raise SpecDecodeError(f"hsd lower_depth must be a positive integer or auto, got {lower_depth!r}")
-        self.draft = (
-            draft_model
-            if isinstance(draft_model, LoadedModel)
-            else load_model(draft_model, device=target.backend.device)
-        )
+        self.draft = loaded_draft(draft_model, target)
         check_same_vocabulary(target, self.draft)
         self.draft.backend.prepare_drafting()
         self.context_cost = forward_cost_ratio(self.draft.backend, target.backend)
