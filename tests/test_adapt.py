@@ -17,6 +17,8 @@ from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.fastpath import PackedLinear
+from specdecode.models.loading import load_model
+from specdecode.models.quantized_layers import Int8Linear
 from tiny_models import bpe_tokenizer, tiny_model
 
 #: Train on every request, two steps each, whatever the time: a reproducible number of updates.
@@ -57,6 +59,26 @@ def test_the_target_drafting_for_itself_stays_untouched(tiny_target, monkeypatch
     assert [hf_greedy(tiny_target, prompt, 16) for prompt in PROMPTS] == expected
     mlp = tiny_target.backend.model.model.layers[-1].mlp
     assert all(isinstance(m, PackedLinear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+
+
+def test_a_quantized_draft_model_adapts_its_last_layers_and_keeps_the_rest_quantized(
+    tiny_dirs, tiny_target, monkeypatch
+):
+    """LoRA needs fp32 layers only where it trains and above (the gradient flows back through the head): the
+    adapted layers and a quantized head become dense fp32 copies, the layers below keep their kernels."""
+    monkeypatch.setattr(adapt, "LORA_LAYERS", 1)
+    draft = load_model(str(tiny_dirs["target"]), quantize="int8")
+    drafter = create_drafter("draft-model", tiny_target, draft_model=draft, **EVERY_REQUEST)
+    model = drafter.draft.backend.model
+    assert isinstance(model.model.layers[0].mlp.up_proj, Int8Linear)
+    assert type(model.model.layers[-1].mlp.up_proj.base_layer) is torch.nn.Linear
+    assert type(model.get_output_embeddings()) is torch.nn.Linear
+    for prompt in MORE_PROMPTS:
+        before = lora_weights(drafter)
+        tokens, outcome = run(tiny_target, drafter, prompt, max_new_tokens=16, num_draft_tokens=3)
+        assert tokens == hf_greedy(tiny_target, prompt, 16) and outcome.stats.drafted_tokens > 0
+        assert changed(before, lora_weights(drafter))
+    assert isinstance(draft.backend.model.model.layers[-1].mlp.up_proj, Int8Linear)  # the loaded model untouched
 
 
 def test_a_batch_of_sessions_keeps_plain_output_when_one_finishes_and_trains(tiny_target, tiny_draft):
@@ -284,6 +306,7 @@ def test_bench_adapt_sharegpt_topic_takes_the_openings_that_mention_it_in_order(
         (["--topic", "rust"], "--topic chooses ShareGPT openings: it needs --task sharegpt"),
         (["--task", "sharegpt", "--topic", " "], "--topic must be a word"),
         (["--quantize", "int3"], "--quantize must be one of"),
+        (["--quantize-draft", "int3"], "--quantize-draft must be one of"),
         (["--vocab-mapping", "bytes"], "vocab_mapping must be one of"),
         (["--adapt-budget", "0"], "adapt_budget must be a positive number"),
         (["--num-draft-tokens", "many"], "--num-draft-tokens must be auto, heuristic or a positive integer"),

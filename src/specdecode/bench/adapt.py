@@ -46,8 +46,10 @@ DEFAULTS: dict[str, Any] = {
     "adapt_steps": 8,
     "adapt_lr": None,
     "threads": None,
-    # The target's weights (``--quantize``); the draft model stays fp32, since LoRA trains fp32 layers.
+    # The target's and the draft model's weights.  A quantized draft model adapts dense fp32 copies of its last
+    # layers and head (:func:`specdecode.models.lora.lora_targets`) and keeps its kernels below them.
     "quantize": "none",
+    "quantize_draft": "none",
     "out": "bench-out/adapt",
 }
 
@@ -67,6 +69,7 @@ class AdaptSettings:
     adapt_lr: float | None
     threads: int | None
     quantize: str
+    quantize_draft: str
     out: Path
 
     def to_json(self) -> dict[str, Any]:
@@ -103,6 +106,7 @@ def resolve_settings(**given: Any) -> AdaptSettings:
     from specdecode.models.quantize import check_quantize
 
     check_quantize(values["quantize"])
+    check_quantize(values["quantize_draft"], "--quantize-draft")
     common.check_positive_ints(("--requests", values["requests"]), ("--max-new-tokens", values["max_new_tokens"]))
     if values["threads"] is not None:
         common.check_positive_ints(("--threads", values["threads"]))
@@ -119,7 +123,8 @@ def resolve_settings(**given: Any) -> AdaptSettings:
 
 def fingerprint(settings: AdaptSettings) -> dict[str, Any]:
     """What a resumed run must share with the one it continues (``--requests`` may grow)."""
-    keys = ("model", "draft_model", "vocab_mapping", "task", "topic", "max_new_tokens", "num_draft_tokens", "quantize")
+    keys = ("model", "draft_model", "vocab_mapping", "task", "topic", "max_new_tokens", "num_draft_tokens")
+    keys += ("quantize", "quantize_draft")
     return {**{k: getattr(settings, k) for k in keys}, "adapt": [settings.adapt_budget, settings.adapt_steps]}
 
 
@@ -206,7 +211,8 @@ def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, A
     records: dict[str, list[dict[str, Any]]] = results["records"]
     todo = [(i, arm) for i in range(len(problems)) for arm in ARMS if i >= len(records[arm])]
     if todo:
-        target, draft = load_model(settings.model, quantize=settings.quantize), load_model(settings.draft_model)
+        target = load_model(settings.model, quantize=settings.quantize)
+        draft = load_model(settings.draft_model, quantize=settings.quantize_draft)
         options = settings.drafter_options()
         frozen = SpeculativeGenerator.build(target, "draft-model", draft_model=draft, **options)
         adapted_options = {**options, **settings.adapt_options()}
@@ -277,7 +283,13 @@ def add_adapt_command(commands: Any) -> None:
         "--quantize",
         default=keep,
         metavar="MODE",
-        help="the target's weights (default none; the draft model stays fp32: LoRA trains fp32 layers)",
+        help="the target's weights (default none)",
+    )
+    adapt.add_argument(
+        "--quantize-draft",
+        default=keep,
+        metavar="MODE",
+        help="the draft model's weights (default none; quantized, it adapts fp32 copies of its last layers and head)",
     )
     adapt.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
     adapt.set_defaults(run=run_adapt)
@@ -287,7 +299,7 @@ def run_adapt(args: Any) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
     names = ("model", "draft_model", "vocab_mapping", "task", "topic", "requests", "max_new_tokens", "num_draft_tokens")
-    tuning = ("adapt_budget", "adapt_steps", "adapt_lr", "threads", "quantize", "out")
+    tuning = ("adapt_budget", "adapt_steps", "adapt_lr", "threads", "quantize", "quantize_draft", "out")
     settings = resolve_settings(**_flags(args, *names, *tuning))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench adapt", "results.json, results.md, adapt.png", settings, measure_adapt, progress)

@@ -112,13 +112,14 @@ def markdown(results: Mapping[str, Any]) -> str:
         if s.get("adapter_drafted") is not None
         else ""
     )
-    target = settings["model"] + (
-        f" ({settings['quantize']} weights)" if settings.get("quantize", "none") != "none" else ""
+    target, draft = (
+        f"{settings[name]} ({'fp32' if settings.get(flag, 'none') == 'none' else settings[flag]} weights)"
+        for name, flag in (("model", "quantize"), ("draft_model", "quantize_draft"))
     )
     lines = [
         "# bench adapt",
         "",
-        f"`{settings['draft_model']}` (fp32) drafting for `{target}` (vocab_mapping {mapping}), the first "
+        f"`{draft}` drafting for `{target}` (vocab_mapping {mapping}), the first "
         f"{settings['requests']} {domain(settings)} in order, greedy, up to {settings['max_new_tokens']} new "
         f"tokens, draft length {settings['num_draft_tokens']}; adapted: adapt_budget {settings['adapt_budget']}, "
         f"at most {settings['adapt_steps']} steps per request, learning rate {settings['adapt_lr'] or 1e-3}. Tokens/s "

@@ -13,6 +13,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.fastpath import PackedLinear
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import LoadedModel
+from specdecode.models.quantized_layers import QuantizedLinear
 
 
 def shared_copy(loaded: LoadedModel) -> LoadedModel:
@@ -30,8 +31,8 @@ def shared_copy(loaded: LoadedModel) -> LoadedModel:
 
 
 def lora_targets(model: nn.Module, num_layers: int, last: int) -> list[str]:
-    """The linear layers of the ``last`` decoder layers (of ``num_layers``), each made a plain ``nn.Linear``
-    (peft's LoRA wraps those); a quantized draft model is refused."""
+    """The linear layers of the ``last`` decoder layers (of ``num_layers``), each made a plain fp32 ``nn.Linear``
+    (peft's LoRA wraps those), and a quantized LM head made one too."""
     first = max(0, num_layers - last)
     names = []
     for name, module in list(model.named_modules()):
@@ -43,12 +44,25 @@ def lora_targets(model: nn.Module, num_layers: int, last: int) -> list[str]:
             continue
         if isinstance(module, PackedLinear):
             model.set_submodule(name, module.to_linear())
+        elif isinstance(module, QuantizedLinear):
+            model.set_submodule(name, dense_copy(module))
         elif type(module) is not nn.Linear:
-            if hasattr(module, "in_features") and not isinstance(module, nn.Linear):
-                raise SpecDecodeError("adapt trains LoRA on fp32 layers: use --quantize-draft none")
             continue
         model.get_submodule(name).weight.requires_grad_(False)
         names.append(name)
     if not names:
         raise SpecDecodeError(f"adapt found no linear layer to adapt in {type(model).__name__}")
+    head = model.get_output_embeddings()
+    if isinstance(head, QuantizedLinear):  # the gradient flows back through it, and its kernel has none
+        model.set_output_embeddings(dense_copy(head))
     return names
+
+
+def dense_copy(layer: QuantizedLinear) -> nn.Linear:
+    """An fp32 ``nn.Linear`` multiplying by the weight ``layer`` multiplies by (a tied head's: the embedding),
+    frozen: what LoRA wraps and what a gradient flows back through.  The layers below the adapted ones keep
+    their quantized kernels, since nothing below them trains."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+    linear.weight = nn.Parameter(layer.weight.detach().float(), requires_grad=False)
+    linear.bias = layer.bias
+    return linear
