@@ -1,85 +1,16 @@
-"""How far to draft each step.
-
-A fixed K is wrong whenever costs or acceptance vary: on a CPU a verification forward over 8 tokens
-costs 2-3x one token, so drafting deep only pays while the drafter is being accepted.  Policies:
-
-* ``FixedLength(k)`` — always k (the classic setting);
-* ``HeuristicLength`` — transformers' assisted-generation schedule: +2 after a fully accepted draft,
-  -1 otherwise;
-* ``CostModelLength`` (``--num-draft-tokens auto``) — picks the depth that maximises expected tokens
-  per second, from the verification forward's cost as a function of its width (measured once per
-  model), online estimates of per-position acceptance and of the drafter's own cost; drafters that
-  report per-token confidences get a SpecDec++-style stop threshold derived from the same costs.
-"""
+"""``--num-draft-tokens auto``: the depth that maximises expected tokens per second, from measured costs
+and online acceptance (:class:`CostModelLength`)."""
 
 from __future__ import annotations
 
 import copy
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specdecode.errors import SpecDecodeError
+from specdecode.draft_length.base import DraftLengthPolicy
 from specdecode.estimators import LinearFit, RunningMean
 from specdecode.models.cost import cost_at, linear_curve
 from specdecode.types import StepObservation
-
-__all__ = ["StepObservation"]  # re-exported: policies are written against it
-
-
-class DraftLengthPolicy(ABC):
-    """How deep one sequence drafts.  What a policy learns across requests lives in the object the generator
-    keeps; each sequence decodes with a :meth:`fork` that shares it and adds its own per-sequence state."""
-
-    def fork(self) -> DraftLengthPolicy:
-        """The policy for one more sequence (stateless policies are their own fork)."""
-        return self
-
-    @abstractmethod
-    def next_length(self, limit: int) -> int:
-        """Depth to request from the drafter this step, at most ``limit``."""
-
-    def begin(self, prefill_s: float) -> None:  # noqa: B027
-        """The target has read this sequence's prompt, in ``prefill_s`` seconds.  Default: nothing to learn."""
-
-    def observe(self, step: StepObservation) -> None:  # noqa: B027
-        """Learn from the step just verified.  Default: nothing to learn."""
-
-    def should_stop(self, confidences: Sequence[float]) -> bool:
-        """A drafter that knows its confidence per token asks after each one whether to stop drafting."""
-        return False
-
-    def keep_length(self, confidences: Sequence[float]) -> int:
-        """How many leading tokens of a chain with these confidences are worth verifying."""
-        return len(confidences)
-
-
-@dataclass
-class FixedLength(DraftLengthPolicy):
-    k: int
-
-    def next_length(self, limit: int) -> int:
-        return min(self.k, limit)
-
-
-@dataclass
-class HeuristicLength(DraftLengthPolicy):
-    """transformers' ``num_assistant_tokens_schedule="heuristic"`` as a baseline."""
-
-    k: int = 5
-    maximum: int = 16
-
-    def fork(self) -> HeuristicLength:
-        return HeuristicLength(self.k, self.maximum)
-
-    def next_length(self, limit: int) -> int:
-        return min(self.k, limit)
-
-    def observe(self, step: StepObservation) -> None:
-        if step.depth == 0:
-            return
-        self.k = min(self.k + 2, self.maximum) if step.accepted == step.depth else max(1, self.k - 1)
-
 
 _CALIBRATION_BINS = 10
 
@@ -423,28 +354,3 @@ class CostModelLength(DraftLengthPolicy):
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
                 self.calibration[self._bin(confidence)].add(1.0 if position < step.accepted else 0.0)
-
-
-def make_policy(
-    spec: int | str,
-    curve: Sequence[float] | None = None,
-    reads_context: bool = False,
-    context_cost: float | None = None,
-) -> DraftLengthPolicy:
-    """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
-
-    ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it.
-    ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
-    shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
-    forward against the target's (``Drafter.context_cost``), so ``auto`` prices its reading of each prompt."""
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        if spec < 0:
-            raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
-        return FixedLength(spec)
-    if spec == "auto":
-        shape = {"curve": tuple(curve)} if curve else {}
-        reading = RunningMean(context_cost) if context_cost else None
-        return CostModelLength(**shape, reads_context=reads_context, context_cost=reading)
-    if spec == "heuristic":
-        return HeuristicLength()
-    raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")

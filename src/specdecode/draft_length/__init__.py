@@ -1,0 +1,60 @@
+"""How far to draft each step.
+
+A fixed K is wrong whenever costs or acceptance vary: on a CPU a verification forward over 8 tokens
+costs 2-3x one token, so drafting deep only pays while the drafter is being accepted.  Policies:
+
+* ``FixedLength(k)`` — always k (the classic setting);
+* ``HeuristicLength`` — transformers' assisted-generation schedule: +2 after a fully accepted draft,
+  -1 otherwise;
+* ``CostModelLength`` (``--num-draft-tokens auto``) — picks the depth that maximises expected tokens
+  per second, from the verification forward's cost as a function of its width (measured once per
+  model), online estimates of per-position acceptance and of the drafter's own cost; drafters that
+  report per-token confidences get a SpecDec++-style stop threshold derived from the same costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specdecode.draft_length.base import DraftLengthPolicy, FixedLength, HeuristicLength
+from specdecode.draft_length.cost_model import ANSWER_HORIZON, UNTIMED_DEPTH, UNTIMED_STEPS, CostModelLength
+from specdecode.errors import SpecDecodeError
+from specdecode.estimators import RunningMean
+from specdecode.types import StepObservation
+
+__all__ = [
+    "ANSWER_HORIZON",
+    "UNTIMED_DEPTH",
+    "UNTIMED_STEPS",
+    "CostModelLength",
+    "DraftLengthPolicy",
+    "FixedLength",
+    "HeuristicLength",
+    "StepObservation",
+    "make_policy",
+]
+
+
+def make_policy(
+    spec: int | str,
+    curve: Sequence[float] | None = None,
+    reads_context: bool = False,
+    context_cost: float | None = None,
+) -> DraftLengthPolicy:
+    """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
+
+    ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it.
+    ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
+    shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
+    forward against the target's (``Drafter.context_cost``), so ``auto`` prices its reading of each prompt."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 0:
+            raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
+        return FixedLength(spec)
+    if spec == "auto":
+        shape = {"curve": tuple(curve)} if curve else {}
+        reading = RunningMean(context_cost) if context_cost else None
+        return CostModelLength(**shape, reads_context=reads_context, context_cost=reading)
+    if spec == "heuristic":
+        return HeuristicLength()
+    raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
