@@ -196,7 +196,7 @@ def tiny_gemma3():
 
 # -- statistics -------------------------------------------------------------------------------------
 
-DRAWS = 100_000
+DRAWS = 25_000
 PASS_P = 1e-3  # seeded, so deterministic; a correct verifier passes comfortably
 FAIL_P = 1e-6
 
@@ -329,15 +329,17 @@ def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
     return head
 
 
-def assert_head_drafter_samples_exactly(model: BigramFeatures, table: torch.Tensor, drafter) -> None:
+def assert_head_drafter_samples_exactly(
+    model: BigramFeatures, table: torch.Tensor, drafter, draws: int = DRAWS
+) -> None:
     """Rejection sampling with a head-based ``drafter`` on the bigram toy: every (position in step, previous
-    token) stratum fits the target's processed distribution, and drafts were accepted."""
+    token) stratum of ``draws`` tokens fits the target's processed distribution, and drafts were accepted."""
     from specdecode.sampling import sampling_probs
 
     sampling = SamplingParams(temperature=0.9, top_k=4)
     counts = np.zeros((4, V, V))
     produced, seed = 0, 0
-    while produced < DRAWS // 2:
+    while produced < draws:
         params = SamplingParams(0.9, 4, seed=seed, coupled=False)  # coupling would bypass rejection sampling
         config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=params)
         previous = 0

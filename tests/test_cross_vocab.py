@@ -258,7 +258,7 @@ def intersection_counts(tokens_wanted: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def test_intersection_sampling_is_exact():
-    counts, expected = intersection_counts(DRAWS // 8)
+    counts, expected = intersection_counts(DRAWS // 2)
     pvalues = chain_pvalues(counts, expected)
     assert len(pvalues) >= 6 and min(pvalues) > PASS_P / len(pvalues), pvalues
     assert counts[1:].sum() > 0  # drafts were accepted
@@ -269,7 +269,7 @@ def test_intersection_without_renormalising_fails_the_same_test(monkeypatch):
     without renormalising it (as if the tokens outside still took their share)."""
     real = specdecode.drafters.cross_vocab.sampling_probs
     monkeypatch.setattr(specdecode.drafters.cross_vocab, "sampling_probs", lambda logits, s: 0.6 * real(logits, s))
-    counts, expected = intersection_counts(DRAWS // 8)
+    counts, expected = intersection_counts(DRAWS // 2)
     assert min(chain_pvalues(counts, expected)) < FAIL_P
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import (
+    DRAWS,
     PROMPTS,
     BigramFeatures,
     V,
@@ -160,4 +161,4 @@ def test_sampling_with_a_head_reproduces_the_target_distribution():
     target = LoadedModel(name="bigram", backend=model, tokenizer=None)
     head = random_eagle_head(model, V - 1, seed=1)  # one token is never drafted: output must not change
     drafter = EagleDrafter(target, head=head)
-    assert_head_drafter_samples_exactly(model, table, drafter)
+    assert_head_drafter_samples_exactly(model, table, drafter, draws=DRAWS // 2)  # eagle drafts slowest
