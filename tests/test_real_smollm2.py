@@ -101,10 +101,10 @@ def test_every_drafter_is_lossless_on_a_grounded_and_a_chat_prompt(smollm2, refe
 
 
 BATCH_PROMPTS = [  # short, long, grounded, chat; some end (EOS) well before their token limit
-    (PROMPTS[0], 32),
-    (PROMPTS[1], 24),
-    (PROMPTS[2], 32),
-    (GROUNDED_PROMPT, 32),
+    (PROMPTS[0], 16),
+    (PROMPTS[1], 12),
+    (PROMPTS[2], 16),
+    (GROUNDED_PROMPT, 20),
     ("What is 2 + 2? Answer with one number.", 28),
     ("Name three primary colours.", 16),
 ]
