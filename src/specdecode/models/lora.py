@@ -42,10 +42,8 @@ def lora_targets(model: nn.Module, num_layers: int, last: int) -> list[str]:
         index = parts[parts.index("layers") + 1]
         if not index.isdigit() or int(index) < first:
             continue
-        if isinstance(module, PackedLinear):
+        if isinstance(module, (PackedLinear, QuantizedLinear)):
             model.set_submodule(name, module.to_linear())
-        elif isinstance(module, QuantizedLinear):
-            model.set_submodule(name, dense_copy(module))
         elif type(module) is not nn.Linear:
             continue
         model.get_submodule(name).weight.requires_grad_(False)
@@ -54,15 +52,7 @@ def lora_targets(model: nn.Module, num_layers: int, last: int) -> list[str]:
         raise SpecDecodeError(f"adapt found no linear layer to adapt in {type(model).__name__}")
     head = model.get_output_embeddings()
     if isinstance(head, QuantizedLinear):  # the gradient flows back through it, and its kernel has none
-        model.set_output_embeddings(dense_copy(head))
+        model.set_output_embeddings(head.to_linear())
+        model.get_output_embeddings().weight.requires_grad_(False)
+    # The layers below the adapted ones keep their quantized kernels: nothing below them trains.
     return names
-
-
-def dense_copy(layer: QuantizedLinear) -> nn.Linear:
-    """An fp32 ``nn.Linear`` multiplying by the weight ``layer`` multiplies by (a tied head's: the embedding),
-    frozen: what LoRA wraps and what a gradient flows back through.  The layers below the adapted ones keep
-    their quantized kernels, since nothing below them trains."""
-    linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
-    linear.weight = nn.Parameter(layer.weight.detach().float(), requires_grad=False)
-    linear.bias = layer.bias
-    return linear

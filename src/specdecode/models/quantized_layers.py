@@ -117,6 +117,15 @@ class QuantizedLinear(nn.Module):
         """The [out_features, in_features] weight this layer multiplies by, as a dense fp32 tensor."""
         raise NotImplementedError
 
+    def to_linear(self) -> nn.Linear:
+        """An ordinary fp32 ``nn.Linear`` multiplying by this layer's weight (a tied layer's: the shared one), as
+        :meth:`PackedLinear.to_linear <specdecode.models.fastpath.PackedLinear.to_linear>` gives: what LoRA wraps
+        and what a gradient flows back through, where the kernel has no backward."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self.weight.detach().float())
+        linear.bias = self.bias
+        return linear
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """[m, in_features] → [m, out_features] in :data:`COMPUTE_DTYPE`, without the bias."""
         raise NotImplementedError
