@@ -132,6 +132,15 @@ class BigramDrafter(Drafter):
     def __init__(self, table: torch.Tensor, shared_noise: bool, branches: int = 1) -> None:
         super().__init__(target=None)
         self.table, self.shared_noise, self.branches = table, shared_noise, branches
+        self._weights: dict[tuple, torch.Tensor] = {}
+
+    def log_weights(self, sampling: SamplingParams) -> torch.Tensor:
+        """[V, V] processed log-weights after every token, computed once per setting: the verifier under
+        test runs per draw, the drafter's own arithmetic need not."""
+        key = (sampling.temperature, sampling.top_k, sampling.top_p)
+        if key not in self._weights:
+            self._weights[key] = sampling_log_weights(self.table, sampling)
+        return self._weights[key]
 
     def session(self, request: DraftRequest) -> BigramSession:
         return BigramSession(self, request)
@@ -139,23 +148,24 @@ class BigramDrafter(Drafter):
 
 class BigramSession(DraftSession):
     def __init__(self, drafter: BigramDrafter, request: DraftRequest) -> None:
-        self.drafter, self.sampling, self.seed = drafter, request.sampling, request.seed
+        self.drafter, self.seed = drafter, request.seed
+        self.weights = drafter.log_weights(request.sampling)
+        self.probs = self.weights.softmax(-1)
         self.generator = request.torch_generator()
 
     def _next(self, previous: int, position: int) -> int:
-        logits = self.drafter.table[previous]
         if self.drafter.shared_noise:
-            return coupled_sample(logits, self.sampling, self.seed, position)
-        return sample(sampling_probs(logits, self.sampling), self.generator)
+            return coupled_argmax(self.weights[previous], self.seed, position)
+        return sample(self.probs[previous], self.generator)
 
     def propose(self, context, max_tokens) -> Draft:
-        table, branches, position = self.drafter.table, self.drafter.branches, len(context)
-        weights = sampling_log_weights(table[context[-1]], self.sampling)
+        branches, position = self.drafter.branches, len(context)
+        weights = self.weights[context[-1]]
         if self.drafter.shared_noise:
             scores = weights + gumbel_noise(self.seed, position, V)
             roots = torch.topk(scores, min(branches, int(torch.isfinite(weights).sum()))).indices.tolist()
         else:
-            roots, remaining = [], weights.softmax(-1)
+            roots, remaining = [], self.probs[context[-1]].clone()
             for _ in range(min(branches, int((remaining > 0).sum()))):
                 roots.append(sample(remaining / remaining.sum(), self.generator))
                 remaining[roots[-1]] = 0.0

@@ -102,31 +102,46 @@ class BigramDrafter(Drafter):
     def __init__(self, table: torch.Tensor, with_probs: bool, branches: int = 1) -> None:
         super().__init__(target=None)
         self.table, self.with_probs, self.branches = table, with_probs, branches
+        self._rows: dict[tuple, torch.Tensor] = {}
+
+    def rows(self, sampling: SamplingParams) -> torch.Tensor:
+        """[V, V] the processed draft distribution after every token, computed once per setting: the
+        verifier under test runs per draw, the drafter's own arithmetic need not."""
+        key = (sampling.temperature, sampling.top_k, sampling.top_p)
+        if key not in self._rows:
+            self._rows[key] = sampling_probs(self.table, sampling)
+        return self._rows[key]
 
     def session(self, request: DraftRequest) -> BigramSession:
         return BigramSession(self, request)
 
 
+def draw(probs: torch.Tensor, rng: np.random.Generator) -> int:
+    """One token from [V] probabilities by inverse CDF (a zero-probability token is never drawn)."""
+    cdf = np.cumsum(probs.numpy(), dtype=np.float64)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+
+
 class BigramSession(DraftSession):
     def __init__(self, drafter: BigramDrafter, request: DraftRequest) -> None:
-        self.drafter, self.sampling = drafter, request.sampling
-        self.generator = request.torch_generator()
+        self.drafter, self.table = drafter, drafter.rows(request.sampling)
+        self.rng = request.numpy_rng()
 
     def propose(self, context, max_tokens) -> Draft:
         """``branches`` > 1: that many root alternatives drawn without replacement, each continued
         by a sampled chain — a tree that exercises multi-draft verification and cache compaction."""
-        table, branches = self.drafter.table, self.drafter.branches
+        table, branches = self.table, self.drafter.branches
         tokens, rows, parents = [], [], []
-        q_root = sampling_probs(table[context[-1]], self.sampling)
+        q_root = table[context[-1]]
         remaining = q_root.clone()
         for _ in range(min(branches, int((q_root > 0).sum()))):
             drawn_from = remaining / remaining.sum()
-            last = sample(drawn_from, self.generator)
+            last = draw(drawn_from, self.rng)
             remaining[last] = 0.0
             tokens.append(last), rows.append(drawn_from), parents.append(-1)
             for _ in range(max_tokens - 1):
-                q = sampling_probs(table[last], self.sampling)
-                last = sample(q, self.generator)
+                q = table[last]
+                last = draw(q, self.rng)
                 parents.append(len(tokens) - 1)
                 tokens.append(last), rows.append(q)
         probs = torch.stack(rows) if self.drafter.with_probs and rows else None
@@ -248,6 +263,17 @@ def test_processed_distribution_matches_transformers_warpers(params):
         warpers.append(TopPLogitsWarper(params.top_p))
     theirs = torch.softmax(warpers(None, logits.clone()), -1)
     torch.testing.assert_close(sampling_probs(logits, params), theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_nucleus_found_among_the_top_candidates_is_the_full_sorts(top_p):
+    """Rows whose nucleus is a few tokens, about a thousand, and most of a 20k vocabulary, in one batch:
+    the first candidates, the next size and the whole sort all give transformers' (sorting) warper."""
+    logits = torch.randn(3, 20_000, generator=torch.Generator().manual_seed(1)) * torch.tensor([[8.0], [3.0], [0.5]])
+    theirs = torch.softmax(TopPLogitsWarper(top_p)(None, logits.clone()), -1)
+    ours = sampling_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_greedy_params_give_one_hot():
