@@ -320,12 +320,12 @@ def test_smollm2_drafts_for_gemma3_greedy_identical():
 
     target, draft = load_model("gemma3-270m"), load_model("smollm2-135m")
     plain = SpeculativeGenerator.build(target, "none")
-    expected = [plain.generate(p, chat=False, max_new_tokens=24, ignore_eos=True).token_ids for p in HELD_OUT]
+    expected = [plain.generate(p, chat=False, max_new_tokens=16, ignore_eos=True).token_ids for p in HELD_OUT]
     for mapping in ("intersection", "text", "ngram"):
         generator = SpeculativeGenerator.build(target, "draft-model", draft_model=draft, vocab_mapping=mapping)
         accepted = 0
         for prompt, tokens in zip(HELD_OUT, expected, strict=True):
-            result = generator.generate(prompt, chat=False, max_new_tokens=24, ignore_eos=True, num_draft_tokens=4)
+            result = generator.generate(prompt, chat=False, max_new_tokens=16, ignore_eos=True, num_draft_tokens=4)
             assert result.token_ids == tokens, mapping
             assert result.stats.drafted_tokens > 0
             accepted += result.stats.accepted_tokens

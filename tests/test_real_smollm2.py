@@ -18,7 +18,8 @@ PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
     "    return fibonacci(n - 1) + fibonacci(n - 2)\n\nRewrite this function iteratively, keeping the docstring.",
 ]
-NEW_TOKENS = 64
+NEW_TOKENS = 40
+DRAFTER_TOKENS = 32  # per drafter, two prompts each
 GROUNDED_PROMPT = (
     "Here is a config file:\n\nserver:\n  host: 0.0.0.0\n  port: 8080\n  workers: 4\n"
     "logging:\n  level: info\n  file: /var/log/app.log\n\n"
@@ -37,12 +38,12 @@ def smollm2():
     return load_model("smollm2-135m")
 
 
-def transformers_greedy(loaded, prompt_ids: list[int]) -> list[int]:
+def transformers_greedy(loaded, prompt_ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     ids = torch.tensor([prompt_ids])
     out = loaded.backend.model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
-        max_new_tokens=NEW_TOKENS,
+        max_new_tokens=new_tokens,
         do_sample=False,
         eos_token_id=[],
         pad_token_id=loaded.tokenizer.pad_token_id,
@@ -69,7 +70,7 @@ def test_draft_model_identical_and_self_draft_accepts_all(smollm2):
     result = generator.generate(PROMPTS[0], chat=True, max_new_tokens=8 * (k + 1), ignore_eos=True, num_draft_tokens=k)
     prompt_ids = generator.encode_prompt(PROMPTS[0], chat=True)
     assert result.stats.mean_accepted_tokens == k + 1
-    assert result.token_ids == transformers_greedy(smollm2, prompt_ids)[: 8 * (k + 1)]
+    assert result.token_ids == transformers_greedy(smollm2, prompt_ids, 8 * (k + 1))
 
 
 def test_chat_output_stops_at_end_of_turn(smollm2):
@@ -85,7 +86,7 @@ def reference(smollm2):
 
     def continuation(prompt_ids: list[int]) -> list[int]:
         if tuple(prompt_ids) not in done:
-            done[tuple(prompt_ids)] = transformers_greedy(smollm2, prompt_ids)
+            done[tuple(prompt_ids)] = transformers_greedy(smollm2, prompt_ids, DRAFTER_TOKENS)
         return done[tuple(prompt_ids)]
 
     return continuation
@@ -95,8 +96,8 @@ def reference(smollm2):
 def test_every_drafter_is_lossless_on_a_grounded_and_a_chat_prompt(smollm2, reference, name):
     generator = SpeculativeGenerator.build(smollm2, name)
     for prompt in (GROUNDED_PROMPT, PROMPTS[0]):
-        expected = reference(generator.encode_prompt(prompt, chat=True))[:48]
-        result = generator.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True)
+        expected = reference(generator.encode_prompt(prompt, chat=True))
+        result = generator.generate(prompt, chat=True, max_new_tokens=DRAFTER_TOKENS, ignore_eos=True)
         assert result.token_ids == expected, name
 
 

@@ -277,10 +277,10 @@ def test_self_drafters_are_lossless_on_smollm2():
 
     target = load_model("smollm2-135m")
     prompt = "Explain in a few sentences why the sky is blue."
-    plain = SpeculativeGenerator.build(target, "none").generate(prompt, chat=True, max_new_tokens=48)
+    plain = SpeculativeGenerator.build(target, "none").generate(prompt, chat=True, max_new_tokens=32)
     for name in ("layer-skip", "early-exit"):
-        result = SpeculativeGenerator.build(target, name).generate(prompt, chat=True, max_new_tokens=48)
+        result = SpeculativeGenerator.build(target, name).generate(prompt, chat=True, max_new_tokens=32)
         assert result.token_ids == plain.token_ids, name
     adapter = KangarooAdapter.for_backend(target.backend, 6)
     kangaroo = SpeculativeGenerator.build(target, "kangaroo", adapter=adapter)
-    assert kangaroo.generate(prompt, chat=True, max_new_tokens=48).token_ids == plain.token_ids
+    assert kangaroo.generate(prompt, chat=True, max_new_tokens=32).token_ids == plain.token_ids
