@@ -33,6 +33,13 @@ def tiny_draft(tiny_dirs) -> LoadedModel:
     return load_model(str(tiny_dirs["draft"]))
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    """The bundled default model (fp32), loaded once: a load is a second, and the first ``auto`` draft
+    length measures the backend's cost curve (~7 s on a 2-core CPU), once per loaded backend."""
+    return load_model("smollm2-135m")
+
+
 @pytest.fixture(autouse=True)
 def one_thread_for_tiny_models(request):
     """Tiny tensors run many times faster on one thread than on two that fight over two shared cores;

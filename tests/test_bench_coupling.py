@@ -65,6 +65,8 @@ def test_files_written(finished):
     [
         ({"temperature": 0}, "--temperature must be > 0"),
         ({"temperature": "hot"}, "--temperature must be a number"),
+        ({"top_p": 0}, "--top-p must be in (0, 1]"),
+        ({"top_p": 1.5}, "--top-p must be in (0, 1]"),
         ({"max_new_tokens": 0}, "--max-new-tokens must be a positive integer"),
         ({"tasks": "edit,poetry"}, "unknown benchmark task 'poetry'"),
         ({"methods": "telepathy"}, "unknown drafter 'telepathy'"),
@@ -88,11 +90,23 @@ def test_command_flags_reach_the_settings(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(coupling, "measure_coupling", fake_measure)
     tmp_path.joinpath("out").mkdir()
-    argv = ["coupling", "--methods", "pld", "--temperature", "0.5", "--seed", "7", "--max-new-tokens", "16"]
+    argv = [
+        "coupling",
+        "--methods",
+        "pld",
+        "--temperature",
+        "0.5",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "16",
+    ]
     args = parser.parse_args([*argv, "--out", str(tmp_path / "out"), "--no-progress"])
     assert args.run(args) == 0
     settings, progress = seen[0]
     assert [m.spec for m in settings.methods] == ["pld"] and not progress
-    assert (settings.temperature, settings.seed, settings.max_new_tokens) == (0.5, 7, 16)
+    assert (settings.temperature, settings.top_p, settings.seed, settings.max_new_tokens) == (0.5, 0.9, 7, 16)
     assert settings.model == "smollm2-135m" and settings.prompts_per_task == 1
     assert capsys.readouterr().out.startswith("the report")

@@ -373,14 +373,12 @@ def test_unseeded_or_opted_out_sampling_keeps_rejection_sampling(tiny_target, ve
 
 
 @pytest.mark.real_model
-def test_same_seed_same_text_with_every_drafter_on_smollm2():
+def test_same_seed_same_text_with_every_drafter_on_smollm2(smollm2):
     """``--temperature 0.8 --seed 1``: identical token ids with none, pld, suffix and recycling, at a fixed
     and the ``auto`` draft length (whose depth follows measured timings), run after run.  draft-model is
     left out: no bundled model shares SmolLM2's vocabulary (the tiny-model test above covers it)."""
     from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
 
-    smollm2 = load_model("smollm2-135m")
     prompt = "Repeat this list exactly, then add two more fruits: apple, banana, cherry, date, elderberry, fig."
     params = dict(chat=True, max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=1)
     plain_generator = SpeculativeGenerator.build(smollm2, "none")

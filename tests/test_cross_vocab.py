@@ -311,14 +311,14 @@ HELD_OUT = ["Once upon a time, there was a little girl who", "import numpy as np
 
 
 @pytest.mark.real_model
-def test_smollm2_drafts_for_gemma3_greedy_identical():
+def test_smollm2_drafts_for_gemma3_greedy_identical(smollm2):
     """SmolLM2-135M (byte-level BPE, 49,152 tokens) drafting for Gemma-3-270M (SentencePiece with byte
     fallback, 262,144): the cheapest real pair of two tokenizer families.  Every mapping gives plain
     decoding's tokens; the intersection's drafts are accepted at times."""
     from specdecode.generator import SpeculativeGenerator
     from specdecode.models.loading import load_model
 
-    target, draft = load_model("gemma3-270m"), load_model("smollm2-135m")
+    target, draft = load_model("gemma3-270m"), smollm2
     plain = SpeculativeGenerator.build(target, "none")
     expected = [plain.generate(p, chat=False, max_new_tokens=16, ignore_eos=True).token_ids for p in HELD_OUT]
     for mapping in ("intersection", "text", "ngram"):

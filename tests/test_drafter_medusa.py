@@ -214,12 +214,11 @@ def test_sampling_with_heads_reproduces_the_target_distribution(kind):
 
 
 @pytest.mark.real_model
-def test_untrained_heads_keep_smollm2_greedy_output():
+def test_untrained_heads_keep_smollm2_greedy_output(smollm2):
     """Greedy equality on a real model for heads whose weights mean nothing (random blocks, the target's
     LM head rows of 4096 random ids): medusa's tree, hydra's tree and chain."""
     from specdecode.generator import SpeculativeGenerator
 
-    smollm2 = load_model("smollm2-135m")
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     plain = SpeculativeGenerator.build(smollm2, "none")
     prompt_ids = plain.encode_prompt(prompt, chat=True)

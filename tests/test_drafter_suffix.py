@@ -190,15 +190,13 @@ def test_bad_options_are_user_errors(options):
 
 
 @pytest.mark.real_model
-def test_deep_drafts_and_a_warm_session_stay_lossless_on_the_real_model():
+def test_deep_drafts_and_a_warm_session_stay_lossless_on_the_real_model(smollm2):
     """K = 16 (how the benchmark runs ``suffix``), and a session where the second request drafts from the
     first one's output: token for token what plain decoding gives."""
     from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
 
-    target = load_model("smollm2-135m")
-    plain = SpeculativeGenerator.build(target, "none")
-    suffix = SpeculativeGenerator.build(target, "suffix")
+    plain = SpeculativeGenerator.build(smollm2, "none")
+    suffix = SpeculativeGenerator.build(smollm2, "suffix")
     source = "def area(w, h):\n    total = w * h\n    return total\n"
     requests = [
         f"Rename `w` to `width`.\n\n```python\n{source}```",

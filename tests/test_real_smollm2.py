@@ -8,7 +8,6 @@ import torch
 from helpers import random_eagle_head
 from specdecode.drafters import available_drafters, drafter_class
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models.loading import load_model
 
 pytestmark = pytest.mark.real_model
 
@@ -31,11 +30,6 @@ MODEL_FREE = [
     for name in available_drafters()
     if name not in {"none", "draft-model", "hsd"} and not drafter_class(name).needs_training
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2-135m")
 
 
 def transformers_greedy(loaded, prompt_ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
@@ -101,9 +95,7 @@ def test_every_drafter_is_lossless_on_a_grounded_and_a_chat_prompt(smollm2, refe
         assert result.token_ids == expected, name
 
 
-BATCH_PROMPTS = [  # short, long, grounded, chat; some end (EOS) well before their token limit
-    (PROMPTS[0], 16),
-    (PROMPTS[1], 12),
+BATCH_PROMPTS = [  # long, grounded, short chat; some end (EOS) well before their token limit
     (PROMPTS[2], 16),
     (GROUNDED_PROMPT, 20),
     ("What is 2 + 2? Answer with one number.", 28),

@@ -271,11 +271,10 @@ def test_kangaroo_adapter_round_trips_and_checks_the_model(tiny_target, tiny_dra
 
 
 @pytest.mark.real_model
-def test_self_drafters_are_lossless_on_smollm2():
+def test_self_drafters_are_lossless_on_smollm2(smollm2):
     from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
 
-    target = load_model("smollm2-135m")
+    target = smollm2
     prompt = "Explain in a few sentences why the sky is blue."
     plain = SpeculativeGenerator.build(target, "none").generate(prompt, chat=True, max_new_tokens=32)
     for name in ("layer-skip", "early-exit"):

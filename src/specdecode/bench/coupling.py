@@ -44,6 +44,8 @@ DEFAULTS: dict[str, Any] = {
     "prompts_per_task": 1,
     "max_new_tokens": 64,
     "temperature": 0.8,
+    # What OpenAI-style clients often send (0.9-0.95): the nucleus is cut over every verified row.
+    "top_p": 1.0,
     "seed": 0,
     "out": "bench-out/coupling",
 }
@@ -57,6 +59,7 @@ class CouplingSettings:
     prompts_per_task: int
     max_new_tokens: int
     temperature: float
+    top_p: float
     seed: int
     threads: int
     out: Path
@@ -74,6 +77,8 @@ class CouplingSettings:
             raise SpecDecodeError(f"--temperature must be a number, got {self.temperature!r}")
         if self.temperature <= 0:  # greedy decoding samples nothing: there is no verifier to compare
             raise SpecDecodeError(f"--temperature must be > 0 (coupling is for sampling), got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise SpecDecodeError(f"--top-p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
 
@@ -97,6 +102,7 @@ def resolve_settings(**overrides: Any) -> CouplingSettings:
         prompts_per_task=values["prompts_per_task"],
         max_new_tokens=values["max_new_tokens"],
         temperature=values["temperature"],
+        top_p=values["top_p"],
         seed=values["seed"],
         threads=values["threads"],
         out=Path(values["out"]),
@@ -113,6 +119,7 @@ def decode(
         max_new_tokens=settings.max_new_tokens,
         num_draft_tokens=method.k,
         temperature=settings.temperature,
+        top_p=settings.top_p,
         seed=settings.seed,
         coupled=coupled,
     )
@@ -185,7 +192,8 @@ def measure_coupling(
     ):
         for method in methods:
             generator = SpeculativeGenerator.build(target, method.drafter, **common.drafter_options(method, drafts))
-            generator.generate(encoded[0].ids, max_new_tokens=WARMUP_TOKENS, temperature=settings.temperature)
+            warmup = dict(max_new_tokens=WARMUP_TOKENS, temperature=settings.temperature, top_p=settings.top_p)
+            generator.generate(encoded[0].ids, **warmup)
             records: dict[str, list[dict]] = {verifier: [] for verifier in VERIFIERS}
             for prompt in encoded:  # both verifiers on a prompt back to back: a drift in speed hits both alike
                 for verifier in VERIFIERS:
@@ -213,7 +221,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# Coupled vs rejection sampling: `{s['model']}`",
         "",
-        f"{len(results['prompts'])} prompts ({', '.join(s['tasks'])}), temperature {s['temperature']}, seed "
+        f"{len(results['prompts'])} prompts ({', '.join(s['tasks'])}), temperature {s['temperature']}, "
+        f"top-p {s.get('top_p', 1.0)}, seed "
         f"{s['seed']}, up to {s['max_new_tokens']} new tokens (EOS ends a decode), default draft lengths unless "
         "a method says `k=`. Every method decodes every prompt twice from a cold drafter with the same seed: "
         "Gumbel-max coupled (the default for seeded sampling, drafter-invariant) and rejection sampling "
@@ -275,6 +284,7 @@ def add_coupling_command(commands: argparse._SubParsersAction) -> None:
     coupling.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
     coupling.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 64")
     coupling.add_argument("--temperature", type=float, default=keep, help="sampling temperature, > 0 (default 0.8)")
+    coupling.add_argument("--top-p", type=float, default=keep, help="nucleus sampling, in (0, 1] (default 1.0: off)")
     coupling.add_argument("--seed", type=int, default=keep, help="sampling seed of every decode (default 0)")
     coupling.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
     coupling.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
@@ -285,7 +295,7 @@ def add_coupling_command(commands: argparse._SubParsersAction) -> None:
 def run_coupling(args: argparse.Namespace) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
-    names = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "temperature", "seed", "out")
+    names = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "temperature", "top_p", "seed", "out")
     settings = resolve_settings(**_flags(args, *names, "threads"))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench coupling", "results.json, results.md", settings, measure_coupling, progress)
