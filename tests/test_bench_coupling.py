@@ -67,6 +67,7 @@ def test_files_written(finished):
         ({"temperature": "hot"}, "--temperature must be a number"),
         ({"top_p": 0}, "--top-p must be in (0, 1]"),
         ({"top_p": 1.5}, "--top-p must be in (0, 1]"),
+        ({"quantize": "int3"}, "--quantize must be one of"),
         ({"max_new_tokens": 0}, "--max-new-tokens must be a positive integer"),
         ({"tasks": "edit,poetry"}, "unknown benchmark task 'poetry'"),
         ({"methods": "telepathy"}, "unknown drafter 'telepathy'"),

@@ -47,6 +47,7 @@ DEFAULTS: dict[str, Any] = {
     # What OpenAI-style clients often send (0.9-0.95): the nucleus is cut over every verified row.
     "top_p": 1.0,
     "seed": 0,
+    "quantize": "none",
     "out": "bench-out/coupling",
 }
 
@@ -61,6 +62,7 @@ class CouplingSettings:
     temperature: float
     top_p: float
     seed: int
+    quantize: str
     threads: int
     out: Path
 
@@ -81,6 +83,9 @@ class CouplingSettings:
             raise SpecDecodeError(f"--top-p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
+        from specdecode.models.quantize import check_quantize  # here, not at import: it imports torch
+
+        check_quantize(self.quantize)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -104,6 +109,7 @@ def resolve_settings(**overrides: Any) -> CouplingSettings:
         temperature=values["temperature"],
         top_p=values["top_p"],
         seed=values["seed"],
+        quantize=values["quantize"],
         threads=values["threads"],
         out=Path(values["out"]),
     )
@@ -171,8 +177,9 @@ def measure_coupling(
     from specdecode.threads import fixed_threads
 
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, PROMPT_SEED)
-    target = load_model(settings.model)
-    drafts = {name: load_model(name) for name in sorted({m.draft_model for m in settings.methods} - {None})}
+    target = load_model(settings.model, quantize=settings.quantize)
+    draft_names = sorted({m.draft_model for m in settings.methods} - {None})
+    drafts = {name: load_model(name, quantize=settings.quantize) for name in draft_names}
     encoded = common.PromptEncoder(target, settings.model, settings.max_new_tokens).encode_tasks(tasks)
     if not encoded:
         raise SpecDecodeError("the selected tasks have no prompts")
@@ -286,6 +293,12 @@ def add_coupling_command(commands: argparse._SubParsersAction) -> None:
     coupling.add_argument("--temperature", type=float, default=keep, help="sampling temperature, > 0 (default 0.8)")
     coupling.add_argument("--top-p", type=float, default=keep, help="nucleus sampling, in (0, 1] (default 1.0: off)")
     coupling.add_argument("--seed", type=int, default=keep, help="sampling seed of every decode (default 0)")
+    coupling.add_argument(
+        "--quantize",
+        default=keep,
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="weight-only quantization of the target and draft models (default none)",
+    )
     coupling.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
     coupling.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
     coupling.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
@@ -295,7 +308,18 @@ def add_coupling_command(commands: argparse._SubParsersAction) -> None:
 def run_coupling(args: argparse.Namespace) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
-    names = ("model", "methods", "tasks", "prompts_per_task", "max_new_tokens", "temperature", "top_p", "seed", "out")
+    names = (
+        "model",
+        "methods",
+        "tasks",
+        "prompts_per_task",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "seed",
+        "quantize",
+        "out",
+    )
     settings = resolve_settings(**_flags(args, *names, "threads"))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench coupling", "results.json, results.md", settings, measure_coupling, progress)
