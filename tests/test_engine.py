@@ -338,6 +338,30 @@ def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(
     assert relative_cost_curve(tiny_target.backend) is measured  # measured once per loaded model
 
 
+def test_plain_decoding_never_measures_the_cost_curve_and_warm_up_measures_it_once(tiny_target, monkeypatch):
+    """The curve costs seconds on a CPU: ``none`` under ``auto`` has no depth to choose, and a server or the
+    demo measures it with ``warm_up`` before the first timed or waiting request."""
+    import specdecode.generator
+    from specdecode.models.cost import relative_cost_curve
+
+    backends = []
+
+    def counting(backend):
+        backends.append(backend)
+        return relative_cost_curve(backend)
+
+    monkeypatch.setattr(specdecode.generator, "relative_cost_curve", counting)
+    plain = SpeculativeGenerator.build(tiny_target, "none")
+    plain.generate(PROMPTS[1], max_new_tokens=4, num_draft_tokens="auto")
+    assert plain.warm_up() == 0.0 and backends == []
+    drafting = SpeculativeGenerator.build(tiny_target, "pld")
+    assert drafting.warm_up([plain.drafter]) == 0.0 and backends == []  # only a drafter that drafts needs it
+    drafting.warm_up()
+    assert backends == [tiny_target.backend]
+    fixed = SpeculativeGenerator(tiny_target, drafting.drafter, GenerationConfig(num_draft_tokens=4))
+    assert fixed.warm_up() == 0.0 and len(backends) == 1  # a fixed depth reads no curve
+
+
 class ProposesFirstOracle(Drafter):
     """Knows the greedy continuation, proposes it with a confidence per token, and records what it was asked."""
 

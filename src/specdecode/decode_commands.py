@@ -339,6 +339,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     exact = dataclasses.replace(defaults, verifier="exact")  # the reference is the target's own output
     plain = type(speculative).build(speculative.target, "none", exact)
     plain.generate(prompt, chat=args.chat, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
+    speculative.warm_up()  # nor is measuring the cost curve `auto` reads (plain decoding needs none)
     base = plain.generate(prompt, chat=args.chat)
     fast = speculative.generate(prompt, chat=args.chat)
     print(fast.text)

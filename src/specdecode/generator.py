@@ -7,7 +7,8 @@ detokenisation for streaming, and stop strings (held back while they might still
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
@@ -85,12 +86,25 @@ class SpeculativeGenerator:
         key = (spec, drafter)
         if key not in self._adaptive_policies:
             # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
-            # on first use, a second or so, and cached per loaded model: reset_drafter keeps it).
-            curve = relative_cost_curve(self.target.backend) if spec == "auto" else None
+            # on first use, see warm_up, and cached per loaded model: reset_drafter keeps it).
+            curve = relative_cost_curve(self.target.backend) if spec == "auto" and drafter.drafts else None
             self._adaptive_policies[key] = make_policy(
                 spec, curve, reads_context=drafter.reads_context, context_cost=drafter.context_cost
             )
         return self._adaptive_policies[key]
+
+    def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:
+        """Measure now what the first request would otherwise wait for: the target's verification cost
+        curve, which ``auto`` (the default draft length) needs for a drafter that drafts — 48 forwards,
+        4 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model.  A server
+        calls this before it accepts requests (as vLLM profiles before serving); a benchmark before it times.
+        ``drafters``: those the requests will use (default: this generator's).  Returns the seconds spent."""
+        drafters = list(drafters) or [self.drafter]
+        if self.defaults.num_draft_tokens != "auto" or not any(d.drafts for d in drafters):
+            return 0.0
+        started = time.perf_counter()
+        relative_cost_curve(self.target.backend)
+        return time.perf_counter() - started
 
     # -- prompt handling -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool | None = False) -> list[int]:

@@ -9,5 +9,7 @@ from specdecode.types import Draft
 
 @register_drafter("none")
 class NoDrafter(Drafter):
+    drafts = False
+
     def session(self, request: DraftRequest) -> DraftSession:
         return StatelessSession(lambda context, max_tokens: Draft(tokens=[]))

@@ -76,6 +76,9 @@ def build_service(args: argparse.Namespace):
     drafters = {name: create_drafter(name, target, **per_drafter[name]) for name in names}
     drafters.setdefault("none", create_drafter("none", target))
     generator = SpeculativeGenerator(target, drafters[names[0]], defaults)
+    warm_up_s = generator.warm_up(drafters.values())  # before the first request, which would otherwise wait
+    if warm_up_s:
+        print(f"[serve] measured {args.model}'s verification cost curve for auto in {warm_up_s:.1f} s", file=sys.stderr)
     config = ServerConfig(
         model_name=args.model,
         max_batch_size=args.max_batch_size,
