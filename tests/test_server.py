@@ -340,7 +340,9 @@ def test_serve_cli_exits_cleanly_on_sigterm_and_rejects_bad_flags(tiny_dirs, cap
         assert client.completions.create(model=str(tiny_dirs["target"]), prompt=TEXT, max_tokens=5).choices[0].text
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-        assert "Traceback" not in process.stderr.read().decode()
+        stderr = process.stderr.read().decode()
+        assert "Traceback" not in stderr
+        assert "verification cost curve for auto in" in stderr  # measured before the first request
     finally:
         if process.poll() is None:
             process.kill()
