@@ -12,6 +12,14 @@ from specdecode.models.loading import LoadedModel, load_model
 from tiny_models import save_tiny, tiny_words
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_curves_in_a_temporary_file(tmp_path_factory):
+    """auto's measured cost curves go to a file of this run (subprocesses inherit it), not the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDECODE_COST_CURVES", str(tmp_path_factory.mktemp("cost") / "cost-curves.json"))
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     """Three tiny models on disk: a target, a draft with the same vocabulary, and one with another."""

@@ -76,3 +76,34 @@ def test_monotone_fit_keeps_a_staircase_and_pools_only_what_decreases():
     assert monotone_fit(staircase) == staircase
     assert monotone_fit([1.0, 1.3, 1.1, 1.2]) == pytest.approx([1.0, 1.2, 1.2, 1.2])
     assert monotone_fit([2.0, 1.0]) == pytest.approx([1.5, 1.5])
+
+
+def test_a_measured_curve_is_kept_on_disk_for_the_next_process_on_this_machine(tmp_path, monkeypatch):
+    """Another backend of the same structure reads the curve instead of 48 forwards; another thread count,
+    another structure or an unreadable file measures again."""
+    import torch
+
+    from specdecode.models import cost
+
+    monkeypatch.setenv("SPECDECODE_COST_CURVES", str(tmp_path / "curves.json"))
+    first = cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "a"))
+    assert json.loads((tmp_path / "curves.json").read_text())
+
+    def no_forwards(*args, **kwargs):
+        raise AssertionError("measured although a curve was saved")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cost, "timed_rounds", no_forwards)
+        assert cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=1), "b")) == first  # other weights, same shapes
+    measured = []
+    monkeypatch.setattr(cost, "timed_rounds", lambda *a, **k: measured.append(1) or {w: [w] for w in range(1, 17)})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(previous + 1)
+    try:
+        cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "c"))
+    finally:
+        torch.set_num_threads(previous)
+    cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0, layers=1), "d"))
+    (tmp_path / "curves.json").write_text("{not json")
+    assert cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "e")) == tuple(float(w) for w in range(1, 17))
+    assert len(measured) == 3

@@ -8,12 +8,19 @@ auto``) needs the shape of that curve, so measuring it belongs to the models lay
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
+from pathlib import Path
 from weakref import WeakKeyDictionary
 
 import torch
+from torch import nn
 
 from specdecode.models.base import CausalLM, KVCache
+from specdecode.models.cache import cache_dir
 
 _SEED = 0
 
@@ -94,7 +101,8 @@ def monotone_fit(values: list[float]) -> list[float]:
 
 
 def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -> tuple[float, ...] | None:
-    """``t(w) / t(1)`` for w = 1..widths, measured once per loaded backend and then cached.
+    """``t(w) / t(1)`` for w = 1..widths, measured once per machine and model structure: cached per loaded
+    backend, and on disk (:func:`curve_file`) for the next process on the same machine.
 
     The draft-length cost model needs the *shape* of the verification cost (its scale it learns online),
     and a quick measurement (``(repeats + 1) * widths`` forwards, interleaved over widths) beats a guess.
@@ -109,7 +117,81 @@ def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -
     context_tokens = min(128, backend.max_context - widths)
     if context_tokens < 1:
         return None
+    key = _machine_and_model_key(backend, widths, repeats, context_tokens)
+    saved = _saved_curves().get(key) if key else None
+    curve = saved.get("curve") if isinstance(saved, dict) else None
+    if isinstance(curve, list) and len(curve) == widths and all(isinstance(c, (int, float)) for c in curve):
+        _CURVES[backend] = tuple(float(c) for c in curve)
+        return _CURVES[backend]
     samples = timed_rounds(backend, context_tokens, widths, repeats, warmup=1)
     fitted = monotone_fit([min(samples[w]) for w in range(1, widths + 1)])
     _CURVES[backend] = tuple(t / fitted[0] for t in fitted)
+    if key:
+        _save_curve(key, _CURVES[backend])
     return _CURVES[backend]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The curves on disk: a shape depends on the machine and the model's structure, not on the process, and
+# measuring one takes 48 forwards (4 s for SmolLM2-135M, 14 s for Qwen2.5-1.5B in w4a8 on a 2-core CPU) --
+# more than a short `specdecode generate` decodes.  Delete the file to measure again.
+
+
+def curve_file() -> Path:
+    """``$SPECDECODE_COST_CURVES`` if set, else ``cost-curves.json`` in the cache root."""
+    return Path(os.environ.get("SPECDECODE_COST_CURVES") or cache_dir() / "cost-curves.json")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context_tokens: int) -> str | None:
+    """What a forward's cost depends on: the CPU, torch and its threads, and the model's structure -- every
+    module's type and weight shape and dtype (so quantized, packed and plain layers differ) -- not its weight
+    values.  None for a backend without a torch module (nothing to key it by): it is measured every time."""
+    model = getattr(backend, "model", None)
+    if not isinstance(model, nn.Module) or getattr(backend, "device", torch.device("cpu")).type != "cpu":
+        return None
+    layout = hashlib.sha256()
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        shape = (tuple(weight.shape), str(weight.dtype)) if isinstance(weight, torch.Tensor) else ()
+        layout.update(f"{name}:{type(module).__name__}:{shape};".encode())
+    parts = [
+        _cpu_name(),
+        str(torch.backends.cpu.get_cpu_capability()),
+        str(torch.get_num_threads()),
+        torch.__version__,
+        layout.hexdigest(),
+        f"{widths}/{repeats}/{context_tokens}",
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def _saved_curves() -> dict[str, dict]:
+    try:
+        data = json.loads(curve_file().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save_curve(key: str, curve: tuple[float, ...]) -> None:
+    """Add one curve to the file (written whole to a temporary file, then renamed: readers never see half)."""
+    path = curve_file()
+    curves = _saved_curves()
+    curves[key] = {"curve": list(curve), "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": _cpu_name()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(curves, indent=1))
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a read-only cache: measured again next time, nothing worse
