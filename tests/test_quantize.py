@@ -371,3 +371,14 @@ def test_a_draft_head_cut_from_a_quantized_lm_head_keeps_its_precision(quantized
     normed = torch.randn(2, backend.config.hidden_size, generator=torch.Generator().manual_seed(0))  # not flaky
     full = backend.lm_head()(normed)
     torch.testing.assert_close(head(normed), full[:, head.ids], rtol=0.05, atol=0.05)
+
+
+def test_int4_rounding_a_slice_at_a_time_is_rounding_the_whole_matrix(monkeypatch):
+    weight = 0.02 * torch.randn(37, 96, generator=torch.Generator().manual_seed(0))
+    weight[3, :32] = 0.5  # a constant group: the smallest scale
+    monkeypatch.setattr(quantized_layers, "ROUNDING_SLICE", 10**9)
+    whole = quantized_layers.int4_levels(weight, 32)
+    monkeypatch.setattr(quantized_layers, "ROUNDING_SLICE", 5 * 96)  # 5 rows a slice, the last one 2
+    sliced = quantized_layers.int4_levels(weight, 32)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True))
+    assert whole[0].shape == (37, 96) and whole[1].shape == whole[2].shape == (37, 3)

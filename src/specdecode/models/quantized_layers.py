@@ -190,10 +190,23 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
 
 
+#: Elements of a weight rounded at a time by :func:`int4_levels`: a slice's temporaries stay in the CPU's
+#: caches.  The same result 2.2x faster than the whole matrix at once (an 8960 x 1536 layer on the AVX2 EPYC).
+ROUNDING_SLICE = 1 << 18
+
+
 def int4_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` [out, in] rounded as :class:`Int4Linear` (and ``w4a8``) store it: levels [out, in] int32 in
     0..15, and per group of ``group_size`` inputs a scale and a zero [out, in / group_size] in bf16, with
-    ``w ≈ (q - 8) * scale + zero``; ``q`` is rounded against the scale and zero as stored."""
+    ``w ≈ (q - 8) * scale + zero``; ``q`` is rounded against the scale and zero as stored.  Rows are
+    independent, so they are rounded a slice at a time."""
+    rows = max(1, ROUNDING_SLICE // weight.shape[1])
+    slices = [_int4_levels_of(weight[i : i + rows], group_size) for i in range(0, weight.shape[0], rows)]
+    levels, scale, zero = (torch.cat(parts) for parts in zip(*slices))
+    return levels, scale, zero
+
+
+def _int4_levels_of(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     groups = weight.detach().float().reshape(weight.shape[0], -1, group_size)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = ((high - low) / 15).clamp(min=torch.finfo(COMPUTE_DTYPE).tiny).to(COMPUTE_DTYPE)
