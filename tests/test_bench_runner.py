@@ -336,8 +336,9 @@ def test_adaptive_draft_length_methods():
 
 
 def _spied_suffix(tiny_target):
-    """Our ``suffix`` contestant, and the steps of every run it makes, in order."""
-    contestant = contestants._ours(tiny_target, parse_method("suffix"), {})
+    """Our ``suffix`` contestant at a fixed depth, and the steps of every run it makes, in order.  A fixed depth:
+    under ``auto`` the depth follows measured timings, so a repeat's steps could differ with the machine's load."""
+    contestant = contestants._ours(tiny_target, parse_method("suffix:k=8"), {})
     steps: list[int] = []
     real_run = contestant.run
 
@@ -354,7 +355,7 @@ def test_repeats_of_a_learning_drafter_start_cold(tiny_target):
     """A repeat must not profit from the previous repeat of the same prompt (drafter state is reset)."""
     contestant, steps = _spied_suffix(tiny_target)
     records = runner.run_group([contestant], [[5, 17, 22, 9, 30, 41]], 24, repeats=2)
-    assert records["suffix"][0]["repeats_identical"] and steps[0] == steps[1]
+    assert records["suffix:k=8"][0]["repeats_identical"] and steps[0] == steps[1]
 
 
 def test_a_session_keeps_drafter_state_and_each_repeat_resets_it(tiny_target):
@@ -363,7 +364,7 @@ def test_a_session_keeps_drafter_state_and_each_repeat_resets_it(tiny_target):
     contestant, steps = _spied_suffix(tiny_target)
     prompt = [5, 17, 22, 9, 30, 41]
     records = runner.run_group([contestant], [prompt, prompt], 32, repeats=2)
-    first, second = records["suffix"]
+    first, second = records["suffix:k=8"]
     assert first["token_ids"] == second["token_ids"] and first["repeats_identical"] and second["repeats_identical"]
     assert steps[1] < steps[0]  # warm: the earlier output is drafted
     assert steps[2:] == steps[:2]  # the second repeat starts cold again
