@@ -21,7 +21,6 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from specdecode.bench.contestants import Contestant, build_contestants, peer_spe
 from specdecode.bench.suites import BenchSettings, sweep_methods
 from specdecode.bench.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
+from specdecode.machine import cpu_name
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.stats import GenerationStats
 from specdecode.threads import fixed_threads
@@ -99,15 +99,9 @@ def add_acceptance(record: dict[str, Any], stats: GenerationStats) -> None:
 
 def environment(threads: int) -> dict[str, Any]:
     """What the numbers depend on besides the code: CPU, threads, library versions, load from others."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
-    except OSError:
-        pass
     versions = package_versions(("torch", "transformers", "specdecode"))
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         # The widest vector instructions torch uses here (AVX2, AVX512...): what the CPU fast path gains
         # depends on it more than on the CPU's name.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

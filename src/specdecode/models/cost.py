@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from pathlib import Path
 from weakref import WeakKeyDictionary
@@ -19,6 +18,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
+from specdecode.machine import cpu_name
 from specdecode.models.base import CausalLM, KVCache
 from specdecode.models.cache import cache_dir
 
@@ -142,16 +142,6 @@ def curve_file() -> Path:
     return Path(os.environ.get("SPECDECODE_COST_CURVES") or cache_dir() / "cost-curves.json")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context_tokens: int) -> str | None:
     """What a forward's cost depends on: the CPU, torch and its threads, and the model's structure -- every
     module's type and weight shape and dtype (so quantized, packed and plain layers differ) -- not its weight
@@ -165,7 +155,7 @@ def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context
         shape = (tuple(weight.shape), str(weight.dtype)) if isinstance(weight, torch.Tensor) else ()
         layout.update(f"{name}:{type(module).__name__}:{shape};".encode())
     parts = [
-        _cpu_name(),
+        cpu_name(),
         str(torch.backends.cpu.get_cpu_capability()),
         str(torch.get_num_threads()),
         torch.__version__,
@@ -187,7 +177,7 @@ def _save_curve(key: str, curve: tuple[float, ...]) -> None:
     """Add one curve to the file (written whole to a temporary file, then renamed: readers never see half)."""
     path = curve_file()
     curves = _saved_curves()
-    curves[key] = {"curve": list(curve), "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": _cpu_name()}
+    curves[key] = {"curve": list(curve), "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")

@@ -1,0 +1,17 @@
+"""The machine the numbers were measured on, as the benchmark reports it and the cost-curve cache keys it."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
