@@ -78,7 +78,11 @@ def build_service(args: argparse.Namespace):
     generator = SpeculativeGenerator(target, drafters[names[0]], defaults)
     warm_up_s = generator.warm_up(drafters.values())  # before the first request, which would otherwise wait
     if warm_up_s:
-        print(f"[serve] measured {args.model}'s verification cost curve for auto in {warm_up_s:.1f} s", file=sys.stderr)
+        print(
+            f"[serve] {args.model}'s verification cost curve for auto in {warm_up_s:.1f} s "
+            "(measured, or read back from the cost-curve cache)",
+            file=sys.stderr,
+        )
     config = ServerConfig(
         model_name=args.model,
         max_batch_size=args.max_batch_size,
