@@ -385,3 +385,37 @@ def test_the_draft_model_declares_its_cost_from_the_weights_it_multiplies(tiny_t
     ratio = tiny_draft.backend.matmul_weights() / tiny_target.backend.matmul_weights()
     assert 0 < ratio < 1 and drafter.context_cost == pytest.approx(ratio)
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.context_cost is None
+
+
+def test_a_draft_token_timed_cheaper_than_its_weight_count_makes_reading_pay():
+    """A draft model 0.4 of the target by weight count but timed at 0.05 of its forward (a w4a8 0.5B beside a fp32
+    1.5B measures 0.07): priced by the count, reading a 0.8 s prompt is declined; by the timing, it pays."""
+    by_count, by_timing = (
+        reader(0.4).fork(),
+        make_policy("auto", curve(0.05), reads_context=True, context_cost=0.4, draft_token_s=0.005).fork(),
+    )
+    for policy in (by_count, by_timing):
+        policy.begin(prefill_s=0.8)
+        policy.observe(plain_step())
+    assert by_count.next_length(63) == 0 and by_count.declined
+    assert by_timing.next_length(63) > 0 and not by_timing.declined
+
+
+def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_it(tiny_target, tiny_draft):
+    generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
+    drafter = generator.drafter
+    seconds = drafter.draft_token_seconds()
+    assert 0 < seconds < 1 and drafter.draft_token_seconds() == seconds  # timed once, then the clock's
+    assert generator.draft_length_policy("auto").draft_token_s == seconds
+    assert SpeculativeGenerator.build(tiny_target, "pld").drafter.draft_token_seconds() is None
+
+
+def test_a_draft_model_loaded_by_name_takes_the_command_lines_default_precision(tiny_target, monkeypatch):
+    from specdecode.drafters import draft_model
+    from specdecode.models.quantize import default_draft_quantization
+
+    asked = []
+    monkeypatch.setattr(draft_model, "load_model", lambda name, **options: asked.append(options) or tiny_target)
+    draft_model.loaded_draft("some-draft", tiny_target)
+    draft_model.loaded_draft("some-draft", tiny_target, trains=True)  # online adaptation trains fp32 layers
+    assert [options["quantize"] for options in asked] == [default_draft_quantization(), "none"]

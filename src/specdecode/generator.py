@@ -89,21 +89,28 @@ class SpeculativeGenerator:
             # on first use, see warm_up, and cached per loaded model: reset_drafter keeps it).
             curve = relative_cost_curve(self.target.backend) if spec == "auto" and drafter.drafts else None
             self._adaptive_policies[key] = make_policy(
-                spec, curve, reads_context=drafter.reads_context, context_cost=drafter.context_cost
+                spec,
+                curve,
+                reads_context=drafter.reads_context,
+                context_cost=drafter.context_cost,
+                draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
             )
         return self._adaptive_policies[key]
 
     def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:
         """Measure now what the first request would otherwise wait for: the target's verification cost
         curve, which ``auto`` (the default draft length) needs for a drafter that drafts — 48 forwards,
-        4 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model.  A server
-        calls this before it accepts requests (as vLLM profiles before serving); a benchmark before it times.
-        ``drafters``: those the requests will use (default: this generator's).  Returns the seconds spent."""
+        4 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model — and a draft
+        model's token (``Drafter.draft_token_seconds``, half a second).  A server calls this before it accepts
+        requests (as vLLM profiles before serving); a benchmark before it times.  ``drafters``: those the
+        requests will use (default: this generator's).  Returns the seconds spent."""
         drafters = list(drafters) or [self.drafter]
         if self.defaults.num_draft_tokens != "auto" or not any(d.drafts for d in drafters):
             return 0.0
         started = time.perf_counter()
         relative_cost_curve(self.target.backend)
+        for drafter in drafters:
+            drafter.draft_token_seconds()
         return time.perf_counter() - started
 
     # -- prompt handling -------------------------------------------------------------------------

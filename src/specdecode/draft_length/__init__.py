@@ -40,13 +40,16 @@ def make_policy(
     curve: Sequence[float] | None = None,
     reads_context: bool = False,
     context_cost: float | None = None,
+    draft_token_s: float | None = None,
 ) -> DraftLengthPolicy:
     """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
 
     ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it.
     ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
     shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
-    forward against the target's (``Drafter.context_cost``), so ``auto`` prices its reading of each prompt."""
+    forward against the target's (``Drafter.context_cost``), so ``auto`` prices its reading of each prompt;
+    ``draft_token_s``: the seconds of one of its draft tokens (``Drafter.draft_token_seconds``), the price of a draft
+    token in that reckoning until the policy has timed its own."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 0:
             raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
@@ -54,7 +57,7 @@ def make_policy(
     if spec == "auto":
         shape = {"curve": tuple(curve)} if curve else {}
         reading = RunningMean(context_cost) if context_cost else None
-        return CostModelLength(**shape, reads_context=reads_context, context_cost=reading)
+        return CostModelLength(**shape, reads_context=reads_context, context_cost=reading, draft_token_s=draft_token_s)
     if spec == "heuristic":
         return HeuristicLength()
     raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")

@@ -113,6 +113,9 @@ class CostModelLength(DraftLengthPolicy):
     #: A context reader's reading of a prompt in seconds per second of the target's prefill of it: declared
     #: (``Drafter.context_cost``), then learnt from first drafts.  None: not known, never weighed.
     context_cost: RunningMean | None = None
+    #: Seconds of one of the drafter's draft tokens, timed once by the drafter (``Drafter.draft_token_seconds``):
+    #: its price before this policy has timed a draft.  None: priced at ``context_cost`` of a target forward.
+    draft_token_s: float | None = None
     prefill_s: float = 0.0  # the target's prefill of this sequence's prompt (begin)
     context_read: bool = False  # this sequence's drafter has read its prompt (a step drafted)
     declined: bool = False  # reading the prompt would not have paid back: this sequence drafts nothing
@@ -210,8 +213,15 @@ class CostModelLength(DraftLengthPolicy):
             return True
         if self.declined or self.scale.weight == 0.0:
             return False  # before any step is timed, a plain one prices the target's forward
-        # Until the drafter's tokens are timed (its cost fit is then zero), each is priced at context_cost.
-        token_s = 0.0 if self.draft_cost.count else self.context_cost.value * self.scale.value
+        # Until the drafter's tokens are timed by this policy (its cost fit is then zero), each is priced at what
+        # the drafter timed, or else at context_cost of the target's forward: a weight count, which overprices
+        # a quantized draft model's token beside a fp32 target (its bytes, not its multiplies, set its time).
+        if self.draft_cost.count:
+            token_s = 0.0
+        elif self.draft_token_s is not None:
+            token_s = self.draft_token_s
+        else:
+            token_s = self.context_cost.value * self.scale.value
 
         def seconds_per_token(k: int) -> float:
             return (self.step_seconds(k) + k * token_s) / self.expected_tokens(k)

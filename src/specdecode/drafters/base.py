@@ -133,6 +133,12 @@ class Drafter(ABC):
     def __init__(self, target: LoadedModel) -> None:
         self.target = target
 
+    def draft_token_seconds(self) -> float | None:
+        """For a drafter that reads the context: the seconds of one draft token, which ``auto`` prices its first
+        draft of a prompt at (it weighs the reading of the prompt against what drafting will save); None where
+        unknown (the token is then priced at ``context_cost`` of a target forward)."""
+        return None
+
     @abstractmethod
     def session(self, request: DraftRequest) -> DraftSession:
         """A drafting session for one request."""

@@ -44,6 +44,7 @@ from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel, check_same_vocabulary, load_model
+from specdecode.models.quantize import draft_quantization
 from specdecode.sampling import coupled_argmax, sample, sampling_log_weights, sampling_probs
 from specdecode.types import Draft, StepFeedback
 
@@ -79,11 +80,15 @@ def parallel_mode(value: bool | str) -> str:
         raise SpecDecodeError(f"parallel must be true, false or always, got {value!r}") from None
 
 
-def loaded_draft(draft_model: str | LoadedModel, target: LoadedModel) -> LoadedModel:
-    """The draft model as handed in, or loaded by name on the target's device."""
+def loaded_draft(draft_model: str | LoadedModel, target: LoadedModel, *, trains: bool = False) -> LoadedModel:
+    """The draft model as handed in, or loaded by name on the target's device in the precision the command line
+    gives it when ``--quantize-draft`` is not set (:func:`~specdecode.models.quantize.draft_quantization`:
+    quantized on a CPU, fp32 for a draft that ``trains``), so the Python API drafts as fast as the CLI."""
     if isinstance(draft_model, LoadedModel):
         return draft_model
-    return load_model(draft_model, device=target.backend.device)
+    device = target.backend.device
+    quantize = draft_quantization(None, "none", device=device, trains=trains)
+    return load_model(draft_model, device=device, quantize=quantize)
 
 
 def forward_cost_ratio(draft: CausalLM, target: CausalLM) -> float | None:
@@ -94,6 +99,10 @@ def forward_cost_ratio(draft: CausalLM, target: CausalLM) -> float | None:
 
 #: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
 DEFAULT_VOCAB_MAPPING = "text"
+#: :meth:`DraftModelDrafter.draft_token_seconds` times this many one-token forwards (the first warms the
+#: kernels up too) after a prompt of ``TIMING_CONTEXT`` tokens (dense forwards cost the same whatever the ids).
+TIMED_TOKENS = 4
+TIMING_CONTEXT = 64
 
 
 @register_drafter("draft-model")
@@ -128,7 +137,7 @@ class DraftModelDrafter(Drafter):
             if draft_vocab:
                 raise SpecDecodeError("draft_vocab does not combine with vocab_mapping")
         adapting = AdaptOptions.parse(adapt, adapt_budget, adapt_steps, adapt_lr, adapt_save, adapt_load)
-        self.draft = loaded_draft(draft_model, target)
+        self.draft = loaded_draft(draft_model, target, trains=adapting is not None)
         # Adapted: LoRA on a copy of the draft model's modules (the base weights shared, never written).
         self.adapter = OnlineAdapter(self.draft, adapting) if adapting is not None else None
         if self.adapter is not None:
@@ -157,6 +166,29 @@ class DraftModelDrafter(Drafter):
             self.cross.reset()
         if self.adapter is not None:
             self.adapter.reset()
+
+    def draft_token_seconds(self) -> float:
+        """Seconds of a one-token draft forward: the clock's, learnt from drafting, or else timed now (the fastest
+        of ``TIMED_TOKENS`` after a ``TIMING_CONTEXT``-token prompt, about half a second for a 0.5B model on a
+        2-core CPU, once per drafter).  ``auto`` prices a first draft with it; the weight count it otherwise
+        goes by says a 0.5B w4a8 draft token costs a third of a fp32 1.5B target's, where it measures a sixth,
+        and long prompts were then declined for drafting that pays (``edit``, ``docs/results/avx2``)."""
+        if not self.clock.one_token_s:
+            backend = self.draft.backend
+            prompt = list(range(max(1, min(TIMING_CONTEXT, backend.max_context - TIMED_TOKENS - 1))))
+            rows = self.head.for_prompt(prompt) if self.head is not None else None
+            session = DraftModelSession(backend, DraftRequest(prompt_ids=tuple(prompt)), rows)
+            try:
+                session.next_logits(torch.tensor(prompt))
+                timings = []
+                for token in range(TIMED_TOKENS):
+                    tick = time.perf_counter()
+                    session.next_logits(torch.tensor([token]))
+                    timings.append(time.perf_counter() - tick)
+            finally:
+                session.finish(prompt)
+            self.clock.add(min(timings))
+        return self.clock.one_token_s
 
     def session(self, request: DraftRequest) -> DraftSession:
         if self.cross is not None:
@@ -254,7 +286,7 @@ class DraftModelSession(DraftSession):
         more = 0 if stopped is not None else max_tokens - len(tokens)
         for index in range(len(tokens), len(tokens) + more):
             # The first forward may also catch up with the context: its prompt, tokens skipped while not drafting.
-            logits, catching_up = self.clock.timed(partial(self._next_logits, pending), len(pending))
+            logits, catching_up = self.clock.timed(partial(self.next_logits, pending), len(pending))
             setup_s += catching_up
             token, probs, p = self._choose(logits, len(context) + index)
             tokens.append(token)
@@ -277,14 +309,14 @@ class DraftModelSession(DraftSession):
 
     def _draft_one(self, token: int, position: int) -> tuple[int, float]:
         """The lookahead worker's step: feed ``token``, choose the token at ``position`` (deterministically)."""
-        token, _, confidence = self._choose(self._next_logits(torch.tensor([token], dtype=torch.long)), position)
+        token, _, confidence = self._choose(self.next_logits(torch.tensor([token], dtype=torch.long)), position)
         return token, confidence
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         if self.lookahead is not None:
             self.lookahead.stop()
 
-    def _next_logits(self, pending: torch.Tensor) -> torch.Tensor:
+    def next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
         # invariant=False: a draft never changes the output, so its rows may take the fastest kernels.
         if self.head is None:
