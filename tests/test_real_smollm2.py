@@ -95,11 +95,10 @@ def test_every_drafter_is_lossless_on_a_grounded_and_a_chat_prompt(smollm2, refe
         assert result.token_ids == expected, name
 
 
-BATCH_PROMPTS = [  # long, grounded, short chat; some end (EOS) well before their token limit
+BATCH_PROMPTS = [  # long, grounded, short chat; the short one ends (EOS) well before its token limit
     (PROMPTS[2], 16),
     (GROUNDED_PROMPT, 20),
     ("What is 2 + 2? Answer with one number.", 28),
-    ("Name three primary colours.", 16),
 ]
 
 
