@@ -105,6 +105,24 @@ TIMED_TOKENS = 4
 TIMING_CONTEXT = 64
 
 
+def time_draft_token(backend: CausalLM, head: DraftHead | None = None) -> float:
+    """The fastest of ``TIMED_TOKENS`` one-token draft forwards after a ``TIMING_CONTEXT``-token prompt, through
+    ``head`` (VocabTrim) if given: about half a second for a 0.5B model on a 2-core CPU."""
+    prompt = list(range(max(1, min(TIMING_CONTEXT, backend.max_context - TIMED_TOKENS - 1))))
+    rows = head.for_prompt(prompt) if head is not None else None
+    session = DraftModelSession(backend, DraftRequest(prompt_ids=tuple(prompt)), rows)
+    try:
+        session.next_logits(torch.tensor(prompt))
+        timings = []
+        for token in range(TIMED_TOKENS):
+            tick = time.perf_counter()
+            session.next_logits(torch.tensor([token]))
+            timings.append(time.perf_counter() - tick)
+    finally:
+        session.finish(prompt)
+    return min(timings)
+
+
 @register_drafter("draft-model")
 class DraftModelDrafter(Drafter):
     provides_probs = True
@@ -168,26 +186,12 @@ class DraftModelDrafter(Drafter):
             self.adapter.reset()
 
     def draft_token_seconds(self) -> float:
-        """Seconds of a one-token draft forward: the clock's, learnt from drafting, or else timed now (the fastest
-        of ``TIMED_TOKENS`` after a ``TIMING_CONTEXT``-token prompt, about half a second for a 0.5B model on a
-        2-core CPU, once per drafter).  ``auto`` prices a first draft with it; the weight count it otherwise
-        goes by says a 0.5B w4a8 draft token costs a third of a fp32 1.5B target's, where it measures a sixth,
-        and long prompts were then declined for drafting that pays (``edit``, ``docs/results/avx2``)."""
+        """Seconds of a one-token draft forward: the clock's, learnt from drafting, or else timed now
+        (:func:`time_draft_token`, once per drafter).  ``auto`` prices a first draft with it: the weight count it
+        otherwise goes by says a 0.5B w4a8 draft token costs a third of a fp32 1.5B target's, where it measures
+        a fourteenth, and long prompts were then declined for drafting that pays (``docs/results/avx2``, 12)."""
         if not self.clock.one_token_s:
-            backend = self.draft.backend
-            prompt = list(range(max(1, min(TIMING_CONTEXT, backend.max_context - TIMED_TOKENS - 1))))
-            rows = self.head.for_prompt(prompt) if self.head is not None else None
-            session = DraftModelSession(backend, DraftRequest(prompt_ids=tuple(prompt)), rows)
-            try:
-                session.next_logits(torch.tensor(prompt))
-                timings = []
-                for token in range(TIMED_TOKENS):
-                    tick = time.perf_counter()
-                    session.next_logits(torch.tensor([token]))
-                    timings.append(time.perf_counter() - tick)
-            finally:
-                session.finish(prompt)
-            self.clock.add(min(timings))
+            self.clock.add(time_draft_token(self.draft.backend, self.head))
         return self.clock.one_token_s
 
     def session(self, request: DraftRequest) -> DraftSession:
