@@ -317,9 +317,10 @@ def plain_step(one_input_s: float = 0.1) -> StepObservation:
     return StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=one_input_s)
 
 
-def reader(context_cost: float) -> CostModelLength:
-    """``auto`` for a drafter that reads the context at ``context_cost`` of the target's forward."""
-    return make_policy("auto", curve(0.05), reads_context=True, context_cost=context_cost)
+def reader(context_cost: float, draft_token_s: float | None = None) -> CostModelLength:
+    """``auto`` for a drafter that reads the context at ``context_cost`` of the target's forward (and whose draft
+    token was timed at ``draft_token_s`` seconds)."""
+    return make_policy("auto", curve(0.05), reads_context=True, context_cost=context_cost, draft_token_s=draft_token_s)
 
 
 def test_a_reading_that_drafts_cannot_pay_back_leaves_the_sequence_plain():
@@ -390,10 +391,7 @@ def test_the_draft_model_declares_its_cost_from_the_weights_it_multiplies(tiny_t
 def test_a_draft_token_timed_cheaper_than_its_weight_count_makes_reading_pay():
     """A draft model 0.4 of the target by weight count but timed at 0.05 of its forward (a w4a8 0.5B beside a fp32
     1.5B measures 0.07): priced by the count, reading a 0.8 s prompt is declined; by the timing, it pays."""
-    by_count, by_timing = (
-        reader(0.4).fork(),
-        make_policy("auto", curve(0.05), reads_context=True, context_cost=0.4, draft_token_s=0.005).fork(),
-    )
+    by_count, by_timing = reader(0.4).fork(), reader(0.4, draft_token_s=0.005).fork()
     for policy in (by_count, by_timing):
         policy.begin(prefill_s=0.8)
         policy.observe(plain_step())
