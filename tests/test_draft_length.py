@@ -6,6 +6,8 @@ import pytest
 
 from specdecode.batch_plan import plan_batch
 from specdecode.draft_length import (
+    LOSS_ALLOWANCE_STEPS,
+    LOSS_BUDGET,
     CostModelLength,
     FixedLength,
     HeuristicLength,
@@ -95,14 +97,15 @@ def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape(
 
 
 def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
-    policy = CostModelLength(curve=curve(0.3), probe_every=4)
+    # The probe schedule alone: the loss budget, which would stop even probes here, is tested on its own below.
+    policy = CostModelLength(curve=curve(0.3), probe_every=4, loss_budget=None)
     feed(policy, 80, accept_rate=0.0, depth=2)
     lengths = [policy.next_length(12) for _ in range(8)]
     assert lengths.count(0) == 6 and lengths.count(1) == 2
 
 
 def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16)
+    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
     feed(policy, 80, accept_rate=0.0, depth=2)
 
     def steps_to_next_probe(accepted: int) -> int:
@@ -296,7 +299,7 @@ def tree_step(policy, accepted: int, nodes: int = 30, one_input_s: float = 0.1) 
 
 
 def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed():
-    policy = CostModelLength(curve=curve(0.1), probe_every=4)
+    policy = CostModelLength(curve=curve(0.1), probe_every=4, loss_budget=None)
     for _ in range(12):  # 1.5 tokens per step for a forward four times a plain one's
         policy.observe(tree_step(policy, accepted=1 if policy.gain.weight % 2 else 0))
     assert policy.losing
@@ -311,6 +314,55 @@ def test_drafting_that_pays_is_never_turned_off():
     policy = CostModelLength(curve=curve(0.05))
     feed(policy, 60, accept_rate=0.6, depth=4)
     assert not policy.losing and policy.gain.value > 1.2
+    assert policy.net_saved_s > 0 and not policy.over_budget
+
+
+def decode(policy: CostModelLength, steps: int, *, draft_s: float, one_input_s: float = 0.1) -> list[int]:
+    """Follow the policy's own choices for ``steps`` steps of a drafter whose tokens are all rejected and cost
+    ``draft_s`` each; → the depth of every step."""
+    depths = []
+    for _ in range(steps):
+        depth = policy.next_length(16)
+        depths.append(depth)
+        policy.observe(
+            StepObservation(
+                depth=depth,
+                nodes=depth,
+                accepted=0,
+                draft_s=draft_s * depth,
+                verify_s=one_input_s * policy.relative_cost(depth + 1),
+            )
+        )
+    return depths
+
+
+def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its_time_grows():
+    """A self-drafter at 0.6 of a target forward a token, all rejected: the first draft loses 0.09 s against a
+    0.1 s plain step.  That spends the budget (half a step plus 2% of the 1 s prefill and the steps), so the
+    probe schedule (every 4 steps) waits until the sequence's time pays for another try."""
+    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
+    policy.begin(prefill_s=1.0)
+    depths = decode(policy, 64, draft_s=0.06)
+    assert depths[0] > 0
+    tries = [i for i, depth in enumerate(depths) if depth]
+    lost = -policy.net_saved_s
+    assert lost <= LOSS_BUDGET * policy.elapsed_s + LOSS_ALLOWANCE_STEPS * 0.1 + 0.09  # at most one try over
+    assert len(tries) < 64 // 4  # fewer than the probe schedule alone would have made
+    assert all(b - a > 4 for a, b in zip(tries[1:], tries[2:]))  # spaced by the budget, not by probe_every
+    unbudgeted = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
+    unbudgeted.begin(prefill_s=1.0)
+    decode(unbudgeted, 64, draft_s=0.06)
+    assert -unbudgeted.net_saved_s > 2 * lost
+
+
+def test_each_sequence_starts_with_its_own_loss_budget():
+    parent = CostModelLength(curve=curve(0.3), probe_every=4)
+    first = parent.fork()
+    first.begin(prefill_s=0.5)
+    decode(first, 8, draft_s=0.06)
+    assert -first.net_saved_s > 0
+    second = parent.fork()
+    assert second.net_saved_s == 0.0 and second.elapsed_s == 0.0 and not second.over_budget
 
 
 def plain_step(one_input_s: float = 0.1) -> StepObservation:

@@ -9,7 +9,8 @@ costs 2-3x one token, so drafting deep only pays while the drafter is being acce
 * ``CostModelLength`` (``--num-draft-tokens auto``) — picks the depth that maximises expected tokens
   per second, from the verification forward's cost as a function of its width (measured once per
   model), online estimates of per-position acceptance and of the drafter's own cost; drafters that
-  report per-token confidences get a SpecDec++-style stop threshold derived from the same costs.
+  report per-token confidences get a SpecDec++-style stop threshold derived from the same costs; and a
+  sequence whose drafting has lost more than a small budget against plain decoding stops trying.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdecode.draft_length.base import DraftLengthPolicy, FixedLength, HeuristicLength
-from specdecode.draft_length.cost_model import ANSWER_HORIZON, UNTIMED_DEPTH, UNTIMED_STEPS, CostModelLength
+from specdecode.draft_length.cost_model import (
+    ANSWER_HORIZON,
+    LOSS_ALLOWANCE_STEPS,
+    LOSS_BUDGET,
+    UNTIMED_DEPTH,
+    UNTIMED_STEPS,
+    CostModelLength,
+)
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import RunningMean
 from specdecode.types import StepObservation
 
 __all__ = [
     "ANSWER_HORIZON",
+    "LOSS_ALLOWANCE_STEPS",
+    "LOSS_BUDGET",
     "UNTIMED_DEPTH",
     "UNTIMED_STEPS",
     "CostModelLength",

@@ -24,6 +24,15 @@ LOSING_GAIN = 0.97
 MIN_GAIN_EVIDENCE = 6.0
 #: A probe that paid replaces that evidence with itself, worth this many steps.
 PROBE_GAIN_WEIGHT = 2.0
+#: What one sequence's drafting may lose against plain decoding, net of what it gained: this share of the
+#: sequence's time so far (its prefill included) plus ``LOSS_ALLOWANCE_STEPS`` plain steps.  Past it the
+#: sequence drafts nothing, probes included, until its time has grown enough to pay for more trying.  This
+#: caps what a drafter that finds nothing costs a cold request — its first guesses and its probes: a
+#: layer-skip probe costs about 0.6 of a target forward, an early exit's 0.3, a lookup's almost nothing
+#: (measured on qwen2.5-coder-1.5b w4a8, where three or four such probes and early drafts in 64 tokens
+#: had cost 3-6%).  Drafting that pays banks its gains, so it never meets the limit.
+LOSS_BUDGET = 0.02
+LOSS_ALLOWANCE_STEPS = 0.5
 #: A drafter that reads the context (its first forward also reads the prompt: ``StepObservation.setup_s``)
 #: drafts at most ``UNTIMED_DEPTH`` deep until its cost has been timed over this many drafting steps.  A
 #: prompt's forward tells little of a token's cost: a 0.5B fp32 draft model for an int4 1.5B target, taken
@@ -93,6 +102,7 @@ class CostModelLength(DraftLengthPolicy):
     curve: tuple[float, ...] = field(default_factory=lambda: linear_curve(1.3))
     probe_every: int = 8
     max_probe_every: int = 64
+    loss_budget: float | None = LOSS_BUDGET  # None: drafting may lose without limit (LOSS_BUDGET)
     probe_interval: int = field(init=False)  # steps until the next probe while not drafting
     probing: bool = False  # the step asked for is a probe
     #: Per-position acceptance, keyed by whether the previous draft was accepted in full.
@@ -108,6 +118,11 @@ class CostModelLength(DraftLengthPolicy):
     achieved_seconds: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     steps_without_drafting: int = 0
     others_width: int = 0  # inputs the rest of the batch added to the last verification forward
+    batch: int = 1  # sequences in the last verification forward
+    #: This sequence's seconds so far (prefill and every step) and what its drafting steps saved against
+    #: plain steps, net (negative: lost), for the loss budget (``LOSS_BUDGET``).
+    elapsed_s: float = 0.0
+    net_saved_s: float = 0.0
     #: Tokens per second of recent drafting steps over what plain steps would have given (1: break-even).
     gain: RunningMean = field(default_factory=lambda: RunningMean(1.0, weight=0.0, decay=0.9))
     #: A context reader's reading of a prompt in seconds per second of the target's prefill of it: declared
@@ -169,6 +184,7 @@ class CostModelLength(DraftLengthPolicy):
         twin = copy.copy(self)
         twin.in_run, twin.probing, twin.steps_without_drafting, twin.others_width = False, False, 0, 0
         twin.prefill_s, twin.context_read, twin.declined = 0.0, False, False
+        twin.elapsed_s, twin.net_saved_s = 0.0, 0.0
         twin.probe_interval = self.probe_every
         twin.parent = self
         twin.acceptance_after = {
@@ -182,6 +198,18 @@ class CostModelLength(DraftLengthPolicy):
     def losing(self) -> bool:
         """Drafting has recently yielded measurably less than plain decoding would have."""
         return self.gain.weight >= MIN_GAIN_EVIDENCE and self.gain.value < LOSING_GAIN
+
+    def plain_step_seconds(self) -> float:
+        """This sequence's share of a step without a draft: its one input beside the rest of the batch."""
+        return self.overhead.value + self.verify_seconds(self.others_width + 1) / self.batch
+
+    @property
+    def over_budget(self) -> bool:
+        """This sequence's drafting has lost more than ``loss_budget`` allows (see ``LOSS_BUDGET``)."""
+        if self.loss_budget is None:
+            return False
+        allowed = self.loss_budget * self.elapsed_s + LOSS_ALLOWANCE_STEPS * self.plain_step_seconds()
+        return -self.net_saved_s > allowed
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a step yields when drafting k deep (the target's own token included)."""
@@ -199,11 +227,12 @@ class CostModelLength(DraftLengthPolicy):
         return min(self.maximum, UNTIMED_DEPTH) if untimed else self.maximum
 
     def next_length(self, limit: int) -> int:
-        cap = min(self.deepest, limit) if self.reading_pays(limit) else 0
+        cap = min(self.deepest, limit) if self.reading_pays(limit) and not self.over_budget else 0
         return self.settle(0 if self.losing else max(range(cap + 1), key=self.expected_rate), cap)
 
     def begin(self, prefill_s: float) -> None:
         self.prefill_s = prefill_s
+        self.elapsed_s += prefill_s
 
     def reading_pays(self, limit: int) -> bool:
         """Whether this sequence may draft, as far as its drafter's reading of the prompt goes: true once read,
@@ -264,6 +293,7 @@ class CostModelLength(DraftLengthPolicy):
         plain = step.overhead_s + self.verify_seconds(self.others_width + 1) / step.batch
         if spent <= 0.0:
             return
+        self.net_saved_s += (step.accepted + 1.0) * plain - spent
         score = (step.accepted + 1.0) * plain / spent
         if self.probing and score >= 1.0:  # a probe that paid: the text changed, judge drafting afresh
             self.gain = RunningMean(score, weight=PROBE_GAIN_WEIGHT, decay=self.gain.decay)
@@ -285,7 +315,7 @@ class CostModelLength(DraftLengthPolicy):
         (:meth:`reading_pays`), never past ``limit``, the policy's
         maximum or a draft already proposed (its ``confidences``); before the drafter's cost is timed,
         ``UNTIMED_DEPTH`` for a draft still to be made."""
-        if self.losing or not self.reading_pays(limit):
+        if self.losing or self.over_budget or not self.reading_pays(limit):
             return 0
         return min(limit, len(confidences) if confidences is not None else self.deepest, self.maximum)
 
@@ -337,7 +367,7 @@ class CostModelLength(DraftLengthPolicy):
     # -- learning --------------------------------------------------------------------------------
     def observe(self, step: StepObservation) -> None:
         width = step.forward_width
-        self.others_width = width - step.nodes - 1
+        self.others_width, self.batch = width - step.nodes - 1, step.batch
         self.scale.add(step.verify_s / self.relative_cost(width))
         self.overhead.add(step.overhead_s)
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
@@ -350,7 +380,9 @@ class CostModelLength(DraftLengthPolicy):
             self._score_drafting(step)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
-        self.achieved_seconds.add(step.overhead_s + step.draft_s + step.verify_s / step.batch)
+        seconds = step.overhead_s + step.draft_s + step.verify_s / step.batch
+        self.achieved_seconds.add(seconds)
+        self.elapsed_s += seconds
         self._learn_acceptance(step, self.in_run)
         if self.parent is not None:
             self.parent._learn_acceptance(step, self.in_run)
