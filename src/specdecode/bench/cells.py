@@ -11,6 +11,7 @@ measuring again.  Aggregation rules:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from specdecode.bench.metrics import (
     bootstrap_speedup,
     equal_pct,
     median_wall_s,
+    paired_speedups,
     ratio,
     time_shares,
     tokens_per_s,
@@ -139,6 +141,40 @@ def _own_plain(peers: Mapping[str, Mapping[str, Any]], name: str) -> str | None:
     family = peers[name].get("family", "transformers")
     same_engine = (other for other, info in peers.items() if info.get("family", "transformers") == family)
     return next((other for other in same_engine if is_plain(peers[other])), None)
+
+
+@dataclass(frozen=True)
+class PromptSpeedup:
+    """One method's speed-up on one prompt, paired repeat by repeat with the baseline (``paired_speedups``)."""
+
+    method: str
+    task: str
+    prompt: str
+    by_repeat: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.by_repeat)
+
+
+def slowest_prompts(results: Mapping[str, Any]) -> list[PromptSpeedup]:
+    """Each of our methods' prompt with the lowest median paired speed-up over the baseline: where a user of
+    ``auto`` would most regret drafting (issue 17 asks for no prompt below 0.95x)."""
+    settings, runs = results["settings"], results["runs"]
+    baseline = settings["baseline"]
+    prompts = [(task, entry["id"]) for task, entries in results["prompts"].items() for entry in entries]
+    slowest = []
+    for name in settings["methods"]:
+        if name == baseline or name not in runs:
+            continue
+        measured = []
+        for task, pid in prompts:
+            record, plain = runs[name].get(task, {}).get(pid), runs.get(baseline, {}).get(task, {}).get(pid)
+            if record and plain and (speedups := paired_speedups(record, plain)):
+                measured.append(PromptSpeedup(name, task, pid, speedups))
+        if measured:
+            slowest.append(min(measured, key=lambda p: p.median))
+    return slowest
 
 
 def task_order(cells: Sequence[CellResult]) -> list[str]:

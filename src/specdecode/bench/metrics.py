@@ -29,6 +29,18 @@ def tokens_per_s_of(measurements: Iterable[tuple[int, float]]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def paired_speedups(record: Mapping[str, Any], reference: Mapping[str, Any]) -> list[float]:
+    """One prompt's speed-up in each repeat: its tokens/s over the reference's *in the same repeat*.  A repeat
+    runs every contestant on the prompt within a minute or so (interleaved: ``runner.run_group``), so a host
+    that slows down between repeats moves both sides of each ratio alike, where a ratio of the two medians
+    can take them from different repeats."""
+    return [
+        (record["new_tokens"] / ours) / (reference["new_tokens"] / theirs)
+        for ours, theirs in zip(record["wall_s"], reference["wall_s"])
+        if ours > 0 and theirs > 0
+    ]
+
+
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.cells import ALL_TASKS, CellResult, task_order
+from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, slowest_prompts, task_order
 from specdecode.bench.markdown import fmt, table
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
@@ -190,7 +190,7 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
             ),
         )
 
-    lines += ["", "## Goals", "", *_goal_lines(cells), ""]
+    lines += ["", "## Goals", "", *_goal_lines(cells), *_never_slower_lines(slowest_prompts(results)), ""]
     return "\n".join(lines)
 
 
@@ -272,6 +272,26 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
         if not c.repeats_identical:
             lines.append(f"- **Repeats disagree**: `{c.method}` on {c.task} generated different tokens across repeats.")
     return lines or ["- Nothing to compare (no plain baseline or peers in this run)."]
+
+
+#: Issue 17: under the default policy no drafter may be more than 5% slower than plain decoding on any prompt.
+NEVER_SLOWER = 0.95
+
+
+def _never_slower_lines(slowest: Sequence[PromptSpeedup]) -> list[str]:
+    """Each method's slowest prompt against plain decoding, paired repeat by repeat (``paired_speedups``)."""
+    if not slowest:
+        return []
+    below = [p for p in slowest if p.median < NEVER_SLOWER]
+    verdict = "met" if not below else f"**not met** by {len(below)} of {len(slowest)} methods"
+    lines = [
+        f"- Every method >= {NEVER_SLOWER}x plain decoding on every prompt, as the median over repeats of the "
+        f"speed-up within each repeat: {verdict}. Each method's slowest prompt:"
+    ]
+    for p in sorted(slowest, key=lambda p: p.median):
+        spread = f"{min(p.by_repeat):.2f}–{max(p.by_repeat):.2f}x over {len(p.by_repeat)} repeats"
+        lines.append(f"  - `{p.method}`: {p.median:.3f}x on {p.prompt} ({spread})")
+    return lines
 
 
 def _native_peer_goal_lines(cells: Sequence[CellResult]) -> list[str]:
