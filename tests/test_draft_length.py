@@ -317,6 +317,19 @@ def test_drafting_that_pays_is_never_turned_off():
     assert policy.net_saved_s > 0 and not policy.over_budget
 
 
+def test_drafting_is_judged_against_timed_plain_steps_not_the_curve():
+    """Trees of 8 nodes that the curve prices at 1.35 plain forwards but that take 2.5 (row-by-row attention,
+    a long context): two tokens a step is a loss, though scale times the curve, pulled up by those very steps,
+    would call it a gain."""
+    policy = CostModelLength(curve=curve(0.05), loss_budget=None)
+    for _ in range(12):
+        policy.observe(plain_step(0.1))
+        policy.observe(StepObservation(depth=2, nodes=8, accepted=1, draft_s=0.0, verify_s=0.25))
+    assert policy.verify_seconds(1) > 0.13  # the curve's estimate of a plain forward, inflated
+    assert policy.plain_step_seconds() == pytest.approx(0.1)
+    assert policy.gain.value == pytest.approx(0.8) and policy.losing
+
+
 def decode(policy: CostModelLength, steps: int, *, draft_s: float, one_input_s: float = 0.1) -> list[int]:
     """Follow the policy's own choices for ``steps`` steps of a drafter whose tokens are all rejected and cost
     ``draft_s`` each; → the depth of every step."""

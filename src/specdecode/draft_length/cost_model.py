@@ -109,6 +109,12 @@ class CostModelLength(DraftLengthPolicy):
     acceptance_after: dict[bool, list[RunningMean]] = field(default_factory=lambda: {True: [], False: []})
     in_run: bool = False  # the last step that drafted had its whole draft accepted
     scale: RunningMean = field(default_factory=lambda: RunningMean(1.0, weight=0.0, decay=0.9))
+    #: Seconds of forwards over exactly one input (a step without a draft, alone in its batch), timed: what
+    #: drafting is judged against (``plain_step_seconds``).  ``scale`` times the curve is an estimate that
+    #: wide steps pull up wherever the curve underrates them — trees (attended row by row; the curve is
+    #: measured on chains), long contexts — and with it, a tree drafter that lost 7% on a 300-token prompt
+    #: was scored as gaining.
+    plain_forward: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0, decay=0.9))
     draft_cost: LinearFit = field(default_factory=LinearFit)
     overhead: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
     calibration: list[RunningMean] = field(default_factory=lambda: _calibration_prior())
@@ -199,9 +205,13 @@ class CostModelLength(DraftLengthPolicy):
         """Drafting has recently yielded measurably less than plain decoding would have."""
         return self.gain.weight >= MIN_GAIN_EVIDENCE and self.gain.value < LOSING_GAIN
 
-    def plain_step_seconds(self) -> float:
-        """This sequence's share of a step without a draft: its one input beside the rest of the batch."""
-        return self.overhead.value + self.verify_seconds(self.others_width + 1) / self.batch
+    def plain_step_seconds(self, overhead_s: float | None = None) -> float:
+        """This sequence's share of a step without a draft: its one input beside the rest of the batch (alone:
+        the timed one-input forward, once there is one)."""
+        overhead = self.overhead.value if overhead_s is None else overhead_s
+        if self.others_width == 0 and self.plain_forward.weight > 0:
+            return overhead + self.plain_forward.value
+        return overhead + self.verify_seconds(self.others_width + 1) / self.batch
 
     @property
     def over_budget(self) -> bool:
@@ -290,7 +300,7 @@ class CostModelLength(DraftLengthPolicy):
         """Score a step that drafted against the plain step it replaced: this sequence's share of a forward
         with its one input instead of its draft, and the same overhead."""
         spent = step.overhead_s + step.draft_s - step.setup_s + step.verify_s / step.batch
-        plain = step.overhead_s + self.verify_seconds(self.others_width + 1) / step.batch
+        plain = self.plain_step_seconds(step.overhead_s)
         if spent <= 0.0:
             return
         self.net_saved_s += (step.accepted + 1.0) * plain - spent
@@ -369,6 +379,8 @@ class CostModelLength(DraftLengthPolicy):
         width = step.forward_width
         self.others_width, self.batch = width - step.nodes - 1, step.batch
         self.scale.add(step.verify_s / self.relative_cost(width))
+        if width == 1:
+            self.plain_forward.add(step.verify_s)
         self.overhead.add(step.overhead_s)
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
             self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
