@@ -159,7 +159,8 @@ def _synthetic_results():
         "max_new_tokens": 10,
         "repeats": 1,
     }
-    return {"settings": settings, "runs": runs}, [task]
+    prompts = {"edit": [{"id": "e/1"}, {"id": "e/2"}]}
+    return {"settings": settings, "runs": runs, "prompts": prompts}, [task]
 
 
 def test_cells_speedup_equality_and_peer_ratio():
@@ -177,6 +178,7 @@ def test_cells_speedup_equality_and_peer_ratio():
     text = report.markdown(results, list(cells.values()))
     assert "**we are slower**" in text and "Output differs" in text and "| all |" not in text
     assert "2.50x over plain decoding (goal >= 2x: met)" in text
+    assert "  - `pld`: 2.500x on e/1 (2.50–2.50x over 1 repeat)" in text
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -289,7 +289,8 @@ def _never_slower_lines(slowest: Sequence[PromptSpeedup]) -> list[str]:
         f"speed-up within each repeat: {verdict}. Each method's slowest prompt:"
     ]
     for p in sorted(slowest, key=lambda p: p.median):
-        spread = f"{min(p.by_repeat):.2f}–{max(p.by_repeat):.2f}x over {len(p.by_repeat)} repeats"
+        repeats = len(p.by_repeat)
+        spread = f"{min(p.by_repeat):.2f}–{max(p.by_repeat):.2f}x over {repeats} repeat{'s' if repeats > 1 else ''}"
         lines.append(f"  - `{p.method}`: {p.median:.3f}x on {p.prompt} ({spread})")
     return lines
 
