@@ -1,10 +1,10 @@
 """Online estimators the drafters and the draft-length cost model learn with: a decayed running mean, a
-decayed least-squares line and a share of successes with a prior, each cheap enough to update after every
-step."""
+decayed least-squares line, a share of successes with a prior and acceptance by stated confidence, each
+cheap enough to update after every step."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -18,6 +18,29 @@ class RunningMean:
     def add(self, x: float) -> None:
         self.weight = self.weight * self.decay + 1.0
         self.value += (x - self.value) / self.weight
+
+
+@dataclass
+class ConfidenceBins:
+    """Online acceptance rate of draft tokens by the confidence their drafter gave them, in ``bins`` equal
+    bins.  Before any evidence a confidence c is taken at its word: the bin's centre, worth ``prior_weight``
+    observations."""
+
+    bins: int = 10
+    prior_weight: float = 2.0
+    rates: list[RunningMean] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rates = [RunningMean((i + 0.5) / self.bins, weight=self.prior_weight) for i in range(self.bins)]
+
+    def __call__(self, confidence: float) -> float:
+        return self.rates[self._bin(confidence)].value
+
+    def add(self, confidence: float, accepted: bool) -> None:
+        self.rates[self._bin(confidence)].add(1.0 if accepted else 0.0)
+
+    def _bin(self, confidence: float) -> int:
+        return min(max(int(confidence * self.bins), 0), self.bins - 1)
 
 
 @dataclass

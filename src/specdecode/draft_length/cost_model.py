@@ -8,11 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.draft_length.base import DraftLengthPolicy
-from specdecode.estimators import LinearFit, RunningMean
+from specdecode.estimators import ConfidenceBins, LinearFit, RunningMean
 from specdecode.models.cost import cost_at, linear_curve
 from specdecode.types import StepObservation
-
-_CALIBRATION_BINS = 10
 
 #: How many steps of evidence a new sequence's acceptance estimate inherits from earlier requests.
 SEQUENCE_PRIOR_WEIGHT = 4.0
@@ -44,11 +42,6 @@ UNTIMED_DEPTH = 2
 #: when ``auto`` weighs a drafter's reading of the prompt against what its drafts would save: a long chat
 #: answer.  Beyond it, an answer may well have ended at EOS.
 ANSWER_HORIZON = 256
-
-
-def _calibration_prior() -> list[RunningMean]:
-    """Before any evidence a confidence c is taken at its word: acceptance c (bin centres)."""
-    return [RunningMean((i + 0.5) / _CALIBRATION_BINS, weight=2.0) for i in range(_CALIBRATION_BINS)]
 
 
 @dataclass
@@ -117,7 +110,7 @@ class CostModelLength(DraftLengthPolicy):
     plain_forward: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0, decay=0.9))
     draft_cost: LinearFit = field(default_factory=LinearFit)
     overhead: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
-    calibration: list[RunningMean] = field(default_factory=lambda: _calibration_prior())
+    calibration: ConfidenceBins = field(default_factory=ConfidenceBins)
     uses_confidence: bool = False
     reads_context: bool = False  # the drafter runs a model over the context: declared, or seen catching up
     achieved_tokens: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
@@ -314,11 +307,7 @@ class CostModelLength(DraftLengthPolicy):
 
     def calibrated(self, confidence: float) -> float:
         """Online acceptance rate of tokens the drafter gave this confidence."""
-        return self.calibration[self._bin(confidence)].value
-
-    @staticmethod
-    def _bin(confidence: float) -> int:
-        return min(max(int(confidence * _CALIBRATION_BINS), 0), _CALIBRATION_BINS - 1)
+        return self.calibration(confidence)
 
     def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
         """The deepest draft worth weighing this step: none while losing or where reading the prompt would not pay
@@ -407,4 +396,4 @@ class CostModelLength(DraftLengthPolicy):
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
-                self.calibration[self._bin(confidence)].add(1.0 if position < step.accepted else 0.0)
+                self.calibration.add(confidence, position < step.accepted)
