@@ -4,6 +4,7 @@ the same quantized model, for prompt lookup and a (quantized) draft model."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -216,6 +217,20 @@ def test_w4a8_keeps_a_block_copy_only_where_onednn_multiplies_bf16(packed, monke
             assert torch.equal(layer(x), layer.matmul(x) + layer.bias)
 
 
+def agree_but_for_a_near_tie(model: nn.Module, prompt: list[int], ours: list[int], theirs: list[int]) -> bool:
+    """Whether two greedy decodings of ``model`` agree, or first differ where its two best next tokens are one
+    bf16 step apart (a full forward's logits): transformers' attention and ours may round a last bit apart
+    (seen on an AMX Xeon, 5.0 against 4.97 on a random int4 model) and then break that tie differently."""
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if at is None:
+        return ours == theirs
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ours[:at]])).logits[0, -1].float()
+    best, second = torch.topk(logits, 2).values.tolist()
+    one_step = 2.0 ** (math.floor(math.log2(abs(best))) - 7)  # bf16 keeps 8 significant bits
+    return {ours[at], theirs[at]} <= set(torch.topk(logits, 2).indices.tolist()) and best - second <= one_step
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossless(quantized, mode, monkeypatch):
     """A prompt of many tokens and a draft model catching up on it take the bf16 copies; plain decoding,
@@ -233,7 +248,7 @@ def test_long_prompts_prefill_through_the_block_copies_and_decoding_stays_lossle
     least = quantized_layers._block_min_rows(model.get_submodule("model.layers.0.mlp.down_proj").block_weight)
     assert calls and min(calls) >= least  # the prompt's forward, and only it
     with free_row_calls():
-        assert hf_greedy(target, prompt, 24) == plain
+        assert agree_but_for_a_near_tie(model, prompt, plain, hf_greedy(target, prompt, 24))
     for drafter in (create_drafter("pld", target), create_drafter("draft-model", target, draft_model=draft)):
         calls.clear()
         assert run(target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)[0] == plain
