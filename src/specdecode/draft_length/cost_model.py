@@ -310,8 +310,8 @@ class CostModelLength(DraftLengthPolicy):
         return self.calibration(confidence)
 
     def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
-        """The deepest draft worth weighing this step: none while losing or where reading the prompt would not pay
-        (:meth:`reading_pays`), never past ``limit``, the policy's
+        """The deepest draft worth weighing this step: none while losing, past the loss budget (:attr:`over_budget`)
+        or where reading the prompt would not pay (:meth:`reading_pays`), never past ``limit``, the policy's
         maximum or a draft already proposed (its ``confidences``); before the drafter's cost is timed,
         ``UNTIMED_DEPTH`` for a draft still to be made."""
         if self.losing or self.over_budget or not self.reading_pays(limit):
