@@ -343,3 +343,17 @@ def test_no_draft_beyond_the_drafters_context():
         assert 0 < len(session.propose([2, 2, 2], 8).tokens) <= 2  # "ccc": 3 drafter tokens, room for 2
         assert session.propose([2] * 8, 8).tokens == []
         assert len(session.propose([2, 2, 2], 8).tokens) <= 2  # and back: the cache was left consistent
+
+
+def test_auto_expects_less_acceptance_across_vocabularies(pair):
+    """A cold request's first drafts and the reading of its prompt are weighed at the acceptance measured across
+    vocabularies (about a third), not the policy's default of one half kept for a draft of the same vocabulary."""
+    from specdecode.drafters.cross_vocab import PRIOR_ACCEPTANCE
+    from specdecode.generator import SpeculativeGenerator
+
+    target, draft = pair
+    across = SpeculativeGenerator.build(target, "draft-model", draft_model=draft)
+    same = SpeculativeGenerator.build(target, "draft-model", draft_model=target)
+    assert across.drafter.prior_acceptance == PRIOR_ACCEPTANCE < 0.5
+    assert across.draft_length_policy("auto").prior_acceptance == PRIOR_ACCEPTANCE
+    assert same.draft_length_policy("auto").prior_acceptance == 0.5

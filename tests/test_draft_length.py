@@ -278,6 +278,21 @@ def test_a_drafter_catching_up_with_the_context_is_no_per_token_cost():
     assert policy.draft_cost(4) == pytest.approx(0.04)
 
 
+def test_catching_up_after_the_prompt_is_a_cost_of_drafting():
+    """The first draft's reading of the prompt is weighed ex ante (``reading_pays``); what the drafter spends
+    catching up later (tokens skipped while drafting was off, context re-tokenised across vocabularies) is
+    what drafting costs: two tokens a step for 0.22 s against 0.1 s plain steps is a loss."""
+    policy = CostModelLength(curve=curve(0.05), loss_budget=None)
+    policy.observe(plain_step(0.1))
+    policy.observe(StepObservation(depth=2, nodes=2, accepted=1, draft_s=1.04, setup_s=1.0, verify_s=0.12))
+    assert policy.gain.value > 1.0  # the prompt's reading is not held against the first draft
+    for _ in range(12):
+        policy.observe(plain_step(0.1))
+        policy.observe(StepObservation(depth=2, nodes=2, accepted=1, draft_s=0.1, setup_s=0.06, verify_s=0.12))
+    assert policy.gain.value == pytest.approx(0.2 / 0.22, rel=0.05) and policy.losing
+    assert policy.draft_cost(2) == pytest.approx(0.04, rel=0.05)  # still no per-token cost
+
+
 def test_draft_model_reports_its_prompt_prefill_as_setup(tiny_target, tiny_draft):
     from specdecode.drafters import create_drafter
     from specdecode.drafters.base import DraftRequest

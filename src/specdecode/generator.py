@@ -94,6 +94,7 @@ class SpeculativeGenerator:
                 reads_context=drafter.reads_context,
                 context_cost=drafter.context_cost,
                 draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
+                prior_acceptance=drafter.prior_acceptance,
             )
         return self._adaptive_policies[key]
 

@@ -51,6 +51,7 @@ def make_policy(
     reads_context: bool = False,
     context_cost: float | None = None,
     draft_token_s: float | None = None,
+    prior_acceptance: float | None = None,
 ) -> DraftLengthPolicy:
     """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
 
@@ -59,7 +60,8 @@ def make_policy(
     shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
     forward against the target's (``Drafter.context_cost``), so ``auto`` prices its reading of each prompt;
     ``draft_token_s``: the seconds of one of its draft tokens (``Drafter.draft_token_seconds``), the price of a draft
-    token in that reckoning until the policy has timed its own."""
+    token in that reckoning until the policy has timed its own; ``prior_acceptance``: the share of its tokens expected
+    to be accepted before any is verified (``Drafter.prior_acceptance``; None: the policy's default)."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 0:
             raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
@@ -67,7 +69,10 @@ def make_policy(
     if spec == "auto":
         shape = {"curve": tuple(curve)} if curve else {}
         reading = RunningMean(context_cost) if context_cost else None
-        return CostModelLength(**shape, reads_context=reads_context, context_cost=reading, draft_token_s=draft_token_s)
+        prior = {"prior_acceptance": prior_acceptance} if prior_acceptance is not None else {}
+        return CostModelLength(
+            **shape, **prior, reads_context=reads_context, context_cost=reading, draft_token_s=draft_token_s
+        )
     if spec == "heuristic":
         return HeuristicLength()
     raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")

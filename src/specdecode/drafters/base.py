@@ -126,6 +126,9 @@ class Drafter(ABC):
     #: weights multiplied per token over the target's), from which ``auto`` prices its reading of a prompt
     #: before it drafts at all.  None: unknown, never weighed.
     context_cost: float | None = None
+    #: The share of its tokens the target is expected to accept before any is verified: ``auto`` weighs a cold
+    #: request's first drafts (and a draft model's reading of the prompt) with it.  None: the policy's default.
+    prior_acceptance: float | None = None
     #: False for plain decoding (``none``), which never drafts: ``auto`` then has no depth to choose and
     #: need not measure the target's verification cost curve (4-10 s on a 2-core CPU) for it.
     drafts: ClassVar[bool] = True

@@ -40,6 +40,7 @@ from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
 from specdecode.drafters.adapt_data import AdaptingSession, cross_vocab_example, same_vocab_example
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
+from specdecode.drafters.cross_vocab import PRIOR_ACCEPTANCE as CROSS_VOCAB_PRIOR
 from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.base import CausalLM, HiddenStates, LayerwiseExecution, require_capability
@@ -171,6 +172,7 @@ class DraftModelDrafter(Drafter):
                     raise SpecDecodeError("draft_vocab needs a draft model with the target's vocabulary") from None
                 vocab_mapping = DEFAULT_VOCAB_MAPPING
         self.cross = CrossVocabulary.build(vocab_mapping, target, self.draft) if vocab_mapping else None
+        self.prior_acceptance = CROSS_VOCAB_PRIOR if self.cross is not None else None
         self.clock = ForwardClock()  # shared by its sessions: what a one-token draft forward costs
         # VocabTrim: the draft model's LM head over its first ``draft_vocab`` ids and the prompt's (0: all).
         self.head = None
