@@ -488,6 +488,17 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.draft_token_seconds() is None
 
 
+def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_with_that(tiny_target, tiny_draft):
+    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target read at twice
+    the ratio its weights say): the draft model times its prefill against the target's, once."""
+    generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
+    drafter = generator.drafter
+    ratio = drafter.reading_cost()
+    assert ratio > 0 and drafter.reading_cost() == ratio
+    assert generator.draft_length_policy("auto").context_cost.value == pytest.approx(ratio)
+    assert SpeculativeGenerator.build(tiny_target, "pld").drafter.reading_cost() is None
+
+
 def test_a_draft_model_loaded_by_name_takes_the_command_lines_default_precision(tiny_target, monkeypatch):
     from specdecode.drafters import draft_model
     from specdecode.models.quantize import default_draft_quantization

@@ -92,7 +92,7 @@ class SpeculativeGenerator:
                 spec,
                 curve,
                 reads_context=drafter.reads_context,
-                context_cost=drafter.context_cost,
+                context_cost=drafter.reading_cost() if spec == "auto" else drafter.context_cost,
                 draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
                 prior_acceptance=drafter.prior_acceptance,
             )
@@ -102,7 +102,8 @@ class SpeculativeGenerator:
         """Measure now what the first request would otherwise wait for: the target's verification cost
         curve, which ``auto`` (the default draft length) needs for a drafter that drafts — 48 forwards,
         4 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model — and a draft
-        model's token (``Drafter.draft_token_seconds``, half a second).  A server calls this before it accepts
+        model's token and its reading of a prompt (``Drafter.draft_token_seconds``, ``reading_cost``: a second or
+        two).  A server calls this before it accepts
         requests (as vLLM profiles before serving); a benchmark before it times.  ``drafters``: those the
         requests will use (default: this generator's).  Returns the seconds spent."""
         drafters = list(drafters) or [self.drafter]
@@ -112,6 +113,7 @@ class SpeculativeGenerator:
         relative_cost_curve(self.target.backend)
         for drafter in drafters:
             drafter.draft_token_seconds()
+            drafter.reading_cost()
         return time.perf_counter() - started
 
     # -- prompt handling -------------------------------------------------------------------------

@@ -142,6 +142,11 @@ class Drafter(ABC):
         unknown (the token is then priced at ``context_cost`` of a target forward)."""
         return None
 
+    def reading_cost(self) -> float | None:
+        """For a drafter that reads the context: its reading of a prompt in seconds per second of the target's prefill
+        of it, which ``auto`` weighs against what a cold request's drafts will save; by default ``context_cost``."""
+        return self.context_cost
+
     @abstractmethod
     def session(self, request: DraftRequest) -> DraftSession:
         """A drafting session for one request."""

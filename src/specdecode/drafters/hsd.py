@@ -44,7 +44,13 @@ import torch
 from specdecode.drafters import create_drafter, register_drafter
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.drafters.draft_model import choose_draft_token, forward_cost_ratio, loaded_draft, time_draft_token
+from specdecode.drafters.draft_model import (
+    choose_draft_token,
+    forward_cost_ratio,
+    loaded_draft,
+    time_draft_token,
+    time_reading,
+)
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import relative_cost_curve
@@ -206,6 +212,7 @@ class HierarchicalDrafter(Drafter):
         self.lowers = {name: create_drafter(name, self.draft) for name in chosen}
         self.lower_depth = None if lower_depth == "auto" or names[0] == "auto" else lower_depth
         self._token_s: float | None = None
+        self._reading: float | None = None
 
     def draft_token_seconds(self) -> float:
         """A draft model's token, timed once: what ``auto`` prices a first draft's tokens at (at most what they
@@ -213,6 +220,12 @@ class HierarchicalDrafter(Drafter):
         if self._token_s is None:
             self._token_s = time_draft_token(self.draft.backend)
         return self._token_s
+
+    def reading_cost(self) -> float:
+        """Its draft model's reading of a prompt against the target's prefill, timed once (``time_reading``)."""
+        if self._reading is None:
+            self._reading = time_reading(self.draft.backend, self.target.backend)
+        return self._reading
 
     def session(self, request: DraftRequest) -> DraftSession:
         lower_request = DraftRequest(prompt_ids=request.prompt_ids, sampling=request.sampling, seed=request.seed)

@@ -80,7 +80,7 @@ def build_service(args: argparse.Namespace):
     if warm_up_s:
         print(
             f"[serve] {args.model}'s verification cost curve for auto in {warm_up_s:.1f} s "
-            "(measured, or read back from the cost-curve cache; draft models' tokens timed)",
+            "(measured, or read back from the cost-curve cache; draft models' tokens and prompt reading timed)",
             file=sys.stderr,
         )
     config = ServerConfig(
