@@ -123,8 +123,8 @@ class Drafter(ABC):
     #: the draft-length policy drafts it shallow until a draft token's cost is timed, from the first step.
     reads_context: ClassVar[bool] = False
     #: For a drafter that reads the context: the cost of its forward against the target's (a draft model's
-    #: weights multiplied per token over the target's), from which ``auto`` prices its reading of a prompt
-    #: before it drafts at all.  None: unknown, never weighed.
+    #: weights multiplied per token over the target's): the price of its reading of a prompt before it drafts at
+    #: all, unless it times that reading (``reading_cost``).  None: unknown, never weighed.
     context_cost: float | None = None
     #: The share of its tokens the target is expected to accept before any is verified: ``auto`` weighs a cold
     #: request's first drafts (and a draft model's reading of the prompt) with it.  None: the policy's default.
