@@ -44,3 +44,16 @@ def test_each_method_is_judged_by_its_slowest_prompt():
         "  - `layer-skip`: 0.909x on chat/1 (0.91–0.91x over 2 repeats)",
         "  - `pld`: 1.000x on chat/2 (1.00–1.00x over 2 repeats)",
     ]
+
+
+def test_plain_decoding_under_another_name_is_reported_as_the_noise_floor():
+    plain = {"chat": {"chat/1": timed(5.0, 5.0, 5.0)}}
+    runs = {"none": plain, "none:k=1": {"chat": {"chat/1": timed(5.2, 5.6, 4.9)}}}
+    results = {
+        "settings": {"methods": ["none", "none:k=1"], "baseline": "none"},
+        "prompts": {"chat": [{"id": "chat/1"}]},
+        "runs": runs,
+    }
+    lines = report._never_slower_lines(slowest_prompts(results))
+    assert "`none:k=1` is plain decoding under another name (an A/A control)" in lines[-1]
+    assert f"{5.0 / 5.2:.3f}x" in lines[-1]

@@ -292,6 +292,13 @@ def _never_slower_lines(slowest: Sequence[PromptSpeedup]) -> list[str]:
         repeats = len(p.by_repeat)
         spread = f"{min(p.by_repeat):.2f}–{max(p.by_repeat):.2f}x over {repeats} repeat{'s' if repeats > 1 else ''}"
         lines.append(f"  - `{p.method}`: {p.median:.3f}x on {p.prompt} ({spread})")
+    controls = [p for p in slowest if p.method.split(":")[0] == "none"]
+    if controls:  # plain decoding under another name: how far the host's noise alone moves the line above
+        floor = min(controls, key=lambda p: p.median)
+        lines.append(
+            f"- `{floor.method}` is plain decoding under another name (an A/A control): its slowest prompt, "
+            f"{floor.median:.3f}x, is how low host noise alone puts a method that loses nothing in this run."
+        )
     return lines
 
 
