@@ -290,13 +290,10 @@ class CostModelLength(DraftLengthPolicy):
             table[position].add(1.0 if position < step.accepted else 0.0)
 
     def _score_drafting(self, step: StepObservation, reads_prompt: bool) -> None:
-        """Score a step that drafted against the plain step it replaced: this sequence's share of a forward
-        with its one input instead of its draft, and the same overhead.  What the drafter spent catching up
-        with the context counts, except the reading of the prompt (``reads_prompt``: decided ex ante by
-        :meth:`reading_pays`): the tokens it skipped while drafting was off and the context re-tokenised
-        each step (a draft across vocabularies) are what drafting costs."""
-        setup = step.setup_s if reads_prompt else 0.0
-        spent = step.overhead_s + step.draft_s - setup + step.verify_s / step.batch
+        """Score a step that drafted against the plain step it replaced (its one input instead of its draft, the
+        same overhead).  Catching up with the context counts (skipped tokens, context re-tokenised across
+        vocabularies), except the prompt's reading (``reads_prompt``), decided ex ante by :meth:`reading_pays`."""
+        spent = step.overhead_s + step.draft_s - (step.setup_s if reads_prompt else 0.0) + step.verify_s / step.batch
         plain = self.plain_step_seconds(step.overhead_s)
         if spent <= 0.0:
             return
@@ -378,11 +375,9 @@ class CostModelLength(DraftLengthPolicy):
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
             self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
             self.reads_context = self.reads_context or step.setup_s > 0
-            reads_prompt = not self.context_read
-            if reads_prompt:  # the drafter has read the prompt: learn what that cost
-                self.context_read = True
-                if self.context_cost is not None and self.prefill_s > 0.0 and step.setup_s > 0.0:
-                    self.context_cost.add(step.setup_s / self.prefill_s)
+            reads_prompt, self.context_read = not self.context_read, True
+            if reads_prompt and self.context_cost is not None and self.prefill_s > 0.0 and step.setup_s > 0.0:
+                self.context_cost.add(step.setup_s / self.prefill_s)  # what reading the prompt cost, learnt
             self._score_drafting(step, reads_prompt)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
