@@ -58,7 +58,7 @@ def make_policy(
     ``curve``: measured verification cost per width (1, 2, ...) for ``auto``; a linear guess without it.
     ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
     shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
-    forward against the target's (``Drafter.context_cost``), so ``auto`` prices its reading of each prompt;
+    reading of a prompt against the target's prefill (``Drafter.reading_cost``), so ``auto`` prices each reading;
     ``draft_token_s``: the seconds of one of its draft tokens (``Drafter.draft_token_seconds``), the price of a draft
     token in that reckoning until the policy has timed its own; ``prior_acceptance``: the share of its tokens expected
     to be accepted before any is verified (``Drafter.prior_acceptance``; None: the policy's default)."""

@@ -125,7 +125,7 @@ class CostModelLength(DraftLengthPolicy):
     #: Tokens per second of recent drafting steps over what plain steps would have given (1: break-even).
     gain: RunningMean = field(default_factory=lambda: RunningMean(1.0, weight=0.0, decay=0.9))
     #: A context reader's reading of a prompt in seconds per second of the target's prefill of it: declared
-    #: (``Drafter.context_cost``), then learnt from first drafts.  None: not known, never weighed.
+    #: (``Drafter.reading_cost``), then learnt from first drafts.  None: not known, never weighed.
     context_cost: RunningMean | None = None
     #: Seconds of one of the drafter's draft tokens, timed once by the drafter (``Drafter.draft_token_seconds``):
     #: its price before this policy has timed a draft.  None: priced at ``context_cost`` of a target forward.
