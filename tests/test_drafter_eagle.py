@@ -104,7 +104,7 @@ def test_training_unroll_matches_drafting(tiny_target, trained_head):
     steps = 3
     windows = make_windows([features], window=32, steps=steps)
     with torch.no_grad():
-        unrolled = unrolled_logits(head, backend.embed, windows)
+        unrolled = unrolled_logits(head, backend.embed, windows.batch(torch.arange(windows.count)))
     for row in (0, 4, 7):
         cache = HeadCache(head.config, backend.device, backend.dtype)
         with torch.no_grad():

@@ -95,6 +95,13 @@ def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> Non
     command.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
     command.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
     command.add_argument(
+        "--feature-dtype",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="precision of the target while it writes the data and its features (auto: bf16 where the CPU "
+        "multiplies bf16 natively, else fp32)",
+    )
+    command.add_argument(
         "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help=f"VocabTrim: the {what} vocabulary (0: all)"
     )
     command.add_argument("--epochs", type=int, default=4)

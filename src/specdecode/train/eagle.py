@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
@@ -100,39 +99,75 @@ def draft_vocabulary(features: list[Features], size: int, vocab_size: int) -> to
 
 
 @dataclass
-class Windows:
-    """Training rows cut into windows: [W, T] each (``steps`` leading where per step)."""
+class Batch:
+    """Training windows as the head reads them, in fp32: [B, T] each (``steps`` leading where per step)."""
 
-    aux: torch.Tensor  # [W, T, k*H]
-    positions: torch.Tensor  # [W, T] position of token j+1
-    tokens: torch.Tensor  # [S, W, T] token fed at step s (j+1+s)
-    finals: torch.Tensor  # [S, W, T, H] target final hidden state whose distribution step s learns (j+1+s)
+    aux: torch.Tensor  # [B, T, k*H]
+    positions: torch.Tensor  # [B, T] position of token j+1
+    tokens: torch.Tensor  # [S, B, T] token fed at step s (j+1+s)
+    finals: torch.Tensor  # [S, B, T, H] target final hidden state whose distribution step s learns (j+1+s)
+    valid: torch.Tensor  # [S, B, T] bool
+
+
+@dataclass
+class Windows:
+    """Training rows cut into windows of T rows, kept as indices into one copy of the features.
+
+    The features stay in the dtype they were computed in (bf16 halves their memory) and each row's final
+    hidden state is stored once although ``steps`` drafting steps read it; :meth:`batch` gathers a batch
+    in fp32.  A million rows of SmolLM2 features fit in under 5 GB this way."""
+
+    aux_rows: torch.Tensor  # [N + 1, k*H]: every sequence's rows, then one zero row for padding
+    final_rows: torch.Tensor  # [N + 1, H]
+    aux_index: torch.Tensor  # [W, T] row of aux_rows read by window w at row t
+    positions: torch.Tensor  # [W, T]
+    tokens: torch.Tensor  # [S, W, T]
+    final_index: torch.Tensor  # [S, W, T] row of final_rows step s learns from
     valid: torch.Tensor  # [S, W, T] bool
+
+    @property
+    def count(self) -> int:
+        return self.aux_index.shape[0]
+
+    def batch(self, index: torch.Tensor) -> Batch:
+        return Batch(
+            aux=self.aux_rows[self.aux_index[index]].float(),
+            positions=self.positions[index],
+            tokens=self.tokens[:, index],
+            finals=self.final_rows[self.final_index[:, index]].float(),
+            valid=self.valid[:, index],
+        )
 
 
 def make_windows(features: list[Features], window: int, steps: int) -> Windows:
-    aux, positions, tokens, finals, valid = [], [], [], [], []
+    aux_index, positions, tokens, final_index, valid = [], [], [], [], []
+    offset = 0
+    padding = sum(item.ids.numel() for item in features)  # the zero row after all of them
     for item in features:
         n = item.ids.numel()
         rows = n - 1  # row j: (features of j, token j+1) → distribution of token j+2, read at j+1
         for start in range(0, rows, window):
-            count = min(window, rows - start)
             j = torch.arange(start, start + window)
-            aux.append(F.pad(item.aux[start : start + count], (0, 0, 0, window - count)))
+            inside = j < rows
+            aux_index.append(torch.where(inside, offset + j, padding))
             positions.append(j + 1)
             read = j[None, :] + 1 + torch.arange(steps)[:, None]  # [S, T]
-            ok = (read <= n - 1) & (j[None, :] < start + count)
-            clamped = read.clamp(max=n - 1)
-            tokens.append(torch.where(ok, item.ids[clamped], 0))
-            finals.append(item.final[clamped] * ok[..., None])
+            ok = (read <= n - 1) & inside[None, :]
+            tokens.append(torch.where(ok, item.ids[read.clamp(max=n - 1)], 0))
+            final_index.append(torch.where(ok, offset + read, padding))
             valid.append(ok)
-    if not aux:
+        offset += n
+    if not aux_index:
         raise SpecDecodeError("eagle: no training rows (sequences need at least 2 tokens)")
+    aux = features[0].aux
+    final = features[0].final
     return Windows(
-        aux=torch.stack(aux),
+        aux_rows=torch.cat([*(item.aux for item in features), aux.new_zeros(1, aux.shape[1])]),
+        final_rows=torch.cat([*(item.final for item in features), final.new_zeros(1, final.shape[1])]),
+        aux_index=torch.stack(aux_index),
         positions=torch.stack(positions),
         tokens=torch.stack(tokens, dim=1),
-        finals=torch.stack(finals, dim=1),
+        final_index=torch.stack(final_index, dim=1),
         valid=torch.stack(valid, dim=1),
     )
 
@@ -173,7 +208,7 @@ def start_from_target(head: EagleHead, backend: HiddenStates, layerwise: Layerwi
 
 
 def unrolled_logits(
-    head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], batch: Windows
+    head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], batch: Batch
 ) -> list[torch.Tensor]:
     """Draft logits [B, T, draft_vocab] of every training-time-test step."""
     hidden = head.fuse(batch.aux)
@@ -190,16 +225,6 @@ def unrolled_logits(
     return logits
 
 
-def _select(windows: Windows, index: torch.Tensor) -> Windows:
-    return Windows(
-        aux=windows.aux[index],
-        positions=windows.positions[index],
-        tokens=windows.tokens[:, index],
-        finals=windows.finals[:, index],
-        valid=windows.valid[:, index],
-    )
-
-
 @torch.no_grad()
 def held_out_acceptance(
     head: EagleHead, backend: LayerwiseExecution, embed, windows: Windows, batch_windows: int
@@ -210,8 +235,8 @@ def held_out_acceptance(
     tried = torch.zeros(steps)
     full_head = backend.lm_head()
     target_ids = head.target_ids
-    for index in torch.arange(windows.aux.shape[0]).split(batch_windows):
-        batch = _select(windows, index)
+    for index in torch.arange(windows.count).split(batch_windows):
+        batch = windows.batch(index)
         still = batch.valid[0].clone()
         for step, logits in enumerate(unrolled_logits(head, embed, batch)):
             truth = backend.head_logits(batch.finals[step], full_head).argmax(-1)
@@ -249,7 +274,7 @@ def train_eagle(
 
     def batch_loss(index: torch.Tensor) -> torch.Tensor:
         """Every training-time-test step's KL, each averaged over its valid rows, summed over the steps."""
-        batch = _select(windows, index)
+        batch = windows.batch(index)
         loss = torch.zeros(())
         for step, logits in enumerate(unrolled_logits(head, embed, batch)):
             kl = kl_to_teacher(teacher.log_probs(batch.finals[step]), logits)
@@ -257,7 +282,7 @@ def train_eagle(
             loss = loss + (kl * valid).sum() / valid.sum().clamp(min=1)
         return loss
 
-    count = windows.aux.shape[0]
+    count = windows.count
     losses = fit(
         head,
         list(head.parameters()),

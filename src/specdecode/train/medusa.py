@@ -80,7 +80,7 @@ def make_stream(features: list[Features], heads: int) -> Stream:
     if not any(item.ids.numel() >= 2 for item in features):
         raise SpecDecodeError("heads: no training rows (sequences need at least 2 tokens)")
     ids = torch.cat([item.ids for item in features])
-    finals = torch.cat([item.final for item in features])
+    finals = torch.cat([item.final for item in features]).float()  # features may be kept in bf16
     ends = torch.cumsum(torch.tensor([item.ids.numel() for item in features]), 0) - 1
     last = torch.repeat_interleave(ends, torch.tensor([item.ids.numel() for item in features]))
     return Stream(

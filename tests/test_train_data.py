@@ -1,0 +1,68 @@
+"""The training data every head starts from: batched self-distillation and the memory-lean EAGLE windows."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import hf_greedy
+from specdecode.train import data
+from specdecode.train.eagle import Features, compute_features, make_windows
+from specdecode.train.features import feature_dtype
+
+PROMPTS = [[5, 17, 22, 9], [3, 8], [40, 41, 42, 43, 44, 45], [11, 12, 13], [30, 31, 7, 7, 7]]
+
+
+def _greedy_until_eos(loaded, prompt: list[int], n: int) -> list[int]:
+    answer = hf_greedy(loaded, prompt, n)
+    eos = set(loaded.backend.eos_token_ids)
+    for i, token in enumerate(answer):
+        if token in eos:
+            return answer[: i + 1]
+    return answer
+
+
+def test_self_distill_yields_each_greedy_answer_in_prompt_order(tiny_target, monkeypatch):
+    """Answers are decoded in batches (two at a time here, so five prompts take three batches and finish
+    out of order) yet come out in the prompts' order, each the target's own greedy continuation of its
+    prompt cut to ``max_prompt_tokens``; ``skip`` resumes after the prompts already done."""
+    monkeypatch.setattr(data, "DISTILL_BATCH", 2)
+    got = list(data.self_distill(tiny_target, PROMPTS, new_tokens=10, max_prompt_tokens=5))
+    assert len(got) == len(PROMPTS)
+    for prompt, sequence in zip(PROMPTS, got, strict=True):
+        kept = prompt[-5:]
+        assert sequence[: len(kept)] == kept
+        assert sequence[len(kept) :] == _greedy_until_eos(tiny_target, kept, 10)
+    resumed = list(data.self_distill(tiny_target, PROMPTS, new_tokens=10, max_prompt_tokens=5, skip=3))
+    assert resumed == got[3:]
+
+
+def test_windows_keep_bf16_features_once_and_batches_read_them_in_fp32(tiny_target):
+    """The windows index one copy of the features in their own dtype; a batch gathers the same rows in fp32
+    as from fp32 features, padding rows zero and invalid."""
+    backend = tiny_target.backend
+    sequences = [
+        PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 12),
+        PROMPTS[1] + hf_greedy(tiny_target, PROMPTS[1], 5),
+    ]
+    fp32 = compute_features(backend, sequences, (1,), progress=False)
+    bf16 = [Features(item.ids, item.aux.bfloat16(), item.final.bfloat16()) for item in fp32]
+    lean = make_windows(bf16, window=8, steps=3)
+    exact = make_windows(fp32, window=8, steps=3)
+    assert lean.aux_rows.dtype == torch.bfloat16
+    assert lean.final_rows.shape[0] == sum(len(s) for s in sequences) + 1
+    everything = torch.arange(lean.count)
+    batch, reference = lean.batch(everything), exact.batch(everything)
+    assert batch.finals.dtype == torch.float32 and batch.aux.dtype == torch.float32
+    torch.testing.assert_close(batch.finals, reference.finals.bfloat16().float())
+    torch.testing.assert_close(batch.aux, reference.aux.bfloat16().float())
+    assert torch.equal(batch.tokens, reference.tokens) and torch.equal(batch.valid, reference.valid)
+    assert not batch.finals[~batch.valid].any()
+    # Row j of the first sequence learns from the final hidden state read at j + 1 + step.
+    torch.testing.assert_close(reference.finals[2, 0, 3], fp32[0].final[3 + 1 + 2])
+
+
+def test_feature_dtype_choices():
+    assert feature_dtype("fp32") == torch.float32
+    assert feature_dtype("bf16") == torch.bfloat16
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert feature_dtype("auto") == (torch.bfloat16 if native else torch.float32)
