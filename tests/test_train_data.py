@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import hf_greedy
@@ -66,3 +67,21 @@ def test_feature_dtype_choices():
     assert feature_dtype("bf16") == torch.bfloat16
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert feature_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+
+
+def test_bf16_training_learns_like_fp32(tiny_target):
+    """Autocast training (bf16 matmuls, fp32 weights and losses) lowers the loss as fp32 training does."""
+    from specdecode.heads.eagle import default_aux_layers
+    from specdecode.train.eagle import EagleTrainConfig, train_eagle
+
+    backend = tiny_target.backend
+    sequences = [prompt + hf_greedy(tiny_target, prompt, 30) for prompt in PROMPTS]
+    features = compute_features(backend, sequences, default_aux_layers(backend.num_layers), progress=False)
+    losses = {}
+    for bf16 in (False, True):
+        config = EagleTrainConfig(epochs=6, window=16, batch_windows=2, lr=3e-3, draft_vocab=64, bf16=bf16)
+        result = train_eagle(backend, features, config)
+        assert all(p.dtype == torch.float32 for p in result.head.parameters())
+        losses[bf16] = result.epoch_losses
+    assert losses[True][-1] < 0.8 * losses[True][0]
+    assert losses[True][-1] == pytest.approx(losses[False][-1], rel=0.2)

@@ -106,6 +106,12 @@ def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> Non
     )
     command.add_argument("--epochs", type=int, default=4)
     command.add_argument("--lr", type=float, default=1e-3)
+    command.add_argument(
+        "--train-dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="precision of training's matmuls (bf16: autocast, weights and optimiser stay fp32)",
+    )
     command.add_argument("--seed", type=int, default=0)
     command.add_argument(
         "--out", help=f"the {what} directory (default: next to the cached model, where the drafter looks)"

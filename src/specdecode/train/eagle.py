@@ -52,6 +52,7 @@ class EagleTrainConfig:
     holdout: float = 0.05  # fraction of sequences kept out for the acceptance figures
     seed: int = 0
     checkpoint_seconds: float = 120.0
+    bf16: bool = False  # matmuls of training in bf16 (autocast), see train.common.fit
 
 
 @dataclass
@@ -207,9 +208,7 @@ def start_from_target(head: EagleHead, backend: HiddenStates, layerwise: Layerwi
     head.fc.weight[:, -width:] = torch.eye(width)
 
 
-def unrolled_logits(
-    head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], batch: Batch
-) -> list[torch.Tensor]:
+def unrolled_logits(head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], batch: Batch) -> list[torch.Tensor]:
     """Draft logits [B, T, draft_vocab] of every training-time-test step."""
     hidden = head.fuse(batch.aux)
     keys: list[torch.Tensor] = []
@@ -299,6 +298,7 @@ def train_eagle(
         checkpoint=checkpoint,
         checkpoint_seconds=config.checkpoint_seconds,
         progress=progress,
+        bf16=config.bf16,
     )
     acceptance = held_out_acceptance(head, layerwise, embed, held_windows, config.batch_windows)
     return EagleTrainResult(

@@ -24,7 +24,12 @@ def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
 
     run = collect(args, tasks, HEAD_DIR, "the head goes", default_aux_layers)
     config = EagleTrainConfig(
-        draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr, seed=args.seed
+        draft_vocab=args.draft_vocab,
+        ttt_steps=args.ttt_steps,
+        epochs=args.epochs,
+        lr=args.lr,
+        seed=args.seed,
+        bf16=args.train_dtype == "bf16",
     )
     result = train_eagle(run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint)
     save_eagle(result.head, run.out, verifier=args.model)

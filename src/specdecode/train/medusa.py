@@ -51,6 +51,7 @@ class HeadsTrainConfig:
     holdout: float = 0.05  # fraction of sequences kept out for the acceptance figures
     seed: int = 0
     checkpoint_seconds: float = 120.0
+    bf16: bool = False  # matmuls of training in bf16 (autocast), see train.common.fit
 
 
 @dataclass(kw_only=True)
@@ -176,6 +177,7 @@ def train_heads(
         checkpoint=checkpoint,
         checkpoint_seconds=config.checkpoint_seconds,
         progress=progress,
+        bf16=config.bf16,
     )
     acceptance = held_out_acceptance(heads, layerwise, embed, held_stream, config.run)
     valid_rows = (torch.arange(stream.rows) + 1 <= stream.last).sum()

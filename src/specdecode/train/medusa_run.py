@@ -27,6 +27,7 @@ def run_heads_training(args: argparse.Namespace, tasks: list[str], kind: str) ->
         epochs=args.epochs,
         lr=args.lr,
         seed=args.seed,
+        bf16=args.train_dtype == "bf16",
     )
     result = train_heads(run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint)
     save_heads(result.heads, run.out, verifier=args.model)
