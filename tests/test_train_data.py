@@ -8,7 +8,7 @@ import torch
 from helpers import hf_greedy
 from specdecode.train import data
 from specdecode.train.eagle import Features, compute_features, make_windows
-from specdecode.train.features import feature_dtype
+from specdecode.train.features import feature_dtype, training_in_bf16
 
 PROMPTS = [[5, 17, 22, 9], [3, 8], [40, 41, 42, 43, 44, 45], [11, 12, 13], [30, 31, 7, 7, 7]]
 
@@ -67,6 +67,7 @@ def test_feature_dtype_choices():
     assert feature_dtype("bf16") == torch.bfloat16
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert feature_dtype("auto") == (torch.bfloat16 if native else torch.float32)
+    assert training_in_bf16("auto") == native and not training_in_bf16("fp32") and training_in_bf16("bf16")
 
 
 def test_bf16_training_learns_like_fp32(tiny_target):

@@ -108,9 +108,10 @@ def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> Non
     command.add_argument("--lr", type=float, default=1e-3)
     command.add_argument(
         "--train-dtype",
-        choices=("fp32", "bf16"),
-        default="fp32",
-        help="precision of training's matmuls (bf16: autocast, weights and optimiser stay fp32)",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="precision of training's matmuls (bf16: autocast, weights and optimiser stay fp32; auto: bf16 where "
+        "the CPU multiplies bf16 natively, else fp32)",
     )
     command.add_argument("--seed", type=int, default=0)
     command.add_argument(

@@ -20,7 +20,7 @@ def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
     from specdecode.heads.storage import save_eagle
     from specdecode.train.common import report_training
     from specdecode.train.eagle import EagleTrainConfig, train_eagle
-    from specdecode.train.features import collect
+    from specdecode.train.features import collect, training_in_bf16
 
     run = collect(args, tasks, HEAD_DIR, "the head goes", default_aux_layers)
     config = EagleTrainConfig(
@@ -29,7 +29,7 @@ def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
         epochs=args.epochs,
         lr=args.lr,
         seed=args.seed,
-        bf16=args.train_dtype == "bf16",
+        bf16=training_in_bf16(args.train_dtype),
     )
     result = train_eagle(run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint)
     save_eagle(result.head, run.out, verifier=args.model)

@@ -15,7 +15,7 @@ import argparse
 def run_heads_training(args: argparse.Namespace, tasks: list[str], kind: str) -> int:
     from specdecode.heads.medusa import save_heads
     from specdecode.train.common import report_training
-    from specdecode.train.features import collect
+    from specdecode.train.features import collect, training_in_bf16
     from specdecode.train.medusa import HeadsTrainConfig, train_heads
 
     # No intermediate layers: the heads read the final hidden state only.
@@ -27,7 +27,7 @@ def run_heads_training(args: argparse.Namespace, tasks: list[str], kind: str) ->
         epochs=args.epochs,
         lr=args.lr,
         seed=args.seed,
-        bf16=args.train_dtype == "bf16",
+        bf16=training_in_bf16(args.train_dtype),
     )
     result = train_heads(run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint)
     save_heads(result.heads, run.out, verifier=args.model)
