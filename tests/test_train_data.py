@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import hf_greedy
+from specdecode.models.quantized_layers import bf16_matmul_supported
 from specdecode.train import data
 from specdecode.train.eagle import Features, compute_features, make_windows
 from specdecode.train.features import feature_dtype, training_in_bf16
@@ -65,7 +66,7 @@ def test_windows_keep_bf16_features_once_and_batches_read_them_in_fp32(tiny_targ
 def test_feature_dtype_choices():
     assert feature_dtype("fp32") == torch.float32
     assert feature_dtype("bf16") == torch.bfloat16
-    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native = bf16_matmul_supported()
     assert feature_dtype("auto") == (torch.bfloat16 if native else torch.float32)
     assert training_in_bf16("auto") == native and not training_in_bf16("fp32") and training_in_bf16("bf16")
 

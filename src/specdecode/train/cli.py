@@ -94,28 +94,26 @@ def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> Non
     command.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
     command.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
     command.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
-    command.add_argument(
-        "--feature-dtype",
-        choices=("auto", "fp32", "bf16"),
-        default="auto",
-        help="precision of the target while it writes the data and its features (auto: bf16 where the CPU "
-        "multiplies bf16 natively, else fp32)",
-    )
+    _add_precision_flag(command, "--feature-dtype", "the target while it writes the data and its features")
     command.add_argument(
         "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help=f"VocabTrim: the {what} vocabulary (0: all)"
     )
     command.add_argument("--epochs", type=int, default=4)
     command.add_argument("--lr", type=float, default=1e-3)
-    command.add_argument(
-        "--train-dtype",
-        choices=("auto", "fp32", "bf16"),
-        default="auto",
-        help="precision of training's matmuls (bf16: autocast, weights and optimiser stay fp32; auto: bf16 where "
-        "the CPU multiplies bf16 natively, else fp32)",
-    )
+    _add_precision_flag(command, "--train-dtype", "training's matmuls (bf16 by autocast: weights stay fp32)")
     command.add_argument("--seed", type=int, default=0)
     command.add_argument(
         "--out", help=f"the {what} directory (default: next to the cached model, where the drafter looks)"
+    )
+
+
+def _add_precision_flag(command: argparse.ArgumentParser, flag: str, of_what: str) -> None:
+    """A precision choice read by :func:`specdecode.train.features.feature_dtype`."""
+    command.add_argument(
+        flag,
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help=f"precision of {of_what} (auto: bf16 where the CPU multiplies bf16 natively, else fp32)",
     )
 
 

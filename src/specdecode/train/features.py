@@ -32,12 +32,14 @@ if TYPE_CHECKING:
 def feature_dtype(choice: str) -> torch.dtype:
     """The target's precision while it writes the training data (``auto``, ``fp32`` or ``bf16``).
 
-    ``auto`` takes bf16 where oneDNN multiplies it natively (AVX-512 BF16 or AMX): SmolLM2's prefill ran
-    at 2,400 tokens/s there against 750 in fp32.  The head trained on bf16 features still drafts for the
-    fp32 target: a feature's rounding is far below what one layer's approximation of thirty gets wrong,
-    and the target verifies every draft either way."""
+    ``auto`` takes bf16 where oneDNN multiplies it (``bf16_matmul_supported``, as the bf16 target does):
+    SmolLM2's prefill ran at 2,400 tokens/s with AMX against 750 in fp32.  The head trained on bf16
+    features still drafts for the fp32 target: a feature's rounding is far below what one layer's
+    approximation of thirty gets wrong, and the target verifies every draft either way."""
     if choice == "auto":
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        from specdecode.models.quantized_layers import bf16_matmul_supported
+
+        return torch.bfloat16 if bf16_matmul_supported() else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
 
 
@@ -154,5 +156,4 @@ def collect(
     writer = target if dtype == target.backend.dtype else load_model(args.model, dtype=dtype)
     work = work_dir(out)
     features = target_features(writer, args, tasks, work, aux_layers(target.backend.num_layers))
-    del writer
     return Collected(out, target, features, work / "checkpoint.pt", time.perf_counter() - started)
