@@ -52,7 +52,7 @@ def test_drafts_are_the_draft_models_own_in_fewer_forwards(tiny_target, tiny_dra
 def test_it_reads_the_context_and_reports_its_prompt_prefill_as_setup(tiny_target, tiny_draft):
     """Like ``draft-model``, so that ``auto`` prices its reading of a prompt and keeps it out of the per-token cost."""
     drafter = create_drafter("hsd", tiny_target, draft_model=tiny_draft)
-    assert drafter.reads_context and 0 < drafter.context_cost < 1
+    assert drafter.reads_context and 0 < drafter.reading_cost() < 5
     seconds = drafter.draft_token_seconds()  # a draft model's token, timed once: what a first draft is priced at
     assert 0 < seconds < 1 and drafter.draft_token_seconds() == seconds
     prompt = PROMPT * 4

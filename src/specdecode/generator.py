@@ -92,7 +92,7 @@ class SpeculativeGenerator:
                 spec,
                 curve,
                 reads_context=drafter.reads_context,
-                context_cost=drafter.reading_cost() if spec == "auto" else drafter.context_cost,
+                context_cost=drafter.reading_cost() if spec == "auto" else None,
                 draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
                 prior_acceptance=drafter.prior_acceptance,
             )

@@ -71,8 +71,8 @@ class CostModelLength(DraftLengthPolicy):
     A drafter that reads the context (a draft model) must first read the prompt, at a cost that can exceed
     all its drafts save: ``qwen2.5-coder-0.5b`` reading a 295-token prompt took 2.0 s on a 2-core AVX2 CPU,
     the 64 tokens after it 5.4 s, and its drafts saved at most a fifth of those.  So before such a
-    drafter's first draft of a sequence, its reading is priced (``context_cost``, the drafter's forward
-    against the target's, times the target's own prefill of the prompt: :meth:`begin`) against the
+    drafter's first draft of a sequence, its reading is priced (``context_cost``: its timed reading of a
+    prompt against the target's prefill of it, times the target's prefill of this prompt, :meth:`begin`) against the
     expected saving over the tokens still to come (at most ``ANSWER_HORIZON``), and a sequence where it
     would not pay back is decoded without drafting — after one plain step, which times the target's
     one-token forward that prices the saving.  The estimate is learnt across requests from what each
@@ -246,8 +246,8 @@ class CostModelLength(DraftLengthPolicy):
         if self.declined or self.scale.weight == 0.0:
             return False  # before any step is timed, a plain one prices the target's forward
         # Until the drafter's tokens are timed by this policy (its cost fit is then zero), each is priced at what
-        # the drafter timed, or else at context_cost of the target's forward: a weight count, which overprices
-        # a quantized draft model's token beside a fp32 target (its bytes, not its multiplies, set its time).
+        # the drafter timed, or else at its reading's share of the target's forward (a token and a reading cost alike
+        # only roughly: a quantized draft model's token is dearer, relative to the target's, than its prefill).
         if self.draft_cost.count:
             token_s = 0.0
         elif self.draft_token_s is not None:

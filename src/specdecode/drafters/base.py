@@ -122,10 +122,6 @@ class Drafter(ABC):
     #: True if the drafter runs a model of its own over the context (its first draft also reads the prompt):
     #: the draft-length policy drafts it shallow until a draft token's cost is timed, from the first step.
     reads_context: ClassVar[bool] = False
-    #: For a drafter that reads the context: the cost of its forward against the target's (a draft model's
-    #: weights multiplied per token over the target's): the price of its reading of a prompt before it drafts at
-    #: all, unless it times that reading (``reading_cost``).  None: unknown, never weighed.
-    context_cost: float | None = None
     #: The share of its tokens the target is expected to accept before any is verified: ``auto`` weighs a cold
     #: request's first drafts (and a draft model's reading of the prompt) with it.  None: the policy's default.
     prior_acceptance: float | None = None
@@ -139,13 +135,13 @@ class Drafter(ABC):
     def draft_token_seconds(self) -> float | None:
         """For a drafter that reads the context: the seconds of one draft token, which ``auto`` prices its first
         draft of a prompt at (it weighs the reading of the prompt against what drafting will save); None where
-        unknown (the token is then priced at ``context_cost`` of a target forward)."""
+        unknown (the token is then priced at the reading's share of a target forward)."""
         return None
 
     def reading_cost(self) -> float | None:
         """For a drafter that reads the context: its reading of a prompt in seconds per second of the target's prefill
-        of it, which ``auto`` weighs against what a cold request's drafts will save; by default ``context_cost``."""
-        return self.context_cost
+        of it, which ``auto`` weighs against what a cold request's drafts will save; None: unknown, never weighed."""
+        return None
 
     @abstractmethod
     def session(self, request: DraftRequest) -> DraftSession:

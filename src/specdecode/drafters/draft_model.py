@@ -93,12 +93,6 @@ def loaded_draft(draft_model: str | LoadedModel, target: LoadedModel, *, trains:
     return load_model(draft_model, device=device, quantize=quantize)
 
 
-def forward_cost_ratio(draft: CausalLM, target: CausalLM) -> float | None:
-    """A draft model's forward against the target's, by the weights each multiplies per token (None: unknown)."""
-    draft_weights, target_weights = draft.matmul_weights(), target.matmul_weights()
-    return draft_weights / target_weights if draft_weights and target_weights else None
-
-
 #: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
 DEFAULT_VOCAB_MAPPING = "text"
 #: :meth:`DraftModelDrafter.draft_token_seconds` times this many one-token forwards (the first warms the
@@ -189,7 +183,6 @@ class DraftModelDrafter(Drafter):
         if self.adapter is not None:
             self.draft = self.adapter.draft
         self.draft.backend.prepare_drafting()
-        self.context_cost = forward_cost_ratio(self.draft.backend, target.backend)
         # Another vocabulary: cross_vocab.py translates both ways, by the mapping named or the default one.
         if vocab_mapping is None:
             try:

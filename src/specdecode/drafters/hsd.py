@@ -46,7 +46,6 @@ from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.draft_model import (
     choose_draft_token,
-    forward_cost_ratio,
     loaded_draft,
     time_draft_token,
     time_reading,
@@ -206,7 +205,6 @@ class HierarchicalDrafter(Drafter):
         self.draft = loaded_draft(draft_model, target)
         check_same_vocabulary(target, self.draft)
         self.draft.backend.prepare_drafting()
-        self.context_cost = forward_cost_ratio(self.draft.backend, target.backend)
         # The lower levels draft for the draft model: built for it, as if it were the target.
         chosen = LOWER_LEVELS if names[0] == "auto" else (names[0],)
         self.lowers = {name: create_drafter(name, self.draft) for name in chosen}

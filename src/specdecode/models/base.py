@@ -150,11 +150,6 @@ class CausalLM(ABC):
         """Build what :meth:`draft_logits` needs before its first call, so that no draft token is timed with a
         one-off setup in it (a drafter prices its tokens by their time).  Default: nothing to build."""
 
-    def matmul_weights(self) -> int | None:
-        """Weights the forward multiplies per token (every linear layer, the LM head included), or None if
-        unknown: two models' ratio is roughly the ratio of their forwards' costs."""
-        return None
-
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary position embedding by halves (transformers' ``rotate_half`` convention), as Llama-shaped

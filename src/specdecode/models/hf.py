@@ -31,7 +31,6 @@ from specdecode.models.base import (
     SequenceInput,
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
-from specdecode.models.fastpath import PackedLinear
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_calls
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
@@ -93,10 +92,6 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
 
     def prepare_drafting(self) -> None:
         self._draft_step  # noqa: B018 - building it is the point
-
-    def matmul_weights(self) -> int:
-        layers = (m for m in self.model.modules() if isinstance(m, nn.Linear | PackedLinear | QuantizedLinear))
-        return sum(layer.in_features * layer.out_features for layer in layers)
 
     @cached_property
     def _draft_step(self) -> DraftStep | None:
