@@ -21,23 +21,42 @@ class RunningMean:
 
 
 @dataclass
+class ShareWithPrior:
+    """How often something succeeds (a draft token is accepted), from the successes and trials seen, blended
+    with a prior share worth ``weight`` trials, so that little evidence moves the estimate little.
+
+    ``add`` may discount the evidence so far first (``discount`` < 1: recent steps count more)."""
+
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def add(self, successes: float, trials: float, discount: float = 1.0) -> None:
+        self.successes = discount * self.successes + successes
+        self.trials = discount * self.trials + trials
+
+    def estimate(self, prior: float, weight: float) -> float:
+        return (self.successes + weight * prior) / (self.trials + weight)
+
+
+@dataclass
 class ConfidenceBins:
     """Online acceptance rate of draft tokens by the confidence their drafter gave them, in ``bins`` equal
-    bins.  Before any evidence a confidence c is taken at its word: the bin's centre, worth ``prior_weight``
-    observations."""
+    bins.  A confidence c is blended with its bin's evidence as a prior worth ``prior_weight`` tokens, so
+    that a drafter not observed yet is taken at its word; ``discount`` < 1 lets recent tokens count more."""
 
     bins: int = 10
     prior_weight: float = 2.0
-    rates: list[RunningMean] = field(init=False)
+    discount: float = 0.98
+    shares: list[ShareWithPrior] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rates = [RunningMean((i + 0.5) / self.bins, weight=self.prior_weight) for i in range(self.bins)]
+        self.shares = [ShareWithPrior() for _ in range(self.bins)]
 
     def __call__(self, confidence: float) -> float:
-        return self.rates[self._bin(confidence)].value
+        return self.shares[self._bin(confidence)].estimate(confidence, self.prior_weight)
 
     def add(self, confidence: float, accepted: bool) -> None:
-        self.rates[self._bin(confidence)].add(1.0 if accepted else 0.0)
+        self.shares[self._bin(confidence)].add(1.0 if accepted else 0.0, 1.0, self.discount)
 
     def _bin(self, confidence: float) -> int:
         return min(max(int(confidence * self.bins), 0), self.bins - 1)
@@ -82,21 +101,3 @@ class LinearFit:
     def __call__(self, x: float) -> float:
         fixed, slope = self.coefficients()
         return fixed + slope * x
-
-
-@dataclass
-class ShareWithPrior:
-    """How often something succeeds (a draft token is accepted), from the successes and trials seen, blended
-    with a prior share worth ``weight`` trials, so that little evidence moves the estimate little.
-
-    ``add`` may discount the evidence so far first (``discount`` < 1: recent steps count more)."""
-
-    successes: float = 0.0
-    trials: float = 0.0
-
-    def add(self, successes: float, trials: float, discount: float = 1.0) -> None:
-        self.successes = discount * self.successes + successes
-        self.trials = discount * self.trials + trials
-
-    def estimate(self, prior: float, weight: float) -> float:
-        return (self.successes + weight * prior) / (self.trials + weight)

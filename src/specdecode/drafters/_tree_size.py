@@ -11,7 +11,7 @@ target's measured cost of the verification forward — possibly none, when no no
 from __future__ import annotations
 
 from specdecode.errors import SpecDecodeError
-from specdecode.estimators import ShareWithPrior
+from specdecode.estimators import ConfidenceBins
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import cost_at, relative_cost_curve
 from specdecode.types import Draft
@@ -24,24 +24,23 @@ class Calibration:
     """How often a drafted node is accepted given that its parent was, by the draft's confidence in it and
     its depth (a head's deeper guesses are worse calibrated than its first).
 
-    Learned online from every verified tree, shared by a drafter's sessions: per depth and bin of
-    confidence, the accepted share of the tried nodes, blended with the confidence itself as a prior worth
-    ``PRIOR`` observations, so that an unobserved drafter is taken at its word."""
+    Learned online from every verified tree, shared by a drafter's sessions: per depth, the accepted share
+    of the tried nodes by confidence (:class:`ConfidenceBins`, all evidence kept), with the confidence itself
+    as a prior worth ``PRIOR`` nodes, so that an unobserved drafter is taken at its word."""
 
-    BINS = 10
     DEPTHS = 8  # depths beyond share the last table
     PRIOR = 4.0
 
     def __init__(self) -> None:
-        self.cells = [[ShareWithPrior() for _ in range(self.BINS)] for _ in range(self.DEPTHS)]
+        self.depths = [ConfidenceBins(prior_weight=self.PRIOR, discount=1.0) for _ in range(self.DEPTHS)]
 
-    def _cell(self, confidence: float, depth: int) -> ShareWithPrior:
-        return self.cells[min(max(depth, 1), self.DEPTHS) - 1][min(int(confidence * self.BINS), self.BINS - 1)]
+    def _table(self, depth: int) -> ConfidenceBins:
+        return self.depths[min(max(depth, 1), self.DEPTHS) - 1]
 
     def __call__(self, confidence: float, depth: int) -> float:
         """The estimated chance that a node ``depth`` deep drafted with ``confidence`` is accepted, given
         that its parent was."""
-        return self._cell(confidence, depth).estimate(confidence, self.PRIOR)
+        return self._table(depth)(confidence)
 
     def learn(self, draft: Draft, path: tuple[int, ...]) -> None:
         """Every node whose parent was accepted (or is the context) was tried: accepted iff on the path."""
@@ -52,7 +51,7 @@ class Calibration:
         for node, parent in enumerate(draft.parent_list):
             depths.append(depths[parent] + 1 if parent >= 0 else 1)
             if parent in reached:
-                self._cell(draft.confidence[node], depths[node]).add(1.0 if node in reached else 0.0, 1.0)
+                self._table(depths[node]).add(draft.confidence[node], node in reached)
 
 
 class TreeBudget:
