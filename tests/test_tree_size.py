@@ -87,3 +87,22 @@ def test_model_free_trees_shrink_once_verification_rejects_their_confident_nodes
     for _ in range(20):  # the target took none of them
         trees.learn(StepFeedback(draft=siblings, path=(), target_logits=None))
     assert len(trees.choose(siblings).tokens) < 3
+
+
+def test_only_nodes_the_budget_would_verify_are_grown():
+    """Children are never likelier than their parent: growing a node the budget leaves out is wasted."""
+    budget = TreeBudget(None, "auto", draft_share=0.05, curve=CURVE)
+    scores = [0.9, 0.8, 0.6, 0.3, 0.01, 0.01]  # the budget verifies the first four
+    assert budget.worth_expanding(scores, [1, 2, 3, 4, 5], top_k=2) == [1, 2]
+    assert budget.worth_expanding(scores, [4, 5], top_k=2) == []
+    assert budget.worth_expanding([0.02, 0.01], [0, 1], top_k=4) == []  # nothing pays
+
+
+def test_the_best_subtree_keeps_parents_before_children_and_drops_what_does_not_pay():
+    budget = TreeBudget(None, 3, draft_share=0.05, curve=CURVE)
+    # Node 2 (child of 0) outscores node 1 (a sibling of 0); node 3 (child of 2) misses the three best.
+    draft = budget.best_subtree(
+        tokens=[10, 11, 12, 13], parents=[-1, -1, 0, 2], scores=[0.9, 0.3, 0.5, 0.2], confidence=[0.9, 0.3, 0.55, 0.4]
+    )
+    assert draft.tokens == [10, 11, 12] and draft.parent_list == [-1, -1, 0]
+    assert draft.confidence == [0.9, 0.3, 0.55]

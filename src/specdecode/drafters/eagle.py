@@ -7,8 +7,8 @@ forward; it reads the features the target computed while verifying, which the en
 
 Per step: the positions verified last step are fed to the head with their true features, in one call;
 its last output predicts the first draft token.  Greedy requests then grow an EAGLE-2 tree: at each depth
-the ``top_k`` open nodes most likely to be accepted are expanded (one head call per depth, each node seeing
-its ancestors only), each into its ``top_k`` likeliest tokens; at the end the best nodes of the whole tree
+the ``top_k`` open nodes most likely to be accepted are expanded, of those the budget would verify (one head
+call per depth, each node seeing its ancestors only), each into its ``top_k`` likeliest tokens; at the end the best nodes of the whole tree
 are verified (a parent is always at least as likely as its children, so they form a tree): ``tree_nodes``
 of them, or by default as many as pay for their verification cost.  "Likely" is the product of the head's
 probabilities along the path, each calibrated online against what verification accepted (EAGLE-2 uses
@@ -42,9 +42,6 @@ HEAD_DIR = "eagle-head"
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
 #: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
 DRAFT_SHARE = 0.3
-#: A tree grows one more level only while its likeliest open path has at least this probability: a head
-#: call costs a few percent of a target forward, and a path this unlikely rarely repays it.
-MIN_EXPAND_PROBABILITY = 0.05
 
 
 @register_drafter("eagle")
@@ -98,7 +95,6 @@ class _Node:
     parent: int  # index in the tree's node list, -1 for children of the context
     score: float  # calibrated probability that verification accepts the whole path to this node
     confidence: float  # draft probability given the parent
-    depth: int
     source: torch.Tensor  # [H] the head output that predicted this token (its input feature when expanded)
     slot: int = -1  # head cache position once expanded
 
@@ -187,21 +183,15 @@ class EagleSession(DraftSession):
         top_k = self.drafter.top_k
         nodes: list[_Node] = []
         frontier = self._children(root[None], [-1], nodes, depth=1)
+        budget = self.drafter.budget
         for depth in range(1, max_depth):
-            expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
-            if nodes[expand[0]].score < MIN_EXPAND_PROBABILITY:
-                break  # no path this deep is likely enough to pay for another head call
+            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
+            if not expand:
+                break  # no node the budget would verify: its children would not be verified either
             outputs = self._expand(expand, nodes, length + depth - 1)
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
-        # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
-        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].depth))
-        best = ranked[: self.drafter.budget.size([nodes[i].score for i in ranked])]
-        order = sorted(best, key=lambda i: (nodes[i].depth, -nodes[i].score))
-        index_of = {old: new for new, old in enumerate(order)}
-        return Draft(
-            tokens=[nodes[i].token for i in order],
-            parents=[index_of[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order],
-            confidence=[nodes[i].confidence for i in order],
+        return budget.best_subtree(
+            [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes], [n.confidence for n in nodes]
         )
 
     def _children(self, hidden: torch.Tensor, parents: list[int], nodes: list[_Node], depth: int) -> list[int]:
@@ -215,7 +205,7 @@ class EagleSession(DraftSession):
             base = nodes[parent].score if parent >= 0 else 1.0
             for logprob, token in zip(logprobs[row].tolist(), tokens[row]):
                 confidence = math.exp(logprob)
-                nodes.append(_Node(token, parent, base * calibrated(confidence, depth), confidence, depth, hidden[row]))
+                nodes.append(_Node(token, parent, base * calibrated(confidence, depth), confidence, hidden[row]))
         return list(range(start, len(nodes)))
 
     def _expand(self, expand: list[int], nodes: list[_Node], position: int) -> torch.Tensor:

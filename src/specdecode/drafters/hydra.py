@@ -61,19 +61,15 @@ class HydraSession(HeadsSession):
         top_k = self.drafter.top_k
         nodes: list[_Node] = []
         frontier = self._children([-1], [[]], [1.0], 0, nodes)
+        budget = self.drafter.budget
         for k in range(1, depth):
-            expand = sorted(frontier, key=lambda i: nodes[i].score, reverse=True)[:top_k]
+            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
+            if not expand:
+                break  # no node the budget would verify: its children would not be verified either
             paths = [nodes[i].path for i in expand]
             frontier = self._children(expand, paths, [nodes[i].score for i in expand], k, nodes)
-        # The best nodes overall; on equal scores the shallower first, so every parent comes in before its child.
-        ranked = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, len(nodes[i].path)))
-        best = ranked[: self.drafter.budget.size([nodes[i].score for i in ranked])]
-        order = sorted(best, key=lambda i: (len(nodes[i].path), -nodes[i].score))
-        index_of = {old: new for new, old in enumerate(order)}
-        return Draft(
-            tokens=[nodes[i].token for i in order],
-            parents=[index_of[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order],
-            confidence=[nodes[i].confidence for i in order],
+        return budget.best_subtree(
+            [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes], [n.confidence for n in nodes]
         )
 
     def _children(
