@@ -136,8 +136,9 @@ def add_eagle_command(methods: argparse._SubParsersAction) -> None:
         "eagle", help="the EAGLE-3 draft head of the eagle drafter (one layer over the target's features)"
     )
     _add_head_training_flags(eagle, "head's")
-    eagle.add_argument("--ttt-steps", type=int, default=4, help="drafting steps unrolled in training")
-    eagle.set_defaults(run=cmd_train_eagle)
+    eagle.add_argument("--ttt-steps", type=int, default=3, help="drafting steps unrolled in training")
+    # 3 epochs: SmolLM2-135M's head then trains in under 30 minutes on a 2-core AMX Xeon, data included.
+    eagle.set_defaults(run=cmd_train_eagle, epochs=3)
 
 
 def cmd_train_eagle(args: argparse.Namespace) -> int:
