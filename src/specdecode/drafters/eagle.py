@@ -5,17 +5,17 @@ features, training-time test).  The head (:mod:`specdecode.heads.eagle`) costs a
 forward; it reads the features the target computed while verifying, which the engine hands over
 (``hidden_layers``), so nothing runs twice.
 
-Per step: the positions verified last step are fed to the head with their true features, in one call;
-its last output predicts the first draft token.  Greedy requests then grow an EAGLE-2 tree: at each depth
-the ``top_k`` open nodes most likely to be accepted are expanded, of those the budget would verify (one head
-call per depth, each node seeing its ancestors only), each into its ``top_k`` likeliest tokens; at the end the best nodes of the whole tree
-are verified (a parent is always at least as likely as its children, so they form a tree): ``tree_nodes``
-of them, or by default as many as pay for their verification cost.  "Likely" is the product of the head's
-probabilities along the path, each calibrated online against what verification accepted (EAGLE-2 uses
-them raw; a head trained on a CPU budget is overconfident).  Sampled requests draft a chain sampled from
-the head's distribution (returned with the draft, so rejection sampling stays exact); so do greedy ones
-with ``tree_nodes=0``.  Tokens outside the head's draft vocabulary are never drafted, which cannot change
-the output.
+Per step: the positions verified last step are fed to the head with their true features, in one call; its
+last output predicts the first draft token. Greedy requests then grow an EAGLE-2 tree: at each depth the
+``top_k`` open nodes most likely to be accepted are expanded, of those the budget would verify (one head
+call per depth, each node seeing its ancestors only), each into its ``top_k`` likeliest tokens; at the end
+the best nodes of the whole tree are verified (a parent is always at least as likely as its children, so
+they form a tree): ``tree_nodes`` of them, or by default as many as pay for their verification cost.
+"Likely" is the product of the head's probabilities along the path, each calibrated online against what
+verification accepted (EAGLE-2 uses them raw; a head trained on a CPU budget is overconfident). Sampled
+requests draft a chain sampled from the head's distribution (returned with the draft, so rejection sampling
+stays exact); so do greedy ones with ``tree_nodes=0``. Tokens outside the head's draft vocabulary are never
+drafted, which cannot change the output.
 """
 
 from __future__ import annotations

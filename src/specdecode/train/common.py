@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +162,9 @@ def fit(
 
     last_save = time.perf_counter()
     model.train()
+    # Under autocast a norm meets bf16 activations with its fp32 weight and takes torch's unfused kernel, saying so
+    # once per run; the norms are a sliver of a batch beside the LM heads, so the warning is only noise to a user.
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     with tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar:
         for epoch in range(done // steps_per_epoch, epochs):
             running, weight = 0.0, 0
