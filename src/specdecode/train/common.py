@@ -164,8 +164,12 @@ def fit(
     model.train()
     # Under autocast a norm meets bf16 activations with its fp32 weight and takes torch's unfused kernel, saying so
     # once per run; the norms are a sliver of a batch beside the LM heads, so the warning is only noise to a user.
-    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
-    with tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar:
+    # Silenced for the loop only: the caller's own warning filters are left as they were.
+    with (
+        warnings.catch_warnings(),
+        tqdm(total=total, initial=done, desc="training", unit="batch", disable=not progress) as bar,
+    ):
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
         for epoch in range(done // steps_per_epoch, epochs):
             running, weight = 0.0, 0
             for position, batch in enumerate(epoch_batches(epoch)):
