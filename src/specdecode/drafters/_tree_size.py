@@ -47,16 +47,20 @@ class Calibration:
         that its parent was."""
         return self._table(depth)(confidence)
 
-    def learn(self, draft: Draft, path: tuple[int, ...]) -> None:
-        """Every node whose parent was accepted (or is the context) was tried: accepted iff on the path."""
-        if draft.confidence is None:
+    def learn(self, draft: Draft, path: tuple[int, ...], confidence: Sequence[float | None] | None = None) -> None:
+        """Every node whose parent was accepted (or is the context) was tried: accepted iff on the path.
+
+        ``confidence``: the confidence each node was scored with (default: the draft's); None for a node that
+        this calibration did not score (another source's node in a tree drafted from two), which it skips."""
+        confidence = draft.confidence if confidence is None else confidence
+        if confidence is None:
             return
         reached = {-1, *path}
         depths: list[int] = []
         for node, parent in enumerate(draft.parent_list):
             depths.append(depths[parent] + 1 if parent >= 0 else 1)
-            if parent in reached:
-                self._table(depths[node]).add(draft.confidence[node], node in reached)
+            if parent in reached and confidence[node] is not None:
+                self._table(depths[node]).add(confidence[node], node in reached)
 
 
 class TreeBudget:
@@ -124,24 +128,32 @@ class TreeBudget:
         candidates = [i for i in frontier if scores[i] >= floor]
         return sorted(candidates, key=lambda i: scores[i], reverse=True)[:top_k]
 
-    def best_subtree(
-        self, tokens: Sequence[int], parents: Sequence[int], scores: Sequence[float], confidence: Sequence[float]
-    ) -> Draft:
-        """The draft of the nodes worth verifying (:meth:`size`) out of a grown tree (``parents``: indices, -1 for
-        the context), as a tree ordered by depth; on equal scores the shallower first, so that every parent comes
-        in before its child."""
+    def best_nodes(self, parents: Sequence[int], scores: Sequence[float]) -> list[int]:
+        """The nodes worth verifying (:meth:`size`) out of a grown tree (``parents``: indices, -1 for the context;
+        a node never scores above its parent), ordered by depth; on equal scores the shallower first, so that
+        every parent comes in before its child."""
         depths: list[int] = []
         for parent in parents:
             depths.append(depths[parent] + 1 if parent >= 0 else 1)
-        ranked = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i]))
+        ranked = sorted(range(len(parents)), key=lambda i: (-scores[i], depths[i]))
         best = ranked[: self.size([scores[i] for i in ranked])]
-        order = sorted(best, key=lambda i: (depths[i], -scores[i]))
-        index_of = {old: new for new, old in enumerate(order)}
-        return Draft(
-            tokens=[tokens[i] for i in order],
-            parents=[index_of[parents[i]] if parents[i] >= 0 else -1 for i in order],
-            confidence=[confidence[i] for i in order],
-        )
+        return sorted(best, key=lambda i: (depths[i], -scores[i]))
+
+    def best_subtree(
+        self, tokens: Sequence[int], parents: Sequence[int], scores: Sequence[float], confidence: Sequence[float]
+    ) -> Draft:
+        """The draft of :meth:`best_nodes`."""
+        return subtree(self.best_nodes(parents, scores), tokens, parents, confidence)
+
+
+def subtree(order: Sequence[int], tokens: Sequence[int], parents: Sequence[int], confidence: Sequence[float]) -> Draft:
+    """The draft of the nodes ``order`` of a tree (each after its parent), re-indexed."""
+    index_of = {old: new for new, old in enumerate(order)}
+    return Draft(
+        tokens=[tokens[i] for i in order],
+        parents=[index_of[parents[i]] if parents[i] >= 0 else -1 for i in order],
+        confidence=[confidence[i] for i in order],
+    )
 
 
 def check_tree_nodes(kind: str, tree_nodes: object) -> int | str:

@@ -16,6 +16,9 @@ verification accepted (EAGLE-2 uses them raw; a head trained on a CPU budget is 
 requests draft a chain sampled from the head's distribution (returned with the draft, so rejection sampling
 stays exact); so do greedy ones with ``tree_nodes=0``. Tokens outside the head's draft vocabulary are never
 drafted, which cannot change the output.
+
+A greedy tree also gets prompt lookup's continuation as one more branch (``lookup``, on by default; see
+:mod:`specdecode.drafters._lookup_graft`): the head guesses, the lookup copies, one forward verifies both.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes
+from specdecode.drafters._lookup_graft import graft_lookup
+from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.files import head_directory
@@ -57,6 +61,7 @@ class EagleDrafter(Drafter):
         head: str | EagleHead | None = None,
         top_k: int = 4,
         tree_nodes: int | str = "auto",
+        lookup: bool | str = True,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
@@ -70,6 +75,8 @@ class EagleDrafter(Drafter):
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
+        self.lookup = flag_option("eagle: lookup", lookup)
+        self.lookup_calibration = Calibration()
 
     @staticmethod
     def _load(target: LoadedModel, head: str | None) -> EagleHead:
@@ -114,13 +121,18 @@ class EagleSession(DraftSession):
         self.committed = 0  # head cache positions holding true pairs (target feature j, token j + 1)
         self.pending: list[torch.Tensor] = []  # target features of the positions after those
         self._last: torch.Tensor | None = None  # the head output at the last committed position
+        # Of the last tree proposed: each node's confidence as the head scored it and as the lookup did (None:
+        # not that source's node), for each source's calibration to learn from its own nodes only.
+        self._scored_by: tuple[list[float | None], list[float | None]] = ([], [])
 
     def observe_prompt(self, hidden: torch.Tensor) -> None:
         self.pending.append(hidden)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         if not feedback.draft.is_chain:
-            self.drafter.calibration.learn(feedback.draft, feedback.path)
+            by_head, by_lookup = (scored[: len(feedback.draft.tokens)] for scored in self._scored_by)
+            self.drafter.calibration.learn(feedback.draft, feedback.path, by_head)
+            self.drafter.lookup_calibration.learn(feedback.draft, feedback.path, by_lookup)
         if feedback.target_hidden is not None:
             self.pending.append(feedback.target_hidden[feedback.accepted_rows])
 
@@ -130,7 +142,7 @@ class EagleSession(DraftSession):
         if root is None or max_tokens <= 0:
             return Draft(tokens=[])
         if self.sampling.greedy and self.drafter.budget.drafts_trees:
-            return self._tree(root, len(context), max_tokens)
+            return self._tree(root, context, max_tokens)
         return self._chain(root, len(context), max_tokens)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor | None:
@@ -179,8 +191,8 @@ class EagleSession(DraftSession):
     def backend_vocab(self) -> int:
         return self.head.config.target_vocab_size
 
-    def _tree(self, root: torch.Tensor, length: int, max_depth: int) -> Draft:
-        top_k = self.drafter.top_k
+    def _tree(self, root: torch.Tensor, context: list[int], max_depth: int) -> Draft:
+        top_k, length = self.drafter.top_k, len(context)
         nodes: list[_Node] = []
         frontier = self._children(root[None], [-1], nodes, depth=1)
         budget = self.drafter.budget
@@ -190,9 +202,16 @@ class EagleSession(DraftSession):
                 break  # no node the budget would verify: its children would not be verified either
             outputs = self._expand(expand, nodes, length + depth - 1)
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
-        return budget.best_subtree(
-            [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes], [n.confidence for n in nodes]
-        )
+        tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
+        grafted: dict[int, float] = {}
+        if self.drafter.lookup:
+            grafted = graft_lookup(context, max_depth, tokens, parents, scores, self.drafter.lookup_calibration)
+        by_head: list[float | None] = [n.confidence for n in nodes] + [None] * (len(tokens) - len(nodes))
+        by_lookup = [grafted.get(node) for node in range(len(tokens))]
+        order = budget.best_nodes(parents, scores)
+        self._scored_by = ([by_head[i] for i in order], [by_lookup[i] for i in order])
+        confidence = [head if head is not None else grafted[i] for i, head in enumerate(by_head)]
+        return subtree(order, tokens, parents, confidence)
 
     def _children(self, hidden: torch.Tensor, parents: list[int], nodes: list[_Node], depth: int) -> list[int]:
         """Add the ``top_k`` likeliest continuations of each parent (its head output a row of ``hidden``

@@ -6,6 +6,8 @@ prompt; matching the last n tokens against everything seen so far finds them for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -65,6 +67,19 @@ def match_confidence(match_length: int) -> float:
     return 0.3 if match_length == 2 else 0.15
 
 
+def prompt_lookup(
+    context: list[int] | np.ndarray, max_tokens: int, ngram_sizes: Sequence[int] = (3, 2, 1)
+) -> tuple[list[int], float]:
+    """Prompt lookup's draft: the continuation of the longest n-gram (``ngram_sizes``, tried in order) that
+    occurred before, and the confidence in each of its tokens ([] and 0.0: no match)."""
+    tokens = np.asarray(context, dtype=np.int64)
+    for ngram in ngram_sizes:
+        continuation, match_length = lookup_continuation(tokens, ngram, max_tokens)
+        if continuation:
+            return continuation, match_confidence(match_length)
+    return [], 0.0
+
+
 @register_drafter("pld")
 class PromptLookupDrafter(Drafter):
     """Prompt lookup: copies what followed the last n tokens earlier in prompt + output (min_ngram..max_ngram).
@@ -83,10 +98,5 @@ class PromptLookupDrafter(Drafter):
         return StatelessSession(self.propose, proposes_first=True)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        tokens = np.asarray(context, dtype=np.int64)
-        for ngram in self.ngram_sizes:
-            continuation, match_length = lookup_continuation(tokens, ngram, max_tokens)
-            if continuation:
-                confidence = match_confidence(match_length)
-                return Draft(tokens=continuation, confidence=[confidence] * len(continuation))
-        return Draft(tokens=[])
+        continuation, confidence = prompt_lookup(context, max_tokens, self.ngram_sizes)
+        return Draft(tokens=continuation, confidence=[confidence] * len(continuation))

@@ -1,0 +1,62 @@
+"""Prompt lookup grafted onto a head's tree: merged where it agrees, a new branch where it does not, scored by
+its own calibration; and through the EAGLE drafter, output unchanged while copies get accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import PROMPTS, hf_greedy, random_eagle_head, run
+from specdecode.drafters import create_drafter
+from specdecode.drafters._lookup_graft import graft_lookup
+from specdecode.drafters._tree_size import Calibration
+from specdecode.drafters.pld import prompt_lookup
+from specdecode.errors import SpecDecodeError
+
+
+def test_the_lookup_joins_the_nodes_it_agrees_with_and_branches_where_it_does_not():
+    # Context ... 7 8 9 ... 7 8: lookup continues 9 1 2 (a 2-gram match).
+    context = [7, 8, 9, 1, 2, 5, 7, 8]
+    continuation, confidence = prompt_lookup(context, 3)
+    assert continuation == [9, 1, 2]
+    # The head's tree: 9 (0.5) and 4 (0.2) at the root, 3 (0.2) under 9.
+    tokens, parents, scores = [9, 4, 3], [-1, -1, 0], [0.5, 0.2, 0.2]
+    calibration = Calibration()
+    grafted = graft_lookup(context, 3, tokens, parents, scores, calibration)
+    assert tokens == [9, 4, 3, 1, 2] and parents == [-1, -1, 0, 0, 3]
+    assert grafted == {0: confidence, 3: confidence, 4: confidence}
+    assert scores[0] == 0.5  # the head's estimate was the better one
+    assert scores[3] == pytest.approx(0.5 * confidence) and scores[4] == pytest.approx(0.5 * confidence**2)
+
+
+def test_a_confident_lookup_raises_the_node_it_shares_and_nothing_is_added_without_a_match():
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8]  # an 8-token match: confidence 0.95
+    tokens, parents, scores = [9], [-1], [0.1]
+    grafted = graft_lookup(context, 1, tokens, parents, scores, Calibration())
+    assert tokens == [9] and scores == [pytest.approx(0.95)] and grafted == {0: 0.95}
+    assert graft_lookup([1, 2, 3], 4, tokens, parents, scores, Calibration()) == {}
+    assert tokens == [9]
+
+
+@pytest.mark.parametrize("lookup", [True, False])
+def test_eagle_with_and_without_lookup_is_plain_greedy(tiny_target, lookup):
+    head = random_eagle_head(tiny_target.backend, 40)
+    drafter = create_drafter("eagle", tiny_target, head=head, lookup=lookup)
+    for prompt in PROMPTS:
+        tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=40, num_draft_tokens="auto")
+        assert tokens == hf_greedy(tiny_target, prompt, 40)
+
+
+def test_the_lookup_gets_an_untrained_heads_tree_accepted_on_repetitive_text(tiny_target):
+    head = random_eagle_head(tiny_target.backend, 40)
+    prompt = [*PROMPTS[0], *PROMPTS[0], *PROMPTS[0]]
+
+    def accepted(lookup: bool) -> int:
+        drafter = create_drafter("eagle", tiny_target, head=head, tree_nodes=10, lookup=lookup)
+        return run(tiny_target, drafter, prompt, max_new_tokens=40, num_draft_tokens=4)[1].stats.accepted_tokens
+
+    assert accepted(True) > accepted(False)
+
+
+def test_the_lookup_option_takes_a_flag(tiny_target):
+    with pytest.raises(SpecDecodeError, match="lookup"):
+        create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), lookup="maybe")
