@@ -60,3 +60,25 @@ def test_the_lookup_gets_an_untrained_heads_tree_accepted_on_repetitive_text(tin
 def test_the_lookup_option_takes_a_flag(tiny_target):
     with pytest.raises(SpecDecodeError, match="lookup"):
         create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), lookup="maybe")
+
+
+def test_a_node_both_sources_drafted_is_verified_once(tiny_target, trained_head, monkeypatch):
+    from specdecode.drafters.eagle import EagleSession
+
+    drafts = []
+    propose = EagleSession.propose
+
+    def recording(self, context, max_tokens):
+        drafts.append(propose(self, context, max_tokens))
+        return drafts[-1]
+
+    monkeypatch.setattr(EagleSession, "propose", recording)
+    drafter = create_drafter("eagle", tiny_target, head=trained_head, tree_nodes=12)
+    prompt = [*PROMPTS[1], *PROMPTS[1]]
+    tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=40, num_draft_tokens=4)
+    assert tokens == hf_greedy(tiny_target, prompt, 40)
+    trees = [draft for draft in drafts if not draft.is_chain]
+    assert trees
+    for draft in trees:
+        pairs = list(zip(draft.parent_list, draft.tokens))
+        assert len(pairs) == len(set(pairs))

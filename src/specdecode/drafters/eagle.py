@@ -101,8 +101,8 @@ class _Node:
     token: int  # target id
     parent: int  # index in the tree's node list, -1 for children of the context
     score: float  # calibrated probability that verification accepts the whole path to this node
-    confidence: float  # draft probability given the parent
-    source: torch.Tensor  # [H] the head output that predicted this token (its input feature when expanded)
+    confidence: float | None  # the head's probability of it given the parent (None: only the lookup drafted it)
+    source: torch.Tensor | None  # [H] the head output that predicted this token (its input feature when expanded)
     slot: int = -1  # head cache position once expanded
 
 
@@ -195,6 +195,8 @@ class EagleSession(DraftSession):
         top_k, length = self.drafter.top_k, len(context)
         nodes: list[_Node] = []
         frontier = self._children(root[None], [-1], nodes, depth=1)
+        # Grafted before the head grows its tree, so that the budget weighs the head's nodes against the lookup's.
+        grafted = self._graft(context, max_depth, nodes) if self.drafter.lookup else {}
         budget = self.drafter.budget
         for depth in range(1, max_depth):
             expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
@@ -202,30 +204,44 @@ class EagleSession(DraftSession):
                 break  # no node the budget would verify: its children would not be verified either
             outputs = self._expand(expand, nodes, length + depth - 1)
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
+        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
+        self._scored_by = ([nodes[i].confidence for i in order], [grafted.get(i) for i in order])
+        confidence = [grafted[i] if n.confidence is None else n.confidence for i, n in enumerate(nodes)]
+        return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
+
+    def _graft(self, context: list[int], max_depth: int, nodes: list[_Node]) -> dict[int, float]:
+        """Prompt lookup's continuation into the tree (its nodes the head has not drafted cannot be expanded:
+        the head never predicted them); returns the lookup's nodes with their confidences."""
         tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
-        grafted: dict[int, float] = {}
-        if self.drafter.lookup:
-            grafted = graft_lookup(context, max_depth, tokens, parents, scores, self.drafter.lookup_calibration)
-        by_head: list[float | None] = [n.confidence for n in nodes] + [None] * (len(tokens) - len(nodes))
-        by_lookup = [grafted.get(node) for node in range(len(tokens))]
-        order = budget.best_nodes(parents, scores)
-        self._scored_by = ([by_head[i] for i in order], [by_lookup[i] for i in order])
-        confidence = [head if head is not None else grafted[i] for i, head in enumerate(by_head)]
-        return subtree(order, tokens, parents, confidence)
+        grafted = graft_lookup(context, max_depth, tokens, parents, scores, self.drafter.lookup_calibration)
+        for node, score in zip(nodes, scores):
+            node.score = score
+        for index in range(len(nodes), len(tokens)):
+            nodes.append(_Node(tokens[index], parents[index], scores[index], None, None))
+        return grafted
 
     def _children(self, hidden: torch.Tensor, parents: list[int], nodes: list[_Node], depth: int) -> list[int]:
         """Add the ``top_k`` likeliest continuations of each parent (its head output a row of ``hidden``
         [n, H]; -1: the context), all through one LM head call."""
         logprobs, ids = self._distribution(hidden).topk(self.drafter.top_k, dim=-1)
         tokens = self.drafter.target_ids[ids].tolist()
-        start = len(nodes)
+        known = {(node.parent, node.token): index for index, node in enumerate(nodes)}
         calibrated = self.drafter.calibration
+        added = []
         for row, parent in enumerate(parents):
             base = nodes[parent].score if parent >= 0 else 1.0
             for logprob, token in zip(logprobs[row].tolist(), tokens[row]):
                 confidence = math.exp(logprob)
-                nodes.append(_Node(token, parent, base * calibrated(confidence, depth), confidence, hidden[row]))
-        return list(range(start, len(nodes)))
+                score = base * calibrated(confidence, depth)
+                index = known.get((parent, token))
+                if index is None:  # new
+                    added.append(len(nodes))
+                    nodes.append(_Node(token, parent, score, confidence, hidden[row]))
+                else:  # the lookup drafted it already: now the head has too
+                    node = nodes[index]
+                    node.score, node.confidence, node.source = max(node.score, score), confidence, hidden[row]
+                    added.append(index)
+        return added
 
     def _expand(self, expand: list[int], nodes: list[_Node], position: int) -> torch.Tensor:
         """One head call over nodes of one depth: each is fed (its predictor's output, its token) at
