@@ -4,11 +4,14 @@ its own calibration; and through the EAGLE drafter, output unchanged while copie
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import PROMPTS, hf_greedy, random_eagle_head, run
 from specdecode.drafters import create_drafter
 from specdecode.drafters._lookup_graft import graft_lookup
 from specdecode.drafters._tree_size import Calibration
+from specdecode.drafters.base import DraftRequest
+from specdecode.drafters.eagle import _Node
 from specdecode.drafters.pld import prompt_lookup
 from specdecode.errors import SpecDecodeError
 
@@ -62,23 +65,14 @@ def test_the_lookup_option_takes_a_flag(tiny_target):
         create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), lookup="maybe")
 
 
-def test_a_node_both_sources_drafted_is_verified_once(tiny_target, trained_head, monkeypatch):
-    from specdecode.drafters.eagle import EagleSession
-
-    drafts = []
-    propose = EagleSession.propose
-
-    def recording(self, context, max_tokens):
-        drafts.append(propose(self, context, max_tokens))
-        return drafts[-1]
-
-    monkeypatch.setattr(EagleSession, "propose", recording)
-    drafter = create_drafter("eagle", tiny_target, head=trained_head, tree_nodes=12)
-    prompt = [*PROMPTS[1], *PROMPTS[1]]
-    tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=40, num_draft_tokens=4)
-    assert tokens == hf_greedy(tiny_target, prompt, 40)
-    trees = [draft for draft in drafts if not draft.is_chain]
-    assert trees
-    for draft in trees:
-        pairs = list(zip(draft.parent_list, draft.tokens))
-        assert len(pairs) == len(set(pairs))
+def test_a_token_both_sources_drafted_becomes_one_node_the_head_can_grow(tiny_target):
+    drafter = create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), top_k=3)
+    session = drafter.session(DraftRequest(prompt_ids=tuple(PROMPTS[0])))
+    hidden = torch.randn(1, drafter.head.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    head_top = int(drafter.target_ids[session._distribution(hidden).argmax(-1)])
+    nodes = [_Node(head_top, -1, 0.9, None, None)]  # the lookup's node, drafted before the head's
+    added = session._children(hidden, [-1], nodes, depth=1)
+    assert len(nodes) == 3 and sorted(added) == [0, 1, 2]
+    assert len({node.token for node in nodes}) == 3
+    shared = nodes[0]
+    assert shared.score == 0.9 and shared.confidence is not None and shared.source is not None
