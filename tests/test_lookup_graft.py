@@ -24,20 +24,20 @@ def test_the_lookup_joins_the_nodes_it_agrees_with_and_branches_where_it_does_no
     # The head's tree: 9 (0.5) and 4 (0.2) at the root, 3 (0.2) under 9.
     tokens, parents, scores = [9, 4, 3], [-1, -1, 0], [0.5, 0.2, 0.2]
     calibration = Calibration()
-    grafted = graft_lookup(context, 3, tokens, parents, scores, calibration)
+    grafted = graft_lookup(continuation, confidence, tokens, parents, scores, calibration)
     assert tokens == [9, 4, 3, 1, 2] and parents == [-1, -1, 0, 0, 3]
     assert grafted == {0: confidence, 3: confidence, 4: confidence}
     assert scores[0] == 0.5  # the head's estimate was the better one
     assert scores[3] == pytest.approx(0.5 * confidence) and scores[4] == pytest.approx(0.5 * confidence**2)
 
 
-def test_a_confident_lookup_raises_the_node_it_shares_and_nothing_is_added_without_a_match():
+def test_a_confident_lookup_raises_the_node_it_shares_and_no_match_adds_nothing():
     context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8]  # an 8-token match: confidence 0.95
     tokens, parents, scores = [9], [-1], [0.1]
-    grafted = graft_lookup(context, 1, tokens, parents, scores, Calibration())
+    grafted = graft_lookup(*prompt_lookup(context, 1), tokens, parents, scores, Calibration())
     assert tokens == [9] and scores == [pytest.approx(0.95)] and grafted == {0: 0.95}
-    assert graft_lookup([1, 2, 3], 4, tokens, parents, scores, Calibration()) == {}
-    assert tokens == [9]
+    assert prompt_lookup([1, 2, 3], 4) == ([], 0.0)
+    assert graft_lookup([], 0.0, tokens, parents, scores, Calibration()) == {} and tokens == [9]
 
 
 @pytest.mark.parametrize("lookup", [True, False])
@@ -76,3 +76,22 @@ def test_a_token_both_sources_drafted_becomes_one_node_the_head_can_grow(tiny_ta
     assert len({node.token for node in nodes}) == 3
     shared = nodes[0]
     assert shared.score == 0.9 and shared.confidence is not None and shared.source is not None
+
+
+def test_a_confident_lookup_is_drafted_alone_and_the_head_catches_up_later(tiny_target, monkeypatch):
+    from specdecode.drafters.eagle import EagleSession
+
+    drafts = []
+    propose = EagleSession.propose
+
+    def recording(self, context, max_tokens):
+        drafts.append(propose(self, context, max_tokens))
+        return drafts[-1]
+
+    monkeypatch.setattr(EagleSession, "propose", recording)
+    drafter = create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), tree_nodes=10)
+    prompt = [*range(3, 23), *range(3, 13)]  # the last 10 tokens occurred before: a long match
+    tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=30, num_draft_tokens=4)
+    assert tokens == hf_greedy(tiny_target, prompt, 30)
+    assert drafts[0].is_chain and drafts[0].tokens == [13, 14, 15, 16]  # the copy alone
+    assert any(not draft.is_chain for draft in drafts)  # the head drafted again once the copy ran out

@@ -13,24 +13,23 @@ scan of the context, and output cannot change: the target verifies every node.
 from __future__ import annotations
 
 from specdecode.drafters._tree_size import Calibration
-from specdecode.drafters.pld import prompt_lookup
 
 
 def graft_lookup(
-    context: list[int],
-    max_depth: int,
+    continuation: list[int],
+    confidence: float,
     tokens: list[int],
     parents: list[int],
     scores: list[float],
     calibration: Calibration,
 ) -> dict[int, float]:
-    """Add prompt lookup's continuation of ``context`` (at most ``max_depth`` tokens) to a tree given as lists
-    (``parents``: indices, -1 for the context; ``scores``: estimated chance that verification reaches each node,
-    never above the parent's), in place: a node the tree already has keeps the better of its two scores, a new
-    one is appended.  The lookup's nodes are scored by ``calibration`` of its confidence per depth.
+    """Add prompt lookup's ``continuation`` (:func:`~specdecode.drafters.pld.prompt_lookup`, drafted with
+    ``confidence``) to a tree given as lists (``parents``: indices, -1 for the context; ``scores``: estimated chance
+    that verification reaches each node, never above the parent's), in place: a node the tree already has keeps
+    the better of its two scores, a new one is appended.  The lookup's nodes are scored by ``calibration`` of
+    its confidence per depth.
 
     Returns the lookup's nodes, each with the confidence it was drafted with, for ``calibration`` to learn."""
-    continuation, confidence = prompt_lookup(context, max_depth)
     child = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
     grafted: dict[int, float] = {}
     parent, score = -1, 1.0
