@@ -162,9 +162,12 @@ class EagleSession(DraftSession):
         return self._chain(root, len(context), max_tokens)
 
     def _copy(self, tokens: list[int], confidence: float) -> Draft:
-        """Prompt lookup's continuation alone; the head catches up on the features later, in one call."""
+        """Prompt lookup's continuation alone; the head catches up on the features later, in one call.
+
+        Its confidence stays with the lookup's calibration, off the draft: the draft-length policy would trim the
+        chain at what the head's tokens cost it, and a copy costs next to nothing per token."""
         self._scored_by = ([None] * len(tokens), [confidence] * len(tokens))
-        return Draft(tokens, confidence=[confidence] * len(tokens))
+        return Draft(tokens)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor | None:
         """Feed every position whose target feature is now known (all but the last context token) and
