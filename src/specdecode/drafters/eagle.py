@@ -19,7 +19,7 @@ drafted, which cannot change the output.
 
 A greedy tree also gets prompt lookup's continuation as one more branch (``lookup``, on by default; see
 :mod:`specdecode.drafters._lookup_graft`): the head guesses, the lookup copies, one forward verifies both.  A
-lookup likely enough to be right (``COPY_ALONE``) is drafted alone, as SAM-Decoding does with a long match.
+lookup likely enough to be right is drafted alone, as SAM-Decoding does with a long match.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._lookup_graft import graft_lookup
+from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources, copy_draft
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
-from specdecode.drafters.pld import prompt_lookup
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.files import head_directory
@@ -48,11 +47,6 @@ HEAD_DIR = "eagle-head"
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
 #: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
 DRAFT_SHARE = 0.3
-#: A lookup whose first token is at least this likely to be accepted (calibrated) is drafted alone, without the
-#: head: its alternatives would be tried only in the remaining cases and are accepted well under half the time
-#: (the head's first guess about 40%), so they would add under 0.1 tokens a step, while the head's catching up,
-#: first call and tree cost ~10% of a step (SmolLM2's quick suite), worth about 0.25 of the ~2.5 tokens a step.
-COPY_ALONE = 0.75
 
 
 @register_drafter("eagle")
@@ -82,8 +76,7 @@ class EagleDrafter(Drafter):
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
-        self.lookup = flag_option("eagle: lookup", lookup)
-        self.lookup_calibration = Calibration()
+        self.lookup = LookupBranch("eagle", lookup)
 
     @staticmethod
     def _load(target: LoadedModel, head: str | None) -> EagleHead:
@@ -128,46 +121,32 @@ class EagleSession(DraftSession):
         self.committed = 0  # head cache positions holding true pairs (target feature j, token j + 1)
         self.pending: list[torch.Tensor] = []  # target features of the positions after those
         self._last: torch.Tensor | None = None  # the head output at the last committed position
-        # Of the last tree proposed: each node's confidence as the head scored it and as the lookup did (None:
-        # not that source's node), for each source's calibration to learn from its own nodes only.
-        self._scored_by: tuple[list[float | None], list[float | None]] = ([], [])
+        self.sources = NodeSources()  # of the last greedy draft
 
     def observe_prompt(self, hidden: torch.Tensor) -> None:
         self.pending.append(hidden)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        by_head, by_lookup = (scored[: len(feedback.draft.tokens)] for scored in self._scored_by)
-        if by_head:  # a greedy tree or copy, each of its sources scored by a calibration of its own
-            self.drafter.calibration.learn(feedback.draft, feedback.path, by_head)
-            self.drafter.lookup_calibration.learn(feedback.draft, feedback.path, by_lookup)
+        self.sources.learn(feedback, self.drafter.calibration, self.drafter.lookup.calibration)
         if feedback.target_hidden is not None:
             self.pending.append(feedback.target_hidden[feedback.accepted_rows])
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self._scored_by = ([], [])
+        self.sources = NodeSources()
         if max_tokens <= 0:
             return Draft(tokens=[])
         tree = self.sampling.greedy and self.drafter.budget.drafts_trees
-        copy: tuple[list[int], float] = ([], 0.0)
-        if tree and self.drafter.lookup:
-            copy = prompt_lookup(context, max_tokens)
-            if copy[0] and self.drafter.lookup_calibration(copy[1], 1) >= COPY_ALONE:
-                return self._copy(*copy)
+        copy = self.drafter.lookup.copy(context, max_tokens) if tree else Copy()
+        if self.drafter.lookup.alone(copy):  # the head catches up on the features later, in one call
+            self.sources = NodeSources.of_copy(copy)
+            return copy_draft(copy)
         root = self._catch_up(context)
         if root is None:
             return Draft(tokens=[])
         if tree:
             return self._tree(root, context, max_tokens, copy)
         return self._chain(root, len(context), max_tokens)
-
-    def _copy(self, tokens: list[int], confidence: float) -> Draft:
-        """Prompt lookup's continuation alone; the head catches up on the features later, in one call.
-
-        Its confidence stays with the lookup's calibration, off the draft: the draft-length policy would trim the
-        chain at what the head's tokens cost it, and a copy costs next to nothing per token."""
-        self._scored_by = ([None] * len(tokens), [confidence] * len(tokens))
-        return Draft(tokens)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor | None:
         """Feed every position whose target feature is now known (all but the last context token) and
@@ -215,12 +194,12 @@ class EagleSession(DraftSession):
     def backend_vocab(self) -> int:
         return self.head.config.target_vocab_size
 
-    def _tree(self, root: torch.Tensor, context: list[int], max_depth: int, copy: tuple[list[int], float]) -> Draft:
+    def _tree(self, root: torch.Tensor, context: list[int], max_depth: int, copy: Copy) -> Draft:
         top_k, length = self.drafter.top_k, len(context)
         nodes: list[_Node] = []
         frontier = self._children(root[None], [-1], nodes, depth=1)
         # Grafted before the head grows its tree, so that the budget weighs the head's nodes against the lookup's.
-        grafted = self._graft(*copy, nodes)
+        grafted = self._graft(copy, nodes)
         budget = self.drafter.budget
         for depth in range(1, max_depth):
             expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
@@ -229,16 +208,14 @@ class EagleSession(DraftSession):
             outputs = self._expand(expand, nodes, length + depth - 1)
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
         order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
-        self._scored_by = ([nodes[i].confidence for i in order], [grafted.get(i) for i in order])
-        confidence = [grafted[i] if n.confidence is None else n.confidence for i, n in enumerate(nodes)]
+        self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
         return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
 
-    def _graft(self, continuation: list[int], confidence: float, nodes: list[_Node]) -> dict[int, float]:
+    def _graft(self, copy: Copy, nodes: list[_Node]) -> dict[int, float]:
         """Prompt lookup's continuation into the tree (its nodes the head has not drafted cannot be expanded:
         the head never predicted them); returns the lookup's nodes with their confidences."""
         tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
-        calibration = self.drafter.lookup_calibration
-        grafted = graft_lookup(continuation, confidence, tokens, parents, scores, calibration)
+        grafted = self.drafter.lookup.graft(copy, tokens, parents, scores)
         for node, score in zip(nodes, scores):
             node.score = score
         for index in range(len(nodes), len(tokens)):
