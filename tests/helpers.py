@@ -329,6 +329,14 @@ def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
     return head
 
 
+def random_heads(backend, kind: str, draft_vocab: int, seed: int = 0, num_heads: int = 4):
+    """Untrained Medusa or Hydra heads for ``backend`` drafting ``draft_vocab`` random token ids."""
+    from specdecode.heads.medusa import heads_for_target
+
+    torch.manual_seed(seed)
+    return heads_for_target(backend, kind, num_heads, torch.randperm(backend.vocab_size)[:draft_vocab])
+
+
 def assert_head_drafter_samples_exactly(
     model: BigramFeatures, table: torch.Tensor, drafter, draws: int = DRAWS
 ) -> None:

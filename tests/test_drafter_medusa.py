@@ -18,6 +18,7 @@ from helpers import (
     assert_head_drafter_samples_exactly,
     assert_one_line_error,
     hf_greedy,
+    random_heads,
     run,
 )
 from specdecode.batch_engine import BatchEngine, BatchRequest
@@ -26,18 +27,13 @@ from specdecode.draft_length import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import DraftRequest
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
+from specdecode.heads.medusa import DraftHeads, HeadsConfig, load_heads, save_heads
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.train.cli import add_train_command
 from specdecode.train.eagle import compute_features
 from specdecode.train.medusa import HeadsTrainConfig, train_heads
 
 KINDS = ("medusa", "hydra")
-
-
-def random_heads(backend, kind: str, draft_vocab: int, seed: int = 0, num_heads: int = 4) -> DraftHeads:
-    torch.manual_seed(seed)
-    return heads_for_target(backend, kind, num_heads, torch.randperm(backend.vocab_size)[:draft_vocab])
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +93,7 @@ def test_training_reports_acceptance_per_head(tiny_target, features):
 
 def test_medusa_tree_is_the_best_paths_of_the_heads_top_k(tiny_target, trained):
     """Medusa's tree: exactly the ``tree_nodes`` best paths of the heads' top-k product, parents first."""
-    drafter = create_drafter("medusa", tiny_target, heads=trained["medusa"], tree_nodes=9, top_k=3)
+    drafter = create_drafter("medusa", tiny_target, heads=trained["medusa"], tree_nodes=9, top_k=3, lookup=False)
     context = PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 6)
     session = drafter.session(DraftRequest(tuple(PROMPTS[0])))
     backend = tiny_target.backend

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import PROMPTS, hf_greedy, random_eagle_head, run
+from helpers import PROMPTS, hf_greedy, random_eagle_head, random_heads, run
 from specdecode.drafters import create_drafter
 from specdecode.drafters._lookup_graft import graft_lookup
 from specdecode.drafters._tree_size import Calibration
@@ -14,6 +14,8 @@ from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.eagle import _Node
 from specdecode.drafters.pld import prompt_lookup
 from specdecode.errors import SpecDecodeError
+
+KINDS = ("eagle", "medusa", "hydra")
 
 
 def test_the_lookup_joins_the_nodes_it_agrees_with_and_branches_where_it_does_not():
@@ -40,29 +42,26 @@ def test_a_confident_lookup_raises_the_node_it_shares_and_no_match_adds_nothing(
     assert graft_lookup([], 0.0, tokens, parents, scores, Calibration()) == {} and tokens == [9]
 
 
+def untrained(kind: str, target):
+    """An untrained drafter of ``kind``'s own head(s)."""
+    if kind == "eagle":
+        return {"head": random_eagle_head(target.backend, 40)}
+    return {"heads": random_heads(target.backend, kind, 40)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("lookup", [True, False])
-def test_eagle_with_and_without_lookup_is_plain_greedy(tiny_target, lookup):
-    head = random_eagle_head(tiny_target.backend, 40)
-    drafter = create_drafter("eagle", tiny_target, head=head, lookup=lookup)
-    for prompt in PROMPTS:
+def test_tree_drafters_with_and_without_lookup_are_plain_greedy(tiny_target, kind, lookup):
+    drafter = create_drafter(kind, tiny_target, lookup=lookup, **untrained(kind, tiny_target))
+    for prompt in [*PROMPTS, [*PROMPTS[0], *PROMPTS[0]]]:
         tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=40, num_draft_tokens="auto")
         assert tokens == hf_greedy(tiny_target, prompt, 40)
 
 
-def test_the_lookup_gets_an_untrained_heads_tree_accepted_on_repetitive_text(tiny_target):
-    head = random_eagle_head(tiny_target.backend, 40)
-    prompt = [*PROMPTS[0], *PROMPTS[0], *PROMPTS[0]]
-
-    def accepted(lookup: bool) -> int:
-        drafter = create_drafter("eagle", tiny_target, head=head, tree_nodes=10, lookup=lookup)
-        return run(tiny_target, drafter, prompt, max_new_tokens=40, num_draft_tokens=4)[1].stats.accepted_tokens
-
-    assert accepted(True) > accepted(False)
-
-
-def test_the_lookup_option_takes_a_flag(tiny_target):
-    with pytest.raises(SpecDecodeError, match="lookup"):
-        create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), lookup="maybe")
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_lookup_option_takes_a_flag(tiny_target, kind):
+    with pytest.raises(SpecDecodeError, match=f"{kind}: lookup"):
+        create_drafter(kind, tiny_target, lookup="maybe", **untrained(kind, tiny_target))
 
 
 def test_a_token_both_sources_drafted_becomes_one_node_the_head_can_grow(tiny_target):
@@ -78,20 +77,42 @@ def test_a_token_both_sources_drafted_becomes_one_node_the_head_can_grow(tiny_ta
     assert shared.score == 0.9 and shared.confidence is not None and shared.source is not None
 
 
-def test_a_confident_lookup_is_drafted_alone_and_the_head_catches_up_later(tiny_target, monkeypatch):
-    from specdecode.drafters.eagle import EagleSession
-
+def recorded_drafts(drafter, monkeypatch) -> list:
+    """Every draft ``drafter``'s sessions will propose, in order."""
     drafts = []
-    propose = EagleSession.propose
+    session_class = type(drafter.session(DraftRequest(prompt_ids=(1,))))
+    propose = session_class.propose
 
     def recording(self, context, max_tokens):
         drafts.append(propose(self, context, max_tokens))
         return drafts[-1]
 
-    monkeypatch.setattr(EagleSession, "propose", recording)
-    drafter = create_drafter("eagle", tiny_target, head=random_eagle_head(tiny_target.backend, 40), tree_nodes=10)
+    monkeypatch.setattr(session_class, "propose", recording)
+    return drafts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_confident_lookup_is_drafted_alone_and_the_head_catches_up_later(tiny_target, monkeypatch, kind):
+    drafter = create_drafter(kind, tiny_target, tree_nodes=10, **untrained(kind, tiny_target))
+    drafts = recorded_drafts(drafter, monkeypatch)
     prompt = [*range(3, 23), *range(3, 13)]  # the last 10 tokens occurred before: a long match
     tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=30, num_draft_tokens=4)
     assert tokens == hf_greedy(tiny_target, prompt, 30)
     assert drafts[0].is_chain and drafts[0].tokens == [13, 14, 15, 16]  # the copy alone
     assert any(not draft.is_chain for draft in drafts)  # the head drafted again once the copy ran out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_unsure_lookup_is_a_branch_of_the_heads_tree(tiny_target, monkeypatch, kind):
+    drafter = create_drafter(kind, tiny_target, tree_nodes=10, **untrained(kind, tiny_target))
+    drafts = recorded_drafts(drafter, monkeypatch)
+    prompt = [5, 6, 7, 8, 9, 5]  # a one-token match: lookup drafts 6 7 8 9, sure of none
+    tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=8, num_draft_tokens=4)
+    assert tokens == hf_greedy(tiny_target, prompt, 8)
+    first = drafts[0]
+    assert not first.is_chain
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(first.tokens, first.parent_list):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    assert (6,) in paths  # the lookup's branch (its deeper nodes score 0.15 ** depth), beside the head's guesses
+    assert any(path[0] != 6 for path in paths)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes
+from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.errors import SpecDecodeError
 from specdecode.types import Draft
 
@@ -101,8 +101,9 @@ def test_only_nodes_the_budget_would_verify_are_grown():
 def test_the_best_subtree_keeps_parents_before_children_and_drops_what_does_not_pay():
     budget = TreeBudget(None, 3, draft_share=0.05, curve=CURVE)
     # Node 2 (child of 0) outscores node 1 (a sibling of 0); node 3 (child of 2) misses the three best.
-    draft = budget.best_subtree(
-        tokens=[10, 11, 12, 13], parents=[-1, -1, 0, 2], scores=[0.9, 0.3, 0.5, 0.2], confidence=[0.9, 0.3, 0.55, 0.4]
-    )
+    parents = [-1, -1, 0, 2]
+    order = budget.best_nodes(parents, scores=[0.9, 0.3, 0.5, 0.2])
+    assert order == [0, 1, 2]
+    draft = subtree(order, tokens=[10, 11, 12, 13], parents=parents, confidence=[0.9, 0.3, 0.55, 0.4])
     assert draft.tokens == [10, 11, 12] and draft.parent_list == [-1, -1, 0]
     assert draft.confidence == [0.9, 0.3, 0.55]

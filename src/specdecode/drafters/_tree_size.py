@@ -139,12 +139,6 @@ class TreeBudget:
         best = ranked[: self.size([scores[i] for i in ranked])]
         return sorted(best, key=lambda i: (depths[i], -scores[i]))
 
-    def best_subtree(
-        self, tokens: Sequence[int], parents: Sequence[int], scores: Sequence[float], confidence: Sequence[float]
-    ) -> Draft:
-        """The draft of :meth:`best_nodes`."""
-        return subtree(self.best_nodes(parents, scores), tokens, parents, confidence)
-
 
 def subtree(order: Sequence[int], tokens: Sequence[int], parents: Sequence[int], confidence: Sequence[float]) -> Draft:
     """The draft of the nodes ``order`` of a tree (each after its parent), re-indexed."""

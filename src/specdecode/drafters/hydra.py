@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._lookup_graft import Copy, NodeSources
+from specdecode.drafters._tree_size import subtree
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.medusa import HeadsSession, MedusaDrafter
 from specdecode.types import Draft
@@ -42,7 +44,7 @@ class _Node:
     token: int  # target id
     parent: int  # index in the tree's node list, -1 for children of the context
     score: float  # calibrated probability that verification accepts the whole path to this node
-    confidence: float  # draft probability given the parent
+    confidence: float | None  # the heads' probability of it given the parent (None: only the lookup drafted it)
     path: list[int]  # draft tokens from the root to this node, itself included
 
 
@@ -57,10 +59,12 @@ class HydraSession(HeadsSession):
         hidden = self.last.expand(len(paths), -1)
         return self.heads.logits(self.heads.head(k, hidden, embeds))
 
-    def _tree(self, depth: int) -> Draft:
+    def _tree(self, depth: int, copy: Copy) -> Draft:
         top_k = self.drafter.top_k
         nodes: list[_Node] = []
         frontier = self._children([-1], [[]], [1.0], 0, nodes)
+        # Grafted before the heads grow the tree, so that the budget weighs their nodes against the lookup's.
+        grafted = self._graft(copy, nodes)
         budget = self.drafter.budget
         for k in range(1, depth):
             expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
@@ -68,20 +72,39 @@ class HydraSession(HeadsSession):
                 break  # no node the budget would verify: its children would not be verified either
             paths = [nodes[i].path for i in expand]
             frontier = self._children(expand, paths, [nodes[i].score for i in expand], k, nodes)
-        return budget.best_subtree(
-            [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes], [n.confidence for n in nodes]
-        )
+        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
+        self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
+        return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
+
+    def _graft(self, copy: Copy, nodes: list[_Node]) -> dict[int, float]:
+        """Prompt lookup's continuation into the tree; returns the lookup's nodes with their confidences."""
+        tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
+        grafted = self.drafter.lookup.graft(copy, tokens, parents, scores)
+        for node, score in zip(nodes, scores):
+            node.score = score
+        for index in range(len(nodes), len(tokens)):
+            path = [*(nodes[parents[index]].path if parents[index] >= 0 else []), tokens[index]]
+            nodes.append(_Node(tokens[index], parents[index], scores[index], None, path))
+        return grafted
 
     def _children(
         self, parents: list[int], paths: list[list[int]], scores: list[float], k: int, nodes: list[_Node]
     ) -> list[int]:
         """Head ``k`` after each path (one batched call): each parent's ``top_k`` likeliest continuations."""
         logprobs, ids = torch.log_softmax(self._head_logits(k, paths), dim=-1).topk(self.drafter.top_k, dim=-1)
-        start = len(nodes)
+        known = {(node.parent, node.token): index for index, node in enumerate(nodes)}
         calibrated = self.drafter.calibration
+        added = []
         for parent, path, score, row, row_ids in zip(
             parents, paths, scores, logprobs.exp().tolist(), self.drafter.target_ids[ids].tolist()
         ):
             for prob, token in zip(row, row_ids):
-                nodes.append(_Node(token, parent, score * calibrated(prob, k + 1), prob, [*path, token]))
-        return list(range(start, len(nodes)))
+                index = known.get((parent, token))
+                if index is None:  # new
+                    added.append(len(nodes))
+                    nodes.append(_Node(token, parent, score * calibrated(prob, k + 1), prob, [*path, token]))
+                else:  # the lookup drafted it already: now the heads have too
+                    node = nodes[index]
+                    node.score, node.confidence = max(node.score, score * calibrated(prob, k + 1)), prob
+                    added.append(index)
+        return added

@@ -29,7 +29,8 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes
+from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources, copy_draft
+from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
@@ -59,6 +60,7 @@ class MedusaDrafter(Drafter):
         heads: str | DraftHeads | None = None,
         top_k: int = 4,
         tree_nodes: int | str = "auto",
+        lookup: bool | str = True,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, f"drafter {self.kind!r}")
@@ -74,6 +76,7 @@ class MedusaDrafter(Drafter):
         self.top_k = min(top_k, self.heads.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
+        self.lookup = LookupBranch(self.kind, lookup)
 
     @classmethod
     def _load(cls, target: LoadedModel, heads: str | None) -> DraftHeads:
@@ -117,25 +120,31 @@ class HeadsSession(DraftSession):
         self.generator = request.torch_generator()
         self.known = 0  # positions whose final hidden state the session has been given
         self.last: torch.Tensor | None = None  # [H] the final hidden state of position known - 1
+        self.sources = NodeSources()  # of the last greedy draft
 
     def observe_prompt(self, hidden: torch.Tensor) -> None:
         self.last, self.known = hidden[-1], hidden.shape[0]
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        if not feedback.draft.is_chain:
-            self.drafter.calibration.learn(feedback.draft, feedback.path)
+        self.sources.learn(feedback, self.drafter.calibration, self.drafter.lookup.calibration)
         if feedback.target_hidden is not None:
             rows = feedback.target_hidden[feedback.accepted_rows]
             self.last, self.known = rows[-1], self.known + rows.shape[0]
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_tokens: int) -> Draft:
+        self.sources = NodeSources()
+        tree = self.sampling.greedy and self.drafter.budget.drafts_trees
+        copy = self.drafter.lookup.copy(context, max_tokens) if tree and max_tokens > 0 else Copy()
+        if self.drafter.lookup.alone(copy):
+            self.sources = NodeSources.of_copy(copy)
+            return copy_draft(copy)
         depth = min(max_tokens, self.heads.config.num_heads)
         if self.last is None or depth <= 0 or self.known != len(context) - 1:
             return Draft(tokens=[])  # no feature of the position before the last token: nothing to draft from
         self._start(context, depth)
-        if self.sampling.greedy and self.drafter.budget.drafts_trees:
-            return self._tree(depth)
+        if tree:
+            return self._tree(depth, copy)
         return self._chain(depth)
 
     def _start(self, context: list[int], depth: int) -> None:
@@ -146,8 +155,8 @@ class HeadsSession(DraftSession):
         """Head ``k``'s draft-vocabulary logits [len(paths), draft_vocab] after each path of k draft tokens."""
 
     @abstractmethod
-    def _tree(self, depth: int) -> Draft:
-        """A greedy request's draft tree, at most ``depth`` deep."""
+    def _tree(self, depth: int, copy: Copy) -> Draft:
+        """A greedy request's draft tree, the heads' nodes at most ``depth`` deep, with ``copy`` grafted on."""
 
     def _chain(self, depth: int) -> Draft:
         tokens: list[int] = []
@@ -180,9 +189,10 @@ class MedusaSession(HeadsSession):
     def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
         return self.logits[k].expand(len(paths), -1)
 
-    def _tree(self, depth: int) -> Draft:
+    def _tree(self, depth: int, copy: Copy) -> Draft:
         """The best paths of the heads' top-k Cartesian product, best first: a node enters when popped, and
-        only then are its children (the next head's top-k) candidates; the budget keeps the first ones."""
+        only then are its children (the next head's top-k) candidates; with the lookup grafted on, the budget
+        keeps the best nodes."""
         logprobs, ids = torch.log_softmax(self.logits, dim=-1).topk(self.drafter.top_k, dim=-1)
         probs, tokens = logprobs.exp().tolist(), self.drafter.target_ids[ids].tolist()
         calibrated = self.drafter.calibration
@@ -206,5 +216,9 @@ class MedusaSession(HeadsSession):
                 for child, score in enumerate(scores[level]):
                     heapq.heappush(heap, (negative * score, level + 1, counter, index, child))
                     counter += 1
-        keep = self.drafter.budget.size(path_scores)  # popped best first, so every kept node's parent is kept
-        return Draft(tokens=out_tokens[:keep], parents=parents[:keep], confidence=confidence[:keep])
+        head: list[float | None] = [*confidence]
+        grafted = self.drafter.lookup.graft(copy, out_tokens, parents, path_scores)
+        order = self.drafter.budget.best_nodes(parents, path_scores)
+        head += [None] * (len(out_tokens) - len(head))
+        self.sources, confidence = NodeSources.of_tree(order, head, grafted)
+        return subtree(order, out_tokens, parents, confidence)
