@@ -72,7 +72,7 @@ def test_greedy_output_is_plain_greedy_for_any_heads(tiny_target, trained, kind,
 @pytest.mark.parametrize("kind", KINDS)
 def test_trained_heads_get_more_drafts_accepted(tiny_target, trained, kind):
     def accepted(heads: DraftHeads, tree_nodes: int) -> int:
-        drafter = create_drafter(kind, tiny_target, heads=heads, tree_nodes=tree_nodes)
+        drafter = create_drafter(kind, tiny_target, heads=heads, tree_nodes=tree_nodes, lookup=False)
         return sum(
             run(tiny_target, drafter, p, max_new_tokens=24, num_draft_tokens=4)[1].stats.accepted_tokens
             for p in PROMPTS[:2]
