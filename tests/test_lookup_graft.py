@@ -1,5 +1,6 @@
-"""Prompt lookup grafted onto a head's tree: merged where it agrees, a new branch where it does not, scored by
-its own calibration; and through the EAGLE drafter, output unchanged while copies get accepted."""
+"""Prompt lookup grafted onto a head's tree: merged where it agrees, a new branch where it does not, scored and
+learned by a calibration of its own; and through the EAGLE, Medusa and Hydra drafters, output unchanged, a sure
+copy drafted alone and an unsure one as a branch."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import torch
 
 from helpers import PROMPTS, hf_greedy, random_eagle_head, random_heads, run
 from specdecode.drafters import create_drafter
-from specdecode.drafters._lookup_graft import graft_lookup
+from specdecode.drafters._lookup_graft import NodeSources, graft_lookup
 from specdecode.drafters._tree_size import Calibration
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.eagle import _Node
 from specdecode.drafters.pld import prompt_lookup
 from specdecode.errors import SpecDecodeError
+from specdecode.types import Draft, StepFeedback
 
 KINDS = ("eagle", "medusa", "hydra")
 
@@ -42,8 +44,21 @@ def test_a_confident_lookup_raises_the_node_it_shares_and_no_match_adds_nothing(
     assert graft_lookup([], 0.0, tokens, parents, scores, Calibration()) == {} and tokens == [9]
 
 
+def test_each_source_learns_from_its_own_nodes_only():
+    # Nodes: 0 the head's alone, 1 both sources', 2 the lookup's alone (a child of 1). Verification accepted 1 and 2.
+    sources, confidence = NodeSources.of_tree([0, 1, 2], [0.6, 0.3, None], {1: 0.55, 2: 0.55})
+    assert confidence == [0.6, 0.3, 0.55]
+    draft = Draft(tokens=[4, 5, 6], parents=[-1, -1, 1], confidence=confidence)
+    head, lookup = Calibration(), Calibration()
+    for _ in range(40):
+        sources.learn(StepFeedback(draft, (1, 2), torch.empty(0)), head, lookup)
+    assert head(0.6, 1) < 0.1 and head(0.3, 1) > 0.9  # node 0 always rejected, node 1 accepted
+    assert head(0.55, 2) == pytest.approx(0.55)  # node 2 was not the head's: nothing learned at depth 2
+    assert lookup(0.55, 1) > 0.9 and lookup(0.55, 2) > 0.9  # the lookup's nodes 1 and 2, both accepted
+
+
 def untrained(kind: str, target):
-    """An untrained drafter of ``kind``'s own head(s)."""
+    """The options of a ``kind`` drafter with untrained head(s)."""
     if kind == "eagle":
         return {"head": random_eagle_head(target.backend, 40)}
     return {"heads": random_heads(target.backend, kind, 40)}
