@@ -84,7 +84,7 @@ def test_a_token_both_sources_drafted_becomes_one_node_the_head_can_grow(tiny_ta
     session = drafter.session(DraftRequest(prompt_ids=tuple(PROMPTS[0])))
     hidden = torch.randn(1, drafter.head.config.hidden_size, generator=torch.Generator().manual_seed(0))
     head_top = int(drafter.target_ids[session._distribution(hidden).argmax(-1)])
-    nodes = [_Node(head_top, -1, 0.9, None, None)]  # the lookup's node, drafted before the head's
+    nodes = [_Node(head_top, -1, 0.9)]  # the lookup's node, drafted before the head's
     added = session._children(hidden, [-1], nodes, depth=1)
     assert len(nodes) == 3 and sorted(added) == [0, 1, 2]
     assert len({node.token for node in nodes}) == 3

@@ -13,7 +13,9 @@ and output cannot change: the target verifies every node.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from specdecode.drafters._tree_size import Calibration
 from specdecode.drafters.base import flag_option
@@ -25,6 +27,17 @@ from specdecode.types import Draft, StepFeedback
 #: (EAGLE's first guess about 40%), so they would add under 0.1 tokens a step, while the head's catching up,
 #: first call and tree cost ~10% of a step (SmolLM2's quick suite), worth about 0.25 of the ~2.5 tokens a step.
 COPY_ALONE = 0.75
+
+
+class TreeNode(Protocol):
+    """A node of a drafter's growing tree: its token, its parent's index (-1: the context), its path score."""
+
+    token: int
+    parent: int
+    score: float
+
+
+N = TypeVar("N", bound=TreeNode)
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,16 @@ class LookupBranch:
 
     def graft(self, copy: Copy, tokens: list[int], parents: list[int], scores: list[float]) -> dict[int, float]:
         return graft_lookup(copy.tokens, copy.confidence, tokens, parents, scores, self.calibration)
+
+    def graft_nodes(self, copy: Copy, nodes: list[N], new_node: Callable[[int, int, float], N]) -> dict[int, float]:
+        """:meth:`graft` onto a tree of node objects, in place: shared nodes get their new scores, and each new
+        node is ``new_node(token, parent, score)`` (a node only the lookup drafted)."""
+        tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
+        grafted = self.graft(copy, tokens, parents, scores)
+        for node, score in zip(nodes, scores):
+            node.score = score
+        nodes.extend(new_node(*new) for new in zip(tokens[len(nodes) :], parents[len(nodes) :], scores[len(nodes) :]))
+        return grafted
 
 
 @dataclass

@@ -101,8 +101,8 @@ class _Node:
     token: int  # target id
     parent: int  # index in the tree's node list, -1 for children of the context
     score: float  # calibrated probability that verification accepts the whole path to this node
-    confidence: float | None  # the head's probability of it given the parent (None: only the lookup drafted it)
-    source: torch.Tensor | None  # [H] the head output that predicted this token (its input feature when expanded)
+    confidence: float | None = None  # the head's probability of it given the parent (None: only the lookup drafted it)
+    source: torch.Tensor | None = None  # [H] the head output that predicted it (its input feature when expanded)
     slot: int = -1  # head cache position once expanded
 
 
@@ -199,7 +199,8 @@ class EagleSession(DraftSession):
         nodes: list[_Node] = []
         frontier = self._children(root[None], [-1], nodes, depth=1)
         # Grafted before the head grows its tree, so that the budget weighs the head's nodes against the lookup's.
-        grafted = self._graft(copy, nodes)
+        # The lookup's own nodes cannot be expanded: the head never predicted them.
+        grafted = self.drafter.lookup.graft_nodes(copy, nodes, _Node)
         budget = self.drafter.budget
         for depth in range(1, max_depth):
             expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
@@ -210,17 +211,6 @@ class EagleSession(DraftSession):
         order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
         self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
         return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
-
-    def _graft(self, copy: Copy, nodes: list[_Node]) -> dict[int, float]:
-        """Prompt lookup's continuation into the tree (its nodes the head has not drafted cannot be expanded:
-        the head never predicted them); returns the lookup's nodes with their confidences."""
-        tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
-        grafted = self.drafter.lookup.graft(copy, tokens, parents, scores)
-        for node, score in zip(nodes, scores):
-            node.score = score
-        for index in range(len(nodes), len(tokens)):
-            nodes.append(_Node(tokens[index], parents[index], scores[index], None, None))
-        return grafted
 
     def _children(self, hidden: torch.Tensor, parents: list[int], nodes: list[_Node], depth: int) -> list[int]:
         """Add the ``top_k`` likeliest continuations of each parent (its head output a row of ``hidden``

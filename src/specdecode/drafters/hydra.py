@@ -18,6 +18,7 @@ returned with the draft so rejection sampling stays exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -48,6 +49,11 @@ class _Node:
     path: list[int]  # draft tokens from the root to this node, itself included
 
 
+def _lookup_node(nodes: list[_Node], token: int, parent: int, score: float) -> _Node:
+    """A node only the lookup drafted (its path extends its parent's)."""
+    return _Node(token, parent, score, None, [*(nodes[parent].path if parent >= 0 else []), token])
+
+
 class HydraSession(HeadsSession):
     def _start(self, context: list[int], depth: int) -> None:
         self.root = context[-1]
@@ -64,7 +70,7 @@ class HydraSession(HeadsSession):
         nodes: list[_Node] = []
         frontier = self._children([-1], [[]], [1.0], 0, nodes)
         # Grafted before the heads grow the tree, so that the budget weighs their nodes against the lookup's.
-        grafted = self._graft(copy, nodes)
+        grafted = self.drafter.lookup.graft_nodes(copy, nodes, partial(_lookup_node, nodes))
         budget = self.drafter.budget
         for k in range(1, depth):
             expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
@@ -75,17 +81,6 @@ class HydraSession(HeadsSession):
         order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
         self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
         return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
-
-    def _graft(self, copy: Copy, nodes: list[_Node]) -> dict[int, float]:
-        """Prompt lookup's continuation into the tree; returns the lookup's nodes with their confidences."""
-        tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
-        grafted = self.drafter.lookup.graft(copy, tokens, parents, scores)
-        for node, score in zip(nodes, scores):
-            node.score = score
-        for index in range(len(nodes), len(tokens)):
-            path = [*(nodes[parents[index]].path if parents[index] >= 0 else []), tokens[index]]
-            nodes.append(_Node(tokens[index], parents[index], scores[index], None, path))
-        return grafted
 
     def _children(
         self, parents: list[int], paths: list[list[int]], scores: list[float], k: int, nodes: list[_Node]
