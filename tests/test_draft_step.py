@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from helpers import tiny_gemma3, tiny_qwen2
+from specdecode.drafters._vocab import DraftHead
 from specdecode.models.draft_step import DraftStep
 from specdecode.models.loading import load_model
 from specdecode.models.quantize import quantize_model, quantize_supported
@@ -111,3 +112,19 @@ def test_an_empty_pool_is_fed_through_the_modules(tiny_dirs):
     cache = backend.new_cache()
     assert torch.equal(backend.draft_logits(torch.tensor([6]), cache), forward_logits(backend, 6, backend.new_cache()))
     assert cache.length == 1
+
+
+@pytest.mark.parametrize("quantize", ["int4", "none"], ids=["written-out step", "modules"])
+def test_a_vocabtrim_head_replaces_the_lm_head_on_either_route(tiny_dirs, quantize):
+    """Draft logits through a head of some rows are the full logits of those rows, whichever route the
+    step takes (VocabTrim used to leave the written-out step for the modules, and cost more than it saved)."""
+    backend = load_model(str(tiny_dirs["target"]), quantize=quantize).backend
+    rows = torch.tensor([0, 5, 9, 17, 40])
+    head = DraftHead(backend, base=rows).for_prompt([])
+    drafted, reference = backend.new_cache(), backend.new_cache()
+    for cache in (drafted, reference):
+        backend.forward(PROMPT, cache, invariant=False)
+    got = backend.draft_logits(torch.tensor([6]), drafted, head)
+    # The rows' own block may compute in another precision than the quantized head (bf16 activations there).
+    assert torch.allclose(got, forward_logits(backend, 6, reference)[rows], atol=5e-2, rtol=1e-2)
+    assert drafted.length == reference.length

@@ -14,7 +14,7 @@ engine (a drafter driven by hand) the drafter keeps a private copy of that cache
 full-model forwards.
 
 Draft logits come from a VocabTrim head (:class:`~specdecode.drafters._vocab.DraftHead`): the target's
-own LM head restricted to the first ``draft_vocab`` token ids plus the prompt's.  The full head is a large
+own LM head restricted to the ``draft_vocab`` most frequent token ids plus the prompt's.  The full head is a large
 share of a shallow draft (49k rows on SmolLM2, 262k on Gemma 3); the subset costs a few percent of it and
 covers ~97% of generated tokens.
 """

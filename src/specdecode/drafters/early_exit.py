@@ -24,7 +24,7 @@ import math
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
 from specdecode.drafters._self_draft import CostModel, SelfDraftSession, expected_tokens, require_layer_backend, tail
-from specdecode.drafters._vocab import DraftHead
+from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import ShareWithPrior
@@ -77,7 +77,7 @@ class EarlyExitDrafter(Drafter):
         self.prior_weight = prior_weight
         self.costs = CostModel.of(backend, verify_token_cost)
         self.backend = backend
-        self.head = DraftHead(backend, draft_vocab)
+        self.head = DraftHead(backend, draft_vocab, frequent_tokens(target, draft_vocab))
         # Per exit layer, discounted evidence of its per-token acceptance; its prior is its share of the depth.
         self.stats: dict[int, ShareWithPrior] = {}
         self.steps = 0

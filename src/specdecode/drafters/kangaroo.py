@@ -12,8 +12,8 @@ more than the ~0.15 target-forwards a further draft token costs, and below it th
 
 Drafts use the target's LM head restricted to the adapter's vocabulary (the first ``draft_vocab`` ids
 plus every token the full model predicted in the training data, saved with the adapter) and the
-prompt's tokens; any other ``draft_vocab`` than the default uses the first ``draft_vocab`` ids instead
-(0: the full head).
+prompt's tokens; any other ``draft_vocab`` than the default uses the ``draft_vocab`` most frequent ids
+instead (0: the full head).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
 from specdecode.drafters._self_draft import SelfDraftSession, require_layer_backend, tail
-from specdecode.drafters._vocab import DraftHead
+from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.artifacts import trained_artifact_path
@@ -127,7 +127,7 @@ class KangarooDrafter(Drafter):
         self.threshold = threshold
         self.skipped = tail(self.adapter.exit_layer, backend.num_layers)
         # The adapter's own vocabulary, unless a size is asked for explicitly (0: the full head).
-        vocab = self.adapter.vocab if draft_vocab == DEFAULT_DRAFT_VOCAB else None
+        vocab = self.adapter.vocab if draft_vocab == DEFAULT_DRAFT_VOCAB else frequent_tokens(target, draft_vocab)
         self.head = DraftHead(backend, draft_vocab, vocab)
 
     @staticmethod

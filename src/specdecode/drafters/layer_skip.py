@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
 from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require_layer_backend
-from specdecode.drafters._vocab import DraftHead
+from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
@@ -82,7 +82,7 @@ class LayerSkipDrafter(Drafter):
         self.trial_steps = max(1, trial_steps)
         self.seed = seed
         self.costs = CostModel.of(backend, verify_token_cost)
-        self.head = DraftHead(backend, draft_vocab)
+        self.head = DraftHead(backend, draft_vocab, frequent_tokens(target, draft_vocab))
         self.reset()
 
     def reset(self) -> None:

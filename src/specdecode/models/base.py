@@ -140,10 +140,16 @@ class CausalLM(ABC):
         item = SequenceInput(tokens, cache, positions, tree_mask, logits_rows, hidden_layers, invariant)
         return self.forward_batch([item])[0]
 
-    def draft_logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def draft_logits(
+        self, tokens: torch.Tensor, cache: KVCache, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """[vocab] logits after ``tokens`` fed on top of ``cache`` (which grows by as many), for a draft: a
         backend may take a faster route for one token whose last bits differ from :meth:`forward`'s, since
-        the target verifies."""
+        the target verifies.  ``head`` (VocabTrim's rows, on final-normed states) replaces the LM head where
+        the backend has an output stage of its own (:class:`LayerwiseExecution`); the logits are then over
+        its rows."""
+        if head is not None:
+            raise SpecDecodeError(f"{self.name}: drafting through a VocabTrim head needs layer-wise execution")
         return self.forward(tokens, cache, logits_rows=slice(-1, None), invariant=False).logits[0]
 
     def prepare_drafting(self) -> None:  # noqa: B027

@@ -22,6 +22,7 @@ by default); any other model keeps its modules (:func:`build_draft_step` returns
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -123,9 +124,12 @@ class DraftStep:
             )
 
     @torch.inference_mode()
-    def __call__(self, token: int, cache: SlotCache) -> torch.Tensor | None:
-        """[vocab] fp32 logits after ``token`` fed at ``cache.length``, which grows by one; None (nothing done)
-        while the pool holds no layer yet (a forward through the modules creates its storage)."""
+    def __call__(
+        self, token: int, cache: SlotCache, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """[vocab] fp32 logits after ``token`` fed at ``cache.length``, which grows by one, through ``head`` if
+        given (VocabTrim's rows) instead of the LM head; None (nothing done) while the pool holds no layer yet
+        (a forward through the modules creates its storage)."""
         pool, slot, position = cache.pool, cache.slot, cache.length
         if len(pool.layers) != len(self.layers):
             return None
@@ -153,7 +157,7 @@ class DraftStep:
             gate, up = layer.gate_up(normed).split(layer.gate_up.sizes, dim=-1)
             hidden = hidden + _project(layer.down, (F.silu(gate) * up).to(self.input_dtype))
         pool.lengths[slot] = position + 1
-        return self.head(F.rms_norm(hidden, (width,), self.norm, self.eps))[0].float()
+        return (head or self.head)(F.rms_norm(hidden, (width,), self.norm, self.eps))[0].float()
 
 
 def build_draft_step(model: nn.Module, config) -> DraftStep | None:

