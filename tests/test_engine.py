@@ -50,8 +50,8 @@ def test_draft_equal_to_target_accepts_everything(tiny_target):
 
 
 def test_draft_model_with_a_trimmed_vocabulary(tiny_target, tiny_draft):
-    """VocabTrim: drafting over the draft model's first ids (and the prompt's) keeps greedy output exact,
-    and sampling works over the subset."""
+    """VocabTrim: drafting over the draft model's most frequent ids (and the prompt's) keeps greedy output
+    exact, and sampling works over the subset."""
     for prompt in PROMPTS:
         drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, draft_vocab=48)
         tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=32, num_draft_tokens=3)
@@ -59,6 +59,13 @@ def test_draft_model_with_a_trimmed_vocabulary(tiny_target, tiny_draft):
     sampled = SamplingParams(temperature=0.8, seed=3)
     tokens, _ = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=3, sampling=sampled)
     assert len(tokens) == 12
+
+
+def test_draft_model_trims_its_head_by_default_where_the_vocabulary_is_larger(tiny_target, tiny_draft, monkeypatch):
+    assert create_drafter("draft-model", tiny_target, draft_model=tiny_draft).head is None  # 96 ids: nothing to trim
+    monkeypatch.setattr("specdecode.drafters.draft_model.DEFAULT_DRAFT_MODEL_VOCAB", 48)
+    assert len(create_drafter("draft-model", tiny_target, draft_model=tiny_draft).head.base) == 48
+    assert create_drafter("draft-model", tiny_target, draft_model=tiny_draft, draft_vocab=0).head is None
 
 
 def test_plain_decoding_takes_one_step_per_token(tiny_target):
