@@ -8,6 +8,7 @@ import torch
 from specdecode.models import row_attention
 from specdecode.models.row_attention import (
     BUCKET,
+    TreePlan,
     attend_chain_in_buckets,
     bucket_call,
     bucket_end,
@@ -51,3 +52,29 @@ def test_a_kernel_whose_rows_depend_on_their_neighbours_fails_the_probe(monkeypa
     monkeypatch.setattr(row_attention, "bucket_call", leaky)
     monkeypatch.setattr(row_attention, "_PROBED", {})
     assert not buckets_are_row_invariant(2, 4, 16, torch.float32)
+
+
+def test_a_tree_plan_gives_each_node_the_bits_of_its_branch_as_a_lone_chain():
+    """Seven nodes in four paths, the deepest crossing the bucket at 64: one batched call per bucket, every
+    node bitwise the one-token call plain decoding of its branch makes (the branch written after the cache)."""
+    kv_heads, groups, dim, past = 2, 4, 16, 61
+    assert row_attention.batches_are_row_invariant(kv_heads, groups, dim, torch.float32)
+    parents = [-1, 0, 1, 2, 0, -1, 5]  # 0-1-2-3, 0-4, 5-6
+    branches = []
+    for parent in parents:
+        branches.append((branches[parent] if parent >= 0 else []) + [len(branches)])
+    generator = torch.Generator().manual_seed(2)
+    keys, values = (torch.randn(kv_heads, 2 * BUCKET, dim, generator=generator) for _ in range(2))
+    query = torch.randn(kv_heads * groups, len(parents), dim, generator=generator)
+    paths = [(branches[3], 0), (branches[4], 1), (branches[6], 0)]
+    plan = TreePlan(paths, past, groups)
+    assert [call.bucket for call in plan.calls] == [BUCKET, 2 * BUCKET]
+    tree = plan.attend(query, keys, values, None)
+    for node, branch in enumerate(branches):
+        laid_out = [part.clone() for part in (keys, values)]
+        for part, original in zip(laid_out, (keys, values), strict=True):
+            part[:, past : past + len(branch)] = original[:, [past + b for b in branch]]
+        seen = past + len(branch)
+        q = query[:, node].reshape(1, kv_heads, groups, dim)
+        alone = bucket_call(q, laid_out[0][None], laid_out[1][None], [seen], bucket_end(seen - 1), None)
+        assert torch.equal(tree[:, :, node : node + 1], alone.view(1, -1, 1, dim)), f"node {node}"

@@ -36,7 +36,9 @@ from transformers.modeling_utils import AttentionInterface
 from specdecode.models.base import KVCache, KVPool
 from specdecode.models.row_attention import (
     BUCKET,
+    TreePlan,
     attend_chain_in_buckets,
+    batches_are_row_invariant,
     bucket_call,
     bucket_end,
     buckets_are_row_invariant,
@@ -168,20 +170,24 @@ class SequenceSlice:
         assert self.tree_mask is not None, "a chain has no branches"
         return [torch.nonzero(row).flatten() for row in self.tree_mask]
 
-    @cached_property
-    def paths(self) -> list[tuple[torch.Tensor, int]]:
+    def tree_plan(self, groups: int) -> TreePlan:
+        """A tree's batched bucket calls (:class:`TreePlan`), planned on the first layer that asks."""
+        plan = self.__dict__.get("_tree_plan")
+        if plan is None or plan.groups != groups:
+            plan = self.__dict__["_tree_plan"] = TreePlan(self._paths(), self.past, groups)
+        return plan
+
+    def _paths(self) -> list[tuple[list[int], int]]:
         """A tree's root-to-leaf paths (each a leaf's branch), with how many of each path's nodes the paths
-        before it cover: together they cover every node once."""
-        branches = self.branches
-        inner = {int(node) for branch in branches for node in branch[:-1]}
+        before it cover (always a head of the path: covered nodes are closed under ancestors)."""
+        branches = [branch.tolist() for branch in self.branches]
+        inner = {node for branch in branches for node in branch[:-1]}
         covered: set[int] = set()
         out = []
         for leaf, branch in enumerate(branches):
-            if leaf in inner:
-                continue
-            nodes = branch.tolist()
-            out.append((branch, sum(node in covered for node in nodes)))
-            covered.update(nodes)
+            if leaf not in inner:
+                out.append((branch, sum(node in covered for node in branch)))
+                covered.update(branch)
         return out
 
 
@@ -282,8 +288,9 @@ def ragged_attention(
             if bucketed and seq.tree_mask is None:
                 slot = slice(seq.slot, seq.slot + 1)
                 outputs.append(attend_chain_in_buckets(query, key[slot], value[slot], seq.rows, seq.past, scaling))
-            elif bucketed:
-                outputs.append(_attend_tree_by_paths(query, key, value, seq, scaling))
+            elif bucketed and batches_are_row_invariant(kv_heads, groups, dim, query.dtype):
+                plan = seq.tree_plan(groups)
+                outputs.append(plan.attend(query[0, :, seq.rows], key[seq.slot], value[seq.slot], scaling))
             else:
                 outputs.append(_attend_row_by_row(query, key, value, seq, scaling, sliding_window, bucketed))
             continue
@@ -299,30 +306,6 @@ def ragged_attention(
         outputs.append(out.view(1, heads, n, dim))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
-
-
-def _attend_tree_by_paths(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq: SequenceSlice, scaling: float | None
-) -> torch.Tensor:
-    """A tree's new tokens attended path by path, each bitwise as plain decoding of its branch would: one
-    root-to-leaf path at a time is written into the columns after the cache, and its nodes no earlier path
-    covered (always the path's tail: the covered nodes are closed under ancestors) attend as a chain in
-    buckets.  One call per path where row by row made one per node: a 16-node EAGLE tree of bf16 SmolLM2
-    spent 28% of its step in attention row by row.  Returns [1, heads, n, d]."""
-    slot, past, n = seq.slot, seq.past, seq.new
-    new_columns = slice(past, past + n)
-    tree_keys, tree_values = key[slot, :, new_columns].clone(), value[slot, :, new_columns].clone()
-    out = query.new_empty(1, query.shape[1], n, query.shape[3])
-    for path, covered in seq.paths:
-        end = past + len(path)
-        key[slot, :, past:end], value[slot, :, past:end] = tree_keys[:, path], tree_values[:, path]
-        tail = path[covered:]
-        chain = query[:, :, seq.rows.start + tail]
-        out[:, :, tail] = attend_chain_in_buckets(
-            chain, key[slot : slot + 1], value[slot : slot + 1], slice(0, len(tail)), past + covered, scaling
-        )
-    key[slot, :, new_columns], value[slot, :, new_columns] = tree_keys, tree_values
-    return out
 
 
 def _attend_row_by_row(

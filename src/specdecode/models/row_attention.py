@@ -17,11 +17,15 @@ Two ways to make the call a row gets independent of its neighbours (:mod:`specde
   same call with one row.  That a row gets the same bits however many rows share such a call holds when
   the kernel treats rows as independent problems at a fixed key length; it is probed once per head layout
   (:func:`buckets_are_row_invariant`), and where it does not hold every row is its own call.
+* **Trees in buckets** (:class:`TreePlan`): every root-to-leaf path is a chain once its nodes are written in
+  order after the cache, and the paths go side by side as batch elements of one call, each with its own
+  copy of the key columns (probed too: :func:`batches_are_row_invariant`).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
 
 import torch
 from torch import nn
@@ -40,6 +44,7 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 #: Probe results per (kv_heads, groups, head_dim, dtype, threads).
 _PROBED: dict[tuple[int, int, int, torch.dtype, int], bool] = {}
+_PROBED_BATCHES: dict[tuple[int, int, int, torch.dtype, int], bool] = {}
 
 
 def bucket_end(position: int) -> int:
@@ -126,6 +131,38 @@ def buckets_are_row_invariant(kv_heads: int, groups: int, dim: int, dtype: torch
     return _PROBED[key]
 
 
+def batches_are_row_invariant(kv_heads: int, groups: int, dim: int, dtype: torch.dtype) -> bool:
+    """Whether a bucketed call's batch elements each get bitwise what they get in a call of their own, with
+    keys gathered as :class:`TreePlan` gathers them (probed once per head layout and thread count)."""
+    key = (kv_heads, groups, dim, dtype, torch.get_num_threads())
+    if key not in _PROBED_BATCHES:
+        _PROBED_BATCHES[key] = _FLASH_CPU is not None and all(
+            _probe_batches(kv_heads, groups, dim, dtype, bucket) for bucket in (2 * BUCKET, 10 * BUCKET)
+        )
+    return _PROBED_BATCHES[key]
+
+
+def _probe_batches(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, bucket: int) -> bool:
+    """Three batch elements with gathered key columns (the first in the slot's own order) against each
+    alone, and the first against the plain bucket call on the slot's keys in place."""
+    generator = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(kv_heads, bucket, dim, generator=generator).to(dtype) for _ in range(2))
+    most = tokens_per_call(groups)
+    columns = torch.stack([torch.arange(bucket), *(torch.randperm(bucket, generator=generator) for _ in range(2))])
+    query = torch.randn(3, kv_heads, groups * most, dim, generator=generator).to(dtype)
+    seen = tuple(bucket - most + 1 + r for r in range(most))
+    mask = _bucket_mask(bucket, seen, groups, dtype).expand(3, -1, -1, -1)
+
+    def call(elements: slice) -> torch.Tensor:
+        gathered = [part[:, columns[elements]].transpose(0, 1) for part in (keys, values)]
+        return _FLASH_CPU(query[elements], *gathered, 0.0, False, attn_mask=mask[elements])[0]
+
+    together = call(slice(0, 3))
+    in_place = bucket_call(query[:1], keys[None], values[None], list(seen), bucket, None)
+    alone = [call(slice(e, e + 1)) for e in range(3)]
+    return torch.equal(together[:1], in_place) and all(torch.equal(together[e : e + 1], alone[e]) for e in range(3))
+
+
 def _probe(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, bucket: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(1, kv_heads, bucket, dim, generator=generator).to(dtype) for _ in range(2))
@@ -140,3 +177,102 @@ def _probe(kv_heads: int, groups: int, dim: int, dtype: torch.dtype, bucket: int
 
     alone = torch.cat([call(1, r) for r in range(most)], dim=3)
     return all(torch.equal(call(count), alone[:, :, :, :count]) for count in range(2, most + 1))
+
+
+@dataclass(frozen=True)
+class _TreeCall:
+    """One batched call of a tree plan: entries (a path's rows, up to a call's worth, in one bucket), each
+    its own batch element with the slot's columns laid out as plain decoding of that path had cached them."""
+
+    bucket: int
+    columns: torch.Tensor  # [E, bucket] the slot column each entry reads at each key column
+    rows: torch.Tensor  # [E, t] the tree's new tokens each entry's queries are (padded by repeating the last)
+    lengths: tuple[tuple[int, ...], ...]  # per entry and row: how many key columns it sees
+
+    @cached_property
+    def _moved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where (flattened [E * bucket]) an entry's column is not the slot's own, and which slot column."""
+        flat = self.columns.flatten()
+        moved = torch.nonzero(flat != torch.arange(self.bucket).repeat(len(self.columns))).flatten()
+        return moved, flat[moved]
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor:
+        """[E, kv_heads, bucket, d] of one slot's keys or values ``part`` [kv_heads, capacity, d]: the slot's
+        first ``bucket`` columns once per entry (a plain copy), then each entry's path written over them
+        (gathering every column by index took three times as long)."""
+        kv_heads, _, dim = part.shape
+        entries = len(self.columns)
+        out = part[:, : self.bucket].unsqueeze(1).expand(kv_heads, entries, self.bucket, dim).contiguous()
+        destinations, sources = self._moved
+        out.view(kv_heads, entries * self.bucket, dim).index_copy_(1, destinations, part.index_select(1, sources))
+        return out.transpose(0, 1)
+
+
+class TreePlan:
+    """A tree's new tokens in batched bucket calls, planned once per forward (every layer reads it).
+
+    Every root-to-leaf path is a chain: its nodes, written in order after the cache, are what plain decoding
+    of that branch would have cached, so its rows attend as a chain in buckets.  Paths are batch elements
+    of one call (per bucket) that each gather their key columns, so a tree costs a call or two per layer
+    where row by row made one per node: a 16-node bushy tree of bf16 SmolLM2 took ~2x a 16-token chain's
+    forward.  That a batch element gets the bits it gets alone is probed with the buckets
+    (:func:`buckets_are_row_invariant`)."""
+
+    def __init__(self, paths: list[tuple[list[int], int]], past: int, groups: int) -> None:
+        most = tokens_per_call(groups)
+        entries: dict[int, list[tuple[list[int], list[int], int]]] = {}  # bucket → (path, rows, first index)
+        for path, covered in paths:
+            index = covered
+            while index < len(path):
+                bucket = bucket_end(past + index)
+                end = index + 1
+                while end < len(path) and end - index < most and bucket_end(past + end) == bucket:
+                    end += 1
+                entries.setdefault(bucket, []).append((path, path[index:end], index))
+                index = end
+        self.groups = groups
+        self.calls: list[_TreeCall] = []
+        flat_position: dict[int, int] = {}
+        offset = 0
+        for bucket, group in entries.items():
+            width = max(len(rows) for _, rows, _ in group)
+            columns = torch.arange(bucket).repeat(len(group), 1)
+            padded, lengths = [], []
+            for entry, (path, rows, first) in enumerate(group):
+                visible = path[: bucket - past]  # a path crossing into the next bucket: its head only
+                columns[entry, past : past + len(visible)] = past + torch.tensor(visible)
+                padded.append(rows + rows[-1:] * (width - len(rows)))
+                seen = [past + first + r + 1 for r in range(len(rows))]
+                lengths.append(tuple(seen + seen[-1:] * (width - len(rows))))
+                for r, node in enumerate(rows):
+                    flat_position[node] = offset + entry * width + r
+            self.calls.append(_TreeCall(bucket, columns, torch.tensor(padded), tuple(lengths)))
+            offset += len(group) * width
+        self.order = torch.tensor([flat_position[node] for node in range(len(flat_position))])
+        self._masks: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def masks(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Per call, [E, 1, groups * t, bucket]: each entry's bucket mask."""
+        if dtype not in self._masks:
+            self._masks[dtype] = [
+                torch.cat([_bucket_mask(call.bucket, seen, self.groups, dtype) for seen in call.lengths])
+                for call in self.calls
+            ]
+        return self._masks[dtype]
+
+    def attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
+        """The tree's new tokens ``query`` [heads, n, d] over one slot's ``keys``/``values`` [kv_heads,
+        capacity, d] (the tree written after the cache in its own order).  Returns [1, heads, n, d]."""
+        heads, dim = query.shape[0], query.shape[2]
+        kv_heads = keys.shape[0]
+        outputs = []
+        for call, mask in zip(self.calls, self.masks(query.dtype), strict=True):
+            entries, width = call.rows.shape
+            q = query[:, call.rows].transpose(0, 1).reshape(entries, kv_heads, self.groups * width, dim)
+            k, v = call.gather(keys), call.gather(values)
+            out = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=mask, scale=scaling)[0]
+            outputs.append(out.reshape(entries, heads, width, dim).transpose(0, 1).reshape(heads, entries * width, dim))
+        flat = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return flat[:, self.order][None]
