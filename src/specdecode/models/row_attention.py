@@ -214,9 +214,9 @@ class TreePlan:
     Every root-to-leaf path is a chain: its nodes, written in order after the cache, are what plain decoding
     of that branch would have cached, so its rows attend as a chain in buckets.  Paths are batch elements
     of one call (per bucket) that each gather their key columns, so a tree costs a call or two per layer
-    where row by row made one per node: a 16-node bushy tree of bf16 SmolLM2 took ~2x a 16-token chain's
-    forward.  That a batch element gets the bits it gets alone is probed with the buckets
-    (:func:`buckets_are_row_invariant`)."""
+    where row by row made one per node: 16 nodes and the last token through bf16 SmolLM2 took 62 ms, against
+    74-79 ms row by row and 49 ms for 17 tokens as a chain.  That a batch element gets the bits it gets alone
+    is probed (:func:`batches_are_row_invariant`)."""
 
     def __init__(self, paths: list[tuple[list[int], int]], past: int, groups: int) -> None:
         most = tokens_per_call(groups)
