@@ -85,7 +85,8 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     ) -> torch.Tensor:
         """One token through the written-out step (:mod:`specdecode.models.draft_step`) where it takes this
         model; several (a draft catching up with the context) through the modules.  ``head``: VocabTrim's rows
-        in place of the LM head, on either route (on the modules' route VocabTrim cost more than it saved)."""
+        in place of the LM head, on either route (while a trimmed head sent one-token drafts through the
+        modules, VocabTrim cost more than it saved)."""
         if len(tokens) == 1 and self._draft_step is not None and isinstance(cache, SlotCache):
             GOVERNOR.before_forward()
             logits = self._draft_step(int(tokens[0]), cache, head)
