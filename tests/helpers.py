@@ -22,7 +22,7 @@ from specdecode.bench.tasks import Prompt, Task
 from specdecode.cli import main
 from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
 from specdecode.models.base import (
     CausalLM,
     DecoderShape,
@@ -32,6 +32,7 @@ from specdecode.models.base import (
     KVPool,
     SequenceInput,
 )
+from specdecode.types import Draft
 from tiny_models import tiny_llama
 
 PROMPTS = [
@@ -78,6 +79,29 @@ def session_for(drafter: Drafter, prompt: list[int], sampling: SamplingParams | 
 # -- tiny cell benchmarks (bench throughput, bench serve) -------------------------------------------
 
 BENCH_MAX_NEW = 8  # new tokens per request in the tiny cell benchmarks
+
+
+def assert_tree_nodes_get_their_branch_fed_alone(backend: CausalLM, context: list[int], draft: Draft) -> None:
+    """Every node of ``draft``, verified after ``context`` as the engine lays a tree out, gets bitwise the logits
+    plain decoding of its own branch gives it, fed one token at a time after the same context."""
+    prompt = torch.tensor(context[:-1])
+
+    def prefilled() -> KVCache:
+        cache = backend.new_cache()
+        backend.forward_batch([SequenceInput(prompt, cache, invariant=False)])
+        return cache
+
+    tree = backend.forward_batch([verification_input(context, draft, prefilled())])[0].logits
+    parents = draft.parent_list
+    cache = prefilled()
+    for node in range(len(draft.tokens)):
+        branch = [node]
+        while parents[branch[-1]] >= 0:
+            branch.append(parents[branch[-1]])
+        cache.crop(len(prompt))
+        for token in [context[-1], *(draft.tokens[i] for i in reversed(branch))]:
+            alone = backend.forward_batch([SequenceInput(torch.tensor([token]), cache)])[0].logits[0]
+        assert torch.equal(tree[node + 1], alone), f"node {node} of {len(draft.tokens)} after {len(context)} tokens"
 
 
 def tiny_bench_tasks() -> list[Task]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
+from helpers import PROMPTS, assert_one_line_error, assert_tree_nodes_get_their_branch_fed_alone, hf_greedy, run
 from specdecode.bench.suites import resolve_settings
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
@@ -177,31 +177,10 @@ def test_every_node_of_a_deep_tree_gets_the_logits_of_its_branch_fed_alone(quant
     """Trees attend path by path (one call per root-to-leaf path): 14 nodes, five paths of up to six nodes,
     some crossing the key bucket at 64 positions, each node bitwise plain decoding of its own branch."""
     backend = quantized[mode][0].backend
-    prompt = torch.arange(3, 63) % backend.vocab_size  # 60 tokens: a path of six ends in the next bucket
+    prompt = (torch.arange(3, 63) % backend.vocab_size).tolist()  # 60 tokens: a path of six ends in the next bucket
     parents = [-1, 0, 1, 2, 3, -1, 5, 6, 1, 8, 8, 10, 0, 12]
-    tokens = [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
-    draft = Draft(tokens, parents=parents)
-
-    def prefilled():
-        cache = backend.new_cache()
-        backend.forward_batch([SequenceInput(prompt, cache, invariant=False)])
-        return cache
-
-    depth = [0] * len(tokens)
-    for node, parent in enumerate(parents):
-        depth[node] = 1 if parent < 0 else depth[parent] + 1
-    positions = len(prompt) + torch.tensor([0, *depth])
-    tree = backend.forward_batch(
-        [SequenceInput(torch.tensor([5, *tokens]), prefilled(), positions=positions, tree_mask=ancestor_mask(draft))]
-    )[0].logits
-    for node in range(len(tokens)):
-        branch = [node]
-        while parents[branch[-1]] >= 0:
-            branch.append(parents[branch[-1]])
-        cache = prefilled()
-        for token in [5, *(tokens[i] for i in reversed(branch))]:
-            alone = backend.forward_batch([SequenceInput(torch.tensor([token]), cache)])[0].logits[0]
-        assert torch.equal(tree[node + 1], alone), f"tree node {node + 1}"
+    draft = Draft([6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], parents=parents)
+    assert_tree_nodes_get_their_branch_fed_alone(backend, [*prompt, 5], draft)
 
 
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_bf16, id="onednn-bf16"), False], ids=str)

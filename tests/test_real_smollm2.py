@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import random_eagle_head
+from helpers import assert_tree_nodes_get_their_branch_fed_alone, random_eagle_head
 from specdecode.drafters import available_drafters, drafter_class
 from specdecode.generator import SpeculativeGenerator
 
@@ -135,38 +135,14 @@ def test_random_trees_on_bf16_smollm2_give_every_node_its_branch_fed_alone():
     time (the guard behind greedy equality for every tree drafter on bf16 and quantized targets)."""
     import random
 
-    from specdecode.engine import ancestor_mask
-    from specdecode.models.base import SequenceInput
     from specdecode.models.loading import load_model
     from specdecode.types import Draft
 
     backend = load_model("smollm2-135m", quantize="bf16").backend
     rng = random.Random(0)
     for _ in range(4):
-        prompt = torch.tensor([rng.randrange(1, backend.vocab_size) for _ in range(rng.randint(20, 300))])
+        context = [rng.randrange(1, backend.vocab_size) for _ in range(rng.randint(21, 301))]
         size = rng.randint(2, 32)
         parents = [rng.choice([-1, *range(i)]) if rng.random() < 0.5 else i - 1 for i in range(size)]
-        tokens = [rng.randrange(1, backend.vocab_size) for _ in range(size + 1)]
-        depth: list[int] = []
-        for parent in parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-
-        def prefilled(prompt=prompt):
-            cache = backend.new_cache()
-            backend.forward_batch([SequenceInput(prompt, cache, invariant=False)])
-            return cache
-
-        positions = len(prompt) + torch.tensor([0, *depth])
-        mask = ancestor_mask(Draft(tokens[1:], parents=parents))
-        tree = backend.forward_batch(
-            [SequenceInput(torch.tensor(tokens), prefilled(), positions=positions, tree_mask=mask)]
-        )[0].logits
-        cache = prefilled()
-        for node in range(size):
-            branch = [node]
-            while parents[branch[-1]] >= 0:
-                branch.append(parents[branch[-1]])
-            cache.crop(len(prompt))
-            for token in [tokens[0], *(tokens[1 + i] for i in reversed(branch))]:
-                alone = backend.forward_batch([SequenceInput(torch.tensor([token]), cache)])[0].logits[0]
-            assert torch.equal(tree[node + 1], alone), f"node {node} of {size} after {len(prompt)} tokens"
+        draft = Draft([rng.randrange(1, backend.vocab_size) for _ in range(size)], parents=parents)
+        assert_tree_nodes_get_their_branch_fed_alone(backend, context, draft)
