@@ -68,12 +68,14 @@ class LookupBranch:
 
     def graft_nodes(self, copy: Copy, nodes: list[N], new_node: Callable[[int, int, float], N]) -> dict[int, float]:
         """:meth:`graft` onto a tree of node objects, in place: shared nodes get their new scores, and each new
-        node is ``new_node(token, parent, score)`` (a node only the lookup drafted)."""
+        node is ``new_node(token, parent, score)`` (a node only the lookup drafted), appended in order, so a
+        ``new_node`` may read its parent in ``nodes`` even when the lookup added that parent too."""
         tokens, parents, scores = [n.token for n in nodes], [n.parent for n in nodes], [n.score for n in nodes]
         grafted = self.graft(copy, tokens, parents, scores)
         for node, score in zip(nodes, scores):
             node.score = score
-        nodes.extend(new_node(*new) for new in zip(tokens[len(nodes) :], parents[len(nodes) :], scores[len(nodes) :]))
+        for index in range(len(nodes), len(tokens)):
+            nodes.append(new_node(tokens[index], parents[index], scores[index]))
         return grafted
 
 
