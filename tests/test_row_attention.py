@@ -55,21 +55,26 @@ def test_a_kernel_whose_rows_depend_on_their_neighbours_fails_the_probe(monkeypa
 
 
 def test_a_tree_plan_gives_each_node_the_bits_of_its_branch_as_a_lone_chain():
-    """Seven nodes in four paths, the deepest crossing the bucket at 64: one batched call per bucket, every
-    node bitwise the one-token call plain decoding of its branch makes (the branch written after the cache)."""
+    """Seven nodes in three paths, the deepest (not in the tree's order) crossing the bucket at 64 alone: one
+    batched call per bucket, every node bitwise the one-token call plain decoding of its branch makes (the
+    branch written after the cache), and the slot's keys and values untouched."""
     kv_heads, groups, dim, past = 2, 4, 16, 61
     assert row_attention.batches_are_row_invariant(kv_heads, groups, dim, torch.float32)
-    parents = [-1, 0, 1, 2, 0, -1, 5]  # 0-1-2-3, 0-4, 5-6
+    parents = [-1, 0, 0, 2, 3, 0, 5]  # 0-1, 0-2-3-4, 0-5-6
     branches = []
     for parent in parents:
         branches.append((branches[parent] if parent >= 0 else []) + [len(branches)])
     generator = torch.Generator().manual_seed(2)
     keys, values = (torch.randn(kv_heads, 2 * BUCKET, dim, generator=generator) for _ in range(2))
     query = torch.randn(kv_heads * groups, len(parents), dim, generator=generator)
-    paths = [(branches[3], 0), (branches[4], 1), (branches[6], 0)]
+    paths = [(branches[1], 0), (branches[4], 1), (branches[6], 1)]
     plan = TreePlan(paths, past, groups)
     assert [call.bucket for call in plan.calls] == [BUCKET, 2 * BUCKET]
+    slot = [part.clone() for part in (keys, values)]
     tree = plan.attend(query, keys, values, None)
+    # The plan reads the slot and never writes it: here the second call has one entry and a bucket as long as
+    # the slot, where a gather built on expand().contiguous() wrote the path into the cache itself.
+    assert torch.equal(keys, slot[0]) and torch.equal(values, slot[1])
     for node, branch in enumerate(branches):
         laid_out = [part.clone() for part in (keys, values)]
         for part, original in zip(laid_out, (keys, values), strict=True):

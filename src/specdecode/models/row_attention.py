@@ -199,10 +199,12 @@ class _TreeCall:
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         """[E, kv_heads, bucket, d] of one slot's keys or values ``part`` [kv_heads, capacity, d]: the slot's
         first ``bucket`` columns once per entry (a plain copy), then each entry's path written over them
-        (gathering every column by index took three times as long)."""
+        (gathering every column by index took three times as long).  ``repeat``, never ``expand().contiguous()``:
+        with one entry and a bucket as long as the slot, the latter is the slot itself, and the paths were
+        written into the cache (a plain-decoding mismatch that depended on the pool's capacity)."""
         kv_heads, _, dim = part.shape
         entries = len(self.columns)
-        out = part[:, : self.bucket].unsqueeze(1).expand(kv_heads, entries, self.bucket, dim).contiguous()
+        out = part[:, : self.bucket].unsqueeze(1).repeat(1, entries, 1, 1)
         destinations, sources = self._moved
         out.view(kv_heads, entries * self.bucket, dim).index_copy_(1, destinations, part.index_select(1, sources))
         return out.transpose(0, 1)
