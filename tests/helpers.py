@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import random
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ from specdecode.bench.cli import add_bench_command
 from specdecode.bench.tasks import Prompt, Task
 from specdecode.cli import main
 from specdecode.config import GenerationConfig, SamplingParams
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
 from specdecode.models.base import (
     CausalLM,
@@ -102,6 +103,52 @@ def assert_tree_nodes_get_their_branch_fed_alone(backend: CausalLM, context: lis
         for token in [context[-1], *(draft.tokens[i] for i in reversed(branch))]:
             alone = backend.forward_batch([SequenceInput(torch.tensor([token]), cache)])[0].logits[0]
         assert torch.equal(tree[node + 1], alone), f"node {node} of {len(draft.tokens)} after {len(context)} tokens"
+
+
+class RandomOracleTrees(Drafter):
+    """Hides the plain greedy continuation ``truth`` in random trees: its next tokens as one branch of random
+    depth (wrong from a random depth on, now and then), wrong branches off random nodes, and the nodes in a
+    random order that keeps parents first, so that a path's nodes are seldom adjacent in the tree's layout.
+    Run long enough to cross a key bucket, it gives verification and cache compaction every tree shape the
+    trained drafters make: the engine must still emit exactly ``truth``."""
+
+    def __init__(self, target, truth: list[int], prompt_len: int, vocab: int, seed: int = 0) -> None:
+        super().__init__(target)
+        self.truth, self.prompt_len, self.vocab = truth, prompt_len, vocab
+        self.rng = random.Random(seed)
+
+    def session(self, request: DraftRequest) -> DraftSession:
+        return StatelessSession(self.propose)
+
+    def propose(self, context: list[int], max_tokens: int) -> Draft:
+        rng = self.rng
+        done = len(context) - self.prompt_len
+        branch = list(self.truth[done : done + rng.randint(1, max_tokens)])
+        if branch and rng.random() < 0.3:
+            cut = rng.randrange(len(branch))
+            branch[cut] = (branch[cut] + 1 + rng.randrange(self.vocab - 1)) % self.vocab
+        tokens, parents = [], []
+        for token in branch:
+            parents.append(len(tokens) - 1)
+            tokens.append(token)
+        for _ in range(rng.randint(0, 12)):  # wrong branches (a token equal to a right one is fine too)
+            parents.append(rng.randrange(-1, len(tokens)))
+            tokens.append(rng.randrange(self.vocab))
+        return _shuffled_keeping_parents_first(tokens, parents, rng)
+
+
+def _shuffled_keeping_parents_first(tokens: list[int], parents: list[int], rng: random.Random) -> Draft:
+    """The same tree with its nodes in a random order in which every parent still comes before its children."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    order, ready = [], list(children.get(-1, []))
+    while ready:
+        node = ready.pop(rng.randrange(len(ready)))
+        order.append(node)
+        ready.extend(children.get(node, []))
+    index_of = {old: new for new, old in enumerate(order)}
+    return Draft(tokens=[tokens[i] for i in order], parents=[index_of.get(parents[i], -1) for i in order])
 
 
 def tiny_bench_tasks() -> list[Task]:

@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import PROMPTS, assert_one_line_error, assert_tree_nodes_get_their_branch_fed_alone, hf_greedy, run
+from helpers import (
+    PROMPTS,
+    RandomOracleTrees,
+    assert_one_line_error,
+    assert_tree_nodes_get_their_branch_fed_alone,
+    hf_greedy,
+    run,
+)
 from specdecode.bench.suites import resolve_settings
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
@@ -181,6 +188,23 @@ def test_every_node_of_a_deep_tree_gets_the_logits_of_its_branch_fed_alone(quant
     parents = [-1, 0, 1, 2, 3, -1, 5, 6, 1, 8, 8, 10, 0, 12]
     draft = Draft([6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], parents=parents)
     assert_tree_nodes_get_their_branch_fed_alone(backend, [*prompt, 5], draft)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_trees_across_a_key_bucket_decode_exactly_the_plain_output(quantized, mode):
+    """End to end, where the node-by-node test above stops: random trees hiding the plain continuation, verified
+    and compacted step after step across the 64-key bucket, after prompts of 52-63 tokens (so a lone deep path
+    often reaches the next bucket, as long as the slot: its copy of the keys was once the slot itself, and the
+    path was written into the cache; the old copy fails this test)."""
+    target = quantized[mode][0]
+    vocab = target.backend.vocab_size
+    for length in range(52, 64):
+        prompt = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        plain, _ = run(target, create_drafter("none", target), prompt, max_new_tokens=24)
+        drafter = RandomOracleTrees(target, plain, length, vocab, seed=length)
+        tokens, outcome = run(target, drafter, prompt, max_new_tokens=24, num_draft_tokens=8)
+        assert tokens == plain, f"after {length} prompt tokens"
+        assert outcome.stats.mean_accepted_tokens > 2.0  # deep branches were found and kept
 
 
 @pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_bf16, id="onednn-bf16"), False], ids=str)
