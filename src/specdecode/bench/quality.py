@@ -57,6 +57,8 @@ DEFAULTS: dict[str, Any] = {
     "timeout_s": 10.0,
     "memory_mb": 1024,
     "out": "bench-out/quality",
+    "quantize": "none",
+    "quantize_draft": None,  # draft models, if any: as specdecode generate loads them (int4 on a CPU)
 }
 
 
@@ -111,9 +113,16 @@ class QualitySettings:
     memory_mb: int
     threads: int
     out: Path
+    quantize: str = "none"  # the target's weights (--quantize): relaxed and exact compared in one precision
+    quantize_draft: str | None = None  # the draft models' (--quantize-draft); None: no method has one
 
     def __post_init__(self) -> None:
         from specdecode.bench import common
+        from specdecode.models.quantize import check_quantize
+
+        check_quantize(self.quantize)
+        if self.quantize_draft is not None:
+            check_quantize(self.quantize_draft, "--quantize-draft")
 
         common.check_positive_ints(
             ("--tasks", self.tasks),
@@ -143,7 +152,7 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
     ``none`` is always measured (with ``exact``), so it is dropped from ``methods``."""
     from specdecode.bench import common
-    from specdecode.bench.methods import parse_methods
+    from specdecode.bench.methods import draft_weights, parse_methods
 
     def count(text: str) -> int:
         if not text.strip().isdigit():
@@ -153,6 +162,7 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
     parsers = {"methods": parse_methods, "verifiers": parse_verifiers, "tasks": count}
     values = common.resolve_values(QualitySettings, DEFAULTS, overrides, "quality setting", parsers)
     values["methods"] = tuple(m for m in values["methods"] if m.spec != REFERENCE)
+    values["quantize_draft"] = draft_weights(values["methods"], values["quantize"], values["quantize_draft"])
     values["verifiers"] = tuple(values["verifiers"])
     values["out"] = Path(values["out"])
     return QualitySettings(**values)
@@ -206,6 +216,8 @@ def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -
     """What a resumed run must share with the one it continues (methods and verifiers may be added)."""
     return {
         "model": settings.model,
+        **({"quantize": settings.quantize} if settings.quantize != "none" else {}),
+        **({"quantize_draft": settings.quantize_draft} if settings.quantize_draft is not None else {}),
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
         "seed": settings.seed,
@@ -245,11 +257,14 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
     results["settings"] = settings.to_json()
     results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
     records: dict[str, dict] = results["records"]
-    target = load_model(settings.model)
+    target = load_model(settings.model, quantize=settings.quantize)
     checker = SpeculativeGenerator.build(target, REFERENCE)
     for verifier in settings.verifiers:  # e.g. judge without a trained judge: refused before anything runs
         checker.config_for(verifier=verifier.name, verifier_options=verifier.options)
-    drafts = {name: load_model(name) for name in sorted({m.draft_model for m in settings.methods} - {None})}
+    drafts = {
+        name: load_model(name, quantize=settings.quantize_draft or settings.quantize)
+        for name in sorted({m.draft_model for m in settings.methods} - {None})
+    }
     plan = [(MethodSpec(REFERENCE, spec=REFERENCE), settings.verifiers[:1])]
     plan += [(method, settings.verifiers) for method in settings.methods]
     todo = sum(
@@ -337,6 +352,18 @@ def add_quality_command(commands: Any) -> None:
     quality.add_argument("--memory-mb", type=int, default=keep, help="address space of a test process (default 1024)")
     quality.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
     quality.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
+    quality.add_argument(
+        "--quantize",
+        default=keep,
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="weights of the target (default none); lossless is against plain decoding of these weights",
+    )
+    quality.add_argument(
+        "--quantize-draft",
+        default=keep,
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="of the draft models (default int4, w4a8 on AVX2-only CPUs)",
+    )
     quality.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
     quality.set_defaults(run=run_quality)
 
@@ -345,6 +372,6 @@ def run_quality(args: Any) -> int:
     from specdecode.bench.cli import _flags, _run_and_print
 
     names = ("model", "methods", "verifiers", "dataset", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
-    settings = resolve_settings(**_flags(args, *names, "memory_mb", "out", "threads"))
+    settings = resolve_settings(**_flags(args, *names, "memory_mb", "out", "threads", "quantize", "quantize_draft"))
     progress = getattr(args, "progress", True)
     return _run_and_print("bench quality", "results.json, results.md, quality.png", settings, measure_quality, progress)

@@ -101,6 +101,12 @@ def _suite_text(s: dict[str, Any], n: int) -> tuple[str, str, str]:
     )
 
 
+def _weights(settings: dict[str, Any]) -> str:
+    """`` (bf16 weights)`` and the like for a quantized target (older results have no ``quantize``)."""
+    quantize = settings.get("quantize", "none")
+    return "" if quantize == "none" else f" ({quantize} weights)"
+
+
 def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if value is None else f"{value:{spec}}{suffix}"
 
@@ -115,7 +121,7 @@ def markdown(results: dict[str, Any]) -> str:
     sampling = "greedy" if not s["temperature"] else f"temperature {s['temperature']} (seed {s['seed']})"
     title, graded, metric = _suite_text(s, n)
     lines = [
-        f"# Relaxed verification: speed against quality on {title}, `{s['model']}`",
+        f"# Relaxed verification: speed against quality on {title}, `{s['model']}`{_weights(s)}",
         "",
         f"{graded} {sampling.capitalize()}, up to {s['max_new_tokens']} new tokens. Same as lossless: answers token "
         "for token equal to plain decoding's (every `exact` row must show all). Speed-ups are of pooled tokens/s on "
@@ -196,5 +202,5 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     (out / "results.md").write_text(markdown(results))
     if results.get("rows"):
         name, _, metric = _suite_text(results["settings"], len(results["fingerprint"]["problems"]))
-        title = f"Relaxed verification on {name}: {results['settings']['model']}"
+        title = f"Relaxed verification on {name}: {results['settings']['model']}{_weights(results['settings'])}"
         plot_tradeoff(results["rows"], out / "quality.png", title, metric)
