@@ -22,6 +22,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.heads.medusa import heads_for_target
 from specdecode.models.cost import linear_curve
+from specdecode.models.loading import load_model
+from specdecode.models.quantize import quantize_supported
 
 REPEATS = [12, 13, 14, 12, 13, 14, 12, 13]
 BATCH_PROMPTS = [
@@ -92,6 +94,30 @@ def test_every_drafter_gives_each_sequence_its_solo_greedy_output(tiny_target, t
         outputs = run_batch(tiny_target, drafter, requests, eos, batch_size=8, num_draft_tokens=k)
         for index, want in enumerate(expected):
             assert outputs[index] == want, f"{name} (k={k}): sequence {index} differs from its solo output"
+
+
+@pytest.mark.skipif(not quantize_supported("bf16"), reason="this CPU has no oneDNN bf16 matmul")
+def test_trees_of_a_batch_on_a_bf16_target_give_each_sequence_its_solo_output(tiny_dirs):
+    """A bf16 target verifies rows row-invariantly, trees path by path (``TreePlan``), each sequence in its own
+    slot: in a batch every sequence must still get exactly its solo plain output, prompts on either side of the
+    64-key bucket included."""
+    target = load_model(str(tiny_dirs["target"]), quantize="bf16")
+    backend = target.backend
+    drafters = {
+        "eagle": create_drafter("eagle", target, head=random_eagle_head(backend, 48)),
+        "hydra": create_drafter("hydra", target, heads=heads_for_target(backend, "hydra", 3, torch.arange(48))),
+        "pld": create_drafter("pld", target),
+    }
+    prompts = [*BATCH_PROMPTS, list(range(3, 61)), list(range(5, 64))]  # 58 and 59 tokens: trees cross 64
+    requests = [
+        (prompt, GenerationConfig(max_new_tokens=n, num_draft_tokens="auto"))
+        for prompt, n in zip(prompts, [*MAX_NEW, 24, 24])
+    ]
+    expected = [solo(target, prompt, config, frozenset()) for prompt, config in requests]
+    for name, drafter in drafters.items():
+        outputs = run_batch(target, drafter, requests, frozenset(), batch_size=4, num_draft_tokens="auto")
+        for index, want in enumerate(expected):
+            assert outputs[index] == want, f"{name}: sequence {index} differs from its solo output"
 
 
 def test_requests_join_and_leave_between_steps(tiny_target):
