@@ -14,6 +14,7 @@ from helpers import (
     BigramFeatures,
     V,
     assert_head_drafter_samples_exactly,
+    assert_one_line_error,
     hf_greedy,
     random_eagle_head,
     run,
@@ -117,6 +118,27 @@ def test_training_unroll_matches_drafting(tiny_target, trained_head):
                 torch.testing.assert_close(head.logits(out), unrolled[step][0, row], rtol=1e-4, atol=1e-4)
                 token = features.ids[row + 2 + step : row + 3 + step]
                 out = head.extend(out[None], backend.embed(token), torch.tensor([row + 2 + step]), cache)[0]
+
+
+def test_training_can_start_from_a_trained_head(tiny_target, tiny_draft, trained_head):
+    """``train eagle --init DIR``: the run starts from that head's weights and keeps its draft vocabulary (with a
+    zero learning rate it ends where it started); a head for another target is refused."""
+    from specdecode.heads.eagle import default_aux_layers
+    from specdecode.train.eagle import EagleTrainConfig, train_eagle, weights_digest
+
+    backend = tiny_target.backend
+    sequences = [[5, 17, 22, 9, *hf_greedy(tiny_target, [5, 17, 22, 9], 24)], [7, *hf_greedy(tiny_target, [7], 24)]]
+    features = compute_features(backend, sequences, default_aux_layers(backend.num_layers), progress=False)
+    config = EagleTrainConfig(epochs=1, window=16, batch_windows=2, lr=0.0, draft_vocab=8, holdout=0.5)
+    result = train_eagle(backend, features, config, initial=trained_head)
+    assert torch.equal(result.head.target_ids, trained_head.target_ids)  # not 8 tokens: the head's own 64
+    assert weights_digest(result.head) == weights_digest(trained_head)
+    with pytest.raises(SpecDecodeError, match="the head to start from is for a target"):
+        train_eagle(backend, features, config, initial=random_eagle_head(tiny_draft.backend, 48))
+
+
+def test_train_eagle_refuses_an_init_directory_without_a_head_before_loading_anything(capsys, tmp_path):
+    assert_one_line_error(capsys, ["train", "eagle", "--init", str(tmp_path)], "no EAGLE head there")
 
 
 def test_head_round_trips_through_the_speculators_layout(tiny_target, trained_head, tmp_path):

@@ -137,6 +137,13 @@ def add_eagle_command(methods: argparse._SubParsersAction) -> None:
     )
     _add_head_training_flags(eagle, "head's")
     eagle.add_argument("--ttt-steps", type=int, default=3, help="drafting steps unrolled in training")
+    eagle.add_argument(
+        "--init",
+        metavar="DIR",
+        help="start from this head (ours or speculators' EAGLE-3 layout) instead of the target's output stage: "
+        "more epochs for a head trained before, or one trained elsewhere fine-tuned on this data; its layout and "
+        "draft vocabulary are kept (--draft-vocab does not apply)",
+    )
     # 3 epochs: SmolLM2-135M's head then trains in under 30 minutes on a 2-core AMX Xeon, data included.
     eagle.set_defaults(run=cmd_train_eagle, epochs=3)
 

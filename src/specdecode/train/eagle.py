@@ -17,6 +17,7 @@ diagonal) — exactly what a chain draft sees at inference.  The draft vocabular
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleConfig, EagleHead
+from specdecode.heads.storage import target_mismatch
 from specdecode.models.base import HiddenStates, LayerwiseExecution
 from specdecode.train.common import (
     Teacher,
@@ -208,6 +210,16 @@ def start_from_target(head: EagleHead, backend: HiddenStates, layerwise: Layerwi
     head.fc.weight[:, -width:] = torch.eye(width)
 
 
+def weights_digest(head: EagleHead) -> str:
+    """SHA-256 of a head's tensors (names, shapes and bytes, in order): what a checkpoint records of the
+    weights a run started from."""
+    digest = hashlib.sha256()
+    for name, tensor in head.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def unrolled_logits(head: EagleHead, embed: Callable[[torch.Tensor], torch.Tensor], batch: Batch) -> list[torch.Tensor]:
     """Draft logits [B, T, draft_vocab] of every training-time-test step."""
     hidden = head.fuse(batch.aux)
@@ -254,18 +266,35 @@ def train_eagle(
     config: EagleTrainConfig,
     progress: bool = False,
     checkpoint: Path | None = None,
+    initial: EagleHead | None = None,
 ) -> EagleTrainResult:
-    """Fit a fresh head (or resume ``checkpoint``) to ``features`` computed for ``target_backend``."""
+    """Fit a fresh head (or resume ``checkpoint``) to ``features`` computed for ``target_backend``; ``initial``:
+    start from that head (its layout and draft vocabulary) rather than from the target's own output stage."""
     started = time.perf_counter()
     backend, layerwise = target_views(target_backend, "eagle")
     train, held = split_holdout(features, config.holdout, config.seed, "eagle")
 
     vocab_size = layerwise.output_weight().shape[0]
-    ids = draft_vocabulary(train, config.draft_vocab, vocab_size)
-    head_config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, vocab_size, ids.numel())
-    head = EagleHead(head_config)
-    head.set_draft_vocabulary(ids)
-    start_from_target(head, backend, layerwise)
+    if initial is None:
+        ids = draft_vocabulary(train, config.draft_vocab, vocab_size)
+        head_config = EagleConfig.for_target(backend.decoder_shape(), backend.num_layers, vocab_size, ids.numel())
+        head = EagleHead(head_config)
+        head.set_draft_vocabulary(ids)
+        start_from_target(head, backend, layerwise)
+        identity: dict = head_config.to_dict()
+    else:
+        head_config = initial.config
+        mismatch = target_mismatch(head_config, backend, vocab_size)
+        if mismatch is not None:
+            raise SpecDecodeError(
+                f"eagle: the head to start from is for a target with (d, layers, tokens) {mismatch[0]}; this one "
+                f"has {mismatch[1]}"
+            )
+        head = EagleHead(head_config)
+        head.load_state_dict(initial.state_dict())
+        ids = head.target_ids
+        # A checkpoint resumes only a run that started from these very weights.
+        identity = {**head_config.to_dict(), "initial": weights_digest(initial)}
     teacher = Teacher(layerwise, ids)
     windows = make_windows(train, config.window, config.ttt_steps)
     held_windows = make_windows(held, config.window, config.ttt_steps)
@@ -293,7 +322,7 @@ def train_eagle(
         ),
         batch_loss=batch_loss,
         loss_scale=config.ttt_steps,
-        identity=head_config.to_dict(),
+        identity=identity,
         model_key="head",
         checkpoint=checkpoint,
         checkpoint_seconds=config.checkpoint_seconds,

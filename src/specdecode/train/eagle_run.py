@@ -8,7 +8,9 @@ interrupted run started again with the same flags picks up where it stopped.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from specdecode.errors import SpecDecodeError
 from specdecode.train.features import SHARD
 
 __all__ = ["SHARD", "run_eagle_training"]  # SHARD, like the feature cache, now lives in train.features
@@ -17,11 +19,14 @@ __all__ = ["SHARD", "run_eagle_training"]  # SHARD, like the feature cache, now 
 def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
     from specdecode.drafters.eagle import HEAD_DIR
     from specdecode.heads.eagle import default_aux_layers
-    from specdecode.heads.storage import save_eagle
+    from specdecode.heads.storage import CONFIG_FILE, load_eagle, save_eagle
     from specdecode.train.common import report_training
     from specdecode.train.eagle import EagleTrainConfig, train_eagle
     from specdecode.train.features import collect, training_in_bf16
 
+    init = Path(args.init).expanduser() if args.init else None
+    if init is not None and not (init / CONFIG_FILE).is_file():  # before the slow part, not after it
+        raise SpecDecodeError(f"--init {args.init}: no EAGLE head there (no {CONFIG_FILE})")
     run = collect(args, tasks, HEAD_DIR, "the head goes", default_aux_layers)
     config = EagleTrainConfig(
         draft_vocab=args.draft_vocab,
@@ -31,7 +36,10 @@ def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
         seed=args.seed,
         bf16=training_in_bf16(args.train_dtype),
     )
-    result = train_eagle(run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint)
+    initial = None if init is None else load_eagle(init, run.target.backend.num_layers)
+    result = train_eagle(
+        run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint, initial=initial
+    )
     save_eagle(result.head, run.out, verifier=args.model)
     vocab = result.head.config.draft_vocab_size
     report_training(args, result, "eagle head", vocab, "drafting step", run.seconds, run.out, "eagle", "head")
