@@ -49,6 +49,30 @@ def test_drafts_are_the_draft_models_own_in_fewer_forwards(tiny_target, tiny_dra
     assert forwards < drafted  # the repetitive context lets prompt lookup guess right
 
 
+def test_vocab_trim_drafts_what_draft_model_drafts_with_the_same_rows(tiny_target, tiny_draft):
+    """``draft_vocab``: the draft-model level drafts over the same VocabTrim rows as ``draft-model`` (the guess
+    checked by a forward of several tokens as well as one token at a time), and output stays plain greedy."""
+    drafter = create_drafter("hsd", tiny_target, draft_model=tiny_draft, draft_vocab=32)
+    assert drafter.head is not None and create_drafter("hsd", tiny_target, draft_model=tiny_draft).head is None
+    request = DraftRequest(prompt_ids=tuple(PROMPT))
+    rows = drafter.head.for_prompt(PROMPT)
+    backend = tiny_draft.backend
+    lower = PromptLookupDrafter(tiny_draft).session(request)
+    hierarchical = HierarchicalSession(backend, LevelChooser([LowerLevel("pld", lower, GuessDepth(8))]), request, rows)
+    direct = DraftModelSession(backend, request, rows)
+    checked_rows = []  # per draft-model forward: how many rows it read logits of (1 + the guess's length)
+    logits_of = hierarchical._logits
+    hierarchical._logits = lambda fed, first: (checked_rows.append(len(fed) - first), logits_of(fed, first))[1]
+    context = list(PROMPT)
+    for _ in range(4):
+        ours, theirs = hierarchical.propose(context, 8), direct.propose(context, 8)
+        assert ours.tokens == theirs.tokens and set(ours.tokens) <= set(rows.ids.tolist())
+        context += ours.tokens[:3]
+    assert max(checked_rows) > 1  # guesses were checked through the trimmed head in forwards of several rows
+    tokens, _ = run(tiny_target, drafter, PROMPT, max_new_tokens=40, num_draft_tokens=8)
+    assert tokens == hf_greedy(tiny_target, PROMPT, 40)
+
+
 def test_it_reads_the_context_and_reports_its_prompt_prefill_as_setup(tiny_target, tiny_draft):
     """Like ``draft-model``, so that ``auto`` prices its reading of a prompt and keeps it out of the per-token cost."""
     drafter = create_drafter("hsd", tiny_target, draft_model=tiny_draft)

@@ -110,6 +110,31 @@ def default_draft_vocab(draft: LoadedModel) -> int:
     return DEFAULT_DRAFT_MODEL_VOCAB if trims and backend.vocab_size > DEFAULT_DRAFT_MODEL_VOCAB else 0
 
 
+def vocab_trim_head(draft: LoadedModel, draft_vocab: int | None, who: str) -> DraftHead | None:
+    """VocabTrim for a draft model of the target's vocabulary: its LM head over its ``draft_vocab`` most frequent
+    ids and each prompt's (None: :func:`default_draft_vocab`); None for the full head (``draft_vocab`` 0)."""
+    if draft_vocab is None:
+        draft_vocab = default_draft_vocab(draft)
+    if not draft_vocab:
+        return None
+    backend = require_capability(draft.backend, LayerwiseExecution, f"{who} with draft_vocab")
+    require_capability(backend, HiddenStates, f"{who} with draft_vocab")
+    return DraftHead(backend, draft_vocab, frequent_tokens(draft, draft_vocab))
+
+
+def choose_with_head(
+    logits: torch.Tensor, head: HeadRows | None, request: DraftRequest, position: int, generator: torch.Generator
+) -> tuple[int, torch.Tensor | None, float]:
+    """:func:`choose_draft_token` over a VocabTrim ``head``'s ids when there is one (greedy reads them directly;
+    sampling spreads them over the whole vocabulary, zero outside, so that rejection sampling stays exact)."""
+    if head is not None and request.sampling.greedy:
+        index, _, confidence = choose_draft_token(logits, request, position, generator)
+        return head.token(index), None, confidence
+    if head is not None:
+        logits = head.full_vocab(logits)
+    return choose_draft_token(logits, request, position, generator)
+
+
 #: :meth:`DraftModelDrafter.draft_token_seconds` times this many one-token forwards (the first warms the
 #: kernels up too) after a prompt of ``TIMING_CONTEXT`` tokens (dense forwards cost the same whatever the ids).
 TIMED_TOKENS = 4
@@ -210,14 +235,9 @@ class DraftModelDrafter(Drafter):
         self.prior_acceptance = CROSS_VOCAB_PRIOR if self.cross is not None else None
         self.clock = ForwardClock()  # shared by its sessions: what a one-token draft forward costs
         self._reading: float | None = None  # reading_cost, once timed
-        # VocabTrim: the draft model's LM head over its ``draft_vocab`` most frequent ids and the prompt's (0: all).
-        if draft_vocab is None:
-            draft_vocab = default_draft_vocab(self.draft) if self.cross is None else 0
-        self.head = None
-        if draft_vocab:
-            backend = require_capability(self.draft.backend, LayerwiseExecution, "draft-model with draft_vocab")
-            require_capability(backend, HiddenStates, "draft-model with draft_vocab")
-            self.head = DraftHead(backend, draft_vocab, frequent_tokens(self.draft, draft_vocab))
+        # VocabTrim, by default where the draft shares the target's vocabulary.
+        no_trim = draft_vocab is None and self.cross is not None
+        self.head = vocab_trim_head(self.draft, 0 if no_trim else draft_vocab, "draft-model")
 
     def reset(self) -> None:
         if self.cross is not None:
@@ -293,14 +313,8 @@ class DraftModelSession(DraftSession):
         self._step: StepMark | None = None  # the last step, for the switch
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
-        """The next draft token (for absolute ``position``): :func:`choose_draft_token`, over the VocabTrim
-        head's ids when there is one (greedy reads them directly; sampling spreads them over the vocabulary)."""
-        if self.head is not None and self.sampling.greedy:
-            index, _, confidence = choose_draft_token(logits, self.request, position, self.generator)
-            return self.head.token(index), None, confidence
-        if self.head is not None:
-            logits = self.head.full_vocab(logits)
-        return choose_draft_token(logits, self.request, position, self.generator)
+        """The next draft token (for absolute ``position``), over the VocabTrim head's ids when there is one."""
+        return choose_with_head(logits, self.head, self.request, position, self.generator)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend

@@ -42,13 +42,15 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters import create_drafter, register_drafter
+from specdecode.drafters._vocab import HeadRows
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.draft_model import (
-    choose_draft_token,
+    choose_with_head,
     loaded_draft,
     time_draft_token,
     time_reading,
+    vocab_trim_head,
 )
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
@@ -186,6 +188,7 @@ class HierarchicalDrafter(Drafter):
         draft_model: str | LoadedModel | None = None,
         levels: str = "pld,draft-model",
         lower_depth: int | str = "auto",
+        draft_vocab: int | None = None,
     ) -> None:
         super().__init__(target)
         if draft_model is None:
@@ -205,6 +208,8 @@ class HierarchicalDrafter(Drafter):
         self.draft = loaded_draft(draft_model, target)
         check_same_vocabulary(target, self.draft)
         self.draft.backend.prepare_drafting()
+        # VocabTrim for the draft-model level, as draft-model has it (its drafts are draft-model's own).
+        self.head = vocab_trim_head(self.draft, draft_vocab, "hsd")
         # The lower levels draft for the draft model: built for it, as if it were the target.
         chosen = LOWER_LEVELS if names[0] == "auto" else (names[0],)
         self.lowers = {name: create_drafter(name, self.draft) for name in chosen}
@@ -216,13 +221,13 @@ class HierarchicalDrafter(Drafter):
         """A draft model's token, timed once: what ``auto`` prices a first draft's tokens at (at most what they
         cost, since the lower level spares some of the draft model's forwards)."""
         if self._token_s is None:
-            self._token_s = time_draft_token(self.draft.backend)
+            self._token_s = time_draft_token(self.draft.backend, self.head)
         return self._token_s
 
     def reading_cost(self) -> float:
         """Its draft model's reading of a prompt against the target's prefill, timed once (``time_reading``)."""
         if self._reading is None:
-            self._reading = time_reading(self.draft.backend, self.target.backend)
+            self._reading = time_reading(self.draft.backend, self.target.backend, self.head)
         return self._reading
 
     def session(self, request: DraftRequest) -> DraftSession:
@@ -233,7 +238,8 @@ class HierarchicalDrafter(Drafter):
             LowerLevel(name, drafter.session(lower_request), GuessDepth(self.lower_depth, curve=curve))
             for name, drafter in self.lowers.items()
         ]
-        return HierarchicalSession(self.draft.backend, LevelChooser(levels), request)
+        rows = self.head.for_prompt(request.prompt_ids) if self.head is not None else None
+        return HierarchicalSession(self.draft.backend, LevelChooser(levels), request, rows)
 
     def reset(self) -> None:
         for drafter in self.lowers.values():
@@ -243,10 +249,13 @@ class HierarchicalDrafter(Drafter):
 class HierarchicalSession(DraftSession):
     """One request: the draft model's cache of it, and the lower level(s) drafting for it."""
 
-    def __init__(self, backend: CausalLM, chooser: LevelChooser, request: DraftRequest) -> None:
+    def __init__(
+        self, backend: CausalLM, chooser: LevelChooser, request: DraftRequest, head: HeadRows | None = None
+    ) -> None:
         self.backend = backend
         self.chooser = chooser
         self.request = request
+        self.head = head if head is not None and head.ids is not None else None  # VocabTrim's rows, if any
         self.generator = request.torch_generator()
         self.cache = backend.new_cache()
         self.cached: list[int] = []  # the tokens whose entries the draft model's cache holds, in order
@@ -254,7 +263,20 @@ class HierarchicalSession(DraftSession):
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
         """The draft model's token at absolute ``position``, chosen as ``draft-model`` chooses it."""
-        return choose_draft_token(logits, self.request, position, self.generator)
+        return choose_with_head(logits, self.head, self.request, position, self.generator)
+
+    def _logits(self, fed: torch.Tensor, first_row: int) -> torch.Tensor:
+        """The draft model's logits after each of ``fed[first_row:]`` (fed on top of its cache): over the
+        VocabTrim rows when it has them, through the backend's fastest one-token route when one token is fed."""
+        if len(fed) == 1:
+            return self.backend.draft_logits(fed, self.cache, self.head)[None]
+        if self.head is None:
+            return self.backend.forward(fed, self.cache, logits_rows=slice(first_row, None), invariant=False).logits
+        layers = self.backend.num_layers  # a head implies layer-wise execution and hidden states (vocab_trim_head)
+        final = self.backend.forward(
+            fed, self.cache, logits_rows=fed.new_empty(0), hidden_layers=(layers,), invariant=False
+        ).hidden[first_row:]
+        return self.backend.head_logits(final, self.head)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.backend.max_context - len(context))
@@ -276,11 +298,7 @@ class HierarchicalSession(DraftSession):
             fed = torch.tensor(pending + guess, dtype=torch.long)
             # Rows: what follows the last written token, then what follows each guessed token.
             tick = time.perf_counter()
-            rows = slice(len(pending) - 1, None)
-            if len(fed) == 1:  # nothing guessed: the backend's fastest one-token route
-                logits = self.backend.draft_logits(fed, self.cache)[None]
-            else:
-                logits = self.backend.forward(fed, self.cache, logits_rows=rows, invariant=False).logits
+            logits = self._logits(fed, len(pending) - 1)
             elapsed = time.perf_counter() - tick
             self.chooser.timed_forward(elapsed, len(fed))
             setup_s += elapsed * (len(pending) - 1) / len(fed)
