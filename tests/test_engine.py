@@ -61,6 +61,28 @@ def test_draft_model_with_a_trimmed_vocabulary(tiny_target, tiny_draft):
     assert len(tokens) == 12
 
 
+def test_a_trimmed_head_widens_to_the_tokens_the_text_uses(tiny_target, tiny_draft):
+    """VocabTrim's rows grow by every token of the text outside them (so a token the answer keeps using, missing
+    from the ranking, is drafted from its second use on), computing the full head's logits for them; output stays
+    exact."""
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft, draft_vocab=16)
+    rows = drafter.head.for_prompt(PROMPTS[0])
+    assert rows.covering(PROMPTS[0]) is rows  # nothing new
+    outside = [t for t in range(tiny_draft.backend.vocab_size) if t not in set(rows.ids.tolist())][:3]
+    wider = rows.covering([*PROMPTS[0], *outside])
+    assert set(wider.ids.tolist()) == set(rows.ids.tolist()) | set(outside)
+    backend = tiny_draft.backend
+    normed = torch.randn(2, backend.config.hidden_size)
+    full = backend.head_logits(normed)
+    assert torch.allclose(backend.head_logits(normed, wider), full[:, wider.ids], atol=1e-4)
+    session = drafter.session(DraftRequest(tuple(PROMPTS[0])))
+    context = [*PROMPTS[0], *outside]
+    session.propose(context, 3)
+    assert set(outside) <= set(session.head.ids.tolist())
+    tokens, _ = run(tiny_target, drafter, PROMPTS[1], max_new_tokens=32, num_draft_tokens=3)
+    assert tokens == hf_greedy(tiny_target, PROMPTS[1], 32)
+
+
 def test_draft_model_trims_its_head_by_default_where_the_vocabulary_is_larger(tiny_target, tiny_draft, monkeypatch):
     assert create_drafter("draft-model", tiny_target, draft_model=tiny_draft).head is None  # 96 ids: nothing to trim
     monkeypatch.setattr("specdecode.drafters.draft_model.DEFAULT_DRAFT_MODEL_VOCAB", 48)

@@ -11,7 +11,9 @@ by ``draft-model``; trained heads (EAGLE) carry their own subset from training.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,7 +89,7 @@ class DraftHead:
         if self.full:
             return HeadRows(self.backend, None, ())
         if self._base_rows is None:
-            self._base_rows = HeadRows(self.backend, self.base, (self._block(self.base, like_head=True),))
+            self._base_rows = HeadRows(self.backend, self.base, (self._block(self.base, like_head=True),), self)
         prompt = torch.unique(torch.tensor(list(prompt_ids), dtype=torch.long))
         extra = prompt[~torch.isin(prompt, self.base)]
         if not len(extra):
@@ -96,7 +98,7 @@ class DraftHead:
         if last is not None and torch.equal(last.ids[len(self.base) :], extra):
             return last
         block = self._block(extra, like_head=False)
-        self._last = HeadRows(self.backend, torch.cat([self.base, extra]), (*self._base_rows.blocks, block))
+        self._last = HeadRows(self.backend, torch.cat([self.base, extra]), (*self._base_rows.blocks, block), self)
         return self._last
 
 
@@ -108,6 +110,26 @@ class HeadRows:
     backend: LayerwiseExecution
     ids: torch.Tensor | None
     blocks: tuple[nn.Module, ...]
+    source: DraftHead | None = field(default=None, repr=False)  # the head these rows came from, to widen them
+
+    @cached_property
+    def _known(self) -> frozenset[int]:
+        return frozenset(self.ids.tolist()) if self.ids is not None else frozenset()
+
+    def covering(self, tokens: Sequence[int]) -> HeadRows:
+        """These rows, or the same head's rows widened by every one of ``tokens`` outside them.
+
+        Why: a request's text can turn to tokens its head lacks, and a head that cannot draft a token the
+        text keeps using loses every draft through it. The 32,768 ids most frequent in ShareGPT lack LaTeX's
+        `` \\(`` and ``\\)``, 7 of the first 64 tokens Qwen2.5-Coder-1.5B wrote for a CHAMP problem; sessions
+        widen their rows by the tokens of the text so far, so such a token is drafted from its second use on."""
+        if self.ids is None or self.source is None:
+            return self
+        missing = [token for token in dict.fromkeys(tokens) if token not in self._known]
+        if not missing:
+            return self
+        extra = self.ids[len(self.source.base) :].tolist()
+        return self.source.for_prompt([*extra, *missing])
 
     def __call__(self, normed: torch.Tensor) -> torch.Tensor:
         """Head logits for final-normed hidden states [n, d]: over ``ids``, or the full vocabulary."""

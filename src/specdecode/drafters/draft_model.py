@@ -301,6 +301,7 @@ class DraftModelSession(DraftSession):
         self.backend = backend
         self.clock = clock if clock is not None else ForwardClock()
         self.head = head if head is not None and head.ids is not None else None
+        self.covered = 0  # the context's tokens the head's rows have been widened by (HeadRows.covering)
         self.request = request
         self.sampling = request.sampling
         self.generator = request.torch_generator()
@@ -323,6 +324,8 @@ class DraftModelSession(DraftSession):
         if self.lookahead is not None:
             self.cached_tokens.extend(self.lookahead.join())
         started = time.perf_counter()  # after the join: waiting for the worker belongs to the step it worked in
+        if self.head is not None:  # (after the join: the worker drafts through the head too)
+            self.head, self.covered = self.head.covering(context[self.covered :]), len(context)
         max_tokens = min(max_tokens, backend.max_context - len(context))
         # Tokens the worker drafted while the target verified, if the target went the way it assumed.
         tokens, confidence = self.lookahead.continuation(context) if worked else ([], [])

@@ -256,6 +256,7 @@ class HierarchicalSession(DraftSession):
         self.chooser = chooser
         self.request = request
         self.head = head if head is not None and head.ids is not None else None  # VocabTrim's rows, if any
+        self.covered = 0  # the context's tokens the head's rows have been widened by (HeadRows.covering)
         self.generator = request.torch_generator()
         self.cache = backend.new_cache()
         self.cached: list[int] = []  # the tokens whose entries the draft model's cache holds, in order
@@ -282,6 +283,8 @@ class HierarchicalSession(DraftSession):
         max_tokens = min(max_tokens, self.backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
+        if self.head is not None:
+            self.head, self.covered = self.head.covering(context[self.covered :]), len(context)
         keep = min(common_prefix_length(self.cached, context), len(context) - 1)
         self.cache.crop(keep)
         self.cached = list(context[:keep])
