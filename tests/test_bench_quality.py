@@ -72,6 +72,11 @@ def test_cli_refuses_bad_settings_in_one_line(capsys):
     assert_one_line_error(capsys, ["bench", "quality", "--quantize", "int3"], "--quantize")
 
 
+def tiny_settings(tiny_dirs, tmp_path, **values):
+    """Settings for ``pld`` on the tiny target, one thread, results under ``tmp_path``; ``values`` add the rest."""
+    return resolve_settings(model=str(tiny_dirs["target"]), methods="pld", threads=1, out=str(tmp_path / "q"), **values)
+
+
 def tiny_problems() -> list[dict]:
     """Two problems in the tiny tokenizer's words: one the program passes whatever the model writes (its test
     checks nothing the completion can break after a comment), one it cannot pass."""
@@ -92,14 +97,8 @@ def tiny_problems() -> list[dict]:
 
 
 def test_harness_end_to_end_on_the_tiny_model_resumes_and_refuses_other_settings(tmp_path, tiny_dirs, monkeypatch):
-    settings = resolve_settings(
-        model=str(tiny_dirs["target"]),
-        methods="pld",
-        verifiers="exact,fly:entropy=0:top_k=96:min_prob=0:window=0",
-        tasks=2,
-        max_new_tokens=8,
-        threads=1,
-        out=str(tmp_path / "q"),
+    settings = tiny_settings(
+        tiny_dirs, tmp_path, verifiers="exact,fly:entropy=0:top_k=96:min_prob=0:window=0", tasks=2, max_new_tokens=8
     )
     monkeypatch.setattr(quality_suites.HumanEval, "request", completion_style)
     results = quality.measure_quality(settings, progress=False, problems=tiny_problems())
@@ -142,16 +141,7 @@ def test_champ_reads_the_last_number_of_an_answer():
 
 
 def test_chat_suite_is_not_graded_and_its_report_says_so(tmp_path, tiny_dirs):
-    settings = resolve_settings(
-        model=str(tiny_dirs["target"]),
-        methods="pld",
-        verifiers="exact,typical",
-        dataset="chat",
-        tasks=2,
-        max_new_tokens=6,
-        threads=1,
-        out=str(tmp_path / "q"),
-    )
+    settings = tiny_settings(tiny_dirs, tmp_path, verifiers="exact,typical", dataset="chat", tasks=2, max_new_tokens=6)
     chat = [{"task_id": "chat/0", "text": "w1 w2 w3 w1 w2"}, {"task_id": "chat/1", "text": "w4 w5 w4 w5"}]
     results = quality.measure_quality(settings, progress=False, problems=chat)
     assert all(r["passed"] is None and r["pass_at_1"] is None for r in results["rows"])
@@ -163,16 +153,8 @@ def test_chat_suite_is_not_graded_and_its_report_says_so(tmp_path, tiny_dirs):
 def test_a_quantized_target_is_compared_in_its_own_precision(tmp_path, tiny_dirs):
     """``--quantize``: the reference and every verifier decode the same quantized weights, and the report says
     which; the settings are part of what a resumed run must share."""
-    settings = resolve_settings(
-        model=str(tiny_dirs["target"]),
-        methods="pld",
-        verifiers="exact",
-        dataset="chat",
-        tasks=1,
-        max_new_tokens=6,
-        threads=1,
-        quantize="int8",
-        out=str(tmp_path / "q"),
+    settings = tiny_settings(
+        tiny_dirs, tmp_path, verifiers="exact", dataset="chat", tasks=1, max_new_tokens=6, quantize="int8"
     )
     assert settings.quantize_draft is None  # no method has a draft model
     chat = [{"task_id": "chat/0", "text": "w1 w2 w3 w1 w2"}]
@@ -200,9 +182,7 @@ def test_real_model_two_problems(tmp_path):
 
 
 def test_a_judge_that_was_never_trained_is_refused_before_decoding(tmp_path, tiny_dirs, monkeypatch):
-    settings = resolve_settings(
-        model=str(tiny_dirs["target"]), methods="pld", verifiers="exact,judge", tasks=1, out=str(tmp_path / "q")
-    )
+    settings = tiny_settings(tiny_dirs, tmp_path, verifiers="exact,judge", tasks=1)
     forbid(monkeypatch, quality, "decode")
     with pytest.raises(SpecDecodeError, match="specdecode train judge"):
         quality.measure_quality(settings, progress=False, problems=tiny_problems()[:1])
