@@ -63,6 +63,19 @@ def test_windows_keep_bf16_features_once_and_batches_read_them_in_fp32(tiny_targ
     torch.testing.assert_close(reference.finals[2, 0, 3], fp32[0].final[3 + 1 + 2])
 
 
+def test_windows_spilled_to_files_read_as_the_ones_in_memory(tiny_target, tmp_path):
+    """Rows kept in memory-mapped files (Qwen's data does not fit in memory twice) batch exactly as rows in
+    memory, and the files are gone from the directory once mapped."""
+    sequences = [PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 9), PROMPTS[2]]
+    features = compute_features(tiny_target.backend, sequences, (1,), progress=False)
+    spilled = make_windows(features, window=8, steps=2, spill=tmp_path / "rows")
+    kept = make_windows(features, window=8, steps=2)
+    assert list(tmp_path.iterdir()) == []
+    everything = torch.arange(kept.count)
+    got, want = spilled.batch(everything), kept.batch(everything)
+    assert torch.equal(got.aux, want.aux) and torch.equal(got.finals, want.finals)
+
+
 def test_feature_dtype_choices():
     assert feature_dtype("fp32") == torch.float32
     assert feature_dtype("bf16") == torch.bfloat16

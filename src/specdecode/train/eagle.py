@@ -142,7 +142,21 @@ class Windows:
         )
 
 
-def make_windows(features: list[Features], window: int, steps: int) -> Windows:
+def row_store(rows: int, width: int, dtype: torch.dtype, spill: Path | None) -> torch.Tensor:
+    """A [rows, width] tensor of zeros: in the process, or backed by the file ``spill`` (shared mapping), so that
+    the kernel pages rows in and out as a batch reads them.  Qwen's 860k training rows are 10.6 GB in bf16,
+    which this machine cannot hold twice beside the 6 GB target."""
+    if spill is None:
+        return torch.zeros(rows, width, dtype=dtype)
+    spill.unlink(missing_ok=True)  # a fresh file is created zero-filled
+    store = torch.from_file(str(spill), shared=True, size=rows * width, dtype=dtype).view(rows, width)
+    spill.unlink()  # the mapping keeps the data until the tensor is freed; nothing is left behind, even by a crash
+    return store
+
+
+def make_windows(features: list[Features], window: int, steps: int, spill: Path | None = None) -> Windows:
+    """Cut ``features`` into windows; ``spill``: a path prefix under which the rows are kept in files
+    (``<spill>-aux.bin``, ``<spill>-final.bin``) rather than in memory."""
     aux_index, positions, tokens, final_index, valid = [], [], [], [], []
     offset = 0
     padding = sum(item.ids.numel() for item in features)  # the zero row after all of them
@@ -162,11 +176,18 @@ def make_windows(features: list[Features], window: int, steps: int) -> Windows:
         offset += n
     if not aux_index:
         raise SpecDecodeError("eagle: no training rows (sequences need at least 2 tokens)")
-    aux = features[0].aux
-    final = features[0].final
+    first = features[0]
+    aux_rows = row_store(padding + 1, first.aux.shape[1], first.aux.dtype, spill and Path(f"{spill}-aux.bin"))
+    final_rows = row_store(padding + 1, first.final.shape[1], first.final.dtype, spill and Path(f"{spill}-final.bin"))
+    offset = 0
+    for item in features:  # one sequence at a time: the features may be memory-mapped shards
+        n = item.ids.numel()
+        aux_rows[offset : offset + n] = item.aux
+        final_rows[offset : offset + n] = item.final
+        offset += n
     return Windows(
-        aux_rows=torch.cat([*(item.aux for item in features), aux.new_zeros(1, aux.shape[1])]),
-        final_rows=torch.cat([*(item.final for item in features), final.new_zeros(1, final.shape[1])]),
+        aux_rows=aux_rows,
+        final_rows=final_rows,
         aux_index=torch.stack(aux_index),
         positions=torch.stack(positions),
         tokens=torch.stack(tokens, dim=1),
@@ -267,9 +288,11 @@ def train_eagle(
     progress: bool = False,
     checkpoint: Path | None = None,
     initial: EagleHead | None = None,
+    spill: Path | None = None,
 ) -> EagleTrainResult:
     """Fit a fresh head (or resume ``checkpoint``) to ``features`` computed for ``target_backend``; ``initial``:
-    start from that head (its layout and draft vocabulary) rather than from the target's own output stage."""
+    start from that head (its layout and draft vocabulary) rather than from the target's own output stage;
+    ``spill``: a directory where the training rows are kept in memory-mapped files (see :func:`row_store`)."""
     started = time.perf_counter()
     backend, layerwise = target_views(target_backend, "eagle")
     train, held = split_holdout(features, config.holdout, config.seed, "eagle")
@@ -296,8 +319,8 @@ def train_eagle(
         # A checkpoint resumes only a run that started from these very weights.
         identity = {**head_config.to_dict(), "initial": weights_digest(initial)}
     teacher = Teacher(layerwise, ids)
-    windows = make_windows(train, config.window, config.ttt_steps)
-    held_windows = make_windows(held, config.window, config.ttt_steps)
+    windows = make_windows(train, config.window, config.ttt_steps, spill and spill / "training-rows")
+    held_windows = make_windows(held, config.window, config.ttt_steps, spill and spill / "held-out-rows")
     embed = trainable_embed(backend)
 
     def batch_loss(index: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,13 @@ def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
     )
     initial = None if init is None else load_eagle(init, run.target.backend.num_layers)
     result = train_eagle(
-        run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint, initial=initial
+        run.target.backend,
+        run.features,
+        config,
+        progress=True,
+        checkpoint=run.checkpoint,
+        initial=initial,
+        spill=run.checkpoint.parent,
     )
     save_eagle(result.head, run.out, verifier=args.model)
     vocab = result.head.config.draft_vocab_size
