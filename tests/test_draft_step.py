@@ -40,7 +40,7 @@ def assert_steps_match_the_modules(backend, steps: int = 6) -> None:
     token = 6
     for _ in range(steps):
         expected = forward_logits(backend, token, reference)
-        got = backend.draft_logits(torch.tensor([token]), drafted)
+        got = backend.draft_logits(torch.tensor([token]), drafted)[0]
         assert torch.allclose(got, expected, atol=1e-3, rtol=1e-3)
         assert drafted.length == reference.length
         token = int(expected.argmax())
@@ -103,14 +103,15 @@ def test_other_models_draft_through_their_modules(tiny_dirs, build):
     drafted, reference = backend.new_cache(), backend.new_cache()
     for cache in (drafted, reference):
         backend.forward(PROMPT, cache, invariant=False)
-    assert torch.equal(backend.draft_logits(torch.tensor([6]), drafted), forward_logits(backend, 6, reference))
+    assert torch.equal(backend.draft_logits(torch.tensor([6]), drafted)[0], forward_logits(backend, 6, reference))
 
 
 def test_an_empty_pool_is_fed_through_the_modules(tiny_dirs):
     """The step writes into storage the modules create; before any forward there is none."""
     backend = load_model(str(tiny_dirs["target"]), quantize="int4").backend
     cache = backend.new_cache()
-    assert torch.equal(backend.draft_logits(torch.tensor([6]), cache), forward_logits(backend, 6, backend.new_cache()))
+    expected = forward_logits(backend, 6, backend.new_cache())
+    assert torch.equal(backend.draft_logits(torch.tensor([6]), cache)[0], expected)
     assert cache.length == 1
 
 
@@ -124,7 +125,7 @@ def test_a_vocabtrim_head_replaces_the_lm_head_on_either_route(tiny_dirs, quanti
     drafted, reference = backend.new_cache(), backend.new_cache()
     for cache in (drafted, reference):
         backend.forward(PROMPT, cache, invariant=False)
-    got = backend.draft_logits(torch.tensor([6]), drafted, head)
+    got = backend.draft_logits(torch.tensor([6]), drafted, head)[0]
     # The rows' own block may compute in another precision than the quantized head (bf16 activations there).
     assert torch.allclose(got, forward_logits(backend, 6, reference)[rows], atol=5e-2, rtol=1e-2)
     assert drafted.length == reference.length

@@ -154,7 +154,7 @@ class CrossVocabSession(DraftSession):
         forward = partial(self.backend.draft_logits, pending, self.cache)
         logits, catching_up = self.shared.clock.timed(forward, len(pending))
         self.setup_s += catching_up
-        return logits
+        return logits[-1]
 
     def _greedy(self, pending: torch.Tensor, room: int, usable: Callable[[int], bool] | None = None) -> list[int]:
         """Up to ``room`` drafter tokens by greedy decoding over its whole vocabulary, to its EOS or the

@@ -383,7 +383,7 @@ class DraftModelSession(DraftSession):
 
     def next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
-        return self.backend.draft_logits(pending, self.cache, self.head)
+        return self.backend.draft_logits(pending, self.cache, self.head)[-1]
 
     def restart(self) -> None:
         """The draft model's weights changed (online adaptation): nothing cached is valid any more."""

@@ -269,15 +269,7 @@ class HierarchicalSession(DraftSession):
     def _logits(self, fed: torch.Tensor, first_row: int) -> torch.Tensor:
         """The draft model's logits after each of ``fed[first_row:]`` (fed on top of its cache): over the
         VocabTrim rows when it has them, through the backend's fastest one-token route when one token is fed."""
-        if len(fed) == 1:
-            return self.backend.draft_logits(fed, self.cache, self.head)[None]
-        if self.head is None:
-            return self.backend.forward(fed, self.cache, logits_rows=slice(first_row, None), invariant=False).logits
-        layers = self.backend.num_layers  # a head implies layer-wise execution and hidden states (vocab_trim_head)
-        final = self.backend.forward(
-            fed, self.cache, logits_rows=fed.new_empty(0), hidden_layers=(layers,), invariant=False
-        ).hidden[first_row:]
-        return self.backend.head_logits(final, self.head)
+        return self.backend.draft_logits(fed, self.cache, self.head, first_row)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.backend.max_context - len(context))

@@ -141,16 +141,20 @@ class CausalLM(ABC):
         return self.forward_batch([item])[0]
 
     def draft_logits(
-        self, tokens: torch.Tensor, cache: KVCache, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        first_row: int = -1,
     ) -> torch.Tensor:
-        """[vocab] logits after ``tokens`` fed on top of ``cache`` (which grows by as many), for a draft: a
-        backend may take a faster route for one token whose last bits differ from :meth:`forward`'s, since
-        the target verifies.  ``head`` (VocabTrim's rows, on final-normed states) replaces the LM head where
-        the backend has an output stage of its own (:class:`LayerwiseExecution`); the logits are then over
-        its rows."""
+        """[rows, vocab] logits after each of ``tokens[first_row:]`` (by default the last one) fed on top of
+        ``cache`` (which grows by all of them), for a draft: a backend may take a faster route for one token
+        whose last bits differ from :meth:`forward`'s, since the target verifies.  ``head`` (VocabTrim's rows,
+        on final-normed states) replaces the LM head where the backend has an output stage of its own
+        (:class:`LayerwiseExecution`); the logits are then over its rows."""
         if head is not None:
             raise SpecDecodeError(f"{self.name}: drafting through a VocabTrim head needs layer-wise execution")
-        return self.forward(tokens, cache, logits_rows=slice(-1, None), invariant=False).logits[0]
+        return self.forward(tokens, cache, logits_rows=slice(first_row, None), invariant=False).logits
 
     def prepare_drafting(self) -> None:  # noqa: B027
         """Build what :meth:`draft_logits` needs before its first call, so that no draft token is timed with a

@@ -81,7 +81,11 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         return SlotPool(self.device)
 
     def draft_logits(
-        self, tokens: torch.Tensor, cache: KVCache, head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        first_row: int = -1,
     ) -> torch.Tensor:
         """One token through the written-out step (:mod:`specdecode.models.draft_step`) where it takes this
         model; several (a draft catching up with the context) through the modules.  ``head``: VocabTrim's rows
@@ -91,13 +95,13 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             GOVERNOR.before_forward()
             logits = self._draft_step(int(tokens[0]), cache, head)
             if logits is not None:
-                return logits
+                return logits[None]
         if head is None:
-            return super().draft_logits(tokens, cache)
+            return super().draft_logits(tokens, cache, first_row=first_row)
         final = self.forward(
             tokens, cache, logits_rows=tokens.new_empty(0), hidden_layers=(self.num_layers,), invariant=False
-        ).hidden[-1:]
-        return self.head_logits(final, head)[0]
+        ).hidden[first_row:]
+        return self.head_logits(final, head)
 
     def prepare_drafting(self) -> None:
         self._draft_step  # noqa: B018 - building it is the point
