@@ -144,7 +144,7 @@ class Windows:
 
 def row_store(rows: int, width: int, dtype: torch.dtype, spill: Path | None) -> torch.Tensor:
     """A [rows, width] tensor of zeros: in the process, or backed by the file ``spill`` (shared mapping), so that
-    the kernel pages rows in and out as a batch reads them.  Qwen's 860k training rows are 10.6 GB in bf16,
+    the kernel pages rows in and out as a batch reads them.  Qwen's 842k training rows are 10 GB in bf16,
     which this machine cannot hold twice beside the 6 GB target."""
     if spill is None:
         return torch.zeros(rows, width, dtype=dtype)
