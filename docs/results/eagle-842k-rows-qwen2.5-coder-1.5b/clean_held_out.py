@@ -1,21 +1,30 @@
 """Held-out top-1 acceptance of two EAGLE heads on the held-out sequences neither trained on (index >= 920)."""
-import argparse, sys
+
+import argparse
+import sys
 from pathlib import Path
+
 import torch
+
 from specdecode.heads.eagle import default_aux_layers
 from specdecode.heads.storage import load_eagle
 from specdecode.models.loading import load_model
-from specdecode.train.data import DEFAULT_TASKS
-from specdecode.train.features import target_features, work_dir
 from specdecode.train.common import split_holdout, target_views, trainable_embed
-from specdecode.train.eagle import make_windows, held_out_acceptance
+from specdecode.train.data import DEFAULT_TASKS
+from specdecode.train.eagle import held_out_acceptance, make_windows
+from specdecode.train.features import target_features, work_dir
 
 M = Path.home() / ".cache/specdecode/models/qwen2.5-coder-1.5b"
 target = load_model("qwen2.5-coder-1.5b")
 args = argparse.Namespace(prompts=320, new_tokens=128, conversations=1600, max_tokens=512, seed=0)
 writer = load_model("qwen2.5-coder-1.5b", dtype=torch.bfloat16)
-features = target_features(writer, args, DEFAULT_TASKS.split(","), work_dir(M / "eagle-head-big"),
-                           default_aux_layers(target.backend.num_layers))
+features = target_features(
+    writer,
+    args,
+    DEFAULT_TASKS.split(","),
+    work_dir(M / "eagle-head-big"),
+    default_aux_layers(target.backend.num_layers),
+)
 del writer
 position = {id(f): i for i, f in enumerate(features)}
 _, held = split_holdout(features, 0.05, 0, "eagle")

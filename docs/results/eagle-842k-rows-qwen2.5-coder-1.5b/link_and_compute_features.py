@@ -1,11 +1,18 @@
 """Compute the features for the 1600-conversation Qwen EAGLE data, reusing the 600-conversation shards."""
-import argparse, hashlib, json, os, sys
+
+import argparse
+import hashlib
+import json
+import os
+import sys
 from pathlib import Path
+
 import torch
+
 from specdecode.heads.eagle import default_aux_layers
 from specdecode.models.loading import load_model
 from specdecode.train.data import DEFAULT_TASKS
-from specdecode.train.features import target_features, SHARD
+from specdecode.train.features import SHARD, target_features
 
 M = Path.home() / ".cache/specdecode/models/qwen2.5-coder-1.5b"
 OLD = M / "eagle-head.work"
@@ -14,9 +21,17 @@ args = argparse.Namespace(prompts=320, new_tokens=128, conversations=int(sys.arg
 tasks = [t for t in DEFAULT_TASKS.split(",")]
 writer = load_model("qwen2.5-coder-1.5b", dtype=torch.bfloat16)
 aux = default_aux_layers(writer.backend.num_layers)
-key = {"model": writer.name, "prompts": args.prompts, "tasks": tasks, "new_tokens": args.new_tokens,
-       "conversations": args.conversations, "max_tokens": args.max_tokens, "seed": args.seed,
-       "aux": list(aux), "dtype": str(writer.backend.dtype)}
+key = {
+    "model": writer.name,
+    "prompts": args.prompts,
+    "tasks": tasks,
+    "new_tokens": args.new_tokens,
+    "conversations": args.conversations,
+    "max_tokens": args.max_tokens,
+    "seed": args.seed,
+    "aux": list(aux),
+    "dtype": str(writer.backend.dtype),
+}
 digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 print("digest", digest, flush=True)
 work.mkdir(exist_ok=True)
