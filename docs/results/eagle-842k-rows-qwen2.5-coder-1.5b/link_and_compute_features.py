@@ -1,8 +1,6 @@
 """Compute the features for the 1600-conversation Qwen EAGLE data, reusing the 600-conversation shards."""
 
 import argparse
-import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,7 +10,7 @@ import torch
 from specdecode.heads.eagle import default_aux_layers
 from specdecode.models.loading import load_model
 from specdecode.train.data import DEFAULT_TASKS
-from specdecode.train.features import SHARD, target_features
+from specdecode.train.features import SHARD, data_digest, target_features
 
 M = Path.home() / ".cache/specdecode/models/qwen2.5-coder-1.5b"
 OLD = M / "eagle-head.work"
@@ -21,18 +19,7 @@ args = argparse.Namespace(prompts=320, new_tokens=128, conversations=int(sys.arg
 tasks = [t for t in DEFAULT_TASKS.split(",")]
 writer = load_model("qwen2.5-coder-1.5b", dtype=torch.bfloat16)
 aux = default_aux_layers(writer.backend.num_layers)
-key = {
-    "model": writer.name,
-    "prompts": args.prompts,
-    "tasks": tasks,
-    "new_tokens": args.new_tokens,
-    "conversations": args.conversations,
-    "max_tokens": args.max_tokens,
-    "seed": args.seed,
-    "aux": list(aux),
-    "dtype": str(writer.backend.dtype),
-}
-digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+digest = data_digest(writer, args, tasks, aux)
 print("digest", digest, flush=True)
 work.mkdir(exist_ok=True)
 old_digest = "51e1025a455b4ad7"

@@ -60,6 +60,23 @@ def work_dir(out: Path) -> Path:
 SHARD = 16
 
 
+def data_digest(target: LoadedModel, args: argparse.Namespace, tasks: list[str], aux_layers: tuple[int, ...]) -> str:
+    """Names a run's data (the settings it is built from and the target writing it): the distilled answers and
+    feature shards of a work directory are filed under it, so a run with other settings never reads them."""
+    key = {
+        "model": target.name,
+        "prompts": args.prompts,
+        "tasks": tasks,
+        "new_tokens": args.new_tokens,
+        "conversations": args.conversations,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+        "aux": list(aux_layers),
+        "dtype": str(target.backend.dtype),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def target_features(
     target: LoadedModel, args: argparse.Namespace, tasks: list[str], work: Path, aux_layers: tuple[int, ...]
 ) -> list[Features]:
@@ -72,18 +89,7 @@ def target_features(
     from specdecode.train.data import prompt_ids, self_distill
     from specdecode.train.eagle import Features, compute_features
 
-    key = {
-        "model": target.name,
-        "prompts": args.prompts,
-        "tasks": tasks,
-        "new_tokens": args.new_tokens,
-        "conversations": args.conversations,
-        "max_tokens": args.max_tokens,
-        "seed": args.seed,
-        "aux": list(aux_layers),
-        "dtype": str(target.backend.dtype),
-    }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    digest = data_digest(target, args, tasks, aux_layers)
     work.mkdir(parents=True, exist_ok=True)
     whole = work / f"features-{digest}.pt"  # written by earlier versions in one piece
     if whole.is_file():
