@@ -78,7 +78,7 @@ def test_a_trimmed_head_widens_to_the_tokens_the_text_uses(tiny_target, tiny_dra
     session = drafter.session(DraftRequest(tuple(PROMPTS[0])))
     context = [*PROMPTS[0], *outside]
     session.propose(context, 3)
-    assert set(outside) <= set(session.head.ids.tolist())
+    assert set(outside) <= set(session.vocab.rows.ids.tolist())
     tokens, _ = run(tiny_target, drafter, PROMPTS[1], max_new_tokens=32, num_draft_tokens=3)
     assert tokens == hf_greedy(tiny_target, PROMPTS[1], 32)
 

@@ -150,6 +150,25 @@ class HeadRows:
         return index if self.ids is None else int(self.ids[index])
 
 
+@dataclass
+class RequestRows:
+    """One request's VocabTrim rows (None: the full vocabulary), widened as its text grows: the per-request
+    half of :meth:`HeadRows.covering`, whose rows are shared between requests and so cannot count for one."""
+
+    rows: HeadRows | None
+    covered: int = 0  # the context's tokens the rows have been widened by
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and self.rows.ids is None:
+            self.rows = None  # the whole head: nothing to widen, and drafting reads the backend's own
+
+    def follow(self, context: Sequence[int]) -> HeadRows | None:
+        """The rows, first widened by the tokens ``context`` added since the last call."""
+        if self.rows is not None:
+            self.rows, self.covered = self.rows.covering(context[self.covered :]), len(context)
+        return self.rows
+
+
 def choose_from_subset(
     logits: torch.Tensor,
     target_ids: torch.Tensor,

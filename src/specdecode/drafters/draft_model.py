@@ -36,7 +36,7 @@ from specdecode.drafters import register_drafter
 from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._lookahead import Lookahead
 from specdecode.drafters._parallel_switch import ParallelSwitch
-from specdecode.drafters._vocab import DraftHead, HeadRows, frequent_tokens
+from specdecode.drafters._vocab import DraftHead, HeadRows, RequestRows, frequent_tokens
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
 from specdecode.drafters.adapt_data import AdaptingSession, cross_vocab_example, same_vocab_example
@@ -300,8 +300,7 @@ class DraftModelSession(DraftSession):
     ) -> None:
         self.backend = backend
         self.clock = clock if clock is not None else ForwardClock()
-        self.head = head if head is not None and head.ids is not None else None
-        self.covered = 0  # the context's tokens the head's rows have been widened by (HeadRows.covering)
+        self.vocab = RequestRows(head)  # VocabTrim's rows, if any, widened as the text grows
         self.request = request
         self.sampling = request.sampling
         self.generator = request.torch_generator()
@@ -315,7 +314,7 @@ class DraftModelSession(DraftSession):
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
         """The next draft token (for absolute ``position``), over the VocabTrim head's ids when there is one."""
-        return choose_with_head(logits, self.head, self.request, position, self.generator)
+        return choose_with_head(logits, self.vocab.rows, self.request, position, self.generator)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         backend = self.backend
@@ -324,8 +323,7 @@ class DraftModelSession(DraftSession):
         if self.lookahead is not None:
             self.cached_tokens.extend(self.lookahead.join())
         started = time.perf_counter()  # after the join: waiting for the worker belongs to the step it worked in
-        if self.head is not None:  # (after the join: the worker drafts through the head too)
-            self.head, self.covered = self.head.covering(context[self.covered :]), len(context)
+        self.vocab.follow(context)  # (after the join: the worker drafts through the rows too)
         max_tokens = min(max_tokens, backend.max_context - len(context))
         # Tokens the worker drafted while the target verified, if the target went the way it assumed.
         tokens, confidence = self.lookahead.continuation(context) if worked else ([], [])
@@ -383,7 +381,7 @@ class DraftModelSession(DraftSession):
 
     def next_logits(self, pending: torch.Tensor) -> torch.Tensor:
         """Logits after ``pending`` (fed on top of the cache): full, or over the VocabTrim head's ids."""
-        return self.backend.draft_logits(pending, self.cache, self.head)[-1]
+        return self.backend.draft_logits(pending, self.cache, self.vocab.rows)[-1]
 
     def restart(self) -> None:
         """The draft model's weights changed (online adaptation): nothing cached is valid any more."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdecode.drafters import create_drafter, register_drafter
-from specdecode.drafters._vocab import HeadRows
+from specdecode.drafters._vocab import HeadRows, RequestRows
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.draft_model import (
@@ -255,8 +255,7 @@ class HierarchicalSession(DraftSession):
         self.backend = backend
         self.chooser = chooser
         self.request = request
-        self.head = head if head is not None and head.ids is not None else None  # VocabTrim's rows, if any
-        self.covered = 0  # the context's tokens the head's rows have been widened by (HeadRows.covering)
+        self.vocab = RequestRows(head)  # VocabTrim's rows, if any, widened as the text grows
         self.generator = request.torch_generator()
         self.cache = backend.new_cache()
         self.cached: list[int] = []  # the tokens whose entries the draft model's cache holds, in order
@@ -264,19 +263,18 @@ class HierarchicalSession(DraftSession):
 
     def _choose(self, logits: torch.Tensor, position: int) -> tuple[int, torch.Tensor | None, float]:
         """The draft model's token at absolute ``position``, chosen as ``draft-model`` chooses it."""
-        return choose_with_head(logits, self.head, self.request, position, self.generator)
+        return choose_with_head(logits, self.vocab.rows, self.request, position, self.generator)
 
     def _logits(self, fed: torch.Tensor, first_row: int) -> torch.Tensor:
         """The draft model's logits after each of ``fed[first_row:]`` (fed on top of its cache): over the
         VocabTrim rows when it has them, through the backend's fastest one-token route when one token is fed."""
-        return self.backend.draft_logits(fed, self.cache, self.head, first_row)
+        return self.backend.draft_logits(fed, self.cache, self.vocab.rows, first_row)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         max_tokens = min(max_tokens, self.backend.max_context - len(context))
         if max_tokens <= 0:
             return Draft(tokens=[])
-        if self.head is not None:
-            self.head, self.covered = self.head.covering(context[self.covered :]), len(context)
+        self.vocab.follow(context)
         keep = min(common_prefix_length(self.cached, context), len(context) - 1)
         self.cache.crop(keep)
         self.cached = list(context[:keep])
