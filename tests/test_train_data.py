@@ -10,6 +10,7 @@ from specdecode.models.quantized_layers import bf16_matmul_supported
 from specdecode.train import data
 from specdecode.train.eagle import Features, compute_features, make_windows
 from specdecode.train.features import feature_dtype, training_in_bf16
+from specdecode.train.medusa import make_stream
 
 PROMPTS = [[5, 17, 22, 9], [3, 8], [40, 41, 42, 43, 44, 45], [11, 12, 13], [30, 31, 7, 7, 7]]
 
@@ -74,6 +75,23 @@ def test_windows_spilled_to_files_read_as_the_ones_in_memory(tiny_target, tmp_pa
     everything = torch.arange(kept.count)
     got, want = spilled.batch(everything), kept.batch(everything)
     assert torch.equal(got.aux, want.aux) and torch.equal(got.finals, want.finals)
+
+
+def test_heads_stream_spilled_to_a_file_keeps_the_features_precision(tiny_target, tmp_path):
+    """Medusa's and Hydra's stream of final hidden states, kept in a memory-mapped file, holds what one kept in
+    memory holds, in the features' own precision (bf16 is half the memory; batches read fp32), zero-padded."""
+    sequences = [PROMPTS[0] + hf_greedy(tiny_target, PROMPTS[0], 9), PROMPTS[2]]
+    features = [
+        Features(f.ids, f.aux, f.final.to(torch.bfloat16))
+        for f in compute_features(tiny_target.backend, sequences, (), progress=False)
+    ]
+    spilled = make_stream(features, heads=2, spill=tmp_path / "finals.bin")
+    kept = make_stream(features, heads=2)
+    assert list(tmp_path.iterdir()) == []
+    assert spilled.finals.dtype == torch.bfloat16 and torch.equal(spilled.finals, kept.finals)
+    rows = sum(len(s) for s in sequences)
+    assert torch.equal(spilled.finals[:rows], torch.cat([f.final for f in features]))
+    assert not spilled.finals[rows:].any() and spilled.rows == rows
 
 
 def test_feature_dtype_choices():

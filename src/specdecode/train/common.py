@@ -97,6 +97,18 @@ def split_holdout(items: list[Item], holdout: float, seed: int, who: str) -> tup
     return train, held
 
 
+def row_store(rows: int, width: int, dtype: torch.dtype, spill: Path | None) -> torch.Tensor:
+    """A [rows, width] tensor of zeros: in the process, or backed by the file ``spill`` (shared mapping), so that
+    the kernel pages rows in and out as a batch reads them.  Qwen's 842k EAGLE training rows are 10 GB in bf16,
+    which this machine cannot hold twice beside the 6 GB target."""
+    if spill is None:
+        return torch.zeros(rows, width, dtype=dtype)
+    spill.unlink(missing_ok=True)  # a fresh file is created zero-filled
+    store = torch.from_file(str(spill), shared=True, size=rows * width, dtype=dtype).view(rows, width)
+    spill.unlink()  # the mapping keeps the data until the tensor is freed; nothing is left behind, even by a crash
+    return store
+
+
 def trainable_embed(backend: HiddenStates) -> Callable[[torch.Tensor], torch.Tensor]:
     """The target's embedding as training uses it: cloned out of inference mode, since autograd may save it."""
 

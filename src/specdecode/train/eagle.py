@@ -37,6 +37,7 @@ from specdecode.train.common import (
     TrainResult,
     fit,
     kl_to_teacher,
+    row_store,
     split_holdout,
     target_views,
     trainable_embed,
@@ -140,18 +141,6 @@ class Windows:
             finals=self.final_rows[self.final_index[:, index]].float(),
             valid=self.valid[:, index],
         )
-
-
-def row_store(rows: int, width: int, dtype: torch.dtype, spill: Path | None) -> torch.Tensor:
-    """A [rows, width] tensor of zeros: in the process, or backed by the file ``spill`` (shared mapping), so that
-    the kernel pages rows in and out as a batch reads them.  Qwen's 842k training rows are 10 GB in bf16,
-    which this machine cannot hold twice beside the 6 GB target."""
-    if spill is None:
-        return torch.zeros(rows, width, dtype=dtype)
-    spill.unlink(missing_ok=True)  # a fresh file is created zero-filled
-    store = torch.from_file(str(spill), shared=True, size=rows * width, dtype=dtype).view(rows, width)
-    spill.unlink()  # the mapping keeps the data until the tensor is freed; nothing is left behind, even by a crash
-    return store
 
 
 def make_windows(features: list[Features], window: int, steps: int, spill: Path | None = None) -> Windows:

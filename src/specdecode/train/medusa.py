@@ -31,6 +31,7 @@ from specdecode.train.common import (
     TrainResult,
     fit,
     kl_to_teacher,
+    row_store,
     split_holdout,
     target_views,
     trainable_embed,
@@ -77,17 +78,23 @@ class Stream:
         return self.last.numel()
 
 
-def make_stream(features: list[Features], heads: int) -> Stream:
+def make_stream(features: list[Features], heads: int, spill: Path | None = None) -> Stream:
+    """Every sequence end to end; ``spill``: a file to keep the final hidden states in (:func:`row_store`),
+    in the features' own precision (bf16 where kept so: each batch reads its rows as fp32)."""
     if not any(item.ids.numel() >= 2 for item in features):
         raise SpecDecodeError("heads: no training rows (sequences need at least 2 tokens)")
+    lengths = torch.tensor([item.ids.numel() for item in features])
+    total, first = int(lengths.sum()), features[0].final
+    finals = row_store(total + heads + 1, first.shape[1], first.dtype, spill)  # zero rows pad the end
+    offset = 0
+    for item in features:  # one sequence at a time: memory-mapped features are read once, never all at once
+        finals[offset : offset + item.ids.numel()] = item.final
+        offset += item.ids.numel()
     ids = torch.cat([item.ids for item in features])
-    finals = torch.cat([item.final for item in features]).float()  # features may be kept in bf16
-    ends = torch.cumsum(torch.tensor([item.ids.numel() for item in features]), 0) - 1
-    last = torch.repeat_interleave(ends, torch.tensor([item.ids.numel() for item in features]))
     return Stream(
         ids=torch.cat([ids, ids.new_zeros(heads + 1)]),
-        finals=torch.cat([finals, finals.new_zeros(heads + 1, finals.shape[1])]),
-        last=last,
+        finals=finals,
+        last=torch.repeat_interleave(torch.cumsum(lengths, 0) - 1, lengths),
     )
 
 
@@ -96,7 +103,7 @@ def run_logits(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Rows start..stop-1: every head's draft logits [B, draft_vocab] and validity [B] (the token it
     predicts lies in the row's sequence)."""
-    hidden = stream.finals[start:stop]
+    hidden = stream.finals[start:stop].float()
     count, rows = stop - start, torch.arange(start, stop)
     embeds = embed(stream.ids[start + 1 : stop + heads.config.num_heads]) if heads.config.kind == "hydra" else None
     logits, valid = [], []
@@ -116,7 +123,7 @@ def held_out_acceptance(heads: DraftHeads, backend: LayerwiseExecution, embed, s
     for start in range(0, stream.rows, run):
         stop = min(start + run, stream.rows)
         logits, valid = run_logits(heads, embed, stream, start, stop)
-        truths = backend.head_logits(stream.finals[start + 1 : stop + k_heads], full_head).argmax(-1)
+        truths = backend.head_logits(stream.finals[start + 1 : stop + k_heads].float(), full_head).argmax(-1)
         still = torch.ones(stop - start, dtype=torch.bool)
         for k in range(k_heads):
             truth = truths[k : k + stop - start]
@@ -134,8 +141,10 @@ def train_heads(
     config: HeadsTrainConfig,
     progress: bool = False,
     checkpoint: Path | None = None,
+    spill: Path | None = None,
 ) -> HeadsTrainResult:
-    """Fit fresh heads (or resume ``checkpoint``) to ``features`` computed for ``target_backend``."""
+    """Fit fresh heads (or resume ``checkpoint``) to ``features`` computed for ``target_backend``; ``spill``: a
+    directory where the final hidden states are kept in memory-mapped files (see :func:`row_store`)."""
     started = time.perf_counter()
     backend, layerwise = target_views(target_backend, config.kind)
     train, held = split_holdout(features, config.holdout, config.seed, config.kind)
@@ -147,13 +156,14 @@ def train_heads(
             block.layers[0].weight.zero_()
             block.layers[0].bias.zero_()
     teacher = Teacher(layerwise, ids)
-    stream, held_stream = make_stream(train, config.num_heads), make_stream(held, config.num_heads)
+    stream = make_stream(train, config.num_heads, spill and spill / "training-finals.bin")
+    held_stream = make_stream(held, config.num_heads, spill and spill / "held-out-finals.bin")
     embed = trainable_embed(backend)
 
     def batch_loss(run: int) -> torch.Tensor:
         """Run ``run``'s KL per head, each averaged over its valid rows, summed with Medusa's weights."""
         start, stop = run * config.run, min((run + 1) * config.run, stream.rows)
-        target = teacher.log_probs(stream.finals[start + 1 : stop + config.num_heads])
+        target = teacher.log_probs(stream.finals[start + 1 : stop + config.num_heads].float())
         logits, valid = run_logits(heads, embed, stream, start, stop)
         loss = torch.zeros(())
         for k, (draft, ok) in enumerate(zip(logits, valid)):

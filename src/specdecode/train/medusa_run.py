@@ -29,7 +29,9 @@ def run_heads_training(args: argparse.Namespace, tasks: list[str], kind: str) ->
         seed=args.seed,
         bf16=training_in_bf16(args.train_dtype),
     )
-    result = train_heads(run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint)
+    result = train_heads(
+        run.target.backend, run.features, config, progress=True, checkpoint=run.checkpoint, spill=run.checkpoint.parent
+    )
     save_heads(result.heads, run.out, verifier=args.model)
     vocab = result.heads.config.draft_vocab_size
     report_training(args, result, f"{kind} heads", vocab, "head", run.seconds, run.out, kind, "heads")
