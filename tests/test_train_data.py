@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from helpers import hf_greedy
+from specdecode.errors import SpecDecodeError
 from specdecode.models.quantized_layers import bf16_matmul_supported
 from specdecode.train import data
+from specdecode.train.common import split_holdout
 from specdecode.train.eagle import Features, compute_features, make_windows
 from specdecode.train.features import feature_dtype, training_in_bf16
 from specdecode.train.medusa import make_stream
@@ -92,6 +94,27 @@ def test_heads_stream_spilled_to_a_file_keeps_the_features_precision(tiny_target
     rows = sum(len(s) for s in sequences)
     assert torch.equal(spilled.finals[:rows], torch.cat([f.final for f in features]))
     assert not spilled.finals[rows:].any() and spilled.rows == rows
+
+
+def test_the_held_out_split_keeps_its_sequences_when_the_data_grows():
+    """A sequence's side depends on its tokens alone: grown data (``--init`` on more conversations) keeps the first
+    run's held-out sequences held out and its training sequences in training, equal sequences fall on one side, and
+    tiny sets still hold out one and train on one."""
+    sequences = [[i, i * 7 % 13, 3] for i in range(400)]
+    first_train, first_held = split_holdout(sequences[:200], sequences[:200], 0.05, 0, "t")
+    train, held = split_holdout(sequences, sequences, 0.05, 0, "t")
+    assert 2 <= len(first_held) < 25 and 10 <= len(held) < 40
+    assert {tuple(s) for s in first_held} <= {tuple(s) for s in held}
+    assert {tuple(s) for s in first_train} <= {tuple(s) for s in train}
+    assert sorted(map(tuple, train + held)) == sorted(map(tuple, sequences))
+    twice = [[1, 2], [1, 2], [5], [6], [7]]
+    train, held = split_holdout(twice, twice, 0.5, 0, "t")
+    assert ([1, 2] in train) != ([1, 2] in held)
+    for pair in ([[1], [2]], [[1, 2]]):
+        train, held = split_holdout(pair, pair, 0.05, 0, "t")
+        assert train and held and (len(pair) == 1 or not set(map(tuple, train)) & set(map(tuple, held)))
+    with pytest.raises(SpecDecodeError, match="no training data"):
+        split_holdout([], [], 0.05, 0, "t")
 
 
 def test_feature_dtype_choices():

@@ -10,10 +10,12 @@ and how its loss is summed over drafting steps or heads stays with each trainer.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -85,16 +87,29 @@ def target_views(target_backend: object, who: str) -> tuple[HiddenStates, Layerw
     return backend, layerwise
 
 
-def split_holdout(items: list[Item], holdout: float, seed: int, who: str) -> tuple[list[Item], list[Item]]:
-    """(training, held-out) sequences, a ``holdout`` fraction held out at random (``seed``) for the
-    acceptance figures; a single sequence serves as both, so a tiny run still reports something."""
+def split_holdout(
+    items: list[Item], tokens: Sequence[Sequence[int]], holdout: float, seed: int, who: str
+) -> tuple[list[Item], list[Item]]:
+    """(training, held-out) items, each item's ``tokens`` deciding its side: it is held out when their hash (with
+    ``seed``) falls in the lowest ``holdout`` fraction.  The side depends on the sequence alone, so data grown for a
+    longer run (``train eagle --init`` on more conversations) keeps the earlier held-out sequences held out and its
+    figures stay clean of what the starting head trained on; equal sequences fall on the same side.  A few items
+    still hold out one (the lowest hash) and train on one; a single item serves as both."""
     if not items:
         raise SpecDecodeError(f"{who}: no training data")
-    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
-    n_eval = max(1, round(holdout * len(order))) if len(order) > 1 else 0
-    held = [items[i] for i in order[:n_eval]] or items
-    train = [items[i] for i in order[n_eval:]] or items
-    return train, held
+    if len(items) == 1:
+        return items, items
+    draws = [_uniform_draw(sequence, seed) for sequence in tokens]
+    ranked = sorted(range(len(items)), key=draws.__getitem__)
+    held = {i for i in ranked if draws[i] < holdout} or {ranked[0]}
+    held.discard(ranked[-1])  # something to train on
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+def _uniform_draw(tokens: Sequence[int], seed: int) -> float:
+    """A number in [0, 1) that is a function of ``tokens`` and ``seed`` only (the same in every process)."""
+    digest = hashlib.blake2b(array("q", [seed, *tokens]).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 def row_store(rows: int, width: int, dtype: torch.dtype, spill: Path | None) -> torch.Tensor:

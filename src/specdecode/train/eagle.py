@@ -284,7 +284,7 @@ def train_eagle(
     ``spill``: a directory where the training rows are kept in memory-mapped files (see :func:`row_store`)."""
     started = time.perf_counter()
     backend, layerwise = target_views(target_backend, "eagle")
-    train, held = split_holdout(features, config.holdout, config.seed, "eagle")
+    train, held = split_holdout(features, [f.ids.tolist() for f in features], config.holdout, config.seed, "eagle")
 
     vocab_size = layerwise.output_weight().shape[0]
     if initial is None:

@@ -29,6 +29,7 @@ from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.loading import LoadedModel
+from specdecode.train.common import split_holdout
 
 
 @dataclass
@@ -157,10 +158,7 @@ def train_adapter(
         raise SpecDecodeError("kangaroo: no training prompts")
     torch.manual_seed(config.seed)
     sequences = collect(target, prompts, config, exit_layer, progress)
-    order = torch.randperm(len(sequences)).tolist()
-    n_eval = max(1, round(config.holdout * len(order))) if len(order) > 1 else 0
-    held = [sequences[i] for i in order[:n_eval]] or sequences  # one prompt: evaluate on what we train on
-    train = [sequences[i] for i in order[n_eval:]]
+    train, held = split_holdout(sequences, [list(p) for p in prompts], config.holdout, config.seed, "kangaroo")
     exits, finals = torch.cat([s.exits for s in train]), torch.cat([s.finals for s in train])
     held_exits, held_finals = torch.cat([s.exits for s in held]), torch.cat([s.finals for s in held])
     adapter = KangarooAdapter.for_backend(backend, exit_layer, config.inner_size or 2 * backend.hidden_size)

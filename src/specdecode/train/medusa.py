@@ -147,7 +147,7 @@ def train_heads(
     directory where the final hidden states are kept in memory-mapped files (see :func:`row_store`)."""
     started = time.perf_counter()
     backend, layerwise = target_views(target_backend, config.kind)
-    train, held = split_holdout(features, config.holdout, config.seed, config.kind)
+    train, held = split_holdout(features, [f.ids.tolist() for f in features], config.holdout, config.seed, config.kind)
 
     ids = draft_vocabulary(train, config.draft_vocab, layerwise.output_weight().shape[0])
     heads = heads_for_target(target_backend, config.kind, config.num_heads, ids)
