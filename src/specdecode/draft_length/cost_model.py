@@ -22,6 +22,9 @@ LOSING_GAIN = 0.97
 MIN_GAIN_EVIDENCE = 6.0
 #: A probe that paid replaces that evidence with itself, worth this many steps.
 PROBE_GAIN_WEIGHT = 2.0
+#: A depth is drafted only when expected to yield this many times plain decoding's tokens/s: the inputs are
+#: estimates, and drafting costs what they omit, so break-even drafts lose (`kangaroo` at 33% acceptance, 4.6%).
+DRAFT_MARGIN = 1.03
 #: What one sequence's drafting may lose against plain decoding, net of what it gained: this share of the
 #: sequence's time so far (its prefill included) plus ``LOSS_ALLOWANCE_STEPS`` plain steps.  Past it the
 #: sequence drafts nothing, probes included, until its time has grown enough to pay for more trying.  This
@@ -69,8 +72,7 @@ class CostModelLength(DraftLengthPolicy):
     accepted, and drafting stops once that chance no longer pays for the extra width — i.e. below
     ``rate * (marginal verification + draft seconds)``, with ``rate`` the tokens per second achieved so far.
     A drafter that reads the context (a draft model) must first read the prompt, at a cost that can exceed
-    all its drafts save: ``qwen2.5-coder-0.5b`` reading a 295-token prompt took 2.0 s on a 2-core AVX2 CPU,
-    the 64 tokens after it 5.4 s, and its drafts saved at most a fifth of those.  So before such a
+    all its drafts save (a 0.5B draft model's reading took 2.0 s, the 64 tokens after it 5.4 s).  So before such a
     drafter's first draft of a sequence, its reading is priced (``context_cost``: its timed reading of a
     prompt against the target's prefill of it, times the target's prefill of this prompt, :meth:`begin`) against the
     expected saving over the tokens still to come (at most ``ANSWER_HORIZON``), and a sequence where it
@@ -78,16 +80,15 @@ class CostModelLength(DraftLengthPolicy):
     one-token forward that prices the saving.  The estimate is learnt across requests from what each
     first draft's reading cost (``StepObservation.setup_s``).
 
-    Whether to draft at all is the cost model's call for every drafter: when no depth pays (a
-    self-drafter whose tokens the target rejects costs a partial forward per step for nothing), the
-    policy drafts nothing and only probes depth 1, after ``probe_every`` steps, twice as long after each
-    probe that was rejected (at most ``max_probe_every``), back to ``probe_every`` once one is accepted.
-
+    Whether to draft at all is the cost model's call for every drafter: when no depth pays by
+    ``DRAFT_MARGIN`` (a self-drafter whose tokens the target rejects costs a partial forward per step for
+    nothing), the policy drafts nothing and only probes depth 1, after ``probe_every`` steps, twice as long
+    after each rejected probe (at most ``max_probe_every``), back to ``probe_every`` once one is accepted.
     The model can be wrong where its inputs are estimates (a tree verifies more nodes than it is deep; a
     drafter's cost varies with the text), so it is also checked against what drafting actually achieved:
-    each step that drafted is scored by its tokens per second over what a plain step would have given
-    (the same overhead, the forward over one input instead of the draft), and a sequence whose recent
-    score falls below ``LOSING_GAIN`` drafts nothing but probes until a probe pays.
+    each step that drafted is scored by its tokens per second over what a plain step would have given (the
+    same overhead, one input instead of the draft), and a sequence whose recent score falls below
+    ``LOSING_GAIN`` drafts nothing but probes until a probe pays.
     """
 
     maximum: int = 16
@@ -102,11 +103,9 @@ class CostModelLength(DraftLengthPolicy):
     acceptance_after: dict[bool, list[RunningMean]] = field(default_factory=lambda: {True: [], False: []})
     in_run: bool = False  # the last step that drafted had its whole draft accepted
     scale: RunningMean = field(default_factory=lambda: RunningMean(1.0, weight=0.0, decay=0.9))
-    #: Seconds of forwards over exactly one input (a step without a draft, alone in its batch), timed: what
-    #: drafting is judged against (``plain_step_seconds``).  ``scale`` times the curve is an estimate that
-    #: wide steps pull up wherever the curve underrates them — trees (attended row by row; the curve is
-    #: measured on chains), long contexts — and with it, a tree drafter that lost 7% on a 300-token prompt
-    #: was scored as gaining.
+    #: Seconds of forwards over exactly one input (a step without a draft, alone in its batch), timed: what drafting
+    #: is judged against (``plain_step_seconds``).  ``scale`` times the curve is pulled up by wide steps wherever the
+    #: curve underrates them (trees, long contexts): with it, a tree drafter losing 7% was scored as gaining.
     plain_forward: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0, decay=0.9))
     draft_cost: LinearFit = field(default_factory=LinearFit)
     overhead: RunningMean = field(default_factory=lambda: RunningMean(0.0, weight=0.0))
@@ -118,8 +117,7 @@ class CostModelLength(DraftLengthPolicy):
     steps_without_drafting: int = 0
     others_width: int = 0  # inputs the rest of the batch added to the last verification forward
     batch: int = 1  # sequences in the last verification forward
-    #: This sequence's seconds so far (prefill and every step) and what its drafting steps saved against
-    #: plain steps, net (negative: lost), for the loss budget (``LOSS_BUDGET``).
+    #: This sequence's seconds so far and what its drafting saved against plain steps, net, for ``LOSS_BUDGET``.
     elapsed_s: float = 0.0
     net_saved_s: float = 0.0
     #: Tokens per second of recent drafting steps over what plain steps would have given (1: break-even).
@@ -231,7 +229,10 @@ class CostModelLength(DraftLengthPolicy):
 
     def next_length(self, limit: int) -> int:
         cap = min(self.deepest, limit) if self.reading_pays(limit) and not self.over_budget else 0
-        return self.settle(0 if self.losing else max(range(cap + 1), key=self.expected_rate), cap)
+        best = 0 if self.losing else max(range(cap + 1), key=self.expected_rate)
+        if best and self.expected_rate(best) < DRAFT_MARGIN * self.expected_rate(0):
+            best = 0  # a gain within the estimates' error: plain decoding's is certain
+        return self.settle(best, cap)
 
     def begin(self, prefill_s: float) -> None:
         self.prefill_s = prefill_s
