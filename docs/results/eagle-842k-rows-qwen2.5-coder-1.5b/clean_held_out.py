@@ -9,7 +9,7 @@ import torch
 from specdecode.heads.eagle import default_aux_layers
 from specdecode.heads.storage import load_eagle
 from specdecode.models.loading import load_model
-from specdecode.train.common import split_holdout, target_views, trainable_embed
+from specdecode.train.common import target_views, trainable_embed
 from specdecode.train.data import DEFAULT_TASKS
 from specdecode.train.eagle import held_out_acceptance, make_windows
 from specdecode.train.features import target_features, work_dir
@@ -26,9 +26,10 @@ features = target_features(
     default_aux_layers(target.backend.num_layers),
 )
 del writer
-position = {id(f): i for i, f in enumerate(features)}
-_, held = split_holdout(features, 0.05, 0, "eagle")
-fresh = [f for f in held if position[id(f)] >= 920]
+# The split as the trainer drew it in session 32 (a seeded permutation; since session 33 a hash of each sequence).
+order = torch.randperm(len(features), generator=torch.Generator().manual_seed(0)).tolist()
+held = order[: max(1, round(0.05 * len(order)))]
+fresh = [features[i] for i in held if i >= 920]
 print(f"held-out sequences {len(held)}, of them new data {len(fresh)} ({sum(f.ids.numel() for f in fresh)} tokens)")
 backend, layerwise = target_views(target.backend, "eagle")
 windows = make_windows(fresh, 256, 3)

@@ -87,9 +87,9 @@ def make_stream(features: list[Features], heads: int, spill: Path | None = None)
     total, first = int(lengths.sum()), features[0].final
     finals = row_store(total + heads + 1, first.shape[1], first.dtype, spill)  # zero rows pad the end
     offset = 0
-    for item in features:  # one sequence at a time: memory-mapped features are read once, never all at once
-        finals[offset : offset + item.ids.numel()] = item.final
-        offset += item.ids.numel()
+    for item, length in zip(features, lengths.tolist()):  # one sequence at a time: never all of them in memory
+        finals[offset : offset + length] = item.final
+        offset += length
     ids = torch.cat([item.ids for item in features])
     return Stream(
         ids=torch.cat([ids, ids.new_zeros(heads + 1)]),
