@@ -8,7 +8,7 @@ import json
 import pytest
 
 from helpers import assert_one_line_error, forbid
-from specdecode.bench import quality, quality_suites
+from specdecode.bench import quality, quality_report, quality_suites
 from specdecode.bench.quality import parse_verifiers, resolve_settings
 from specdecode.bench.quality_exec import run_check
 from specdecode.bench.quality_suites import Champ, numbers_in, select_problems
@@ -186,3 +186,37 @@ def test_a_judge_that_was_never_trained_is_refused_before_decoding(tmp_path, tin
     forbid(monkeypatch, quality, "decode")
     with pytest.raises(SpecDecodeError, match="specdecode train judge"):
         quality.measure_quality(settings, progress=False, problems=tiny_problems()[:1])
+
+
+def test_answer_time_vs_exact_does_not_credit_longer_answers():
+    """A relaxed verifier writing twice the tokens in 1.5x the time gains tokens/s but loses answer time."""
+
+    def record(verifier: str, tokens: int, wall_s: float) -> dict:
+        return {
+            "task_id": "T/0",
+            "new_tokens": tokens,
+            "steps": tokens,
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
+            "wall_s": wall_s,
+            "token_ids": list(range(tokens)),
+            "lossless": verifier == "exact",
+            "passed": True,
+        }
+
+    results = {
+        "fingerprint": {"problems": ["T/0"]},
+        "records": {
+            "none|exact|T/0": record("exact", 10, 2.0),
+            "pld|exact|T/0": record("exact", 10, 1.0),
+            "pld|fly|T/0": record("fly", 20, 1.5),
+        },
+    }
+    rows = {
+        r["verifier"]: r
+        for r in quality_report.summarize(results, ["none", "pld"], ["exact", "fly"])
+        if r["method"] == "pld"
+    }
+    assert rows["fly"]["speedup_vs_exact"] == pytest.approx(4 / 3)
+    assert rows["fly"]["answer_time_vs_exact"] == pytest.approx(2 / 3)
+    assert rows["exact"]["answer_time_vs_exact"] == pytest.approx(1.0)
