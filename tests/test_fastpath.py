@@ -180,3 +180,42 @@ def test_gradients_flow_through_packed_layers_to_their_inputs():
     dense(x1).square().sum().backward()
     packed(x2).square().sum().backward()
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_tuning_times_both_kernels_once_keeps_the_choice_and_frees_unused_copies(monkeypatch):
+    """``tune_fast_path`` times forwards with and without the dense copies, keeps its choice on disk for the
+    next load of the same structure (no timing then), and frees the copies where they lost."""
+    from specdecode.models import cost
+    from specdecode.models.fastpath import DENSE_ROWS, dense_copies
+
+    first = HFCausalLM(apply_fast_path_to(llama(tied=False)), "tiny")
+    assert dense_copies(first.model)  # every layer of the tiny model is small enough to keep one
+    rows = cost.tune_fast_path(first)
+    assert 0 <= rows <= DENSE_ROWS
+    assert {m.dense_rows for m in dense_copies(first.model)} <= {rows}
+    assert not dense_copies(first.model) if rows == 0 else len(dense_copies(first.model)) > 0
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(cost, "prefilled", no_timing)
+    again = HFCausalLM(apply_fast_path_to(llama(tied=False)), "tiny")
+    assert cost.tune_fast_path(again) == rows
+
+
+def test_without_dense_copies_the_forward_is_unchanged():
+    from specdecode.models.fastpath import dense_copies, use_dense_rows
+
+    model = apply_fast_path_to(llama(tied=False)).eval()
+    ids = torch.randint(3, 128, (1, 3))
+    with torch.inference_mode():
+        before = model(ids).logits
+        use_dense_rows(model, 0)
+        assert not dense_copies(model)
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def apply_fast_path_to(model: nn.Module) -> nn.Module:
+    apply_cpu_fast_path(model)
+    return model

@@ -75,10 +75,9 @@ class CostModelLength(DraftLengthPolicy):
     all its drafts save (a 0.5B draft model's reading took 2.0 s, the 64 tokens after it 5.4 s).  So before such a
     drafter's first draft of a sequence, its reading is priced (``context_cost``: its timed reading of a
     prompt against the target's prefill of it, times the target's prefill of this prompt, :meth:`begin`) against the
-    expected saving over the tokens still to come (at most ``ANSWER_HORIZON``), and a sequence where it
-    would not pay back is decoded without drafting — after one plain step, which times the target's
-    one-token forward that prices the saving.  The estimate is learnt across requests from what each
-    first draft's reading cost (``StepObservation.setup_s``).
+    expected saving over the tokens still to come (at most ``ANSWER_HORIZON``); a sequence where drafting would
+    not gain ``DRAFT_MARGIN``, reading included, is decoded without drafting — after one plain step, which times
+    the target's forward that prices the saving.  The reading's price is learnt from first drafts' ``setup_s``.
 
     Whether to draft at all is the cost model's call for every drafter: when no depth pays by
     ``DRAFT_MARGIN`` (a self-drafter whose tokens the target rejects costs a partial forward per step for
@@ -260,8 +259,9 @@ class CostModelLength(DraftLengthPolicy):
             return (self.step_seconds(k) + k * token_s) / self.expected_tokens(k)
 
         best = min(seconds_per_token(k) for k in range(1, min(self.maximum, limit) + 1))
-        saving = min(limit + 1, ANSWER_HORIZON) * (seconds_per_token(0) - best)
-        self.declined = saving <= self.context_cost.value * self.prefill_s
+        horizon = min(limit + 1, ANSWER_HORIZON)
+        drafted_s = horizon * best + self.context_cost.value * self.prefill_s  # the reading included
+        self.declined = DRAFT_MARGIN * drafted_s >= horizon * seconds_per_token(0)
         return not self.declined
 
     def settle(self, best: int, cap: int, proposed: bool = False) -> int:

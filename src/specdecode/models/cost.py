@@ -21,6 +21,7 @@ from torch import nn
 from specdecode.machine import cpu_name
 from specdecode.models.base import CausalLM, KVCache
 from specdecode.models.cache import cache_dir
+from specdecode.models.fastpath import DENSE_ROWS, dense_copies, use_dense_rows
 
 _SEED = 0
 
@@ -73,6 +74,7 @@ def timed_rounds(
 
 
 _CURVES: WeakKeyDictionary[CausalLM, tuple[float, ...]] = WeakKeyDictionary()
+_TUNED: WeakKeyDictionary[CausalLM, int] = WeakKeyDictionary()
 
 
 def cost_at(curve: tuple[float, ...], width: int) -> float:
@@ -127,8 +129,47 @@ def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -
     fitted = monotone_fit([min(samples[w]) for w in range(1, widths + 1)])
     _CURVES[backend] = tuple(t / fitted[0] for t in fitted)
     if key:
-        _save_curve(key, _CURVES[backend])
+        _save_entry(key, {"curve": list(_CURVES[backend])})
     return _CURVES[backend]
+
+
+def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:
+    """How many rows a call may have to use the fast path's dense copies (:mod:`specdecode.models.fastpath`):
+    the most new tokens n (0 to ``DENSE_ROWS``) for which a whole forward over every count up to n was faster
+    with the copies than without, timed once per machine and model structure (kept on disk as the curves are),
+    then applied.  MKL's few-row kernel beats oneDNN's on one CPU and loses by 2-5x on another."""
+    model = getattr(backend, "model", None)
+    copies = dense_copies(model) if isinstance(model, nn.Module) else []
+    if not copies or backend.max_context <= DENSE_ROWS + 32:
+        return 0
+    if backend in _TUNED:
+        return _TUNED[backend]
+    key = _machine_and_model_key(backend, DENSE_ROWS, repeats, 32)
+    saved = _saved_curves().get(f"dense-rows:{key}") if key else None
+    rows = saved.get("rows") if isinstance(saved, dict) else None
+    if not isinstance(rows, int) or not 0 <= rows <= DENSE_ROWS:
+        cache, new = prefilled(backend, 32, DENSE_ROWS)
+        fastest = {(with_copies, n): float("inf") for with_copies in (True, False) for n in range(1, DENSE_ROWS + 1)}
+        for round_index in range(repeats + 1):  # the first round warms both ways up
+            for with_copies in (True, False):
+                for module in copies:
+                    module.dense_rows = DENSE_ROWS if with_copies else 0
+                for n in range(1, DENSE_ROWS + 1):
+                    start = time.perf_counter()
+                    backend.forward(new[:n], cache)
+                    elapsed = time.perf_counter() - start
+                    cache.crop(32)
+                    if round_index:
+                        fastest[with_copies, n] = min(fastest[with_copies, n], elapsed)
+        cache.release()
+        rows = 0
+        while rows < DENSE_ROWS and fastest[True, rows + 1] < fastest[False, rows + 1]:
+            rows += 1
+        if key:
+            _save_entry(f"dense-rows:{key}", {"rows": rows})
+    use_dense_rows(model, rows)
+    _TUNED[backend] = rows
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -153,7 +194,8 @@ def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         shape = (tuple(weight.shape), str(weight.dtype)) if isinstance(weight, torch.Tensor) else ()
-        layout.update(f"{name}:{type(module).__name__}:{shape};".encode())
+        kernels = getattr(module, "dense_rows", "")  # the fast path's kernel choice (tune_fast_path)
+        layout.update(f"{name}:{type(module).__name__}:{shape}{kernels};".encode())
     parts = [
         cpu_name(),
         str(torch.backends.cpu.get_cpu_capability()),
@@ -173,11 +215,11 @@ def _saved_curves() -> dict[str, dict]:
     return data if isinstance(data, dict) else {}
 
 
-def _save_curve(key: str, curve: tuple[float, ...]) -> None:
-    """Add one curve to the file (written whole to a temporary file, then renamed: readers never see half)."""
+def _save_entry(key: str, entry: dict) -> None:
+    """Add one entry to the file (written whole to a temporary file, then renamed: readers never see half)."""
     path = curve_file()
     curves = _saved_curves()
-    curves[key] = {"curve": list(curve), "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name()}
+    curves[key] = {**entry, "measured": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu": cpu_name()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")

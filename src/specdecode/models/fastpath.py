@@ -15,13 +15,18 @@ That does not matter for plain-vs-speculative greedy equality today, because the
 (``scaled_dot_product_attention``) is itself not batch invariant: logits of a token fed alone and inside
 a block of 8 differ by ~1e-5 either way.
 
-oneDNN has a fixed cost per call that plain MKL does not: for a small matrix (a decoder projection of
-SmolLM2: 576x576 to 576x1536) and one or two rows it is 1.5-2x slower, which made a whole one-token
-forward of SmolLM2 23% slower than transformers' own on a 2-core AVX-512 Xeon (42.6 vs 34.5 ms).  So a
-layer whose weight has at most ``DENSE_COPY_MAX`` elements also keeps its dense weight, and calls of at
-most ``DENSE_ROWS`` rows go to MKL on it (plain decoding, small drafts); larger calls take the packed kernel.
-That costs one extra copy of the small matrices (425 MB for SmolLM2, 0.6 GB for Qwen2.5-1.5B, whose MLPs
-and LM head are too large to need it) and brought the one-token forward to 32.7 ms.
+oneDNN has a fixed cost per call that plain MKL does not: on a 2-core AVX-512 Xeon, for a small matrix (a
+decoder projection of SmolLM2: 576x576 to 576x1536) and one or two rows it is 1.5-2x slower, which made a
+whole one-token forward of SmolLM2 23% slower than transformers' own (42.6 vs 34.5 ms); MKL on a dense copy
+of the small matrices brought it to 32.7 ms.  On a 2-core AMD EPYC (AVX-512) it is the other way round: MKL
+takes up to 2x oneDNN's time for one row of those matrices and 2-5x for two or three (a row at a time), and a
+whole one-token forward of SmolLM2 took 55 ms with the dense copies, 40 ms without.  Timing single calls does
+not settle it (MKL won some alone and lost inside the forward).  So each layer whose weight has at most
+``DENSE_COPY_MAX`` elements keeps a dense copy for calls of up to ``DENSE_ROWS`` rows, and once per machine and
+model :func:`specdecode.models.cost.tune_fast_path` times whole forwards of 1 to ``DENSE_ROWS`` new tokens both
+ways and keeps the copies only for the row counts where they won (:func:`use_dense_rows`), freeing them where
+they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB for Qwen2.5-1.5B, whose MLPs and LM head are
+too large to keep one).
 
 The swap is done in place and is inference-only (the packed weight has no gradient, and packed weights
 are not in ``state_dict``).  :func:`remove_cpu_fast_path` turns the packed modules back into ordinary
@@ -47,7 +52,8 @@ def fast_path_supported() -> bool:
     )
 
 
-#: Calls with at most this many rows use the dense copy, where one is kept.
+#: Calls with at most this many rows use the dense copy, where one is kept, unless :func:`use_dense_rows` says
+#: fewer (the CPU's timing, :func:`specdecode.models.cost.tune_fast_path`).
 DENSE_ROWS = 3
 #: Weights with at most this many elements keep a dense copy beside the packed one.
 DENSE_COPY_MAX = 4 * 2**20
@@ -71,8 +77,9 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.tied = tied
         self.weight = linear.weight if tied else self.packed
-        small = weight.numel() <= DENSE_COPY_MAX
-        self.register_buffer("dense", weight if small and not tied else None, persistent=False)
+        small = weight.numel() <= DENSE_COPY_MAX and not tied
+        self.dense_rows = DENSE_ROWS if small else 0
+        self.register_buffer("dense", weight if small else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and x.requires_grad:
@@ -81,7 +88,7 @@ class PackedLinear(nn.Module):
             dense = self.weight if self.tied else self.packed.to_dense()
             return nn.functional.linear(x, dense.detach(), None if self.bias is None else self.bias.detach())
         bias = None if self.bias is None else self.bias.detach()
-        if self.dense is not None and x.numel() <= DENSE_ROWS * self.in_features:
+        if self.dense is not None and x.numel() <= self.dense_rows * self.in_features:
             return nn.functional.linear(x, self.dense, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
@@ -95,7 +102,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"tied={self.tied}"
+            f"tied={self.tied}, dense_rows={self.dense_rows}"
         )
 
 
@@ -153,6 +160,20 @@ def apply_cpu_fast_path(model: nn.Module) -> FastPathReport:
         if tied:
             report.tied.append(name)
     return report
+
+
+def dense_copies(model: nn.Module) -> list[PackedLinear]:
+    """The packed layers of ``model`` that keep a dense copy (what :func:`use_dense_rows` switches)."""
+    return [m for m in model.modules() if isinstance(m, PackedLinear) and m.dense is not None]
+
+
+def use_dense_rows(model: nn.Module, rows: int) -> None:
+    """Calls of at most ``rows`` rows (0 to ``DENSE_ROWS``) use the dense copies; with 0 they are freed (the
+    packed weight holds the values)."""
+    for module in dense_copies(model):
+        module.dense_rows = rows
+        if rows == 0:
+            module.dense = None
 
 
 def remove_cpu_fast_path(model: nn.Module) -> int:

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from specdecode.errors import SpecDecodeError, UnknownModelError, VocabularyMismatchError
 from specdecode.models import registry
 from specdecode.models.base import CausalLM
+from specdecode.models.cost import tune_fast_path
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.quantize import check_quantize, quantize_model
@@ -141,7 +142,9 @@ def load_model(
         quantize_model(model, quantize, block_copies=block_copies)
         if (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32:
             apply_cpu_fast_path(model)
-    return LoadedModel(name=name, backend=HFCausalLM(model, name), tokenizer=tokenizer)
+    backend = HFCausalLM(model, name)
+    tune_fast_path(backend)  # which of its kernels this CPU runs faster for plain decoding's few rows
+    return LoadedModel(name=name, backend=backend, tokenizer=tokenizer)
 
 
 def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
