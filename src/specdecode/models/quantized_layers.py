@@ -265,6 +265,10 @@ class RowSplit:
 
 #: The chunk sizes a probe tries, largest first.
 ROW_CHUNKS = (32, 16, 8, 4, 2)
+#: Rows the probe compares.  Where one-row and many-row calls sum in different orders, the bf16 result hides
+#: most of the difference, so only a few of a call's outputs differ: on an AMD EPYC (AVX-512 bf16, no AMX),
+#: 32 rows passed splits that real activations then failed.
+PROBE_ROWS = 256
 
 #: The probed split per (in_features, out_features, threads).
 _SPLITS: dict[tuple[int, int, int], RowSplit] = {}
@@ -325,19 +329,30 @@ def _split_call(packed: torch.Tensor, rows: torch.Tensor, split: RowSplit) -> to
 
 
 def probe_row_split(packed: torch.Tensor, in_features: int) -> RowSplit:
-    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise, on 32
-    random rows: one row alone against the same row in every call of 2 up to the chunk size.  The
-    kernel's reduction order does not depend on the values, so random rows find every difference; with no
-    split that passes, calls go row by row (chunk 1), which is invariant by construction."""
+    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise, on
+    ``PROBE_ROWS`` random rows: each row alone against the same row in every call of 2 up to the chunk size.
+    The kernel's reduction order does not depend on the values, but whether a different order shows in a bf16
+    result does, so the probe needs many rows to see it; with no split that passes, calls go row by row
+    (chunk 1), which is invariant by construction."""
     generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(max(ROW_CHUNKS), in_features, generator=generator).to(COMPUTE_DTYPE)
+    rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(COMPUTE_DTYPE)
     for pad_single in (False, True):
         alone = RowSplit(pad_single, 1)
         reference = torch.cat([_split_call(packed, rows[i : i + 1], alone) for i in range(len(rows))])
         for chunk in ROW_CHUNKS:
-            if all(torch.equal(_packed_bf16_call(packed, rows[:m]), reference[:m]) for m in range(2, chunk + 1)):
+            if _invariant(packed, rows, reference, chunk):
                 return RowSplit(pad_single, chunk)
     return RowSplit(False, 1)
+
+
+def _invariant(packed: torch.Tensor, rows: torch.Tensor, reference: torch.Tensor, chunk: int) -> bool:
+    """Whether calls of 2 up to ``chunk`` rows, over every group of ``chunk`` of ``rows``, give each row its
+    ``reference`` (its result alone)."""
+    for start in range(0, len(rows) - chunk + 1, chunk):
+        for m in range(2, chunk + 1):
+            if not torch.equal(_packed_bf16_call(packed, rows[start : start + m]), reference[start : start + m]):
+                return False
+    return True
 
 
 class Bf16Linear(QuantizedLinear):
