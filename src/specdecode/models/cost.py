@@ -63,14 +63,22 @@ def timed_rounds(
     cache, new = prefilled(backend, context_tokens, max_new)
     samples: dict[int, list[float]] = {n: [] for n in range(1, max_new + 1)}
     for round_index in range(warmup + repeats):
-        for n in samples:
-            start = time.perf_counter()
-            backend.forward(new[:n], cache)
-            elapsed = time.perf_counter() - start
-            cache.crop(context_tokens)
+        for n, elapsed in zip(samples, timed_round(backend, cache, new)):
             if round_index >= warmup:
                 samples[n].append(elapsed)
     return samples
+
+
+def timed_round(backend: CausalLM, cache: KVCache, new: torch.Tensor) -> list[float]:
+    """Seconds of a forward over the first n of ``new`` on top of ``cache``, for n = 1..len(new) in turn; the
+    cache is cropped back after each."""
+    length, seconds = cache.length, []
+    for n in range(1, len(new) + 1):
+        start = time.perf_counter()
+        backend.forward(new[:n], cache)
+        seconds.append(time.perf_counter() - start)
+        cache.crop(length)
+    return seconds
 
 
 _CURVES: WeakKeyDictionary[CausalLM, tuple[float, ...]] = WeakKeyDictionary()
@@ -154,11 +162,7 @@ def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:
             for with_copies in (True, False):
                 for module in copies:
                     module.dense_rows = DENSE_ROWS if with_copies else 0
-                for n in range(1, DENSE_ROWS + 1):
-                    start = time.perf_counter()
-                    backend.forward(new[:n], cache)
-                    elapsed = time.perf_counter() - start
-                    cache.crop(32)
+                for n, elapsed in enumerate(timed_round(backend, cache, new), start=1):
                     if round_index:
                         fastest[with_copies, n] = min(fastest[with_copies, n], elapsed)
         cache.release()
