@@ -396,7 +396,25 @@ def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatc
     exact = quantized_layers._packed_bf16_call
     beside = lambda packed, rows: exact(packed, rows) + rows.sum().item()
     monkeypatch.setattr(quantized_layers, "_packed_bf16_call", beside)
-    assert probe_row_split(layer.packed, 96) == RowSplit(pad_single=False, chunk=1)
+    assert probe_row_split(layer.packed, 96, 80) == RowSplit(pad_single=False, chunk=1)
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    ("differs", "split"),
+    [
+        (lambda rows: rows.shape[0] > 12, RowSplit(pad_single=False, chunk=12)),
+        (lambda rows: rows.shape[0] == 1, RowSplit(pad_single=True, chunk=32)),
+        # a few rows in the tail of the input distribution, and only in two-row calls: every size sees every row
+        (lambda rows: rows.shape[0] == 2 and bool((rows[:, 0] > 2.5).any()), RowSplit(pad_single=False, chunk=1)),
+    ],
+)
+def test_the_bf16_probe_finds_the_call_sizes_whose_rows_differ(monkeypatch, differs, split):
+    layer = Bf16Linear(nn.Linear(96, 64), tied=False)
+    exact = quantized_layers._packed_bf16_call
+    perturbed = lambda packed, rows: exact(packed, rows) + (1.0 if differs(rows) else 0.0)
+    monkeypatch.setattr(quantized_layers, "_packed_bf16_call", perturbed)
+    assert probe_row_split(layer.packed, 96, 64) == split
 
 
 @pytest.mark.real_model

@@ -263,12 +263,15 @@ class RowSplit:
     chunk: int  # calls of more rows are cut into calls of at most this many (1: row by row)
 
 
-#: The chunk sizes a probe tries, largest first.
-ROW_CHUNKS = (32, 16, 8, 4, 2)
-#: Rows the probe compares.  Where one-row and many-row calls sum in different orders, the bf16 result hides
-#: most of the difference, so only a few of a call's outputs differ: on an AMD EPYC (AVX-512 bf16, no AMX),
-#: 32 rows passed splits that real activations then failed.
-PROBE_ROWS = 256
+#: The most rows a cut call carries: from 33 rows on, the Xeon's kernel took another blocking.
+MAX_CHUNK = 32
+#: Outputs the probe compares for each call size.  Where one-row and many-row calls sum in different orders,
+#: the bf16 result hides most of the difference, so only a few outputs differ, and how many the probe sees
+#: grows with rows x out_features: on an AMD EPYC (AVX-512 bf16, no AMX) SmolLM2's down projection (576
+#: outputs) passed a probe of 32 rows (18k outputs) and failed on real activations; 256 rows (147k) caught it.
+PROBE_OUTPUTS = 1 << 19
+#: Bounds on the probe's rows: at least one call of every size, and a narrow layer's probe stays short.
+PROBE_MIN_ROWS, PROBE_MAX_ROWS = MAX_CHUNK, 1024
 
 #: The probed split per (in_features, out_features, threads).
 _SPLITS: dict[tuple[int, int, int], RowSplit] = {}
@@ -328,31 +331,32 @@ def _split_call(packed: torch.Tensor, rows: torch.Tensor, split: RowSplit) -> to
     return _packed_bf16_call(packed, rows)
 
 
-def probe_row_split(packed: torch.Tensor, in_features: int) -> RowSplit:
-    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise, on
-    ``PROBE_ROWS`` random rows: each row alone against the same row in every call of 2 up to the chunk size.
+def probe_row_split(packed: torch.Tensor, in_features: int, out_features: int) -> RowSplit:
+    """The cheapest :class:`RowSplit` under which ``packed``'s calls are batch invariant, bitwise: random rows,
+    each alone against the same row in calls of every size from 2 up, every size checked on all the rows.
     The kernel's reduction order does not depend on the values, but whether a different order shows in a bf16
-    result does, so the probe needs many rows to see it; with no split that passes, calls go row by row
-    (chunk 1), which is invariant by construction."""
+    result does, so the rows are as many as :data:`PROBE_OUTPUTS` asks; with no call size that passes, calls go
+    row by row (chunk 1), which is invariant by construction."""
+    count = min(max(-(-PROBE_OUTPUTS // out_features), PROBE_MIN_ROWS), PROBE_MAX_ROWS)
     generator = torch.Generator().manual_seed(0)
-    rows = torch.randn(PROBE_ROWS, in_features, generator=generator).to(COMPUTE_DTYPE)
+    rows = torch.randn(count, in_features, generator=generator).to(COMPUTE_DTYPE)
     for pad_single in (False, True):
         alone = RowSplit(pad_single, 1)
-        reference = torch.cat([_split_call(packed, rows[i : i + 1], alone) for i in range(len(rows))])
-        for chunk in ROW_CHUNKS:
-            if _invariant(packed, rows, reference, chunk):
-                return RowSplit(pad_single, chunk)
+        reference = torch.cat([_split_call(packed, rows[i : i + 1], alone) for i in range(count)])
+        chunk = _invariant_call_rows(packed, rows, reference)
+        if chunk > 1:
+            return RowSplit(pad_single, chunk)
     return RowSplit(False, 1)
 
 
-def _invariant(packed: torch.Tensor, rows: torch.Tensor, reference: torch.Tensor, chunk: int) -> bool:
-    """Whether calls of 2 up to ``chunk`` rows, over every group of ``chunk`` of ``rows``, give each row its
-    ``reference`` (its result alone)."""
-    for start in range(0, len(rows) - chunk + 1, chunk):
-        for m in range(2, chunk + 1):
+def _invariant_call_rows(packed: torch.Tensor, rows: torch.Tensor, reference: torch.Tensor) -> int:
+    """The largest m up to :data:`MAX_CHUNK` such that calls of 2 to m rows give each row its ``reference``
+    (its result alone); for each size the rows are cut into consecutive calls of that size."""
+    for m in range(2, MAX_CHUNK + 1):
+        for start in range(0, len(rows) - m + 1, m):
             if not torch.equal(_packed_bf16_call(packed, rows[start : start + m]), reference[start : start + m]):
-                return False
-    return True
+                return m - 1
+    return MAX_CHUNK
 
 
 class Bf16Linear(QuantizedLinear):
@@ -371,7 +375,7 @@ class Bf16Linear(QuantizedLinear):
     def split(self) -> RowSplit:
         key = (self.in_features, self.out_features, torch.get_num_threads())
         if key not in _SPLITS:
-            _SPLITS[key] = probe_row_split(self.packed, self.in_features)
+            _SPLITS[key] = probe_row_split(self.packed, self.in_features, self.out_features)
         return _SPLITS[key]
 
     def dequantized(self) -> torch.Tensor:
