@@ -252,6 +252,19 @@ def test_w4a8_keeps_a_block_copy_only_where_onednn_multiplies_bf16(packed, monke
             assert torch.equal(layer(x), layer.matmul(x) + layer.bias)
 
 
+@needs_w4a8
+@pytest.mark.slow  # builds the kernel a second time (about 45 s on two cores)
+@pytest.mark.skipif(w4a8.best_isa() == "avx2", reason="this CPU has no VNNI: only the AVX2 build runs here")
+def test_the_w4a8_builds_for_avx2_and_for_vnni_give_the_same_bits():
+    """Only the integer dots change instruction (exact either way), so a CPU with VNNI decodes the same tokens
+    as one without."""
+    torch.manual_seed(0)
+    blocks = w4a8.pack_blocks(*quantized_layers.int4_levels(nn.Linear(192, 96).weight.detach(), w4a8.GROUP))
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 192)
+        assert torch.equal(w4a8.kernel("avx2").w4a8_mm(x, blocks), w4a8.kernel(w4a8.best_isa()).w4a8_mm(x, blocks))
+
+
 def agree_but_for_a_near_tie(model: nn.Module, prompt: list[int], ours: list[int], theirs: list[int]) -> bool:
     """Whether two greedy decodings of ``model`` agree, or first differ where its two best next tokens are one
     bf16 step apart (a full forward's logits): transformers' attention and ours may round a last bit apart

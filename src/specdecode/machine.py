@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import platform
 from pathlib import Path
 
@@ -15,3 +16,16 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (``/proc/cpuinfo``: ``avx512_vnni``, ``avx_vnni``...); empty
+    where that file is not there."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()

@@ -1,4 +1,4 @@
-// W4A8 matmul for x86 CPUs with AVX2 and FMA: int4 weights (asymmetric, groups of 64 inputs) times
+// W4A8 matmul for x86 CPUs with AVX2 and FMA (VNNI where the CPU has it): int4 weights (asymmetric, groups of 64 inputs) times
 // activations quantized per row and group of 64 to int8.  Why it exists, and the measurements:
 // specdecode/models/w4a8.py.
 //
@@ -65,12 +65,25 @@ struct Tile {  // up to 4 quantized rows: int8 inputs [rows, K]; scales and sums
   int64_t G;
 };
 
-// The 8 lanes' int32 dots of one channel with one row: levels (low and high nibbles) times 64 int8 inputs.
-// q in 0..15 times x in -127..127, pairs summed: |s| <= 4 * 15 * 127, no int16 saturation.
+// The 8 lanes' int32 dots of one channel with one row: levels (low and high nibbles) times 64 int8 inputs;
+// lane i holds the products of bytes 4i..4i+3 of both halves.  With VNNI (AVX-512 VNNI with VL, or AVX-VNNI)
+// one instruction multiplies and sums four bytes into each lane: two instead of four per row and channel, and
+// the same integers, so the same bits out.  Without it, AVX2: q in 0..15 times x in -127..127, pairs summed,
+// |s| <= 4 * 15 * 127, no int16 saturation.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i group_dot(__m256i low, __m256i high, __m256i x0, __m256i x1) {
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), low, x0), high, x1);
+}
+#elif defined(__AVXVNNI__)
+inline __m256i group_dot(__m256i low, __m256i high, __m256i x0, __m256i x1) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), low, x0), high, x1);
+}
+#else
 inline __m256i group_dot(__m256i low, __m256i high, __m256i x0, __m256i x1) {
   const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x0), _mm256_maddubs_epi16(high, x1));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
+#endif
 
 // Channel pair times R rows (R a compile-time constant, so that everything stays in registers).  Per
 // group, the lanes of the dots are summed across in integers (exact), giving one vector of the group's
