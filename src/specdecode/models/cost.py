@@ -198,7 +198,8 @@ def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         shape = (tuple(weight.shape), str(weight.dtype)) if isinstance(weight, torch.Tensor) else ()
-        kernels = getattr(module, "dense_rows", "")  # the fast path's kernel choice (tune_fast_path)
+        # The fast path's kernel choice (tune_fast_path) and the w4a8 kernel's instruction set.
+        kernels = f"{getattr(module, 'dense_rows', '')}{getattr(module, 'isa', '')}"
         layout.update(f"{name}:{type(module).__name__}:{shape}{kernels};".encode())
     parts = [
         cpu_name(),

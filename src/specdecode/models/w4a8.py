@@ -187,6 +187,11 @@ class W4A8Linear(QuantizedLinear):
         if block_copy and bf16_matmul_supported():
             self.keep_block_weight(self.dequantized())
 
+    @property
+    def isa(self) -> str:
+        """The instruction set its kernel runs (part of what the cost curves are keyed by)."""
+        return best_isa()
+
     def dequantized(self) -> torch.Tensor:
         q, scale, offset = unpack_blocks(self.blocks)
         levels = q.float().reshape(self.out_features, -1, GROUP)
