@@ -464,3 +464,14 @@ def test_int4_rounding_a_slice_at_a_time_is_rounding_the_whole_matrix(monkeypatc
     sliced = quantized_layers.int4_levels(weight, 32)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True))
     assert whole[0].shape == (37, 96) and whole[1].shape == whole[2].shape == (37, 3)
+
+
+def test_the_python_api_loads_a_quantized_target_and_refuses_an_unknown_precision_before_loading(tiny_dirs):
+    import specdecode
+
+    with pytest.raises(SpecDecodeError, match="quantize must be one of"):
+        specdecode.load("no-such-model", quantize="int3")  # refused before the model is looked up
+    generator = specdecode.load(str(tiny_dirs["target"]), drafter="pld", quantize="int8", max_new_tokens=6)
+    assert any(isinstance(m, Int8Linear) for m in generator.target.backend.model.modules())
+    plain = specdecode.load(str(tiny_dirs["target"]), drafter="none", quantize="int8", max_new_tokens=6)
+    assert generator.generate("w1 w2 w1 w2").token_ids == plain.generate("w1 w2 w1 w2").token_ids
