@@ -117,7 +117,18 @@ def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
         return steps
 
     assert [steps_to_next_probe(0) for _ in range(4)] == [4, 8, 16, 16]
-    assert steps_to_next_probe(1) == 16 and policy.probe_interval == 4  # an accepted probe: back to 4
+    assert steps_to_next_probe(1) == 16 and policy.probe_interval == 4  # an accepted probe that paid: back to 4
+
+
+def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_rejected_one():
+    """A self-drafter's token can cost most of a target forward (layer-skip on a w4a8 Qwen: 0.8): its accepted
+    probe yields two tokens for more than two plain steps' time, which says drafting still loses."""
+    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    feed(policy, 80, accept_rate=0.0, depth=2)
+    while policy.next_length(12) == 0:
+        policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=1.0))
+    policy.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.9, verify_s=1.3))
+    assert policy.probe_interval == 8
 
 
 def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed():

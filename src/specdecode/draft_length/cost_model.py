@@ -82,7 +82,7 @@ class CostModelLength(DraftLengthPolicy):
     Whether to draft at all is the cost model's call for every drafter: when no depth pays by
     ``DRAFT_MARGIN`` (a self-drafter whose tokens the target rejects costs a partial forward per step for
     nothing), the policy drafts nothing and only probes depth 1, after ``probe_every`` steps, twice as long
-    after each rejected probe (at most ``max_probe_every``), back to ``probe_every`` once one is accepted.
+    after each probe that did not pay (at most ``max_probe_every``), back to ``probe_every`` once one pays.
     The model can be wrong where its inputs are estimates (a tree verifies more nodes than it is deep; a
     drafter's cost varies with the text), so it is also checked against what drafting actually achieved:
     each step that drafted is scored by its tokens per second over what a plain step would have given (the
@@ -290,14 +290,15 @@ class CostModelLength(DraftLengthPolicy):
                 table.append(RunningMean(prior, weight=2.0))
             table[position].add(1.0 if position < step.accepted else 0.0)
 
-    def _score_drafting(self, step: StepObservation, reads_prompt: bool) -> None:
+    def _score_drafting(self, step: StepObservation, reads_prompt: bool) -> float | None:
         """Score a step that drafted against the plain step it replaced (its one input instead of its draft, the
-        same overhead).  Catching up with the context counts (skipped tokens, context re-tokenised across
-        vocabularies), except the prompt's reading (``reads_prompt``), decided ex ante by :meth:`reading_pays`."""
+        same overhead); the score, tokens per second over plain decoding's (None: nothing was timed).  Catching
+        up with the context counts (skipped tokens, context re-tokenised across vocabularies), except the
+        prompt's reading (``reads_prompt``), decided ex ante by :meth:`reading_pays`."""
         spent = step.overhead_s + step.draft_s - (step.setup_s if reads_prompt else 0.0) + step.verify_s / step.batch
         plain = self.plain_step_seconds(step.overhead_s)
         if spent <= 0.0:
-            return
+            return None
         self.net_saved_s += (step.accepted + 1.0) * plain - spent
         score = (step.accepted + 1.0) * plain / spent
         if self.probing and score >= 1.0:  # a probe that paid: the text changed, judge drafting afresh
@@ -306,6 +307,7 @@ class CostModelLength(DraftLengthPolicy):
             self.gain.add(score)
         if self.parent is not None:
             self.parent.gain.add(score)
+        return score
 
     def calibrated(self, confidence: float) -> float:
         """Online acceptance rate of tokens the drafter gave this confidence."""
@@ -344,18 +346,12 @@ class CostModelLength(DraftLengthPolicy):
         return survival
 
     def should_stop(self, confidences: Sequence[float]) -> bool:
-        n = len(confidences)
+        n, base = len(confidences), self.others_width
         if n == 0:
             return False
-        survival = self.survival(confidences)[-1]
-        base = self.others_width
-        extra = (
-            self.draft_cost(n + 1)
-            - self.draft_cost(n)
-            + self.verify_seconds(base + n + 2)
-            - self.verify_seconds(base + n + 1)
-        )
-        return survival < self.achieved_rate() * extra
+        draft = self.draft_cost(n + 1) - self.draft_cost(n)
+        extra = draft + self.verify_seconds(base + n + 2) - self.verify_seconds(base + n + 1)
+        return self.survival(confidences)[-1] < self.achieved_rate() * extra
 
     def keep_length(self, confidences: Sequence[float]) -> int:
         rate = self.achieved_rate()
@@ -373,13 +369,14 @@ class CostModelLength(DraftLengthPolicy):
         if width == 1:
             self.plain_forward.add(step.verify_s)
         self.overhead.add(step.overhead_s)
+        score = None
         if step.depth:  # a drafter catching up with the context (its prompt prefill...) is no cost per token
             self.draft_cost.add(step.depth, step.draft_s - step.setup_s)
             self.reads_context = self.reads_context or step.setup_s > 0
             reads_prompt, self.context_read = not self.context_read, True
             if reads_prompt and self.context_cost is not None and self.prefill_s > 0.0 and step.setup_s > 0.0:
                 self.context_cost.add(step.setup_s / self.prefill_s)  # what reading the prompt cost, learnt
-            self._score_drafting(step, reads_prompt)
+            score = self._score_drafting(step, reads_prompt)
         # The rate of the whole batch: each sequence adds its tokens and its share of the shared forward.
         self.achieved_tokens.add(step.accepted + 1.0)
         seconds = step.overhead_s + step.draft_s + step.verify_s / step.batch
@@ -391,9 +388,11 @@ class CostModelLength(DraftLengthPolicy):
         if step.depth:
             self.in_run = step.accepted == step.depth
         if self.probing:
+            # Back to probing often only after a probe that paid: one accepted but dearer than the token it won
+            # (a self-drafter's token can cost 0.8 of a target forward) says drafting still loses.
             self.probing = False
-            backed_off = min(2 * self.probe_interval, self.max_probe_every)
-            self.probe_interval = self.probe_every if step.accepted else backed_off
+            paid = step.accepted > 0 and score is not None and score >= 1.0
+            self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
