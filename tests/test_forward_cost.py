@@ -86,6 +86,7 @@ def test_a_measured_curve_is_kept_on_disk_for_the_next_process_on_this_machine(t
     from specdecode.models import cost
 
     monkeypatch.setenv("SPECDECODE_COST_CURVES", str(tmp_path / "curves.json"))
+    monkeypatch.setattr(cost.OthersLoad, "busy", property(lambda self: False))  # kept even on a loaded test machine
     first = cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "a"))
     assert json.loads((tmp_path / "curves.json").read_text())
 
@@ -107,3 +108,25 @@ def test_a_measured_curve_is_kept_on_disk_for_the_next_process_on_this_machine(t
     (tmp_path / "curves.json").write_text("{not json")
     assert cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "e")) == tuple(float(w) for w in range(1, 17))
     assert len(measured) == 3
+
+
+@pytest.mark.parametrize(("others_cpu_s", "busy"), [(0.01, False), (0.3, True)])
+def test_others_load_is_the_share_of_the_cpus_other_processes_kept_busy(monkeypatch, others_cpu_s, busy):
+    import time
+
+    from specdecode.models import cost
+
+    readings = iter([(100.0, 2), (100.0 + others_cpu_s, 2)])  # busy CPU seconds of the machine, CPUs
+    monkeypatch.setattr(cost, "_machine_cpu_seconds", lambda: next(readings))
+    with cost.OthersLoad() as others:
+        time.sleep(0.2)  # this process spends (almost) no CPU time meanwhile
+    assert others.busy == busy and others.share == pytest.approx(others_cpu_s / 0.4, rel=0.25, abs=0.02)
+
+
+def test_a_curve_timed_while_the_machine_was_busy_serves_this_process_but_is_not_kept(tmp_path, monkeypatch):
+    from specdecode.models import cost
+
+    monkeypatch.setenv("SPECDECODE_COST_CURVES", str(tmp_path / "curves.json"))
+    monkeypatch.setattr(cost.OthersLoad, "busy", property(lambda self: True))
+    assert cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "a"))
+    assert not (tmp_path / "curves.json").exists()
