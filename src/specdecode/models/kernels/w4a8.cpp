@@ -1,6 +1,6 @@
-// W4A8 matmul for x86 CPUs with AVX2 and FMA (VNNI where the CPU has it): int4 weights (asymmetric, groups of 64 inputs) times
-// activations quantized per row and group of 64 to int8.  Why it exists, and the measurements:
-// specdecode/models/w4a8.py.
+// W4A8 matmul for x86 CPUs with AVX2 and FMA (VNNI where the CPU has it): int4 weights (asymmetric, groups of
+// 64 inputs) times activations quantized per row and group of 64 to int8.  Why it exists, and the
+// measurements: specdecode/models/w4a8.py.
 //
 // Per row m, channel n and group g, the integer dot of the levels with the int8 inputs is exact (int32),
 // and out[m, n] = sum over g, in order, of fma(dot, scale[n, g] * xscale[m, g], ...) then
