@@ -1,8 +1,11 @@
 """Whole forwards of the w4a8 Qwen at 200 cached tokens, n = 1..5 new, the AVX2 build against the VNNI build,
 interleaved round by round (fastest of 7 rounds each)."""
+
 import torch
+
 from specdecode.models import loading, w4a8
 from specdecode.models.cost import prefilled, timed_round
+
 torch.set_num_threads(2)
 builds = {isa: w4a8.kernel(isa) for isa in ("avx2", "avx512vnni")}
 target = loading.load_model("qwen2.5-coder-1.5b", quantize="w4a8")

@@ -1,9 +1,16 @@
 """w4a8 kernel per instruction set: the same bits, and the time of Qwen2.5-1.5B-shaped layers at 1-8 rows."""
-import sys, time, torch
+
+import sys
+import time
+
+import torch
 from torch import nn
+
 from specdecode.models import w4a8
 from specdecode.models.quantized_layers import int4_levels
-torch.manual_seed(0); torch.set_num_threads(2)
+
+torch.manual_seed(0)
+torch.set_num_threads(2)
 isas = ["avx2", "avx512vnni"]
 mods = {isa: w4a8.kernel(isa) for isa in isas}
 shapes = [(1536, 8960), (8960, 1536), (1536, 1536)]
@@ -20,10 +27,10 @@ for k, n in shapes:
             copies = [blocks.clone() for _ in range(8)]
             for isa in isas:
                 best = []
-                for rep in range(5):
+                for _rep in range(5):
                     t = time.perf_counter()
                     for c in copies:
                         mods[isa].w4a8_mm(x, c)
                     best.append((time.perf_counter() - t) / len(copies))
-                line += f"  {isa} {min(best)*1e3:.3f} ms"
+                line += f"  {isa} {min(best) * 1e3:.3f} ms"
         print(line, flush=True)
