@@ -114,10 +114,14 @@ def test_a_measured_curve_is_kept_on_disk_for_the_next_process_on_this_machine(t
 def test_others_load_is_the_share_of_the_cpus_other_processes_kept_busy(monkeypatch, others_cpu_s, busy):
     import time
 
+    from specdecode import threads
     from specdecode.models import cost
 
-    readings = iter([(100.0, 2), (100.0 + others_cpu_s, 2)])  # busy CPU seconds of the machine, CPUs
-    monkeypatch.setattr(cost, "_machine_cpu_seconds", lambda: next(readings))
+    readings = iter([100.0, 100.0 + others_cpu_s])  # busy CPU seconds of our two CPUs
+    monkeypatch.setattr(threads, "process_cpus", lambda: [0, 1])
+    monkeypatch.setattr(
+        threads, "sample_cpus", lambda cpus, when: threads.CpuSample(when, next(readings), time.process_time())
+    )
     with cost.OthersLoad() as others:
         time.sleep(0.2)  # this process spends (almost) no CPU time meanwhile
     assert others.busy == busy and others.share == pytest.approx(others_cpu_s / 0.4, rel=0.25, abs=0.02)

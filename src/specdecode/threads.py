@@ -80,6 +80,50 @@ def read_sample(cpus: list[int], stat_text: str, own_s: float, when: float) -> C
     return CpuSample(when, busy / ticks, own_s)
 
 
+def others_cpus(previous: CpuSample, sample: CpuSample) -> float:
+    """CPUs' worth of time other processes kept busy between two samples (one busy process: 1.0)."""
+    elapsed = sample.when - previous.when
+    if elapsed <= 0:
+        return 0.0
+    return max(0.0, (sample.busy_s - previous.busy_s) - (sample.own_s - previous.own_s)) / elapsed
+
+
+def sample_cpus(cpus: list[int], when: float) -> CpuSample:
+    """A sample of ``cpus`` and of this process now (``/proc/stat``; OSError where it cannot be read)."""
+    times = os.times()
+    return read_sample(cpus, PROC_STAT.read_text(), times.user + times.system, when)
+
+
+class OthersLoad:
+    """Over a ``with`` block: the share of this process's CPUs that other processes kept busy (0 where
+    ``/proc/stat`` cannot be read).  Above ``MAX_OTHERS_SHARE`` the block's timings are not this machine's alone:
+    a cost curve timed beside a training job priced a two-token forward at 2.03 one-token ones where it costs
+    1.2 (so such timings are not kept on disk, :mod:`specdecode.models.cost`)."""
+
+    MAX_OTHERS_SHARE = 0.25
+
+    def __enter__(self) -> OthersLoad:
+        self.share = 0.0
+        self._cpus = process_cpus()
+        self._start = self._sample()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._sample()
+        if self._start is not None and end is not None:
+            self.share = others_cpus(self._start, end) / len(self._cpus)
+
+    def _sample(self) -> CpuSample | None:
+        try:
+            return sample_cpus(self._cpus, time.monotonic())
+        except OSError:
+            return None
+
+    @property
+    def busy(self) -> bool:
+        return self.share > self.MAX_OTHERS_SHARE
+
+
 def threads_from_environment() -> int | None:
     """The thread count ``SPECDECODE_THREADS`` fixes (None: not set); a bad value is the user's error, raised
     when a model loads, before any work."""
@@ -138,9 +182,7 @@ class ThreadGovernor:
         previous, self._last = self._last, sample
         if previous is None:
             return
-        elapsed = sample.when - previous.when
-        others = max(0.0, (sample.busy_s - previous.busy_s) - (sample.own_s - previous.own_s)) / elapsed
-        wanted = threads_for(self.available, others)
+        wanted = threads_for(self.available, others_cpus(previous, sample))
         if wanted == self._set:
             self._proposed = None
         elif wanted == self._proposed:
@@ -167,8 +209,7 @@ class ThreadGovernor:
             self.pinned = torch.get_num_threads()
 
     def _sample(self, now: float) -> CpuSample:
-        times = os.times()
-        return read_sample(self.cpus, PROC_STAT.read_text(), times.user + times.system, now)
+        return sample_cpus(self.cpus, now)
 
     def _apply(self, threads: int) -> None:
         # Compared with torch's own count, not ``_set``: a pin must hold even if someone changed the count

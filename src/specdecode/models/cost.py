@@ -22,45 +22,9 @@ from specdecode.machine import cpu_name
 from specdecode.models.base import CausalLM, KVCache
 from specdecode.models.cache import cache_dir
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
+from specdecode.threads import OthersLoad
 
 _SEED = 0
-#: A measurement goes to disk only if other processes used less than this share of the machine's CPUs while
-#: it ran (:class:`OthersLoad`).  One taken beside a training job priced a two-token forward at 2.03 one-token
-#: ones where it costs 1.2, and every later run on that machine would have drafted by it.
-MAX_OTHERS_SHARE = 0.25
-
-
-def _machine_cpu_seconds() -> tuple[float, int] | None:
-    """CPU seconds every process has spent busy since boot and the CPUs counted (Linux ``/proc/stat``), or None."""
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-        ticks = [int(field) for field in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError, IndexError):
-        return None
-    cpus = sum(1 for line in lines[1:] if line.startswith("cpu"))
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), max(cpus, 1)
-
-
-class OthersLoad:
-    """Over a ``with`` block: the share of the machine's CPUs that other processes kept busy (the machine's busy
-    CPU time less this process's, over the block's wall time times the CPUs; 0 where it cannot be read)."""
-
-    def __enter__(self) -> OthersLoad:
-        self.share = 0.0
-        self._start = (time.perf_counter(), time.process_time(), _machine_cpu_seconds())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall, own, machine = self._start
-        now = _machine_cpu_seconds()
-        if machine is None or now is None:
-            return
-        others = (now[0] - machine[0]) - (time.process_time() - own)
-        self.share = max(0.0, others) / max((time.perf_counter() - wall) * now[1], 1e-9)
-
-    @property
-    def busy(self) -> bool:
-        return self.share > MAX_OTHERS_SHARE
 
 
 def linear_curve(ratio_8_1: float, widths: int = 16) -> tuple[float, ...]:
