@@ -377,7 +377,7 @@ def decode(policy: CostModelLength, steps: int, *, draft_s: float, one_input_s: 
 
 def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its_time_grows():
     """A self-drafter at 0.6 of a target forward a token, all rejected: the first draft loses 0.09 s against a
-    0.1 s plain step.  That spends the budget (half a step plus 2% of the 1 s prefill and the steps), so the
+    0.1 s plain step.  That spends the budget (half a step plus 1% of the 1 s prefill and the steps), so the
     probe schedule (every 4 steps) waits until the sequence's time pays for another try."""
     policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
     policy.begin(prefill_s=1.0)
