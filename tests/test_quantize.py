@@ -320,7 +320,7 @@ def test_generate_quantizes_target_and_draft_model(capsys, monkeypatch, tiny_dir
         assert main(["generate", "w1 w2 w3 w1 w2", *common, *extra]) == 0
         outputs.append(json.loads(capsys.readouterr().out)["token_ids"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 16
-    default = default_draft_quantization()  # int4 unless told (w4a8 on an AVX2 CPU)
+    default = default_draft_quantization()  # int4 unless told (w4a8 on AVX2 or VNNI CPUs)
     assert loads == [(target, "int8"), (target, "int8"), (draft, default)]
     argv = ["generate", "w1", *common, "--drafter", "draft-model", "--draft-model", draft, "--quantize-draft", "none"]
     assert main(argv) == 0
@@ -350,10 +350,18 @@ def test_a_draft_model_is_int4_by_default_except_where_it_trains_or_off_the_cpu(
 
 
 @pytest.mark.parametrize(
-    ("capability", "builds", "expected"), [("AVX2", True, "w4a8"), ("AVX2", False, "int4"), ("AVX512", True, "int4")]
+    ("capability", "isa", "builds", "expected"),
+    [
+        ("AVX2", "avx2", True, "w4a8"),
+        ("AVX2", "avx2", False, "int4"),
+        ("AVX512", "avx2", True, "int4"),
+        ("AVX512", "avx512vnni", True, "w4a8"),
+        ("AVX512", "avx512vnni", False, "int4"),
+    ],
 )
-def test_drafts_are_w4a8_only_on_avx2_cpus_that_build_its_kernel(monkeypatch, capability, builds, expected):
+def test_drafts_are_w4a8_on_avx2_or_vnni_cpus_that_build_its_kernel(monkeypatch, capability, isa, builds, expected):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(w4a8, "best_isa", lambda: isa)
     monkeypatch.setattr(w4a8, "unavailable_reason", lambda: None)
     monkeypatch.setattr(w4a8, "kernel_builds", lambda: builds)  # a compiler that fails counts as none
     assert default_draft_quantization() == expected

@@ -49,22 +49,20 @@ INT4_OUT_MULTIPLE = 16
 #: and 1.88x against 1.49x in bf16 (bf16 target): ``docs/results/fp32-draft-*``, ``peers-bf16-*``,
 #: ``bf16-draft-bf16-*``.
 DEFAULT_DRAFT_QUANTIZE = "int4"
-#: The same where torch's CPU kernels are AVX2 code and our ``w4a8`` kernel runs: there a draft token took
-#: 26.0 ms in w4a8 against 38.7 ms in int4 (``smollm2-135m``; 22.4 against 26.0 in another run) and 46.2
-#: against 59.4 ms (``qwen2.5-coder-0.5b``), medians after a 500-token prompt on a 2-core AVX2 EPYC
-#: (``docs/results/avx2/``).
-AVX2_DRAFT_QUANTIZE = "w4a8"
+#: The same where torch's CPU kernels are AVX2 code or the CPU has VNNI dot products (our ``w4a8`` kernel's
+#: ``vpdpbusd`` path).  AVX2: a draft token took 26.0 ms in w4a8 against 38.7 ms in int4 (``smollm2-135m``; 22.4
+#: against 26.0 in another run) and 46.2 against 59.4 ms (``qwen2.5-coder-0.5b``), medians after a 500-token
+#: prompt on a 2-core AVX2 EPYC (``docs/results/avx2/``); AVX-512 with VNNI (a 2-core EPYC): 16.4 against
+#: 23.0 ms (the 0.5B), 11.2 against 13.7 ms (``smollm2-135m``; ``docs/results/w4a8-vnni-epyc/draft_step_timing.txt``).
+W4A8_DRAFT_QUANTIZE = "w4a8"
 
 
 def default_draft_quantization() -> str:
-    """:data:`AVX2_DRAFT_QUANTIZE` on an AVX2 CPU that builds its kernel, else :data:`DEFAULT_DRAFT_QUANTIZE`
-    (on AVX-512 CPUs torch's int4 kernel is another code path, and w4a8 was not measured there)."""
-    if (
-        torch.backends.cpu.get_cpu_capability() == "AVX2"
-        and quantize_supported(AVX2_DRAFT_QUANTIZE)
-        and w4a8.kernel_builds()
-    ):
-        return AVX2_DRAFT_QUANTIZE
+    """:data:`W4A8_DRAFT_QUANTIZE` on a CPU where our kernel beat torch's int4 one (AVX2 code, or VNNI dot
+    products) and builds, else :data:`DEFAULT_DRAFT_QUANTIZE` (AVX-512 without VNNI: not measured)."""
+    w4a8_wins = torch.backends.cpu.get_cpu_capability() == "AVX2" or w4a8.best_isa() != "avx2"
+    if w4a8_wins and quantize_supported(W4A8_DRAFT_QUANTIZE) and w4a8.kernel_builds():
+        return W4A8_DRAFT_QUANTIZE
     return DEFAULT_DRAFT_QUANTIZE
 
 
