@@ -154,6 +154,19 @@ def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_st
     assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy("auto").deepest == 16
 
 
+def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_timed():
+    """A cold request's first draft was free to the cost model: a layer-skip draft (0.6 of a target forward a
+    token) was made at step 0 of every cold request where a two-input verification costs 1.21 of one."""
+    shape = curve(0.21)
+    assert make_policy("auto", shape).next_length(16) > 0  # free: 1.5 tokens for 1.21
+    dear = make_policy("auto", shape, draft_token_share=0.6)
+    assert dear.step_seconds(2) == pytest.approx(1.42 + 2 * 0.6)
+    assert dear.next_length(16) == 0  # 1.5 tokens for 1.81 forwards
+    assert make_policy("auto", shape, draft_token_share=0.02).next_length(16) > 0  # a cheap one still drafts
+    dear.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.001, verify_s=0.121))
+    assert dear.step_seconds(1) == pytest.approx(dear.draft_cost(1) + dear.verify_seconds(2))  # timed: the fit
+
+
 def test_cost_model_counts_a_slow_drafter():
     free, slow = CostModelLength(curve=curve(0.1)), CostModelLength(curve=curve(0.1))
     feed(free, 60, accept_rate=0.7, draft_s=0.0)
@@ -227,12 +240,12 @@ def test_should_stop_also_charges_the_draft_cost_of_the_next_token():
 
 def test_confidences_are_calibrated_online():
     policy = confident_policy(rate=2.0)
-    before = policy.calibrated(0.95)
+    before = policy.calibration(0.95)
     for _ in range(20):  # the drafter says 0.95, but its first token is always rejected
         policy.observe(
             StepObservation(depth=3, nodes=3, accepted=0, draft_s=0.0, verify_s=1.1, confidence=(0.95, 0.95, 0.95))
         )
-    assert policy.calibrated(0.95) < 0.2 < before
+    assert policy.calibration(0.95) < 0.2 < before
     assert policy.keep_length([0.95, 0.95]) < 2
     assert policy.uses_confidence and policy.next_length(7) == 0  # and the first token never pays either
     for _ in range(40):  # once its drafts are accepted again, how deep is the stop rule's call

@@ -14,6 +14,7 @@ from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.drafters.layer_skip import initial_skip_set
 from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
 from tiny_models import wrap
 
 IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])
@@ -246,6 +247,15 @@ def test_sampled_drafts_from_a_restricted_head_are_zero_outside_it(tiny_target):
     allowed[[*range(10), 50, 51]] = True
     assert draft.probs is not None and not draft.probs[:, ~allowed].any()
     torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
+
+
+def test_self_drafters_declare_the_share_of_the_target_a_draft_token_runs(tiny_target):
+    """What ``auto`` prices a cold self-draft at (``Drafter.draft_token_share``), before any draft is timed."""
+    shares = {name: drafter.draft_token_share() for name, drafter in self_drafters(tiny_target).items()}
+    assert all(0.0 < share < 1.0 for share in shares.values()), shares
+    generator = SpeculativeGenerator.build(tiny_target, "layer-skip")
+    assert generator.draft_length_policy("auto").draft_token_share == generator.drafter.draft_token_share()
+    assert SpeculativeGenerator.build(tiny_target, "pld").drafter.draft_token_share() is None
 
 
 def test_kangaroo_without_adapter_names_the_train_command(tiny_target, tmp_path):

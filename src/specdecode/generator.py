@@ -95,6 +95,7 @@ class SpeculativeGenerator:
                 context_cost=drafter.reading_cost() if spec == "auto" else None,
                 draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
                 prior_acceptance=drafter.prior_acceptance,
+                draft_token_share=drafter.draft_token_share() if spec == "auto" else None,
             )
         return self._adaptive_policies[key]
 

@@ -52,6 +52,7 @@ def make_policy(
     context_cost: float | None = None,
     draft_token_s: float | None = None,
     prior_acceptance: float | None = None,
+    draft_token_share: float | None = None,
 ) -> DraftLengthPolicy:
     """``--num-draft-tokens``: an integer K, ``auto`` (cost model) or ``heuristic`` (transformers').
 
@@ -61,7 +62,9 @@ def make_policy(
     reading of a prompt against the target's prefill (``Drafter.reading_cost``), so ``auto`` prices each reading;
     ``draft_token_s``: the seconds of one of its draft tokens (``Drafter.draft_token_seconds``), the price of a draft
     token in that reckoning until the policy has timed its own; ``prior_acceptance``: the share of its tokens expected
-    to be accepted before any is verified (``Drafter.prior_acceptance``; None: the policy's default)."""
+    to be accepted before any is verified (``Drafter.prior_acceptance``; None: the policy's default);
+    ``draft_token_share``: a draft token's cost in one-token target forwards where known by construction
+    (``Drafter.draft_token_share``), its price until timed."""
     if isinstance(spec, int) and not isinstance(spec, bool):
         if spec < 0:
             raise SpecDecodeError(f"num-draft-tokens must be an integer >= 0, 'auto' or 'heuristic', got {spec!r}")
@@ -71,7 +74,12 @@ def make_policy(
         reading = RunningMean(context_cost) if context_cost else None
         prior = {"prior_acceptance": prior_acceptance} if prior_acceptance is not None else {}
         return CostModelLength(
-            **shape, **prior, reads_context=reads_context, context_cost=reading, draft_token_s=draft_token_s
+            **shape,
+            **prior,
+            reads_context=reads_context,
+            context_cost=reading,
+            draft_token_s=draft_token_s,
+            draft_token_share=draft_token_share,
         )
     if spec == "heuristic":
         return HeuristicLength()

@@ -127,6 +127,7 @@ class CostModelLength(DraftLengthPolicy):
     #: Seconds of one of the drafter's draft tokens, timed once by the drafter (``Drafter.draft_token_seconds``):
     #: its price before this policy has timed a draft.  None: priced at ``context_cost`` of a target forward.
     draft_token_s: float | None = None
+    draft_token_share: float | None = None  # a draft token's cost in target forwards if known (see step_seconds)
     prefill_s: float = 0.0  # the target's prefill of this sequence's prompt (begin)
     context_read: bool = False  # this sequence's drafter has read its prompt (a step drafted)
     declined: bool = False  # reading the prompt would not have paid back: this sequence drafts nothing
@@ -159,7 +160,11 @@ class CostModelLength(DraftLengthPolicy):
         return self.scale.value * self.relative_cost(width)
 
     def step_seconds(self, k: int) -> float:
+        """Expected seconds of a step drafting k deep.  Until a draft is timed, its tokens cost what the drafter
+        declares (``Drafter.draft_token_share``: a self-drafter's layers), else nothing."""
         draft = self.draft_cost(k) if k > 0 else 0.0
+        if k > 0 and not self.draft_cost.count and self.draft_token_share is not None:
+            draft = k * self.draft_token_share * self.scale.value
         return self.overhead.value + draft + self.verify_seconds(k + 1)
 
     def expected_rate(self, k: int) -> float:
@@ -309,10 +314,6 @@ class CostModelLength(DraftLengthPolicy):
             self.parent.gain.add(score)
         return score
 
-    def calibrated(self, confidence: float) -> float:
-        """Online acceptance rate of tokens the drafter gave this confidence."""
-        return self.calibration(confidence)
-
     def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
         """The deepest draft worth weighing this step: none while losing, past the loss budget (:attr:`over_budget`)
         or where reading the prompt would not pay (:meth:`reading_pays`), never past ``limit``, the policy's
@@ -341,7 +342,7 @@ class CostModelLength(DraftLengthPolicy):
         """The chance that each prefix of a chain with these confidences is accepted in full (calibrated)."""
         survival, chance = [], 1.0
         for confidence in confidences:
-            chance *= self.calibrated(confidence)
+            chance *= self.calibration(confidence)  # calibrated online
             survival.append(chance)
         return survival
 

@@ -138,6 +138,12 @@ class Drafter(ABC):
         unknown (the token is then priced at the reading's share of a target forward)."""
         return None
 
+    def draft_token_share(self) -> float | None:
+        """A draft token's cost in one-token forwards of the target, where the drafter knows it by construction (a
+        self-drafter runs a share of the target's layers and its head): ``auto`` prices drafts at it until it has
+        timed them, so a cold request's first draft is weighed, not free.  None: unknown."""
+        return None
+
     def reading_cost(self) -> float | None:
         """For a drafter that reads the context: its reading of a prompt in seconds per second of the target's prefill
         of it, which ``auto`` weighs against what a cold request's drafts will save; None: unknown, never weighed."""

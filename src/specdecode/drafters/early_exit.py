@@ -87,6 +87,10 @@ class EarlyExitDrafter(Drafter):
         self.stats = {layer: ShareWithPrior() for layer in self.exits}
         self.steps = 0
 
+    def draft_token_share(self) -> float:
+        """A token from the exit the planner would draft from now (its head and the layers below)."""
+        return self.costs.draft_token(self.plan(1)[0])
+
     def session(self, request: DraftRequest) -> DraftSession:
         return EarlyExitSession(self, SelfDraftSession(self.backend, self.head, request))
 

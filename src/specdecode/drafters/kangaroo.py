@@ -26,7 +26,7 @@ from torch import nn
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._self_draft import SelfDraftSession, require_layer_backend, tail
+from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require_layer_backend, tail
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
@@ -140,6 +140,10 @@ class KangarooDrafter(Drafter):
                 f"`specdecode train kangaroo --model {target.name}` first, or pass --drafter-option adapter=PATH"
             )
         return KangarooAdapter.load(path, target.backend)
+
+    def draft_token_share(self) -> float:
+        """A token through the layers below the exit and the head (the adapter, one small block, left out)."""
+        return CostModel.of(self.backend, verify_token_cost=0.0).draft_token(self.adapter.exit_layer)
 
     def session(self, request: DraftRequest) -> DraftSession:
         return KangarooSession(self, SelfDraftSession(self.backend, self.head, request))

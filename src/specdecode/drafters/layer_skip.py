@@ -97,6 +97,10 @@ class LayerSkipDrafter(Drafter):
     def active(self) -> frozenset[int]:
         return self.candidate if self.candidate is not None else self.best
 
+    def draft_token_share(self) -> float:
+        """A token through the layers the current skip set runs, and the head."""
+        return self.costs.draft_token(self.backend.num_layers - len(self.active))
+
     def session(self, request: DraftRequest) -> DraftSession:
         return LayerSkipSession(self, SelfDraftSession(self.backend, self.head, request))
 
