@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.bench import report
-from specdecode.bench.cells import slowest_prompts
+from specdecode.bench.cells import prompt_speedups, slowest_prompts
 from specdecode.bench.metrics import paired_speedups
 
 
@@ -34,26 +34,33 @@ def test_each_method_is_judged_by_its_slowest_prompt():
         "prompts": {"chat": [{"id": "chat/1"}, {"id": "chat/2"}], "edit": [{"id": "edit/1"}]},
         "runs": runs,
     }
-    slowest = {p.method: p for p in slowest_prompts(results)}
+    slowest = {p.method: p for p in slowest_prompts(prompt_speedups(results))}
     assert set(slowest) == {"pld", "layer-skip"}
     assert (slowest["pld"].prompt, slowest["pld"].median) == ("chat/2", 1.0)
     assert (slowest["layer-skip"].prompt, slowest["layer-skip"].median) == ("chat/1", pytest.approx(5 / 5.5))
-    lines = report._never_slower_lines(list(slowest.values()))
+    lines = report._never_slower_lines(prompt_speedups(results))
     assert "**not met** by 1 of 2 methods" in lines[0]
-    assert lines[1:] == [
+    assert lines[1:3] == [
         "  - `layer-skip`: 0.909x on chat/1 (0.91–0.91x over 2 repeats)",
         "  - `pld`: 1.000x on chat/2 (1.00–1.00x over 2 repeats)",
     ]
 
 
-def test_plain_decoding_under_another_name_is_reported_as_the_noise_floor():
-    plain = {"chat": {"chat/1": timed(5.0, 5.0, 5.0)}}
-    runs = {"none": plain, "none:k=1": {"chat": {"chat/1": timed(5.2, 5.6, 4.9)}}}
+def test_cells_that_drafted_nothing_are_reported_as_the_noise_floor():
+    plain = {"chat": {"chat/1": timed(5.0, 5.0, 5.0)}, "edit": {"edit/1": timed(6.0, 6.0, 6.0)}}
+    drafted = {**timed(4.0, 4.0, 4.0), "drafted_tokens": 30}
+    runs = {
+        "none": plain,
+        "none:k=1": {"chat": {"chat/1": timed(5.2, 5.6, 4.9)}, "edit": {"edit/1": timed(6.0, 6.1, 6.0)}},
+        "draft-model": {"chat": {"chat/1": timed(5.5, 5.4, 5.6)}, "edit": {"edit/1": drafted}},
+    }
     results = {
-        "settings": {"methods": ["none", "none:k=1"], "baseline": "none"},
-        "prompts": {"chat": [{"id": "chat/1"}]},
+        "settings": {"methods": ["none", "none:k=1", "draft-model"], "baseline": "none"},
+        "prompts": {"chat": [{"id": "chat/1"}], "edit": [{"id": "edit/1"}]},
         "runs": runs,
     }
-    lines = report._never_slower_lines(slowest_prompts(results))
-    assert "`none:k=1` is plain decoding under another name (an A/A control)" in lines[-1]
-    assert f"{5.0 / 5.2:.3f}x" in lines[-1]
+    measured = prompt_speedups(results)
+    assert [p.drafted for p in measured] == [0, 0, 0, 30]
+    lines = report._never_slower_lines(measured)
+    assert lines[-1].startswith("- 3 cells drafted nothing (plain decoding under another name")
+    assert f"read {5.0 / 5.5:.3f}–{1.0:.3f}x, the lowest `draft-model` on chat/1" in lines[-1]

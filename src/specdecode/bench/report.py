@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, slowest_prompts, task_order
+from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_speedups, slowest_prompts, task_order
 from specdecode.bench.markdown import fmt, table
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
@@ -190,7 +190,7 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
             ),
         )
 
-    lines += ["", "## Goals", "", *_goal_lines(cells), *_never_slower_lines(slowest_prompts(results)), ""]
+    lines += ["", "## Goals", "", *_goal_lines(cells), *_never_slower_lines(prompt_speedups(results)), ""]
     return "\n".join(lines)
 
 
@@ -278,8 +278,10 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
 NEVER_SLOWER = 0.95
 
 
-def _never_slower_lines(slowest: Sequence[PromptSpeedup]) -> list[str]:
-    """Each method's slowest prompt against plain decoding, paired repeat by repeat (``paired_speedups``)."""
+def _never_slower_lines(measured: Sequence[PromptSpeedup]) -> list[str]:
+    """Each method's slowest prompt against plain decoding, paired repeat by repeat (``paired_speedups``), and the
+    cells that drafted nothing: plain decoding under another name, they show how far host noise moves a cell."""
+    slowest = slowest_prompts(measured)
     if not slowest:
         return []
     below = [p for p in slowest if p.median < NEVER_SLOWER]
@@ -292,12 +294,14 @@ def _never_slower_lines(slowest: Sequence[PromptSpeedup]) -> list[str]:
         repeats = len(p.by_repeat)
         spread = f"{min(p.by_repeat):.2f}–{max(p.by_repeat):.2f}x over {repeats} repeat{'s' if repeats > 1 else ''}"
         lines.append(f"  - `{p.method}`: {p.median:.3f}x on {p.prompt} ({spread})")
-    controls = [p for p in slowest if p.method.split(":")[0] == "none"]
-    if controls:  # plain decoding under another name: how far the host's noise alone moves the line above
-        floor = min(controls, key=lambda p: p.median)
+    undrafted = sorted((p for p in measured if p.drafted == 0), key=lambda p: p.median)
+    if undrafted:  # the A/A control's, and prompts where a drafter found or chose nothing
+        low, high = undrafted[0], undrafted[-1]
         lines.append(
-            f"- `{floor.method}` is plain decoding under another name (an A/A control): its slowest prompt, "
-            f"{floor.median:.3f}x, is how low host noise alone puts a method that loses nothing in this run."
+            f"- {len(undrafted)} cells drafted nothing (plain decoding under another name: an A/A control such as "
+            f"`none:k=1`, or a drafter that found or chose nothing): they read {low.median:.3f}–{high.median:.3f}x, "
+            f"the lowest `{low.method}` on {low.prompt}. That is how low host noise alone puts a method that "
+            "loses nothing in this run."
         )
     return lines
 
