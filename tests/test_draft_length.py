@@ -131,6 +131,36 @@ def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_reject
     assert policy.probe_interval == 8
 
 
+def probe_once(policy: CostModelLength, *, accepted: int, draft_s: float = 0.0, verify_s: float = 0.13) -> int:
+    """Plain steps until the policy probes, then the probe's outcome; returns the steps it waited."""
+    steps = 1
+    while policy.next_length(12) == 0:
+        policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
+        steps += 1
+    policy.observe(StepObservation(depth=1, nodes=1, accepted=accepted, draft_s=draft_s, verify_s=verify_s))
+    return steps
+
+
+def test_an_accepted_probe_that_leaves_drafting_a_loss_backs_off_as_a_rejected_one():
+    """Half of a self-drafter's tokens accepted at half a target forward each: a probe that is accepted pays on
+    its own (2 tokens for 1.8 plain steps), but drafting at that acceptance still loses, so probing slows down."""
+    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    feed(policy, 80, accept_rate=0.5, depth=1, draft_s=0.05)
+    probe_once(policy, accepted=1, draft_s=0.05)
+    assert policy.probe_interval == 8 and policy.next_length(12) == 0
+
+
+def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
+    parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    first = parent.fork()
+    feed(first, 40, accept_rate=0.0, depth=2)
+    assert [probe_once(first, accepted=0) for _ in range(4)] == [4, 8, 16, 32]
+    assert parent.probe_interval == 64 and parent.fork().probe_interval == 16  # at most 4 x probe_every
+    second = parent.fork()
+    probe_once(second, accepted=1)  # an accepted probe of a free drafter: drafting pays again
+    assert second.probe_interval == parent.probe_interval == parent.fork().probe_interval == 4
+
+
 def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed():
     policy = make_policy("auto", [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])
     cheap = policy.next_length(16)

@@ -22,6 +22,9 @@ LOSING_GAIN = 0.97
 MIN_GAIN_EVIDENCE = 6.0
 #: A probe that paid replaces that evidence with itself, worth this many steps.
 PROBE_GAIN_WEIGHT = 2.0
+#: A new sequence starts at the probe interval its predecessors' probes left, at most this many ``probe_every``:
+#: probes that keep losing cost a request one probe, not three; other text is still tried within 32 steps.
+INHERITED_PROBE_BACKOFF = 4
 #: A depth is drafted only when expected to yield this many times plain decoding's tokens/s: the inputs are
 #: estimates, and drafting costs what they omit, so break-even drafts lose (`kangaroo` at 33% acceptance, 4.6%).
 DRAFT_MARGIN = 1.03
@@ -51,38 +54,32 @@ ANSWER_HORIZON = 256
 class CostModelLength(DraftLengthPolicy):
     """Choose the depth k that maximises E[tokens per step] / E[seconds per step].
 
-    E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j, with a_j the online acceptance rate of position j
-    given that j-1 was accepted (a running mean per position, for this drafter).  Acceptance is learned
-    only from positions the drafter actually offered: a step where it proposed nothing (prompt lookup
-    without a match) costs no verification width and says nothing about deeper drafts.  It is also
-    learned *separately after a step whose draft was accepted in full and after one that was not*:
-    copied or predictable text comes in runs, so a fully accepted draft is usually followed by another
-    (draft deep), while after a miss the next draft is a fresh guess (draft shallow); one table mixing
-    both under-drafts the runs and over-drafts the guesses.  seconds(k) =
-    overhead + draft(k) + scale * curve[k + 1]: ``curve`` is the verification cost relative to one
-    input, *measured once per loaded model* (see :func:`specdecode.models.cost.relative_cost_curve`);
-    only one number, ``scale`` (seconds of a one-input forward), is learned online, so a noisy step
-    under CPU contention cannot make one width look expensive.  Draft cost is a fixed part plus a part
-    per token, fitted online; ``overhead`` is the rest of a step (the drafter's ``observe``,
-    bookkeeping, the consumer), the same for every k.
+    E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j the online acceptance of position j given j-1 accepted,
+    learned only from positions the drafter offered (a lookup without a match says nothing of deeper drafts), and
+    *separately after a draft accepted in full and after one that was not*: copied text comes in runs (draft deep),
+    while after a miss the next draft is a fresh guess (draft shallow).  seconds(k) = overhead + draft(k) +
+    scale * curve[k + 1]: ``curve``, the verification cost relative to one input, is *measured once per loaded
+    model* (:func:`specdecode.models.cost.relative_cost_curve`); only ``scale`` (seconds of a one-input forward)
+    is learned online, so a noisy step under contention cannot make one width look dear.  Draft cost is a fixed
+    part plus a part per token, fitted online; ``overhead`` is the rest of a step, the same for every k.
 
     Drafters that report a per-token confidence (``Draft.confidence``, e.g. the draft model's
     probability of its own token) get a SpecDec++-style stop rule: confidences are calibrated online
     into acceptance probabilities, their running product predicts the chance that the whole prefix is
     accepted, and drafting stops once that chance no longer pays for the extra width — i.e. below
     ``rate * (marginal verification + draft seconds)``, with ``rate`` the tokens per second achieved so far.
-    A drafter that reads the context (a draft model) must first read the prompt, at a cost that can exceed
-    all its drafts save (a 0.5B draft model's reading took 2.0 s, the 64 tokens after it 5.4 s).  So before such a
-    drafter's first draft of a sequence, its reading is priced (``context_cost``: its timed reading of a
-    prompt against the target's prefill of it, times the target's prefill of this prompt, :meth:`begin`) against the
-    expected saving over the tokens still to come (at most ``ANSWER_HORIZON``); a sequence where drafting would
-    not gain ``DRAFT_MARGIN``, reading included, is decoded without drafting — after one plain step, which times
-    the target's forward that prices the saving.  The reading's price is learnt from first drafts' ``setup_s``.
+    A drafter that reads the context (a draft model) must first read the prompt, at a cost that can exceed all
+    its drafts save (a 0.5B draft's reading took 2.0 s, the 64 tokens after it 5.4 s).  So before its first draft
+    of a sequence, its reading (``context_cost`` times the target's prefill of this prompt, :meth:`begin`) is
+    priced against the expected saving over the tokens to come (at most ``ANSWER_HORIZON``); where drafting
+    would not gain ``DRAFT_MARGIN``, reading included, the sequence is decoded plainly (after one plain step,
+    which times the target).  The reading's price is learnt from first drafts' ``setup_s``.
 
     Whether to draft at all is the cost model's call for every drafter: when no depth pays by
     ``DRAFT_MARGIN`` (a self-drafter whose tokens the target rejects costs a partial forward per step for
     nothing), the policy drafts nothing and only probes depth 1, after ``probe_every`` steps, twice as long
-    after each probe that did not pay (at most ``max_probe_every``), back to ``probe_every`` once one pays.
+    after each probe that did not pay (at most ``max_probe_every``), back to ``probe_every`` once one pays and
+    drafting, with its evidence, is expected to pay (later sequences start from the interval, see the constant).
     The model can be wrong where its inputs are estimates (a tree verifies more nodes than it is deep; a
     drafter's cost varies with the text), so it is also checked against what drafting actually achieved:
     each step that drafted is scored by its tokens per second over what a plain step would have given (the
@@ -186,7 +183,7 @@ class CostModelLength(DraftLengthPolicy):
         twin.in_run, twin.probing, twin.steps_without_drafting, twin.others_width = False, False, 0, 0
         twin.prefill_s, twin.context_read, twin.declined = 0.0, False, False
         twin.elapsed_s, twin.net_saved_s = 0.0, 0.0
-        twin.probe_interval = self.probe_every
+        twin.probe_interval = min(self.probe_interval, INHERITED_PROBE_BACKOFF * self.probe_every)
         twin.parent = self
         twin.acceptance_after = {
             run: [RunningMean(m.value, min(m.weight, SEQUENCE_PRIOR_WEIGHT), m.decay) for m in means]
@@ -233,10 +230,13 @@ class CostModelLength(DraftLengthPolicy):
 
     def next_length(self, limit: int) -> int:
         cap = min(self.deepest, limit) if self.reading_pays(limit) and not self.over_budget else 0
-        best = 0 if self.losing else max(range(cap + 1), key=self.expected_rate)
-        if best and self.expected_rate(best) < DRAFT_MARGIN * self.expected_rate(0):
-            best = 0  # a gain within the estimates' error: plain decoding's is certain
-        return self.settle(best, cap)
+        return self.settle(0 if self.losing else self.best_depth(cap), cap)
+
+    def best_depth(self, cap: int) -> int:
+        """The depth up to ``cap`` with the best expected tokens per second; 0 unless it beats plain decoding by
+        ``DRAFT_MARGIN`` (a gain within the estimates' error: plain decoding's is certain)."""
+        best = max(range(cap + 1), key=self.expected_rate)
+        return best if best and self.expected_rate(best) >= DRAFT_MARGIN * self.expected_rate(0) else 0
 
     def begin(self, prefill_s: float) -> None:
         self.prefill_s = prefill_s
@@ -315,10 +315,9 @@ class CostModelLength(DraftLengthPolicy):
         return score
 
     def draft_cap(self, limit: int, confidences: Sequence[float] | None = None) -> int:
-        """The deepest draft worth weighing this step: none while losing, past the loss budget (:attr:`over_budget`)
-        or where reading the prompt would not pay (:meth:`reading_pays`), never past ``limit``, the policy's
-        maximum or a draft already proposed (its ``confidences``); before the drafter's cost is timed,
-        ``UNTIMED_DEPTH`` for a draft still to be made."""
+        """The deepest draft worth weighing: none while losing, past the loss budget or where reading the prompt
+        would not pay (:meth:`reading_pays`); never past ``limit``, the maximum or a draft already proposed (its
+        ``confidences``); ``UNTIMED_DEPTH`` for a draft still to be made before the drafter's cost is timed."""
         if self.losing or self.over_budget or not self.reading_pays(limit):
             return 0
         return min(limit, len(confidences) if confidences is not None else self.deepest, self.maximum)
@@ -355,9 +354,8 @@ class CostModelLength(DraftLengthPolicy):
         return self.survival(confidences)[-1] < self.achieved_rate() * extra
 
     def keep_length(self, confidences: Sequence[float]) -> int:
-        rate = self.achieved_rate()
+        rate, base = self.achieved_rate(), self.others_width
         for depth, survival in enumerate(self.survival(confidences), start=1):
-            base = self.others_width
             if survival < rate * (self.verify_seconds(base + depth + 1) - self.verify_seconds(base + depth)):
                 return depth - 1
         return len(confidences)
@@ -389,11 +387,13 @@ class CostModelLength(DraftLengthPolicy):
         if step.depth:
             self.in_run = step.accepted == step.depth
         if self.probing:
-            # Back to probing often only after a probe that paid: one accepted but dearer than the token it won
-            # (a self-drafter's token can cost 0.8 of a target forward) says drafting still loses.
+            # Back to probing often only after a probe that paid and makes drafting pay: one accepted but dearer
+            # than the token it won, or a lucky one among rejections, says drafting still loses.
             self.probing = False
-            paid = step.accepted > 0 and score is not None and score >= 1.0
+            paid = step.accepted > 0 and score is not None and score >= 1.0 and self.best_depth(self.maximum) > 0
             self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
+            if self.parent is not None:
+                self.parent.probe_interval = self.probe_interval
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
