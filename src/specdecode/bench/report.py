@@ -271,7 +271,7 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
     for c in cells:
         if not c.repeats_identical:
             lines.append(f"- **Repeats disagree**: `{c.method}` on {c.task} generated different tokens across repeats.")
-    return lines or ["- Nothing to compare (no plain baseline or peers in this run)."]
+    return lines or ["- No task or peer goal applies to these methods (they need `pld`, or peers, in the run)."]
 
 
 #: Issue 17: under the default policy no drafter may be more than 5% slower than plain decoding on any prompt.
