@@ -29,8 +29,15 @@ def test_sampled_siblings_are_distinct_and_rows_drop_earlier_siblings(tiny_targe
     drafter = create_drafter("stand", tiny_target, template="4,2,1", topk=6)
     tokens, _ = run(tiny_target, drafter, PROMPTS[1], max_new_tokens=40, num_draft_tokens=3)
     session = session_for(drafter, PROMPTS[1], SamplingParams(temperature=1.0, seed=0), seed=0)
-    # Every generated token but the last was verified with its context, so the table knows what follows.
-    draft = session.propose([*PROMPTS[1], *tokens[:-1]], max_tokens=3)
+
+    # A context verified with a draft stores the target's distribution (the last step, with no room left to draft,
+    # stores only the token it chose): the latest such context.
+    def stored_ids(context: list[int]) -> int:
+        found = drafter.lookup(tuple(context))
+        return 0 if found is None else len(found[0])
+
+    contexts = ([*PROMPTS[1], *tokens[:cut]] for cut in range(len(tokens) - 1, 0, -1))
+    draft = session.propose(next(c for c in contexts if stored_ids(c) >= 4), max_tokens=3)
     assert draft.probs is not None and draft.parent_list[:4] == [-1] * 4  # four sampled root alternatives
     torch.testing.assert_close(draft.probs.sum(-1), torch.ones(len(draft.tokens)))
     for parent in set(draft.parent_list):
@@ -118,3 +125,17 @@ def test_table_is_bounded_and_evicts_the_stalest_entries():
     assert drafter.lookup(tuple(heads[-2:])) is not None
     drafter.reset()
     assert drafter.num_entries == 0 and drafter.lookup(tuple(heads[-2:])) is None
+
+
+def test_a_step_given_no_draft_records_only_the_chosen_token():
+    """Where the policy asks for no draft, the table gets the target's token as a point mass (no softmax or top-k
+    over the vocabulary); where it asked and the table had nothing, the target's distribution is stored in full."""
+    drafter = create_drafter("stand", None, topk=4, max_ngram=2)
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    session = session_for(drafter, [1, 2])
+    session.observe([1, 2, 7], StepFeedback(Draft(tokens=[]), (), logits))  # not asked: the policy chose plain
+    ids, probs = drafter.lookup((1, 2))
+    assert ids.tolist() == [7] and probs.tolist() == [0.5]  # a point mass merged at the newest weight
+    assert session.propose([1, 2, 7], max_tokens=2).tokens == []  # nothing known after (2, 7): asked, found none
+    session.observe([1, 2, 7, 9], StepFeedback(Draft(tokens=[]), (), logits))
+    assert drafter.lookup((2, 7))[0].tolist() == torch.topk(logits[0], 4).indices.tolist()
