@@ -104,17 +104,24 @@ def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
     assert lengths.count(0) == 6 and lengths.count(1) == 2
 
 
+def probe_once(
+    policy: CostModelLength, *, accepted: int, draft_s: float = 0.0, verify_s: float = 0.13, plain_s: float = 0.1
+) -> int:
+    """Plain steps (``plain_s`` each) until the policy probes, then the probe's outcome; returns the steps it waited."""
+    steps = 1
+    while policy.next_length(12) == 0:
+        policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=plain_s))
+        steps += 1
+    policy.observe(StepObservation(depth=1, nodes=1, accepted=accepted, draft_s=draft_s, verify_s=verify_s))
+    return steps
+
+
 def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
     policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
     feed(policy, 80, accept_rate=0.0, depth=2)
 
     def steps_to_next_probe(accepted: int) -> int:
-        steps = 1
-        while policy.next_length(12) == 0:
-            policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=1.0))
-            steps += 1
-        policy.observe(StepObservation(depth=1, nodes=1, accepted=accepted, draft_s=0.0, verify_s=1.1))
-        return steps
+        return probe_once(policy, accepted=accepted, verify_s=1.1, plain_s=1.0)
 
     assert [steps_to_next_probe(0) for _ in range(4)] == [4, 8, 16, 16]
     assert steps_to_next_probe(1) == 16 and policy.probe_interval == 4  # an accepted probe that paid: back to 4
@@ -125,20 +132,8 @@ def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_reject
     probe yields two tokens for more than two plain steps' time, which says drafting still loses."""
     policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
     feed(policy, 80, accept_rate=0.0, depth=2)
-    while policy.next_length(12) == 0:
-        policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=1.0))
-    policy.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.9, verify_s=1.3))
+    probe_once(policy, accepted=1, draft_s=0.9, verify_s=1.3, plain_s=1.0)
     assert policy.probe_interval == 8
-
-
-def probe_once(policy: CostModelLength, *, accepted: int, draft_s: float = 0.0, verify_s: float = 0.13) -> int:
-    """Plain steps until the policy probes, then the probe's outcome; returns the steps it waited."""
-    steps = 1
-    while policy.next_length(12) == 0:
-        policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
-        steps += 1
-    policy.observe(StepObservation(depth=1, nodes=1, accepted=accepted, draft_s=draft_s, verify_s=verify_s))
-    return steps
 
 
 def test_an_accepted_probe_that_leaves_drafting_a_loss_backs_off_as_a_rejected_one():

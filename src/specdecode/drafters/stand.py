@@ -106,7 +106,8 @@ class StandDrafter(Drafter):
         for n in self.ngram_sizes:
             if len(context) >= n and (slot := self._slots.get(context[-n:])) is not None:
                 ids, probs = self._ids[slot], self._probs[slot]
-                return ids[ids >= 0], probs[ids >= 0]
+                stored = ids >= 0
+                return ids[stored], probs[stored]
         return None
 
     def _fit_vocab(self, vocab: int) -> None:
@@ -232,7 +233,7 @@ class StandSession(DraftSession):
         if logits.numel() and (self._asked or feedback.draft.tokens):
             self.drafter.learn(self._tail, feedback.draft, logits)
         elif logits.numel():  # no draft asked for: the target's token alone (see the module doc)
-            self.drafter.learn_chosen(self._tail, context[len(context) - 1], logits.shape[-1])
+            self.drafter.learn_chosen(self._tail, context[-1], logits.shape[-1])
         self._asked = False
         self.drafter.trees.learn(feedback)
         self._tail = tuple(context[-self.drafter.ngram_sizes.start :])
