@@ -23,7 +23,8 @@ MIN_GAIN_EVIDENCE = 6.0
 #: A probe that paid replaces that evidence with itself, worth this many steps.
 PROBE_GAIN_WEIGHT = 2.0
 #: A new sequence starts at the probe interval its predecessors' probes left, at most this many ``probe_every``:
-#: probes that keep losing cost a request one probe, not three; other text is still tried within 32 steps.
+#: probes that keep losing cost a request one probe, not three; other text is still tried within 32 steps.  A
+#: policy whose prior acceptance (a self-drafter's, measured) makes no depth pay starts there too.
 INHERITED_PROBE_BACKOFF = 4
 #: A depth is drafted only when expected to yield this many times plain decoding's tokens/s: the inputs are
 #: estimates, and drafting costs what they omit, so break-even drafts lose (`kangaroo` at 33% acceptance, 4.6%).
@@ -134,7 +135,8 @@ class CostModelLength(DraftLengthPolicy):
         if not self.curve or self.curve[0] <= 0:
             raise ValueError("a cost curve needs a positive cost for one input")
         self.curve = tuple(c / self.curve[0] for c in self.curve)
-        self.probe_interval = self.probe_every
+        backed_off = INHERITED_PROBE_BACKOFF * self.probe_every
+        self.probe_interval = self.probe_every if self.best_depth(self.maximum) else backed_off
 
     # -- the cost model --------------------------------------------------------------------------
     @property
@@ -152,8 +154,7 @@ class CostModelLength(DraftLengthPolicy):
         return cost_at(self.curve, width)
 
     def verify_seconds(self, width: int) -> float:
-        """Expected seconds of a verification forward over ``width`` inputs (in units of one input
-        until a step has been timed)."""
+        """Expected seconds of a verification forward over ``width`` inputs (units of one input until timed)."""
         return self.scale.value * self.relative_cost(width)
 
     def step_seconds(self, k: int) -> float:
@@ -223,8 +224,7 @@ class CostModelLength(DraftLengthPolicy):
 
     @property
     def deepest(self) -> int:
-        """The policy's maximum, or ``UNTIMED_DEPTH`` while the cost of a drafter that reads the context is
-        not timed yet."""
+        """The policy's maximum, or ``UNTIMED_DEPTH`` while a context-reading drafter's cost is not timed yet."""
         untimed = self.reads_context and self.draft_cost.count < UNTIMED_STEPS
         return min(self.maximum, UNTIMED_DEPTH) if untimed else self.maximum
 

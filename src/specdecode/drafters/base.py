@@ -144,6 +144,12 @@ class Drafter(ABC):
         timed them, so a cold request's first draft is weighed, not free.  None: unknown."""
         return None
 
+    def acceptance_prior(self) -> float | None:
+        """The share of its tokens the target is expected to accept before any is verified, which ``auto`` weighs a
+        cold request's first drafts with: measured where the drafter can (a self-drafter, teacher-forced on a
+        built-in text, once: :mod:`specdecode.drafters._calibration`), else ``prior_acceptance``."""
+        return self.prior_acceptance
+
     def reading_cost(self) -> float | None:
         """For a drafter that reads the context: its reading of a prompt in seconds per second of the target's prefill
         of it, which ``auto`` weighs against what a cold request's drafts will save; None: unknown, never weighed."""

@@ -18,6 +18,7 @@ instead (0: the full head).
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
+from specdecode.drafters._calibration import teacher_forced_agreement
 from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require_layer_backend, tail
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -144,6 +146,16 @@ class KangarooDrafter(Drafter):
     def draft_token_share(self) -> float:
         """A token through the layers below the exit and the head (the adapter, one small block, left out)."""
         return CostModel.of(self.backend, verify_token_cost=0.0).draft_token(self.adapter.exit_layer)
+
+    @cached_property
+    def _measured_acceptance(self) -> float | None:
+        """The adapter's agreement with the full model on a built-in text, teacher-forced (once)."""
+        shares = teacher_forced_agreement(self.target, self.backend, self.head, [self.skipped], self.adapter)
+        return None if shares is None else shares[0]
+
+    def acceptance_prior(self) -> float | None:
+        measured = self._measured_acceptance
+        return self.prior_acceptance if measured is None else measured
 
     def session(self, request: DraftRequest) -> DraftSession:
         return KangarooSession(self, SelfDraftSession(self.backend, self.head, request))
