@@ -105,9 +105,9 @@ class SpeculativeGenerator:
         4 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model — and a draft
         model's token and its reading of a prompt (``Drafter.draft_token_seconds``, ``reading_cost``: a second or
         two), and a self-drafter's agreement with the target (``Drafter.acceptance_prior``: two forwards over a
-        built-in text, 1 s on SmolLM2, 8 s on Qwen2.5-1.5B in w4a8 with building its draft head).  A server calls this before it accepts
-        requests (as vLLM profiles before serving); a benchmark before it times.  ``drafters``: those the
-        requests will use (default: this generator's).  Returns the seconds spent."""
+        built-in text, 1 s on SmolLM2, 8 s on Qwen2.5-1.5B in w4a8 with building its draft head).  A server calls
+        this before it accepts requests (as vLLM profiles before serving); a benchmark before it times.
+        ``drafters``: those the requests will use (default: this generator's).  Returns the seconds spent."""
         drafters = list(drafters) or [self.drafter]
         if self.defaults.num_draft_tokens != "auto" or not any(d.drafts for d in drafters):
             return 0.0
