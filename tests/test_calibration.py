@@ -9,7 +9,7 @@ from helpers import tiny_llama3
 from specdecode.draft_length import CostModelLength
 from specdecode.draft_length.cost_model import INHERITED_PROBE_BACKOFF
 from specdecode.drafters import create_drafter
-from specdecode.drafters._calibration import calibration_text, teacher_forced_agreement
+from specdecode.drafters._calibration import calibration_text, self_draft_agreement
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.generator import SpeculativeGenerator
 from tiny_models import wrap
@@ -26,8 +26,9 @@ def test_the_answer_is_measured_and_the_question_is_not(tiny_target):
 
 def test_a_draft_through_every_layer_agrees_on_every_token_and_one_through_fewer_does_not(tiny_target):
     drafter = create_drafter("layer-skip", tiny_target, draft_vocab=0)
-    every, fewer = teacher_forced_agreement(
-        tiny_target, tiny_target.backend, drafter.head, [frozenset(), frozenset({1, 2})]
+    every, fewer = (
+        self_draft_agreement(tiny_target, tiny_target.backend, drafter.head, skipped)
+        for skipped in (frozenset(), frozenset({1, 2}))
     )
     assert every == 1.0
     assert 0.0 <= fewer < 1.0
@@ -72,3 +73,13 @@ def test_an_exit_smollm2_rejects_makes_no_draft_on_a_cold_request(smollm2):
     assert generator.drafter.acceptance_prior() < 0.2  # its exits agree with the full model on 1-7% of tokens
     result = generator.generate("Name three colours.", chat=True, max_new_tokens=24, ignore_eos=True)
     assert result.stats.drafted_tokens == 0
+
+
+def test_a_draft_model_of_the_targets_vocabulary_measures_its_agreement(tiny_target, tiny_draft):
+    itself = create_drafter("draft-model", tiny_target, draft_model=tiny_target)
+    assert itself.acceptance_prior() == 1.0
+    other = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    assert 0.0 <= other.acceptance_prior() < 1.0
+    assert SpeculativeGenerator(tiny_target, other).draft_length_policy("auto").prior_acceptance == (
+        other.acceptance_prior()
+    )

@@ -133,7 +133,7 @@ def test_a_step_given_no_draft_records_only_the_chosen_token():
     drafter = create_drafter("stand", None, topk=4, max_ngram=2)
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
     session = session_for(drafter, [1, 2])
-    session.observe([1, 2, 7], StepFeedback(Draft(tokens=[]), (), logits))  # not asked: the policy chose plain
+    session.observe([1, 2, 7], StepFeedback(Draft(tokens=[]), (), logits, asked=False))  # plain chosen
     ids, probs = drafter.lookup((1, 2))
     assert ids.tolist() == [7] and probs.tolist() == [0.5]  # a point mass merged at the newest weight
     assert session.propose([1, 2, 7], max_tokens=2).tokens == []  # nothing known after (2, 7): asked, found none

@@ -211,12 +211,14 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf
     limits = [max(seq.room, 0) for seq in sequences]
     count = len(sequences)
     early: list[Draft | None] = [None] * count
+    asked = [False] * count  # propose ran (StepFeedback.asked)
     draft_times, idle_times = [0.0] * count, [0.0] * count
     # Lookups draft before the plan, as deep as allowed, so that it can weigh each draft's confidences.
     for index, (seq, limit) in enumerate(zip(sequences, limits)):
         if seq.session.proposes_first and limit > 0:
             tick = clock()
             early[index] = seq.session.propose(seq.context, limit)
+            asked[index] = True
             draft_times[index], idle_times[index] = clock() - tick, tick - seq.step_end
     depths = plan_batch([seq.length_policy for seq in sequences], limits, [_plan_confidences(d) for d in early])
     drafts = []
@@ -224,6 +226,7 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf
         tick = clock()
         if draft is None:
             idle_times[index] = tick - seq.step_end
+            asked[index] = max_depth > 0
             draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
             if draft.confidence is not None and draft.is_chain:
                 max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
@@ -234,7 +237,7 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf
     verify_s = clock() - tick
     width = sum(len(draft.tokens) + 1 for draft in drafts)
     gained = []
-    for seq, draft, check, draft_s, idle_s in zip(sequences, drafts, checked, draft_times, idle_times):
+    for seq, draft, check, draft_s, idle_s, proposed in zip(sequences, drafts, checked, draft_times, idle_times, asked):
         stats, config, verdict = seq.stats, seq.config, check.verdict
         observation = StepObservation(
             depth=draft.depth,
@@ -263,7 +266,7 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf
         seq.context.extend(new_tokens)
         stats.new_tokens += len(new_tokens)
         tock = clock()
-        feedback = StepFeedback(draft=draft, path=verdict.path, target_logits=check.logits, target_hidden=check.hidden)
+        feedback = StepFeedback(draft, verdict.path, check.logits, check.hidden, asked=proposed)
         seq.session.observe(seq.context, feedback)
         seq.step_end = clock()
         stats.draft_s += seq.step_end - tock

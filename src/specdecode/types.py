@@ -127,12 +127,15 @@ class StepFeedback:
         ran (policy replay).
     target_hidden: [nodes + 1, features] the target's hidden states of the same rows, for a session that
         asked for them (``DraftSession.hidden_layers``); None otherwise.
+    asked: whether the session's ``propose`` ran this step.  False where the draft-length policy chose plain
+        decoding: the empty draft then says nothing of what the drafter would have found (STAND learns less).
     """
 
     draft: Draft
     path: tuple[int, ...]
     target_logits: torch.Tensor
     target_hidden: torch.Tensor | None = None
+    asked: bool = True
 
     @property
     def num_accepted(self) -> int:

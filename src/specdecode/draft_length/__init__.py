@@ -62,7 +62,7 @@ def make_policy(
     reading of a prompt against the target's prefill (``Drafter.reading_cost``), so ``auto`` prices each reading;
     ``draft_token_s``: the seconds of one of its draft tokens (``Drafter.draft_token_seconds``), the price of a draft
     token in that reckoning until the policy has timed its own; ``prior_acceptance``: the share of its tokens expected
-    to be accepted before any is verified (``Drafter.prior_acceptance``; None: the policy's default);
+    to be accepted before any is verified (``Drafter.acceptance_prior``; None: the policy's default);
     ``draft_token_share``: a draft token's cost in one-token target forwards where known by construction
     (``Drafter.draft_token_share``), its price until timed."""
     if isinstance(spec, int) and not isinstance(spec, bool):

@@ -12,12 +12,14 @@ the measure errs towards not drafting, which costs a drafter that pays a few ste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from specdecode.drafters._vocab import DraftHead
-from specdecode.models.base import ForwardOutput, KVCache, LayerwiseExecution
+from specdecode.models.base import CausalLM, ForwardOutput, KVCache, LayerwiseExecution
 from specdecode.models.loading import LoadedModel
 
 #: The exchange the measure reads: an answer of the kind assistants give (prose, a list, a little code).
@@ -57,48 +59,88 @@ def calibration_text(target: LoadedModel) -> tuple[torch.Tensor, int] | None:
     return torch.tensor(ids, dtype=torch.long), len(prompt)
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """The exchange's tokens, the rows whose next token is in the answer, and the target's greedy choice there."""
+
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    wanted: torch.Tensor
+
+
+#: Per target backend: its choices are computed once however many drafters measure themselves against them.
+_CALIBRATIONS: weakref.WeakKeyDictionary[object, Calibration | None] = weakref.WeakKeyDictionary()
+
+
 @torch.inference_mode()
-def teacher_forced_agreement(
+def calibration(target: LoadedModel) -> Calibration | None:
+    """The target's greedy next token after each row of the answer (one forward, once per target); None where
+    no text can be made (:func:`calibration_text`)."""
+    backend = target.backend
+    if backend not in _CALIBRATIONS:
+        text = calibration_text(target)
+        if text is None:
+            _CALIBRATIONS[backend] = None
+        else:
+            tokens, start = text
+            rows = torch.arange(start - 1, len(tokens) - 1)
+            out = run_on_new_cache(backend, lambda c: backend.forward(tokens, c, logits_rows=rows, invariant=False))
+            _CALIBRATIONS[backend] = Calibration(tokens, rows, out.logits.argmax(-1))
+    return _CALIBRATIONS[backend]
+
+
+def agreement(target: LoadedModel, guess: Callable[[Calibration], torch.Tensor]) -> float | None:
+    """The share of the answer's rows where ``guess`` (a drafter's greedy next token after each row, reading the
+    true text) is the target's choice; None where no text can be made."""
+    measured = calibration(target)
+    if measured is None:
+        return None
+    with torch.inference_mode():
+        guessed = guess(measured)
+    return float((guessed == measured.wanted).float().mean())
+
+
+def self_draft_agreement(
     target: LoadedModel,
     backend: LayerwiseExecution,
     head: DraftHead,
-    skip_sets: Sequence[frozenset[int]],
+    skipped: frozenset[int],
     adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> list[float] | None:
-    """For each skip set: the share of the answer's next tokens that the target with those layers left out
-    (``adapter`` on its last state, then the draft ``head``) predicts as the full target does, both reading the
-    true text; None where no text can be made (:func:`calibration_text`)."""
-    text = calibration_text(target)
-    if text is None:
-        return None
-    tokens, start = text
-    rows = torch.arange(start - 1, len(tokens) - 1)  # positions whose next token is in the answer
-    head_rows = head.for_prompt(tokens.tolist())
-    wanted = _run(target, lambda cache: target.backend.forward(tokens, cache, logits_rows=rows, invariant=False))
-    shares = []
-    for skipped in skip_sets:
-        out = _run(
-            target,
-            lambda cache, skipped=skipped: backend.forward_layers(
-                tokens,
-                cache,
-                skip_layers=skipped,
-                exit_layer=backend.num_layers,
-                output_hidden=True,
-                logits_rows=rows[:0],
+) -> float | None:
+    """:func:`agreement` of the target with ``skipped`` layers left out, ``adapter`` on its last state, then the
+    draft ``head`` (the self-drafters' draft)."""
+
+    def guess(measured: Calibration) -> torch.Tensor:
+        tokens, rows = measured.tokens, measured.rows
+        out = run_on_new_cache(
+            target.backend,
+            lambda c: backend.forward_layers(
+                tokens, c, skip_layers=skipped, exit_layer=backend.num_layers, output_hidden=True, logits_rows=rows[:0]
             ),
         )
+        head_rows = head.for_prompt(tokens.tolist())
         hidden = out.hidden[rows]
         guessed = backend.exit_logits(adapter(hidden) if adapter else hidden, head_rows).argmax(-1)
-        if head_rows.ids is not None:
-            guessed = head_rows.ids[guessed]
-        shares.append(float((guessed == wanted.logits.argmax(-1)).float().mean()))
-    return shares
+        return guessed if head_rows.ids is None else head_rows.ids[guessed]
+
+    return agreement(target, guess)
 
 
-def _run(target: LoadedModel, forward: Callable[[KVCache], ForwardOutput]) -> ForwardOutput:
+def draft_model_agreement(target: LoadedModel, draft: CausalLM) -> float | None:
+    """:func:`agreement` of a draft model with the target's vocabulary (its full head)."""
+
+    def guess(measured: Calibration) -> torch.Tensor:
+        out = run_on_new_cache(
+            draft, lambda c: draft.forward(measured.tokens, c, logits_rows=measured.rows, invariant=False)
+        )
+        return out.logits.argmax(-1)
+
+    return agreement(target, guess)
+
+
+def run_on_new_cache(backend: CausalLM, forward: Callable[[KVCache], ForwardOutput]) -> ForwardOutput:
     """One forward on a cache of its own, released after."""
-    cache = target.backend.new_cache()
+    cache = backend.new_cache()
     try:
         return forward(cache)
     finally:

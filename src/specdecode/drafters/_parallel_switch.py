@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.drafters.base import flag_option
+from specdecode.errors import SpecDecodeError
+
 
 @dataclass
 class StepRate:
@@ -65,3 +68,14 @@ class ParallelSwitch:
             self.parallel = not parallel
         else:
             self.parallel, self.settled, self.left = self.rates[True].rate > self.rates[False].rate, True, self.settle
+
+
+def parallel_mode(value: bool | str) -> str:
+    """The ``parallel`` option: "off"; "true" (the worker is timed against drafting in turn and runs only
+    while it is faster, :mod:`specdecode.drafters._parallel_switch`); or "always"."""
+    if str(value).strip().lower() == "always":
+        return "always"
+    try:
+        return "true" if flag_option("parallel", value) else "off"
+    except SpecDecodeError:
+        raise SpecDecodeError(f"parallel must be true, false or always, got {value!r}") from None

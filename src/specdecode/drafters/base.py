@@ -124,6 +124,7 @@ class Drafter(ABC):
     reads_context: ClassVar[bool] = False
     #: The share of its tokens the target is expected to accept before any is verified: ``auto`` weighs a cold
     #: request's first drafts (and a draft model's reading of the prompt) with it.  None: the policy's default.
+    #: Declared; a drafter that can measure it does (:meth:`acceptance_prior`).
     prior_acceptance: float | None = None
     #: False for plain decoding (``none``), which never drafts: ``auto`` then has no depth to choose and
     #: need not measure the target's verification cost curve (4-10 s on a 2-core CPU) for it.

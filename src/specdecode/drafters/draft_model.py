@@ -28,19 +28,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 
 from specdecode.drafters import register_drafter
+from specdecode.drafters._calibration import draft_model_agreement
 from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._lookahead import Lookahead
-from specdecode.drafters._parallel_switch import ParallelSwitch
+from specdecode.drafters._parallel_switch import ParallelSwitch, parallel_mode
 from specdecode.drafters._vocab import DraftHead, HeadRows, RequestRows, frequent_tokens
 from specdecode.drafters._vocab_map import common_prefix_length
 from specdecode.drafters.adapt import AdaptOptions, OnlineAdapter
 from specdecode.drafters.adapt_data import AdaptingSession, cross_vocab_example, same_vocab_example
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.cross_vocab import PRIOR_ACCEPTANCE as CROSS_VOCAB_PRIOR
 from specdecode.drafters.cross_vocab import CrossVocabulary, check_vocab_mapping
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
@@ -70,17 +71,6 @@ def choose_draft_token(
     probs = sampling_probs(logits, sampling).cpu()
     token = sample(probs, generator)
     return token, probs, float(probs[token])
-
-
-def parallel_mode(value: bool | str) -> str:
-    """The ``parallel`` option: "off"; "true" (the worker is timed against drafting in turn and runs only
-    while it is faster, :mod:`specdecode.drafters._parallel_switch`); or "always"."""
-    if str(value).strip().lower() == "always":
-        return "always"
-    try:
-        return "true" if flag_option("parallel", value) else "off"
-    except SpecDecodeError:
-        raise SpecDecodeError(f"parallel must be true, false or always, got {value!r}") from None
 
 
 def loaded_draft(draft_model: str | LoadedModel, target: LoadedModel, *, trains: bool = False) -> LoadedModel:
@@ -253,6 +243,15 @@ class DraftModelDrafter(Drafter):
         if not self.clock.one_token_s:
             self.clock.add(time_draft_token(self.draft.backend, self.head))
         return self.clock.one_token_s
+
+    def acceptance_prior(self) -> float | None:
+        """Across vocabularies the declared third; with the target's vocabulary, the draft model's agreement with the
+        target on a built-in text, teacher-forced (once; :func:`~specdecode.drafters._calibration.agreement`)."""
+        return self.prior_acceptance if self.cross is not None else self._measured_acceptance
+
+    @cached_property
+    def _measured_acceptance(self) -> float | None:
+        return draft_model_agreement(self.target, self.draft.backend)
 
     def reading_cost(self) -> float:
         """Its reading of a prompt against the target's prefill, timed once (:func:`time_reading`)."""

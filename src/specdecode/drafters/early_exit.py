@@ -25,7 +25,7 @@ from functools import cached_property
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._calibration import teacher_forced_agreement
+from specdecode.drafters._calibration import self_draft_agreement
 from specdecode.drafters._self_draft import CostModel, SelfDraftSession, expected_tokens, require_layer_backend, tail
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -95,8 +95,8 @@ class EarlyExitDrafter(Drafter):
         """Each exit's agreement with the full model on a built-in text, teacher-forced (once): the prior of its
         acceptance.  None where no text can be made: each exit's share of the depth stands in (on SmolLM2-135M
         that guessed 0.2-0.5 for exits that agree 0.05-0.11)."""
-        shares = teacher_forced_agreement(self.target, self.backend, self.head, [self.skips[e] for e in self.exits])
-        return None if shares is None else dict(zip(self.exits, shares, strict=True))
+        shares = {e: self_draft_agreement(self.target, self.backend, self.head, self.skips[e]) for e in self.exits}
+        return None if None in shares.values() else shares
 
     def exit_prior(self, layer: int) -> float:
         measured = self.exit_agreement

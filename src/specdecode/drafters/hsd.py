@@ -316,7 +316,7 @@ class HierarchicalSession(DraftSession):
                 if mine:
                     each.depth.observe(len(guess), agreed)
                 path = tuple(range(agreed)) if mine else ()
-                feedback = StepFeedback(Draft(tokens=guess if mine else []), path, torch.empty(0))
+                feedback = StepFeedback(Draft(tokens=guess if mine else []), path, torch.empty(0), asked=mine)
                 each.session.observe(written, feedback)
             if self.request.stop(confidence):  # SpecDec++-style early stop, as draft-model
                 break

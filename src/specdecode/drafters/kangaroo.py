@@ -27,7 +27,7 @@ from torch import nn
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._calibration import teacher_forced_agreement
+from specdecode.drafters._calibration import self_draft_agreement
 from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require_layer_backend, tail
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -150,8 +150,7 @@ class KangarooDrafter(Drafter):
     @cached_property
     def _measured_acceptance(self) -> float | None:
         """The adapter's agreement with the full model on a built-in text, teacher-forced (once)."""
-        shares = teacher_forced_agreement(self.target, self.backend, self.head, [self.skipped], self.adapter)
-        return None if shares is None else shares[0]
+        return self_draft_agreement(self.target, self.backend, self.head, self.skipped, self.adapter)
 
     def acceptance_prior(self) -> float | None:
         measured = self._measured_acceptance

@@ -21,7 +21,7 @@ from functools import cached_property
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.drafters import register_drafter
-from specdecode.drafters._calibration import teacher_forced_agreement
+from specdecode.drafters._calibration import self_draft_agreement
 from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require_layer_backend
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -99,8 +99,7 @@ class LayerSkipDrafter(Drafter):
     def _measured_acceptance(self) -> float | None:
         """The initial skip set's agreement with the full model on a built-in text, teacher-forced (once)."""
         initial = initial_skip_set(self.backend.num_layers, self.skip_ratio)
-        shares = teacher_forced_agreement(self.target, self.backend, self.head, [initial])
-        return None if shares is None else shares[0]
+        return self_draft_agreement(self.target, self.backend, self.head, initial)
 
     def acceptance_prior(self) -> float | None:
         measured = self._measured_acceptance

@@ -190,10 +190,8 @@ class StandSession(DraftSession):
         self.sampling = request.sampling
         self.rng = request.numpy_rng()
         self._tail = tuple(request.prompt_ids[-drafter.ngram_sizes.start :])
-        self._asked = False  # the policy asked this step for a draft (propose ran)
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self._asked = True
         drafter = self.drafter
         tail = tuple(context[-drafter.ngram_sizes.start :])
         drawn: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # path → ids, q, order
@@ -230,10 +228,9 @@ class StandSession(DraftSession):
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         logits = feedback.target_logits
-        if logits.numel() and (self._asked or feedback.draft.tokens):
+        if logits.numel() and feedback.asked:
             self.drafter.learn(self._tail, feedback.draft, logits)
         elif logits.numel():  # no draft asked for: the target's token alone (see the module doc)
             self.drafter.learn_chosen(self._tail, context[-1], logits.shape[-1])
-        self._asked = False
         self.drafter.trees.learn(feedback)
         self._tail = tuple(context[-self.drafter.ngram_sizes.start :])
