@@ -75,11 +75,8 @@ def test_an_exit_smollm2_rejects_makes_no_draft_on_a_cold_request(smollm2):
     assert result.stats.drafted_tokens == 0
 
 
-def test_a_draft_model_of_the_targets_vocabulary_measures_its_agreement(tiny_target, tiny_draft):
-    itself = create_drafter("draft-model", tiny_target, draft_model=tiny_target)
-    assert itself.acceptance_prior() == 1.0
-    other = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
-    assert 0.0 <= other.acceptance_prior() < 1.0
-    assert SpeculativeGenerator(tiny_target, other).draft_length_policy("auto").prior_acceptance == (
-        other.acceptance_prior()
-    )
+def test_a_draft_model_keeps_the_declared_prior(tiny_target, tiny_draft):
+    """Measured, a draft model's agreement made ``auto`` read prompts that did not pay back (see the module doc)."""
+    drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
+    assert drafter.acceptance_prior() is None
+    assert SpeculativeGenerator(tiny_target, drafter).draft_length_policy("auto").prior_acceptance == 0.5

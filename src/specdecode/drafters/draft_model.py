@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property, partial
+from functools import partial
 
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._calibration import draft_model_agreement
 from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._lookahead import Lookahead
 from specdecode.drafters._parallel_switch import ParallelSwitch, parallel_mode
@@ -243,15 +242,6 @@ class DraftModelDrafter(Drafter):
         if not self.clock.one_token_s:
             self.clock.add(time_draft_token(self.draft.backend, self.head))
         return self.clock.one_token_s
-
-    def acceptance_prior(self) -> float | None:
-        """Across vocabularies the declared third; with the target's vocabulary, the draft model's agreement with the
-        target on a built-in text, teacher-forced (once; :func:`~specdecode.drafters._calibration.agreement`)."""
-        return self.prior_acceptance if self.cross is not None else self._measured_acceptance
-
-    @cached_property
-    def _measured_acceptance(self) -> float | None:
-        return draft_model_agreement(self.target, self.draft.backend)
 
     def reading_cost(self) -> float:
         """Its reading of a prompt against the target's prefill, timed once (:func:`time_reading`)."""
