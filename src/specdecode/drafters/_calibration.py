@@ -94,17 +94,6 @@ def calibration(target: LoadedModel) -> Calibration | None:
     return _CALIBRATIONS[backend]
 
 
-def agreement(target: LoadedModel, guess: Callable[[Calibration], torch.Tensor]) -> float | None:
-    """The share of the answer's rows where ``guess`` (a drafter's greedy next token after each row, reading the
-    true text) is the target's choice; None where no text can be made."""
-    measured = calibration(target)
-    if measured is None:
-        return None
-    with torch.inference_mode():
-        guessed = guess(measured)
-    return float((guessed == measured.wanted).float().mean())
-
-
 def self_draft_agreement(
     target: LoadedModel,
     backend: LayerwiseExecution,
@@ -112,11 +101,14 @@ def self_draft_agreement(
     skipped: frozenset[int],
     adapter: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> float | None:
-    """:func:`agreement` of the target with ``skipped`` layers left out, ``adapter`` on its last state, then the
-    draft ``head`` (the self-drafters' draft)."""
-
-    def guess(measured: Calibration) -> torch.Tensor:
-        tokens, rows = measured.tokens, measured.rows
+    """The share of the answer's rows where the target with ``skipped`` layers left out, ``adapter`` on its last
+    state, then the draft ``head`` (the self-drafters' draft), reading the true text, guesses the target's choice;
+    None where no text can be made (:func:`calibration_text`)."""
+    measured = calibration(target)
+    if measured is None:
+        return None
+    tokens, rows = measured.tokens, measured.rows
+    with torch.inference_mode():
         out = run_on_new_cache(
             target.backend,
             lambda c: backend.forward_layers(
@@ -126,9 +118,9 @@ def self_draft_agreement(
         head_rows = head.for_prompt(tokens.tolist())
         hidden = out.hidden[rows]
         guessed = backend.exit_logits(adapter(hidden) if adapter else hidden, head_rows).argmax(-1)
-        return guessed if head_rows.ids is None else head_rows.ids[guessed]
-
-    return agreement(target, guess)
+    if head_rows.ids is not None:
+        guessed = head_rows.ids[guessed]
+    return float((guessed == measured.wanted).float().mean())
 
 
 def run_on_new_cache(backend: CausalLM, forward: Callable[[KVCache], ForwardOutput]) -> ForwardOutput:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -124,7 +125,7 @@ class Drafter(ABC):
     reads_context: ClassVar[bool] = False
     #: The share of its tokens the target is expected to accept before any is verified: ``auto`` weighs a cold
     #: request's first drafts (and a draft model's reading of the prompt) with it.  None: the policy's default.
-    #: Declared; a drafter that can measure it does (:meth:`acceptance_prior`).
+    #: Declared; a drafter that can measure it does (:attr:`measured_acceptance`).
     prior_acceptance: float | None = None
     #: False for plain decoding (``none``), which never drafts: ``auto`` then has no depth to choose and
     #: need not measure the target's verification cost curve (4-10 s on a 2-core CPU) for it.
@@ -147,9 +148,16 @@ class Drafter(ABC):
 
     def acceptance_prior(self) -> float | None:
         """The share of its tokens the target is expected to accept before any is verified, which ``auto`` weighs a
-        cold request's first drafts with: measured where the drafter can (a self-drafter, teacher-forced on a
-        built-in text, once: :mod:`specdecode.drafters._calibration`), else ``prior_acceptance``."""
-        return self.prior_acceptance
+        cold request's first drafts with: measured where the drafter can (:attr:`measured_acceptance`), else
+        ``prior_acceptance``."""
+        measured = self.measured_acceptance
+        return self.prior_acceptance if measured is None else measured
+
+    @cached_property
+    def measured_acceptance(self) -> float | None:
+        """What a drafter that can measure its acceptance measures, once (a self-drafter: teacher-forced on a built-in
+        text, :mod:`specdecode.drafters._calibration`); None: nothing measured."""
+        return None
 
     def reading_cost(self) -> float | None:
         """For a drafter that reads the context: its reading of a prompt in seconds per second of the target's prefill

@@ -102,10 +102,11 @@ class EarlyExitDrafter(Drafter):
         measured = self.exit_agreement
         return measured[layer] if measured is not None else layer / self.costs.num_layers
 
-    def acceptance_prior(self) -> float | None:
-        """The best exit's measured agreement (what the planner starts from), else the declared prior."""
+    @cached_property
+    def measured_acceptance(self) -> float | None:
+        """The best exit's measured agreement (what the planner starts from)."""
         measured = self.exit_agreement
-        return max(measured.values()) if measured is not None else self.prior_acceptance
+        return max(measured.values()) if measured is not None else None
 
     def draft_token_share(self) -> float:
         """A token from the exit the planner would draft from now (its head and the layers below)."""

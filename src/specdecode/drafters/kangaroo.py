@@ -148,13 +148,9 @@ class KangarooDrafter(Drafter):
         return CostModel.of(self.backend, verify_token_cost=0.0).draft_token(self.adapter.exit_layer)
 
     @cached_property
-    def _measured_acceptance(self) -> float | None:
+    def measured_acceptance(self) -> float | None:
         """The adapter's agreement with the full model on a built-in text, teacher-forced (once)."""
         return self_draft_agreement(self.target, self.backend, self.head, self.skipped, self.adapter)
-
-    def acceptance_prior(self) -> float | None:
-        measured = self._measured_acceptance
-        return self.prior_acceptance if measured is None else measured
 
     def session(self, request: DraftRequest) -> DraftSession:
         return KangarooSession(self, SelfDraftSession(self.backend, self.head, request))

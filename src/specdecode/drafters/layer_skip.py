@@ -96,14 +96,10 @@ class LayerSkipDrafter(Drafter):
         self.rng = random.Random(self.seed)
 
     @cached_property
-    def _measured_acceptance(self) -> float | None:
+    def measured_acceptance(self) -> float | None:
         """The initial skip set's agreement with the full model on a built-in text, teacher-forced (once)."""
         initial = initial_skip_set(self.backend.num_layers, self.skip_ratio)
         return self_draft_agreement(self.target, self.backend, self.head, initial)
-
-    def acceptance_prior(self) -> float | None:
-        measured = self._measured_acceptance
-        return self.prior_acceptance if measured is None else measured
 
     @property
     def active(self) -> frozenset[int]:
