@@ -349,7 +349,14 @@ def _spied_suffix(tiny_target):
         steps.append(measured.stats.steps)
         return measured
 
-    contestant.run = run
+    def stream(prompt_ids, max_new_tokens):  # in lockstep (run_group's default) the request is pulled as events
+        for event in real_stream(prompt_ids, max_new_tokens):
+            if event.result is not None:
+                steps.append(event.result.stats.steps)
+            yield event
+
+    real_stream = contestant.stream
+    contestant.run, contestant.stream = run, stream
     return contestant, steps
 
 
@@ -431,8 +438,9 @@ def test_drafter_state_task_groups_a_whole_task(tmp_path):
 
 
 def test_schema_1_results_still_resume(finished, tmp_path, monkeypatch):
-    """A results file written before drafter_state existed is read as drafter_state "request", and one
-    written before default_k existed as measured with K=5: it resumes only while that is the default."""
+    """A results file written before drafter_state existed is read as drafter_state "request", one written
+    before default_k existed as measured with K=5 (it resumes only while that is the default), and one written
+    before interleave existed as measured request by request."""
     settings, results = finished
     old = json.loads((settings.out / "results.json").read_text())
     old["schema_version"] = 1
@@ -442,7 +450,10 @@ def test_schema_1_results_still_resume(finished, tmp_path, monkeypatch):
     with pytest.raises(SpecDecodeError, match="another configuration"):
         run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
     monkeypatch.setattr(suites, "DEFAULT_K", 5)
-    resumed = run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
+    with pytest.raises(SpecDecodeError, match="another configuration"):  # measured request by request
+        run_benchmark(_settings(settings_dirs(settings), tmp_path), tasks=_tiny_tasks(), progress=False)
+    again = _settings(settings_dirs(settings), tmp_path, interleave="request")
+    resumed = run_benchmark(again, tasks=_tiny_tasks(), progress=False)
     assert resumed["schema_version"] == runner.SCHEMA_VERSION and resumed["runs"] == results["runs"]
 
 

@@ -27,7 +27,6 @@ what the others drafted — which is what makes batched greedy output equal solo
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,6 +34,7 @@ from typing import Protocol
 import torch
 
 from specdecode.batch_plan import plan_batch
+from specdecode.clock import now
 from specdecode.config import GenerationConfig
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -87,7 +87,7 @@ class Sequence:
     context: list[int] = field(default_factory=list)
     outcome: DecodeOutcome = field(default_factory=DecodeOutcome)
     done: bool = False
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=now)
     step_end: float = 0.0
 
     def __post_init__(self) -> None:
@@ -205,7 +205,7 @@ def _plan_confidences(early: Draft | None) -> list[float] | None:
     return early.confidence if early.tokens else []
 
 
-def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = time.perf_counter) -> list[list[int]]:
+def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = now) -> list[list[int]]:
     """One speculative step for every (unfinished) sequence: draft, verify all drafts in one forward,
     accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done."""
     limits = [max(seq.room, 0) for seq in sequences]
@@ -289,7 +289,7 @@ def start_sequence(
     outcome: DecodeOutcome | None = None,
 ) -> Sequence:
     """Prefill ``cache`` with the prompt and open the request's drafting session."""
-    started = time.perf_counter()
+    started = now()
     seed = request_seed(config.sampling.seed)
     generator = torch.Generator()
     generator.manual_seed(seed)
@@ -323,7 +323,7 @@ def start_sequence(
         if session.hidden_layers:
             session.observe_prompt(out.hidden)
     seq.stats.verifier = config.verifier
-    seq.step_end = time.perf_counter()
+    seq.step_end = now()
     seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
     length_policy.begin(seq.stats.prefill_s)
     seq.done = len(prompt_ids) >= target.max_context
@@ -336,7 +336,7 @@ def finish_sequence(seq: Sequence) -> None:
     if seq.cache is not None:
         seq.cache.release()
         seq.cache = None
-    seq.stats.wall_s = time.perf_counter() - seq.started
+    seq.stats.wall_s = now() - seq.started
 
 
 def speculative_decode(

@@ -83,6 +83,13 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
         "still keeps its state from request to request); task: reset once per task and keep "
         "what they learn across its prompts in order (warm drafters)",
     )
+    bench.add_argument(
+        "--interleave",
+        choices=("step", "request"),
+        help="step (default): our methods decode each prompt in turns, one step each, each timed over its own "
+        "turns, so load from other processes falls on all alike; request: one whole request after another "
+        "(peers always run so)",
+    )
     bench.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     bench.set_defaults(run=run_bench)
 
@@ -221,7 +228,15 @@ def run_bench(args: argparse.Namespace) -> int:
         args.suite,
         prompts_file=prompt_file,
         **_flags(
-            args, *flags, "threads", "draft_lengths", "sweep_tasks", "drafter_state", "quantize", "quantize_draft"
+            args,
+            *flags,
+            "threads",
+            "draft_lengths",
+            "sweep_tasks",
+            "drafter_state",
+            "interleave",
+            "quantize",
+            "quantize_draft",
         ),
     )
     return _run_and_print("bench", "results.json, results.md, plots", settings, run_benchmark, args.progress)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from specdecode.bench.common import drafter_options
 from specdecode.bench.methods import MethodSpec
 from specdecode.bench.suites import BenchSettings, sweep_methods
 from specdecode.errors import SpecDecodeError
-from specdecode.generator import SpeculativeGenerator
+from specdecode.generator import SpeculativeGenerator, StreamEvent
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
 
@@ -107,6 +107,10 @@ def _peer_k(method: MethodSpec) -> int:
     return method.k if isinstance(method.k, int) else PEER_K
 
 
+#: (prompt ids, max new tokens) → the events of one request, decoded as they are pulled.
+StreamCall = Callable[[list[int], int], Iterator[StreamEvent]]
+
+
 @dataclass
 class Measurement:
     token_ids: list[int]
@@ -119,6 +123,9 @@ class Contestant:
     name: str
     run: Callable[[list[int], int], Measurement]  # (prompt ids, max new tokens) → measurement
     reset: Callable[[], None] = lambda: None  # forget what was learned from earlier runs (ours: the drafter)
+    #: Ours: the same request as events pulled step by step, for taking turns (:mod:`specdecode.bench.lockstep`);
+    #: None where it cannot take turns (peers; a drafter that works between steps).
+    stream: StreamCall | None = None
 
 
 def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel]) -> Contestant:
@@ -131,8 +138,14 @@ def _ours(target: LoadedModel, method: MethodSpec, drafts: dict[str, LoadedModel
         )
         return Measurement(result.token_ids, time.perf_counter() - start, result.stats)
 
+    def stream(prompt_ids: list[int], max_new_tokens: int) -> Iterator[StreamEvent]:
+        return generator.stream_events(
+            prompt_ids, max_new_tokens=max_new_tokens, num_draft_tokens=method.k, ignore_eos=True
+        )
+
     # Resetting is not timed: it stands for a fresh server, not for work a request pays for.
-    return Contestant(method.spec, run, generator.reset_drafter)
+    steps = None if generator.drafter.works_between_steps else stream
+    return Contestant(method.spec, run, generator.reset_drafter, steps)
 
 
 def _native_peer(settings: BenchSettings, spec: PeerSpec) -> Contestant:

@@ -34,7 +34,8 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
         f"specdecode {env.get('specdecode')}; {env.get('platform')}.",
         f"- Settings: model `{s['model']}` ({_precision(s)}), {_prompt_source(s)}, "
         f"{s['max_new_tokens']} new tokens per prompt (greedy, EOS ignored), median of {s['repeats']} "
-        f"interleaved repeat(s) after a warm-up, chat template {'on' if results.get('chat_template') else 'off'}; "
+        f"interleaved repeat(s) after a warm-up ({_INTERLEAVE[s.get('interleave', 'request')]}), "
+        f"chat template {'on' if results.get('chat_template') else 'off'}; "
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
         _DRAFTER_STATE[s.get("drafter_state", "request")],
     ]
@@ -56,6 +57,12 @@ def _prompt_source(settings: Mapping[str, Any]) -> str:
         )
     return f"{settings['prompts_per_task']} prompt(s) per task (seed {settings['seed']})"
 
+
+_INTERLEAVE = {
+    "step": "our methods decode each prompt in turns, one step each, each timed over its own turns; peers a "
+    "request at a time",
+    "request": "one request after another",
+}
 
 _DRAFTER_STATE = {
     "request": "- Drafter state: reset before every prompt (cold), except within a session task (`multi-edit`), "

@@ -2,16 +2,18 @@
 
 The unit of work is a *group* of prompts that run in order on one drafter: one prompt (the default), one
 session of a session task (``multi-edit``), or with ``drafter_state="task"`` all of a task's prompts.
-Every contestant (each of our methods, each transformers peer) decodes the group ``repeats`` times,
-interleaved and in a rotating order, so a burst of load from other processes slows all of them alike
-instead of one cell.  Our drafter is reset at the start of every repeat of a group and keeps what it
+Every contestant (each of our methods, each peer) decodes the group ``repeats`` times, interleaved and in
+a rotating order, so a burst of load from other processes slows all of them alike instead of one cell —
+our methods in turns, one step each, on each prompt (``interleave="step"``, :mod:`specdecode.bench.lockstep`),
+peers a whole request at a time.  Our drafter is reset at the start of every repeat of a group and keeps what it
 learns within the group — so drafters that learn across requests are measured cold on single prompts
 and warm within a session.  Raw measurements are saved per prompt after every group; a rerun skips what
 is already measured (resume), and the aggregation into cells (``cells.py``) only ever reads the raw data.
 
-Timing is end to end around one call that takes token ids and returns token ids (ours: ``generate()``,
-which also detokenises as it streams; theirs: ``model.generate()``).  Every call is greedy with
-``ignore_eos``, so every contestant produces exactly ``max_new_tokens`` tokens and times are comparable.
+Timing is end to end: a request of ours from its prompt ids to its token ids (``generate()``'s work, which
+also detokenises as it streams; in lockstep the sum of its turns), a peer's one call (``model.generate()``).
+Every call is greedy with ``ignore_eos``, so every contestant produces exactly ``max_new_tokens`` tokens and
+times are comparable.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from specdecode.bench.common import PromptEncoder, load_average, package_versions, read_previous, save_json
 from specdecode.bench.contestants import Contestant, build_contestants, peer_specs
+from specdecode.bench.lockstep import run_lockstep
 from specdecode.bench.suites import BenchSettings, sweep_methods
 from specdecode.bench.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
@@ -37,7 +40,8 @@ from specdecode.threads import fixed_threads
 
 # 2: ``drafter_state`` joined the fingerprint (a version-1 file is read as drafter_state "request").
 # 3: ``default_k`` joined it: a method without ``k=`` (``pld``) drafted K=5 before "auto" became the default.
-SCHEMA_VERSION = 3
+# 4: ``interleave`` joined it: before it every contestant ran request by request.
+SCHEMA_VERSION = 4
 RESULTS_FILE = "results.json"
 WARMUP_TOKENS = 8
 
@@ -52,6 +56,7 @@ def run_group(
     repeats: int,
     rotation: int = 0,
     on_run: Callable[[str], None] = lambda name: None,
+    lockstep: bool = True,
 ) -> dict[str, list[dict[str, Any]]]:
     """Every contestant decodes the prompts of ``group`` in order, ``repeats`` times, interleaved; → raw
     records per contestant, one per prompt.
@@ -59,15 +64,21 @@ def run_group(
     A contestant is reset at the start of each repeat and keeps its state through the group, so a repeat
     never profits from the previous repeat while a session profits from its own earlier requests.  The
     order rotates with every repeat (starting at ``rotation``), so no contestant always runs first or right
-    after the same neighbour.  Acceptance counts are summed over repeats.
+    after the same neighbour.  With ``lockstep`` the contestants that can take turns (ours) decode each
+    prompt together, one step each in that order (:mod:`specdecode.bench.lockstep`); the others, and all of
+    them without it, one request after another.  Acceptance counts are summed over repeats.
     """
     records: dict[str, list[dict[str, Any]]] = {}
     for repeat in range(repeats):
         shift = (rotation + repeat) % len(contestants)
-        for contestant in [*contestants[shift:], *contestants[:shift]]:
+        order = [*contestants[shift:], *contestants[:shift]]
+        for contestant in order:
             contestant.reset()
-            for index, prompt_ids in enumerate(group):
-                measured = contestant.run(prompt_ids, max_new_tokens)
+        for index, prompt_ids in enumerate(group):
+            streams = {c.name: c.stream(prompt_ids, max_new_tokens) for c in order if lockstep and c.stream}
+            in_turns = run_lockstep(streams) if streams else {}
+            for contestant in order:
+                measured = in_turns.get(contestant.name) or contestant.run(prompt_ids, max_new_tokens)
                 if repeat == 0:
                     records.setdefault(contestant.name, []).append(
                         {"token_ids": measured.token_ids, "wall_s": [], "repeats_identical": True}
@@ -155,6 +166,9 @@ def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
         previous["schema_version"] = 2
     if previous.get("schema_version") == 2:  # before default_k existed the default was K=5
         previous["fingerprint"] = {**previous.get("fingerprint", {}), "default_k": 5}
+        previous["schema_version"] = 3
+    if previous.get("schema_version") == 3:  # before interleave existed, requests ran one after another
+        previous["fingerprint"] = {**previous.get("fingerprint", {}), "interleave": "request"}
         previous["schema_version"] = SCHEMA_VERSION
     if previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != settings.fingerprint:
         raise SpecDecodeError(
@@ -254,6 +268,7 @@ def _measure(
                 settings.repeats,
                 rotation=index,
                 on_run=lambda _: bar.update(),
+                lockstep=settings.interleave == "step",
             )
             for name, per_prompt in records.items():
                 by_prompt = results["runs"].setdefault(name, {}).setdefault(item.task.name, {})

@@ -26,6 +26,8 @@ _PEER_ALIASES = {"openvino": ("openvino-int8", "openvino-int4")}
 #: session still runs on one drafter); "task" — reset once per task, kept across its prompts in order
 #: (the setting of the Token Recycling paper).
 DRAFTER_STATES = ("request", "task")
+#: How our methods share the machine within a repeat: in turns step by step (lockstep), or request by request.
+INTERLEAVES = ("step", "request")
 
 # --------------------------------------------------------------------------------------------------------
 # Suites and settings
@@ -89,6 +91,7 @@ class BenchSettings:
     sweep_tasks: tuple[str, ...]
     out: Path
     drafter_state: str = "request"
+    interleave: str = "step"
     quantize: str = "none"  # our target's weights (none, int8, int4, bf16); peers keep their own precision
     quantize_draft: str | None = None  # our draft models' weights (None: no draft model, or as ``quantize``)
     prompts_file: str | None = None  # the user's prompts (``--prompts``) instead of the built-in tasks
@@ -116,6 +119,8 @@ class BenchSettings:
             raise SpecDecodeError(
                 f"drafter state must be one of {', '.join(DRAFTER_STATES)}, got {self.drafter_state!r}"
             )
+        if self.interleave not in INTERLEAVES:
+            raise SpecDecodeError(f"interleave must be one of {', '.join(INTERLEAVES)}, got {self.interleave!r}")
         if missing := sorted(set(self.sweep_tasks) - set(self.tasks)):
             raise SpecDecodeError(f"sweep task(s) {', '.join(missing)} are not among the selected tasks")
 
@@ -128,6 +133,7 @@ class BenchSettings:
             "repeats": self.repeats,
             "threads": self.threads,
             "drafter_state": self.drafter_state,
+            "interleave": self.interleave,
             "default_k": DEFAULT_K,
             # Only when set, so that results measured before these settings existed still resume.
             **({"quantize": self.quantize} if self.quantize != "none" else {}),
@@ -195,6 +201,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
         out=Path(given.get("out", Path("bench-out") / suite)),
         drafter_state=given.get("drafter_state", "request"),
+        interleave=given.get("interleave", "step"),
         quantize=quantize,
         quantize_draft=quantize_draft,
         prompts_file=str(prompt_file.path) if prompt_file is not None else None,

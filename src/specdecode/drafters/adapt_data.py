@@ -17,13 +17,13 @@ turns them into an :class:`Example` over the *drafter's* tokens:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.clock import now
 from specdecode.drafters._vocab_map import complete_utf8
 from specdecode.drafters.base import DraftRequest, DraftSession
 from specdecode.types import Draft, StepFeedback
@@ -158,7 +158,7 @@ class AdaptingSession(DraftSession):
         self.missed: list[bool] = []
         self.soft: dict[int, Soft] = {}  # by generated index
         self.version = adapter.version
-        self.started = time.perf_counter()
+        self.started = now()
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
         if self.version != self.adapter.version:  # the weights changed since this session's cache was filled
@@ -179,7 +179,7 @@ class AdaptingSession(DraftSession):
 
     def finish(self, context: list[int]) -> None:
         self.inner.finish(context)
-        decoding_s = time.perf_counter() - self.started
+        decoding_s = now() - self.started  # its own clock: a lockstep's turns of others excluded
         if self.adapter.options.train and self.missed:
             example = self.example_of(context[: self.length], self.prompt_len, self.missed, self.soft)
             self.adapter.learn(example, decoding_s)

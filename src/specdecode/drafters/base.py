@@ -130,6 +130,9 @@ class Drafter(ABC):
     #: False for plain decoding (``none``), which never drafts: ``auto`` then has no depth to choose and
     #: need not measure the target's verification cost curve (4-10 s on a 2-core CPU) for it.
     drafts: ClassVar[bool] = True
+    #: True if the drafter goes on working after a step returns (a worker drafting ahead, PEARL): that work
+    #: overlaps whatever runs next, so the benchmark cannot time it in turns with others (its lockstep).
+    works_between_steps: bool = False
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target

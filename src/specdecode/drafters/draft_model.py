@@ -32,6 +32,7 @@ from functools import partial
 
 import torch
 
+from specdecode.clock import now
 from specdecode.drafters import register_drafter
 from specdecode.drafters._forward_clock import ForwardClock
 from specdecode.drafters._lookahead import Lookahead
@@ -197,6 +198,7 @@ class DraftModelDrafter(Drafter):
         self.parallel = parallel_mode(parallel)
         # true: the worker is timed against drafting in turn and kept only where it is faster; always: kept.
         self.switch = ParallelSwitch() if self.parallel == "true" else None
+        self.works_between_steps = self.parallel != "off"
         if self.parallel != "off" and vocab_mapping is not None:
             raise SpecDecodeError("parallel drafting needs a draft model with the target's vocabulary")
         if draft_model is None:
@@ -311,7 +313,9 @@ class DraftModelSession(DraftSession):
         worked = last is not None and last.worked  # the worker ran during the last verification
         if self.lookahead is not None:
             self.cached_tokens.extend(self.lookahead.join())
-        started = time.perf_counter()  # after the join: waiting for the worker belongs to the step it worked in
+        # After the join: waiting for the worker belongs to the step it worked in.  The request's clock, as
+        # the switch compares times across steps.
+        started = now()
         self.vocab.follow(context)  # (after the join: the worker drafts through the rows too)
         max_tokens = min(max_tokens, backend.max_context - len(context))
         # Tokens the worker drafted while the target verified, if the target went the way it assumed.
