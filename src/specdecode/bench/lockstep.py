@@ -19,6 +19,7 @@ per-step prices and the adaptive draft length see what they would see running al
 from __future__ import annotations
 
 import contextvars
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -56,16 +57,21 @@ def _resume(events: Iterator[StreamEvent], held_s: float) -> StreamEvent | None:
     return next(events, None)
 
 
-def run_lockstep(streams: dict[str, Iterator[StreamEvent]]) -> dict[str, Measurement]:
+def run_lockstep(
+    streams: dict[str, Iterator[StreamEvent]], ties: random.Random | None = None
+) -> dict[str, Measurement]:
     """Pull the streams' events in turns until every request is over → each one's tokens, the seconds of its
-    own turns and its stats.  The turn goes to the request with the fewest tokens so far (the first in the
-    given order among equals), so all of them advance through their tokens together and span the same
-    stretch of time, however many tokens a step of each yields."""
+    own turns and its stats.  The turn goes to the request with the fewest tokens so far, so all of them
+    advance through their tokens together and span the same stretch of time, however many tokens a step of
+    each yields.  Among equals ``ties`` draws who goes first (None: the given order): a step can leave the
+    machine slower for the next one (a wide verification before a one-token step), so no request may always
+    follow the same neighbour."""
     joined = time.perf_counter()
     turns = {name: _Turns(events, joined) for name, events in streams.items()}
     live = list(turns.values())
     while live:
-        behind = min(live, key=lambda request: request.tokens)
+        draw = ties.random if ties is not None else (lambda: 0.0)
+        behind = min(live, key=lambda request: (request.tokens, draw()))
         if not behind.take():
             live.remove(behind)
     measured = {}

@@ -31,9 +31,9 @@ def tokens_per_s_of(measurements: Iterable[tuple[int, float]]) -> float:
 
 def paired_speedups(record: Mapping[str, Any], reference: Mapping[str, Any]) -> list[float]:
     """One prompt's speed-up in each repeat: its tokens/s over the reference's *in the same repeat*.  A repeat
-    runs every contestant on the prompt within a minute or so (interleaved: ``runner.run_group``), so a host
-    that slows down between repeats moves both sides of each ratio alike, where a ratio of the two medians
-    can take them from different repeats."""
+    runs every contestant on the prompt within a minute or so (interleaved: ``runner.run_group``; ours in
+    lockstep, side by side), so a host that slows down between repeats moves both sides of each ratio alike,
+    where a ratio of the two medians can take them from different repeats."""
     return [
         (record["new_tokens"] / ours) / (reference["new_tokens"] / theirs)
         for ours, theirs in zip(record["wall_s"], reference["wall_s"])

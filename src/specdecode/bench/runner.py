@@ -3,8 +3,8 @@
 The unit of work is a *group* of prompts that run in order on one drafter: one prompt (the default), one
 session of a session task (``multi-edit``), or with ``drafter_state="task"`` all of a task's prompts.
 Every contestant (each of our methods, each peer) decodes the group ``repeats`` times, interleaved and in
-a rotating order, so a burst of load from other processes slows all of them alike instead of one cell —
-our methods in turns, one step each, on each prompt (``interleave="step"``, :mod:`specdecode.bench.lockstep`),
+a shuffled order, so a burst of load from other processes slows all of them alike instead of one cell —
+our methods in turns, a step at a time, on each prompt (``interleave="step"``, :mod:`specdecode.bench.lockstep`),
 peers a whole request at a time.  Our drafter is reset at the start of every repeat of a group and keeps what it
 learns within the group — so drafters that learn across requests are measured cold on single prompts
 and warm within a session.  Raw measurements are saved per prompt after every group; a rerun skips what
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -54,7 +55,7 @@ def run_group(
     group: Sequence[list[int]],
     max_new_tokens: int,
     repeats: int,
-    rotation: int = 0,
+    seed: int = 0,
     on_run: Callable[[str], None] = lambda name: None,
     lockstep: bool = True,
 ) -> dict[str, list[dict[str, Any]]]:
@@ -63,20 +64,21 @@ def run_group(
 
     A contestant is reset at the start of each repeat and keeps its state through the group, so a repeat
     never profits from the previous repeat while a session profits from its own earlier requests.  The
-    order rotates with every repeat (starting at ``rotation``), so no contestant always runs first or right
-    after the same neighbour.  With ``lockstep`` the contestants that can take turns (ours) decode each
-    prompt together, one step each in that order (:mod:`specdecode.bench.lockstep`); the others, and all of
-    them without it, one request after another.  Acceptance counts are summed over repeats.
+    order is shuffled for every repeat (seeded by ``seed`` and the repeat), so no contestant always runs
+    first or right after the same neighbour.  With ``lockstep`` the contestants that can take turns (ours)
+    decode each prompt together, in turns (:mod:`specdecode.bench.lockstep`, ties drawn from the same seed);
+    the others, and all of them without it, one request after another.  Acceptance counts are summed over
+    repeats.
     """
     records: dict[str, list[dict[str, Any]]] = {}
     for repeat in range(repeats):
-        shift = (rotation + repeat) % len(contestants)
-        order = [*contestants[shift:], *contestants[:shift]]
+        draws = random.Random(f"{seed}/{repeat}")
+        order = draws.sample(list(contestants), len(contestants))
         for contestant in order:
             contestant.reset()
         for index, prompt_ids in enumerate(group):
             streams = {c.name: c.stream(prompt_ids, max_new_tokens) for c in order if lockstep and c.stream}
-            in_turns = run_lockstep(streams) if streams else {}
+            in_turns = run_lockstep(streams, draws) if streams else {}
             for contestant in order:
                 measured = in_turns.get(contestant.name) or contestant.run(prompt_ids, max_new_tokens)
                 if repeat == 0:
@@ -266,7 +268,7 @@ def _measure(
                 [encoded[item.task.name, p.id] for p in item.prompts],
                 settings.max_new_tokens,
                 settings.repeats,
-                rotation=index,
+                seed=index,
                 on_run=lambda _: bar.update(),
                 lockstep=settings.interleave == "step",
             )
