@@ -59,7 +59,7 @@ def _prompt_source(settings: Mapping[str, Any]) -> str:
 
 
 _INTERLEAVE = {
-    "step": "our methods decode each prompt in turns, one step each, each timed over its own turns; peers a "
+    "step": "our methods decode each prompt in turns, a step at a time, each timed over its own turns; peers a "
     "request at a time",
     "request": "one request after another",
 }
