@@ -1,6 +1,6 @@
 """The clock a request reads: wall time, less the time a benchmark held the request aside.
 
-The benchmark can decode several requests in turn, one step each (lockstep, :mod:`specdecode.bench.lockstep`),
+The benchmark can decode several requests in turns, a step at a time (lockstep, :mod:`specdecode.bench.lockstep`),
 so that a burst of load from other processes falls on all of them alike.  A request's own clock must then
 not run while the others take their turns: the engine prices a step's overhead from the gap since the
 previous step, the adaptive draft length learns from those prices, and the stats report a request's wall

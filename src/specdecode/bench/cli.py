@@ -86,7 +86,7 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--interleave",
         choices=("step", "request"),
-        help="step (default): our methods decode each prompt in turns, one step each, each timed over its own "
+        help="step (default): our methods decode each prompt in turns, a step at a time, each timed over its own "
         "turns, so load from other processes falls on all alike; request: one whole request after another "
         "(peers always run so)",
     )
