@@ -89,7 +89,7 @@ def calibration(target: LoadedModel) -> Calibration | None:
         else:
             tokens, start = text
             rows = torch.arange(start - 1, len(tokens) - 1)
-            out = run_on_new_cache(backend, lambda c: backend.forward(tokens, c, logits_rows=rows, invariant=False))
+            out = _run_on_new_cache(backend, lambda c: backend.forward(tokens, c, logits_rows=rows, invariant=False))
             _CALIBRATIONS[backend] = Calibration(tokens, rows, out.logits.argmax(-1))
     return _CALIBRATIONS[backend]
 
@@ -109,7 +109,7 @@ def self_draft_agreement(
         return None
     tokens, rows = measured.tokens, measured.rows
     with torch.inference_mode():
-        out = run_on_new_cache(
+        out = _run_on_new_cache(
             target.backend,
             lambda c: backend.forward_layers(
                 tokens, c, skip_layers=skipped, exit_layer=backend.num_layers, output_hidden=True, logits_rows=rows[:0]
@@ -123,7 +123,7 @@ def self_draft_agreement(
     return float((guessed == measured.wanted).float().mean())
 
 
-def run_on_new_cache(backend: CausalLM, forward: Callable[[KVCache], ForwardOutput]) -> ForwardOutput:
+def _run_on_new_cache(backend: CausalLM, forward: Callable[[KVCache], ForwardOutput]) -> ForwardOutput:
     """One forward on a cache of its own, released after."""
     cache = backend.new_cache()
     try:
