@@ -156,6 +156,17 @@ def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
     assert second.probe_interval == parent.probe_interval == parent.fork().probe_interval == 4
 
 
+def test_concurrent_sequences_each_move_their_origins_probe_interval():
+    """Two requests decoding at once both probe and fail: each failure backs the origin off, where the last fork
+    to probe used to set the origin's interval to its own (one doubling, not two)."""
+    parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    first, second = parent.fork(), parent.fork()
+    for fork in (first, second):
+        feed(fork, 40, accept_rate=0.0, depth=2)
+        probe_once(fork, accepted=0)
+    assert first.probe_interval == second.probe_interval == 8 and parent.probe_interval == 16
+
+
 def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed():
     policy = make_policy("auto", [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])
     cheap = policy.next_length(16)
@@ -517,8 +528,8 @@ def test_a_drafter_without_a_declared_cost_or_a_prompt_is_never_gated():
     unknown = reader(0.0).fork()  # 0: unknown
     unknown.begin(prefill_s=2.0)
     assert unknown.context_cost is None and unknown.next_length(63) == 2
-    no_prompt = reader(0.4).fork()  # a one-token prompt: nothing prefilled
-    assert no_prompt.next_length(63) == 2
+    no_prompt = reader(0.4).fork()  # a one-token prompt: nothing prefilled, no reading to weigh
+    assert no_prompt.next_length(63) == 1 and not no_prompt.declined  # its tokens priced at 0.4: one pays, two not
 
 
 def test_a_draft_token_timed_cheaper_than_its_weight_count_makes_reading_pay():

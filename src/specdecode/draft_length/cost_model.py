@@ -122,10 +122,10 @@ class CostModelLength(DraftLengthPolicy):
     #: A context reader's reading of a prompt in seconds per second of the target's prefill of it: declared
     #: (``Drafter.reading_cost``), then learnt from first drafts.  None: not known, never weighed.
     context_cost: RunningMean | None = None
-    #: Seconds of one of the drafter's draft tokens, timed once by the drafter (``Drafter.draft_token_seconds``):
-    #: its price before this policy has timed a draft.  None: priced at ``context_cost`` of a target forward.
+    #: A draft token's price until this policy times one (:meth:`untimed_token_seconds`): its seconds as the drafter
+    #: timed them (``Drafter.draft_token_seconds``), or its cost in target forwards (``Drafter.draft_token_share``).
     draft_token_s: float | None = None
-    draft_token_share: float | None = None  # a draft token's cost in target forwards if known (see step_seconds)
+    draft_token_share: float | None = None
     prefill_s: float = 0.0  # the target's prefill of this sequence's prompt (begin)
     context_read: bool = False  # this sequence's drafter has read its prompt (a step drafted)
     declined: bool = False  # reading the prompt would not have paid back: this sequence drafts nothing
@@ -158,12 +158,19 @@ class CostModelLength(DraftLengthPolicy):
         return self.scale.value * self.relative_cost(width)
 
     def step_seconds(self, k: int) -> float:
-        """Expected seconds of a step drafting k deep.  Until a draft is timed, its tokens cost what the drafter
-        declares (``Drafter.draft_token_share``: a self-drafter's layers), else nothing."""
-        draft = self.draft_cost(k) if k > 0 else 0.0
-        if k > 0 and not self.draft_cost.count and self.draft_token_share is not None:
-            draft = k * self.draft_token_share * self.scale.value
+        """Expected seconds of a step drafting k deep; until a draft is timed, at :meth:`untimed_token_seconds`."""
+        draft = 0.0 if k == 0 else self.draft_cost(k) if self.draft_cost.count else k * self.untimed_token_seconds()
         return self.overhead.value + draft + self.verify_seconds(k + 1)
+
+    def untimed_token_seconds(self) -> float:
+        """A draft token's price before this policy has timed one: what the drafter timed (``draft_token_s``), or
+        its share of a target forward, declared (``draft_token_share``: a self-drafter's layers) or else its
+        reading's (``context_cost``: a token and a reading cost alike only roughly — a quantized draft model's
+        token is dearer, relative to the target's, than its prefill); nothing for a drafter that declares none."""
+        if self.draft_token_s is not None:
+            return self.draft_token_s
+        share = self.draft_token_share if self.context_cost is None else self.context_cost.value
+        return 0.0 if share is None else share * self.scale.value
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second (in the cost model's units) when drafting k deep."""
@@ -250,23 +257,10 @@ class CostModelLength(DraftLengthPolicy):
             return True
         if self.declined or self.scale.weight == 0.0:
             return False  # before any step is timed, a plain one prices the target's forward
-        # Until the drafter's tokens are timed by this policy (its cost fit is then zero), each is priced at what
-        # the drafter timed, or else at its reading's share of the target's forward (a token and a reading cost alike
-        # only roughly: a quantized draft model's token is dearer, relative to the target's, than its prefill).
-        if self.draft_cost.count:
-            token_s = 0.0
-        elif self.draft_token_s is not None:
-            token_s = self.draft_token_s
-        else:
-            token_s = self.context_cost.value * self.scale.value
-
-        def seconds_per_token(k: int) -> float:
-            return (self.step_seconds(k) + k * token_s) / self.expected_tokens(k)
-
-        best = min(seconds_per_token(k) for k in range(1, min(self.maximum, limit) + 1))
+        best_rate = max(self.expected_rate(k) for k in range(1, min(self.maximum, limit) + 1))
         horizon = min(limit + 1, ANSWER_HORIZON)
-        drafted_s = horizon * best + self.context_cost.value * self.prefill_s  # the reading included
-        self.declined = DRAFT_MARGIN * drafted_s >= horizon * seconds_per_token(0)
+        drafted_s = horizon / best_rate + self.context_cost.value * self.prefill_s  # the reading included
+        self.declined = DRAFT_MARGIN * drafted_s >= horizon / self.expected_rate(0)
         return not self.declined
 
     def settle(self, best: int, cap: int, proposed: bool = False) -> int:
@@ -285,6 +279,10 @@ class CostModelLength(DraftLengthPolicy):
             return 0
         self.steps_without_drafting, self.probing = 0, True
         return 1
+
+    def _after_probe(self, paid: bool) -> None:
+        """Probe often again after a probe that paid, half as often (to ``max_probe_every``) after one that did not."""
+        self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
 
     def _learn_acceptance(self, step: StepObservation, in_run: bool) -> None:
         # Position j was tried iff the draft reached depth j and every earlier position was accepted.
@@ -391,9 +389,9 @@ class CostModelLength(DraftLengthPolicy):
             # than the token it won, or a lucky one among rejections, says drafting still loses.
             self.probing = False
             paid = step.accepted > 0 and score is not None and score >= 1.0 and self.best_depth(self.maximum) > 0
-            self.probe_interval = self.probe_every if paid else min(2 * self.probe_interval, self.max_probe_every)
-            if self.parent is not None:
-                self.parent.probe_interval = self.probe_interval
+            self._after_probe(paid)
+            if self.parent is not None:  # every probe moves the origin's interval: concurrent forks all count
+                self.parent._after_probe(paid)
         if step.confidence is not None:
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
