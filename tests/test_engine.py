@@ -391,6 +391,15 @@ def test_plain_decoding_never_measures_the_cost_curve_and_warm_up_measures_it_on
     assert fixed.warm_up() == 0.0 and len(backends) == 1  # a fixed depth reads no curve
 
 
+def test_warm_up_measures_an_early_exits_agreement_whatever_the_draft_length(tiny_target):
+    """An early exit picks its exit from its agreement with the target even at a fixed depth: measured by the
+    warm-up, not inside the first request's first step."""
+    drafter = create_drafter("early-exit", tiny_target)
+    fixed = SpeculativeGenerator(tiny_target, drafter, GenerationConfig(num_draft_tokens=3))
+    assert "exit_agreement" not in vars(drafter)
+    assert fixed.warm_up() > 0.0 and "exit_agreement" in vars(drafter)
+
+
 class ProposesFirstOracle(Drafter):
     """Knows the greedy continuation, proposes it with a confidence per token, and records what it was asked."""
 

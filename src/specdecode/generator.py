@@ -106,12 +106,16 @@ class SpeculativeGenerator:
         model's token and its reading of a prompt (``Drafter.draft_token_seconds``, ``reading_cost``: a second or
         two), and a self-drafter's agreement with the target (``Drafter.acceptance_prior``: two forwards over a
         built-in text, 1 s on SmolLM2, 8 s on Qwen2.5-1.5B in w4a8 with building its draft head).  A server calls
-        this before it accepts requests (as vLLM profiles before serving); a benchmark before it times.
-        ``drafters``: those the requests will use (default: this generator's).  Returns the seconds spent."""
+        this before it accepts requests (as vLLM profiles before serving); a benchmark before it times.  Whatever
+        the draft length, what a drafter measures of itself before drafting (``Drafter.prepare``: an early exit's
+        agreement).  ``drafters``: those the requests will use (default: this generator's).  Returns the seconds
+        spent, 0 where there was nothing to measure."""
         drafters = list(drafters) or [self.drafter]
-        if self.defaults.num_draft_tokens != "auto" or not any(d.drafts for d in drafters):
-            return 0.0
+        auto = self.defaults.num_draft_tokens == "auto" and any(d.drafts for d in drafters)
         started = time.perf_counter()
+        prepared = [drafter.prepare() for drafter in drafters]
+        if not auto:
+            return time.perf_counter() - started if any(prepared) else 0.0
         relative_cost_curve(self.target.backend)
         for drafter in drafters:
             drafter.draft_token_seconds()

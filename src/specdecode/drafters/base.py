@@ -162,6 +162,11 @@ class Drafter(ABC):
         text, :mod:`specdecode.drafters._calibration`); None: nothing measured."""
         return None
 
+    def prepare(self) -> bool:
+        """Measure now what this drafter measures of itself before its first draft whatever the draft length (an
+        early exit's agreement with the target, which picks its exit); True if it has such a measure."""
+        return False
+
     def reading_cost(self) -> float | None:
         """For a drafter that reads the context: its reading of a prompt in seconds per second of the target's prefill
         of it, which ``auto`` weighs against what a cold request's drafts will save; None: unknown, never weighed."""

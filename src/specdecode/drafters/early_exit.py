@@ -98,6 +98,11 @@ class EarlyExitDrafter(Drafter):
         shares = {e: self_draft_agreement(self.target, self.backend, self.head, self.skips[e]) for e in self.exits}
         return None if None in shares.values() else shares
 
+    def prepare(self) -> bool:
+        """Its exits' agreement, which its plan needs for any draft length."""
+        self.exit_agreement  # noqa: B018 (measured once, cached)
+        return True
+
     def exit_prior(self, layer: int) -> float:
         measured = self.exit_agreement
         return measured[layer] if measured is not None else layer / self.costs.num_layers

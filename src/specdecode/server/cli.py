@@ -79,8 +79,8 @@ def build_service(args: argparse.Namespace):
     warm_up_s = generator.warm_up(drafters.values())  # before the first request, which would otherwise wait
     if warm_up_s:
         print(
-            f"[serve] {args.model}'s verification cost curve for auto in {warm_up_s:.1f} s "
-            "(measured, or read back from the cost-curve cache; draft models' tokens and prompt reading timed)",
+            f"[serve] measured before serving in {warm_up_s:.1f} s: what the drafters' first requests would wait for "
+            "(auto's verification cost curve, or its cache; draft tokens and prompt reading; self-drafters' agreement)",
             file=sys.stderr,
         )
     config = ServerConfig(
