@@ -169,8 +169,9 @@ class CostModelLength(DraftLengthPolicy):
         token is dearer, relative to the target's, than its prefill); nothing for a drafter that declares none."""
         if self.draft_token_s is not None:
             return self.draft_token_s
-        share = self.draft_token_share if self.context_cost is None else self.context_cost.value
-        return 0.0 if share is None else share * self.scale.value
+        if self.draft_token_share is not None:
+            return self.draft_token_share * self.scale.value
+        return 0.0 if self.context_cost is None else self.context_cost.value * self.scale.value
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second (in the cost model's units) when drafting k deep."""
