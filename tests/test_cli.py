@@ -160,6 +160,24 @@ def test_bad_input_gives_one_clear_line(capsys, tiny_dirs, case):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+USAGE_MISTAKES = {
+    "not a number": ["generate", "w1", "--max-new-tokens", "abc"],
+    "no prompt": ["generate"],
+    "unknown flag": ["bench", "--no-such-flag"],
+    "unknown command": ["decode", "w1"],
+    "subcommand's flag": ["train", "eagle", "--epochs", "many"],
+}
+
+
+@pytest.mark.parametrize("argv", list(USAGE_MISTAKES.values()), ids=list(USAGE_MISTAKES))
+def test_usage_mistakes_caught_by_argparse_give_one_line_too(capsys, argv):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("specdecode") and "error: " in err and " -h)" in err
+
+
 def test_prompt_longer_than_context(capsys, tiny_dirs):
     code, _, err = run_cli(capsys, "generate", " ".join(["w1"] * 400), "--model", str(tiny_dirs["target"]))
     assert code == 2 and "has a context of 256 tokens" in err

@@ -14,6 +14,7 @@ import pkgutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from specdecode.bench.cli import add_bench_command
 from specdecode.decode_commands import add_generation_flags, cmd_batch, cmd_demo, cmd_generate
@@ -73,10 +74,19 @@ def cmd_drafters(args: argparse.Namespace) -> int:
 TRAIN_HELP = "train drafter weights on the target model's own outputs"
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, except that a usage mistake (an unknown flag, ``--max-new-tokens abc``) ends in one line and exit
+    2, as every other mistake does, instead of the whole usage first; ``-h`` still shows it.  Subcommands'
+    parsers are of the same class (argparse builds them as their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
+
+
 def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     """The ``specdecode`` parser.  ``with_train=False`` lists ``train`` by name only: its flags' defaults come
     from the drafters package, which imports torch (seconds), so :func:`main` builds them only to run it."""
-    parser = argparse.ArgumentParser(prog="specdecode", description="Lossless speculative decoding for LLMs.")
+    parser = OneLineErrors(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate text from a prompt")
