@@ -195,6 +195,8 @@ BAD = [
     (json.dumps({"messages": CHAT, "seed": 1, "coupled": 0}), 400),
     (json.dumps({"messages": CHAT, "model": "gpt-9"}), 404),
     (json.dumps([1, 2, 3]), 400),
+    (json.dumps({"messages": [{"role": "user", "content": []}]}), 400),  # no parts
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400),
 ]
 
 
@@ -206,6 +208,26 @@ def test_bad_input_gets_a_4xx_with_an_error_object(server, body, status):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
+
+
+def test_a_body_that_is_not_json_is_named_so(server):
+    response = httpx.post(
+        f"{server.url}/v1/completions", content='{"prompt":', headers={"content-type": "application/json"}
+    )
+    error = response.json()["error"]
+    assert (
+        response.status_code == 400 and error["message"].startswith("the body is not valid JSON") and not error["param"]
+    )
+
+
+def test_text_parts_of_a_message_are_its_text_joined_by_newlines(server, tiny_target):
+    """The OpenAI clients may send a message's content as a list of text parts; vLLM joins them with newlines."""
+    parts = [{"type": "text", "text": "w1 w2"}, {"type": "text", "text": "w3"}]
+    chat = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=8, temperature=0
+    )
+    want = solo(tiny_target, [{"role": "user", "content": "w1 w2\nw3"}], True, 8)
+    assert chat.choices[0].message.content == want.text
 
 
 def test_coupled_false_opts_a_seeded_request_out_of_coupling(server):

@@ -274,6 +274,8 @@ def create_app(service: Service) -> FastAPI:
         message = first.get("msg", "invalid request")
         if first.get("type") == "extra_forbidden":
             message = "unsupported field"
+        elif first.get("type") == "json_invalid":  # its location is a character offset, not a field
+            where, message = "", f"the body is not valid JSON ({message} at character {first['loc'][-1]})"
         text = f"{where}: {message}" if where else message
         return JSONResponse(error_body(text, param=where or None), status_code=400)
 

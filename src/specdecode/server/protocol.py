@@ -69,11 +69,25 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
+    """One message; its content a string or a list of text parts (``[{"type": "text", "text": ...}]``, as the
+    OpenAI clients send it), which are joined with newlines as vLLM joins them.  Other parts (images) are a 400."""
+
     model_config = _STRICT
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _joined(cls, content: str | list[TextPart]) -> str:
+        return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 class ChatCompletionRequest(_Common):
