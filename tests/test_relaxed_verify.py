@@ -231,6 +231,9 @@ def test_cli_refuses_an_unknown_verifier_in_one_line_and_json_says_lossless(caps
         assert main([*argv, "--verifier", verifier]) == 0
         stats = json.loads(capsys.readouterr().out)["stats"]
         assert stats["lossless"] is lossless and stats["verifier"] == verifier
+    assert_one_line_error(capsys, ["generate", "w1 w2", "--verifier", "fly:window=x"], "window must be an integer")
+    assert main([*argv, "--verifier", "fly:window=2:entropy=0.5"]) == 0  # options inline, as bench quality takes them
+    assert json.loads(capsys.readouterr().out)["stats"]["verifier"] == "fly"
     assert main(["verifiers"]) == 0
     assert "fly" in capsys.readouterr().out
 

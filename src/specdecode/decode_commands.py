@@ -104,7 +104,8 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verifier",
         default="exact",
-        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical, judge (see `specdecode verifiers`)",
+        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical, judge (see `specdecode "
+        "verifiers`); options inline (fly:window=2) or with --verifier-option",
     )
     parser.add_argument(
         "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"
@@ -131,9 +132,10 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
 def _generation_config(args: argparse.Namespace):
     from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
 
-    options = dict(parse_option(o, "--verifier-option") for o in args.verifier_option)
+    name, *inline = args.verifier.split(":")  # fly:window=2, as `bench quality --verifiers` writes it
+    options = dict(parse_option(o, "--verifier-option") for o in [*inline, *args.verifier_option])
     return GenerationConfig(
-        verifier=args.verifier,
+        verifier=name,
         relaxed=RelaxedParams.from_options(options),
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
