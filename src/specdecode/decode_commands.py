@@ -130,13 +130,14 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _generation_config(args: argparse.Namespace):
+    from specdecode.bench.quality import parse_verifier  # NAME[:OPTION=VALUE...], as `bench quality` takes it
     from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
 
-    name, *inline = args.verifier.split(":")  # fly:window=2, as `bench quality --verifiers` writes it
-    options = dict(parse_option(o, "--verifier-option") for o in [*inline, *args.verifier_option])
+    verifier = parse_verifier(args.verifier)
+    options = dict(parse_option(o, "--verifier-option") for o in args.verifier_option)
     return GenerationConfig(
-        verifier=name,
-        relaxed=RelaxedParams.from_options(options),
+        verifier=verifier.name,
+        relaxed=RelaxedParams.from_options({**verifier.options, **options}),
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
         sampling=SamplingParams(
