@@ -18,6 +18,17 @@ DEFAULT_DRAFT_VOCAB = 8192
 DEFAULT_NUM_DRAFT_TOKENS: int | str = "auto"
 
 
+def option_value(raw: str) -> int | float | str:
+    """A ``KEY=VALUE`` option's value as typed (``--drafter-option``, ``pld:k=6``, ``fly:window=2``): an integer,
+    else a number, else the text; the option's owner checks it."""
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            continue
+    return raw
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen.  ``temperature == 0`` means greedy decoding.

@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, option_value
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.registry import DEFAULT_MODEL
 
@@ -21,14 +21,7 @@ def parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise SpecDecodeError(f"{flag} takes KEY=VALUE, got {text!r}")
-    value: object = raw
-    for convert in (int, float):
-        try:
-            value = convert(raw)
-            break
-        except ValueError:
-            continue
-    return key.replace("-", "_"), value
+    return key.replace("-", "_"), option_value(raw)
 
 
 def _draft_tokens(text: str) -> int | str:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdecode.config import GenerationConfig
+from specdecode.config import GenerationConfig, option_value
 from specdecode.drafters import accepted_options, drafter_class
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
@@ -51,15 +51,6 @@ class MethodSpec:
         return replace(self, k=k, spec=":".join(parts))
 
 
-def _convert(raw: str) -> Any:
-    for convert in (int, float):
-        try:
-            return convert(raw)
-        except ValueError:
-            continue
-    return raw
-
-
 ADAPTIVE_K = ("auto", "heuristic")
 
 
@@ -86,13 +77,13 @@ def parse_method(text: str) -> MethodSpec:
             raise SpecDecodeError(f"method {spec!r} sets {key!r} twice")
         if key == "k":
             k_given = True
-            k = raw if raw in ADAPTIVE_K else _convert(raw)
+            k = raw if raw in ADAPTIVE_K else option_value(raw)
             if not (k in ADAPTIVE_K or (isinstance(k, int) and k >= 1)):
                 raise SpecDecodeError(
                     f"method {spec!r}: k (draft length) must be a positive integer, auto or heuristic, got {raw!r}"
                 )
         else:
-            options[key] = _convert(raw)
+            options[key] = option_value(raw)
     if takes_draft_model and "draft_model" not in options:
         raise SpecDecodeError(f"method {spec!r} needs a draft model, e.g. {name}:qwen2.5-coder-0.5b")
     return MethodSpec(drafter=name, k=k, options=tuple(sorted(options.items())), spec=spec)

@@ -33,7 +33,7 @@ from specdecode.bench.quality_suites import (
     get_suite,
     select_problems,
 )
-from specdecode.config import RelaxedParams
+from specdecode.config import RelaxedParams, option_value
 from specdecode.errors import SpecDecodeError
 from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
 
@@ -77,8 +77,6 @@ class VerifierSpec:
 
 def parse_verifier(text: str) -> VerifierSpec:
     """``NAME[:OPTION=VALUE...]``, options as in ``--verifier-option`` (see :class:`RelaxedParams`)."""
-    from specdecode.bench.methods import _convert
-
     spec = text.strip()
     name, *parts = spec.split(":")
     check_verifier(name)
@@ -87,7 +85,7 @@ def parse_verifier(text: str) -> VerifierSpec:
         key, sep, raw = part.partition("=")
         if not sep or not key or not raw:
             raise SpecDecodeError(f"verifier {spec!r}: expected OPTION=VALUE after ':', got {part!r}")
-        options[key.replace("-", "_")] = _convert(raw)
+        options[key.replace("-", "_")] = option_value(raw)
     if options and name == DEFAULT_VERIFIER:
         raise SpecDecodeError(f"verifier {spec!r}: exact takes no options")
     return VerifierSpec(name, RelaxedParams.from_options(options), spec)
