@@ -19,9 +19,9 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.bench.cli import add_bench_command
-from specdecode.bench.tasks import Prompt, Task
 from specdecode.cli import main
 from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.data.tasks import Prompt, Task
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
 from specdecode.models.base import (

@@ -277,7 +277,7 @@ def test_bench_adapt_writes_resumes_and_checks_outputs(tiny_dirs, tmp_path, monk
 
 def test_bench_adapt_sharegpt_topic_takes_the_openings_that_mention_it_in_order(monkeypatch):
     from specdecode.bench import adapt as bench
-    from specdecode.bench import datasets
+    from specdecode.data import datasets
 
     def opening(record_id: str, text: str) -> dict:
         return {"id": f"{record_id}_0", "conversations": [{"from": "human", "value": text}]}

@@ -8,7 +8,7 @@ import pytest
 from specdecode.bench import contestants, native_peers
 from specdecode.bench.cells import build_cells
 from specdecode.bench.suites import resolve_settings
-from specdecode.bench.tasks import Prompt, Task
+from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
 
 

@@ -9,10 +9,10 @@ import pytest
 
 from helpers import BENCH_MAX_NEW, assert_one_line_error
 from specdecode.bench.metrics import bootstrap_speedup, tokens_per_s
-from specdecode.bench.prompt_file import read_prompt_file
 from specdecode.bench.runner import run_benchmark
 from specdecode.bench.suites import resolve_settings
 from specdecode.cli import main
+from specdecode.data.prompt_file import read_prompt_file
 from specdecode.errors import SpecDecodeError
 
 

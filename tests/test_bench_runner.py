@@ -17,7 +17,7 @@ from specdecode.bench.methods import DEFAULT_K, MethodSpec, parse_method, parse_
 from specdecode.bench.metrics import acceptance, equal_pct, median_wall_s, tokens_per_s
 from specdecode.bench.runner import run_benchmark
 from specdecode.bench.suites import resolve_settings
-from specdecode.bench.tasks import Prompt, Task
+from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError, UnknownDrafterError
 
 # --------------------------------------------------------------------------------------------------------

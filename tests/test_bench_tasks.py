@@ -6,11 +6,11 @@ import zipfile
 
 import pytest
 
-from specdecode.bench import datasets
-from specdecode.bench.datasets import decode_json_records, sharegpt_prompts
-from specdecode.bench.grounded import MAX_GROUNDED_CHARS, MULTI_EDIT_STEPS
-from specdecode.bench.prompts import Prompt
-from specdecode.bench.tasks import GROUNDED_TASKS, SESSION_TASKS, TASK_NAMES, _select, load_task, load_tasks
+from specdecode.data import datasets
+from specdecode.data.datasets import decode_json_records, sharegpt_prompts
+from specdecode.data.grounded import MAX_GROUNDED_CHARS, MULTI_EDIT_STEPS
+from specdecode.data.prompts import Prompt
+from specdecode.data.tasks import GROUNDED_TASKS, SESSION_TASKS, TASK_NAMES, _select, load_task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.models import download
 

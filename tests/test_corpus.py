@@ -1,4 +1,4 @@
-"""VocabTrim's token ranking (:mod:`specdecode.corpus`): counted once per tokenizer from chat text, cached,
+"""VocabTrim's token ranking (:mod:`specdecode.data.corpus`): counted once per tokenizer from chat text, cached,
 and the first ids when no text can be loaded."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdecode import corpus
+from specdecode.data import corpus
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.errors import SpecDecodeError
 

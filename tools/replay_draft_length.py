@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from specdecode.bench.replay import ReplayResult, StepCosts, replay
-from specdecode.bench.tasks import TASK_NAMES, load_tasks
+from specdecode.data.tasks import TASK_NAMES, load_tasks
 from specdecode.draft_length import CostModelLength, FixedLength, HeuristicLength
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator

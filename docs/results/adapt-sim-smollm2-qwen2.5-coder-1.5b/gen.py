@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdecode.bench.datasets import sharegpt_prompts, sharegpt_records
+from specdecode.data.datasets import sharegpt_prompts, sharegpt_records
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import load_model
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.bench.tasks import load_task
+from specdecode.data.tasks import load_task
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models import quantize
 from specdecode.models.loading import LoadedModel, load_model

@@ -12,7 +12,7 @@ import time
 import torch
 
 import specdecode
-from specdecode.bench.tasks import load_task
+from specdecode.data.tasks import load_task
 
 torch.set_num_threads(2)
 task, repeats, specs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")

@@ -7,7 +7,7 @@ import sys
 import torch
 
 import specdecode
-from specdecode.bench.tasks import load_task
+from specdecode.data.tasks import load_task
 from specdecode.draft_length.cost_model import CostModelLength
 
 torch.set_num_threads(2)

@@ -141,7 +141,7 @@ def sharegpt_topic_problems(topic: str, count: int) -> list[dict[str, Any]]:
     """The ShareGPT openings that mention ``topic`` as a whole word (any case), in the dataset's order."""
     import re
 
-    from specdecode.bench.datasets import sharegpt_prompts, sharegpt_records
+    from specdecode.data.datasets import sharegpt_prompts, sharegpt_records
 
     word = re.compile(rf"\b{re.escape(topic.strip())}\b", re.IGNORECASE)
     found = [{"task_id": p.id, "text": p.text} for p in sharegpt_prompts(sharegpt_records()) if word.search(p.text)]

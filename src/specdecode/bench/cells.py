@@ -26,7 +26,7 @@ from specdecode.bench.metrics import (
     time_shares,
     tokens_per_s,
 )
-from specdecode.bench.tasks import Task
+from specdecode.data.tasks import Task
 
 ALL_TASKS = "all"
 

@@ -216,9 +216,9 @@ def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from specdecode.bench.prompt_file import read_prompt_file
     from specdecode.bench.runner import run_benchmark
     from specdecode.bench.suites import resolve_settings
+    from specdecode.data.prompt_file import read_prompt_file
 
     prompt_file = read_prompt_file(args.prompts) if args.prompts is not None else None
     for problem in prompt_file.skipped if prompt_file else ():

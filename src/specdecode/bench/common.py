@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.markdown import table
-from specdecode.bench.tasks import TASK_NAMES, Prompt, Task
+from specdecode.data.tasks import TASK_NAMES, Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.threads import fixed_threads

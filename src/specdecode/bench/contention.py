@@ -27,7 +27,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from specdecode.bench import common, peers, runner
-from specdecode.bench.tasks import Task, load_tasks
+from specdecode.data.tasks import Task, load_tasks
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.threads import GOVERNOR, fixed_threads, process_cpus

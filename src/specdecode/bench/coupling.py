@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdecode.bench.tasks import TASK_NAMES, Task
+from specdecode.data.tasks import TASK_NAMES, Task
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
@@ -171,7 +171,7 @@ def measure_coupling(
 
     from specdecode.bench import common, runner
     from specdecode.bench.methods import MethodSpec
-    from specdecode.bench.tasks import load_tasks
+    from specdecode.data.tasks import load_tasks
     from specdecode.generator import SpeculativeGenerator
     from specdecode.models.loading import fast_path_default, load_model
     from specdecode.threads import fixed_threads

@@ -113,7 +113,7 @@ class Champ:
     def problems(self) -> list[dict[str, Any]]:
         import json
 
-        from specdecode.bench.datasets import _CHAMP, _read_member
+        from specdecode.data.datasets import _CHAMP, _read_member
 
         found = []
         for identifier, problem in sorted(json.loads(_read_member(_CHAMP))["problems"].items()):
@@ -141,7 +141,7 @@ class Chat:
     name, metric = "chat", None
 
     def problems(self) -> list[dict[str, Any]]:
-        from specdecode.bench.tasks import load_task
+        from specdecode.data.tasks import load_task
 
         found = []
         for task in ("mt-bench", "sharegpt"):

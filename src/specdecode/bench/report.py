@@ -15,7 +15,7 @@ from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_
 from specdecode.bench.markdown import fmt, table
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
-from specdecode.bench.tasks import GROUNDED_TASKS
+from specdecode.data.tasks import GROUNDED_TASKS
 
 # --------------------------------------------------------------------------------------------------------
 # Markdown

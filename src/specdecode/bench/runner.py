@@ -32,7 +32,7 @@ from specdecode.bench.common import PromptEncoder, load_average, package_version
 from specdecode.bench.contestants import Contestant, build_contestants, peer_specs
 from specdecode.bench.lockstep import run_lockstep
 from specdecode.bench.suites import BenchSettings, sweep_methods
-from specdecode.bench.tasks import Prompt, Task
+from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.machine import cpu_name
 from specdecode.models.loading import fast_path_default, load_model

@@ -39,7 +39,7 @@ from specdecode.bench import common, runner
 from specdecode.bench.methods import MethodSpec, draft_weights, parse_int_list, parse_methods
 from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
-from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
+from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import check_quantize

@@ -11,8 +11,8 @@ from typing import Any
 
 from specdecode.bench.common import check_known_tasks, check_positive_ints, given_settings, split_names
 from specdecode.bench.methods import DEFAULT_K, MethodSpec, draft_weights, parse_int_list, parse_methods
-from specdecode.bench.prompt_file import PromptFile, read_prompt_file
-from specdecode.bench.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
+from specdecode.data.prompt_file import PromptFile, read_prompt_file
+from specdecode.data.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.models.quantize import check_quantize
 

@@ -23,8 +23,8 @@ from typing import Any
 from specdecode.batch_engine import BatchRequest
 from specdecode.bench import common, peers, runner
 from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
-from specdecode.bench.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.bench.throughput_report import summarize_cell, write_report
+from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model

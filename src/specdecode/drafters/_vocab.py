@@ -33,11 +33,11 @@ if TYPE_CHECKING:
 
 def frequent_tokens(model: LoadedModel, size: int) -> torch.Tensor | None:
     """The ``size`` ids of ``model``'s vocabulary most frequent in chat text, ascending
-    (:func:`specdecode.corpus.token_ranking`); None where ``size`` keeps the full head, or where no ranking
+    (:func:`specdecode.data.corpus.token_ranking`); None where ``size`` keeps the full head, or where no ranking
     can be made (no tokenizer, no text): :class:`DraftHead` then takes the first ``size`` ids.  BPE and
     SentencePiece vocabularies put frequent pieces first, less reliably: Qwen2.5-Coder's first 32,768 ids
     missed 2.7% of its own answers' tokens where the 32,768 most frequent missed 1.1%."""
-    from specdecode.corpus import token_ranking
+    from specdecode.data.corpus import token_ranking
 
     vocab_size = model.backend.vocab_size
     if size <= 0 or size >= vocab_size or model.tokenizer is None:

@@ -6,7 +6,7 @@ task in a seeded order; training starts after :data:`BENCH_PROMPTS_SKIPPED` of t
   prompt lookup (the same tokens as plain greedy decoding, faster) — exactly what a drafter is asked to
   predict at inference;
 - **ShareGPT conversations** (human and assistant turns, rendered with the model's chat template:
-  :func:`specdecode.corpus.sharegpt_conversations`), which only need a prefill: many more tokens per
+  :func:`specdecode.data.corpus.sharegpt_conversations`), which only need a prefill: many more tokens per
   second of a CPU than generating.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from specdecode.config import GenerationConfig
-from specdecode.corpus import BENCH_PROMPTS_SKIPPED
+from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ def prompt_ids(target: LoadedModel, tasks: list[str], n: int, seed: int) -> list
     """Up to ``n`` prompts spread over ``tasks``, after the ones the benchmark uses, as the model's input
     ids (chat template applied where the model has one); a task whose data cannot be loaded (e.g. offline
     without its cached wheel) is left out with a warning."""
-    from specdecode.bench.tasks import load_task
+    from specdecode.data.tasks import load_task
 
     per_task = -(-n // len(tasks))
     by_task = []

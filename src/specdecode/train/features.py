@@ -85,7 +85,7 @@ def target_features(
     from tqdm import tqdm
 
     # Looked up when called (tests replace train.data's functions), as everything slow to import.
-    from specdecode.corpus import sharegpt_conversations
+    from specdecode.data.corpus import sharegpt_conversations
     from specdecode.train.data import prompt_ids, self_distill
     from specdecode.train.eagle import Features, compute_features
 

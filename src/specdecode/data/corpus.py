@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.data.datasets import sharegpt_records
+from specdecode.data.tasks import load_task
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import cache_dir
 
@@ -34,9 +36,6 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 def sharegpt_conversations(target: LoadedModel, n: int, max_tokens: int, seed: int = 0) -> list[list[int]]:
     """Up to ``n`` ShareGPT conversations none of whose opening turns the benchmark draws, rendered with the
     model's chat template (plain text joined by blank lines without one), cut to ``max_tokens``."""
-    from specdecode.bench.datasets import sharegpt_records
-    from specdecode.bench.tasks import load_task
-
     benchmark = {p.text for p in load_task("sharegpt", 4 * BENCH_PROMPTS_SKIPPED, seed).prompts}
     tokenizer = target.tokenizer
     out: list[list[int]] = []

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.bench.prompts import Prompt
+from specdecode.data.prompts import Prompt
 from specdecode.errors import SpecDecodeError
 from specdecode.models.download import download_wheel, find_wheel
 

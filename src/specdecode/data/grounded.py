@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdecode.bench.prompts import Prompt
+from specdecode.data.prompts import Prompt
 
 # Grounded prompts stay under ~1500 tokens of a typical BPE tokenizer.
 MAX_GROUNDED_CHARS = 5000

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.prompts import Prompt, Task
+from specdecode.data.prompts import Prompt, Task
 from specdecode.errors import SpecDecodeError
 
 DEFAULT_TASK = "custom"
