@@ -6,6 +6,10 @@ Quick start::
     gen = specdecode.load("smollm2-135m", drafter="pld")
     result = gen.generate("Summarise: ...", chat=True, max_new_tokens=128)
     print(result.text, result.stats.tokens_per_s)
+
+A model already loaded with transformers::
+
+    gen = specdecode.wrap(model, tokenizer, drafter="pld")
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig, Sampli
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from specdecode.generator import GenerationResult, SpeculativeGenerator, StreamEvent
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -70,6 +76,37 @@ def load(
     return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
 
 
+def wrap(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: str = "pld",
+    *,
+    name: str | None = None,
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
+    max_new_tokens: int = 128,
+    verifier: str = "exact",
+    fast_path: bool = False,
+    **drafter_options,
+) -> SpeculativeGenerator:
+    """A speculative generator over a transformers causal LM and tokenizer you have already loaded.
+
+    Greedy output is token for token the model's own greedy output (``model.generate(..., do_sample=False)``), on
+    whatever device and in whatever precision the model is.  ``fast_path=True`` (fp32 on a CPU) prepacks the model's
+    linear layers in place for cheap multi-token verification: faster, but it changes rounding in the last bits,
+    so the text is then that of plain decoding through the packed model.  ``name`` labels stats and caches
+    (default: the model's ``name_or_path``).  The other arguments are :func:`load`'s.
+    """
+    from specdecode.drafters import check_drafter_options
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.loading import from_transformers
+
+    check_drafter_options(drafter, **drafter_options)
+    defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, verifier=verifier)
+    label = name or getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
+    target = from_transformers(model, tokenizer, label, fast_path=fast_path)
+    return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
+
+
 __all__ = [
     "DEFAULT_MODEL",
     "GenerationConfig",
@@ -79,4 +116,5 @@ __all__ = [
     "SpeculativeGenerator",
     "StreamEvent",
     "load",
+    "wrap",
 ]

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from specdecode.errors import SpecDecodeError, UnknownModelError, VocabularyMismatchError
 from specdecode.models import registry
@@ -133,15 +133,36 @@ def load_model(
             raise _unknown_model(name, "not in the local Hugging Face cache, and the hub is not reachable") from exc
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise _unknown_model(name, f"loading failed: {first_line}") from exc
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
+    packed = False
     if target_device.type != "cpu":
         model.to(target_device)
     else:  # the quantized and the oneDNN kernels: the CPU only
         # First: the fast path then packs only the fp32 layers left, if any.
         quantize_model(model, quantize, block_copies=block_copies)
-        if (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32:
-            apply_cpu_fast_path(model)
+        packed = (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32
+    return from_transformers(model, tokenizer, name, fast_path=packed)
+
+
+def from_transformers(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, fast_path: bool = False
+) -> LoadedModel:
+    """A causal LM and its tokenizer, already loaded by transformers, as the engine's :class:`LoadedModel`.
+
+    The model is used in place: it is put in eval mode, and with ``fast_path`` (fp32 on the CPU) its linear layers
+    are prepacked for oneDNN, which changes rounding in the last bits (plain and speculative decoding through the
+    returned model then agree token for token; the model's own ``generate`` may differ from both at near-ties).
+    A tokenizer without a pad token gets its EOS token as one."""
+    if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
+        raise SpecDecodeError(f"expected a transformers causal LM (with an LM head), got {type(model).__name__}")
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise SpecDecodeError(f"expected a transformers tokenizer, got {type(tokenizer).__name__}")
+    if fast_path:
+        first = next(model.parameters())
+        if first.device.type != "cpu" or first.dtype != torch.float32:
+            raise SpecDecodeError(f"the fast path packs fp32 CPU weights, not {first.dtype} on {first.device}")
+        apply_cpu_fast_path(model)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
     backend = HFCausalLM(model, name)
     tune_fast_path(backend)  # which of its kernels this CPU runs faster for plain decoding's few rows
     return LoadedModel(name=name, backend=backend, tokenizer=tokenizer)
