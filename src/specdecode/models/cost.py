@@ -190,8 +190,9 @@ def _fastest_with_and_without_copies(
 
 
 # --------------------------------------------------------------------------------------------------------
-# The curves on disk: a shape depends on the machine and the model's structure, not on the process, and
-# measuring one takes 48 forwards, seconds on a CPU -- more than a short `specdecode generate` decodes.  Delete the file to measure again.
+# The curves on disk: a shape depends on the machine and the model's structure, not on the process, and measuring
+# one takes 48 forwards, seconds on a CPU -- more than a short `specdecode generate` decodes.  Delete the file to
+# measure again.
 
 
 def curve_file() -> Path:

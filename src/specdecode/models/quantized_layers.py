@@ -44,11 +44,11 @@ COMPUTE_DTYPE = torch.bfloat16
 BLOCK_MIN_ROWS = 8
 #: The same threshold where the CPU has no oneDNN bf16 matmul (AVX2 only) and the copy is a plain bf16 tensor
 #: multiplied in fp32 slices (:func:`_dense_block_call`): under 32 rows the slices' conversion costs more than
-#: the int4 kernel saves (``docs/results/avx2``, section 2).
+#: the int4 kernel saves (``docs/results/avx2``: the copies' kernel).
 DENSE_BLOCK_MIN_ROWS = 32
 #: Output channels converted to fp32 at a time by :func:`_dense_block_call`: a slice stays in cache, where
 #: converting the whole weight at once costs more, and slicing even beats a resident fp32 copy
-#: (``docs/results/avx2``, section 2).
+#: (``docs/results/avx2``: the copies' kernel).
 DENSE_BLOCK_SLICE = 512
 
 
