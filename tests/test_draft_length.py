@@ -190,8 +190,9 @@ def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_st
 
 
 def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_timed():
-    """A cold request's first draft was free to the cost model: a layer-skip draft (0.6 of a target forward a
-    token) was made at step 0 of every cold request where a two-input verification costs 1.21 of one."""
+    """Until its drafts are timed, a self-drafter's declared token cost prices them: taken as free, a layer-skip draft
+    (0.6 of a target forward a token) would be made at step 0 of every cold request where a two-input verification
+    costs 1.21 of one."""
     shape = curve(0.21)
     assert make_policy("auto", shape).next_length(16) > 0  # free: 1.5 tokens for 1.21
     dear = make_policy("auto", shape, draft_token_share=0.6)
@@ -552,7 +553,7 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
 
 
 def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_with_that(tiny_target, tiny_draft):
-    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target read at twice
+    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target reads at nearly twice
     the ratio its weights say): the draft model times its prefill against the target's, once."""
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
     drafter = generator.drafter

@@ -42,7 +42,7 @@ from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (the heads
-#: are one small MLP each and an LM-head call over the draft vocabulary: SmolLM2's spent about 2%).
+#: are one small MLP each and an LM-head call over the draft vocabulary: SmolLM2's take about 2%).
 DRAFT_SHARE = 0.05
 
 
