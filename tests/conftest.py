@@ -44,7 +44,7 @@ def tiny_draft(tiny_dirs) -> LoadedModel:
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
     """The bundled default model (fp32), loaded once: a load is a second, and the first ``auto`` draft
-    length measures the backend's cost curve (~7 s on a 2-core CPU), once per loaded backend."""
+    length measures the backend's cost curve (seconds on a CPU), once per loaded backend."""
     return load_model("smollm2-135m")
 
 

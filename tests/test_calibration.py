@@ -76,7 +76,8 @@ def test_an_exit_smollm2_rejects_makes_no_draft_on_a_cold_request(smollm2):
 
 
 def test_a_draft_model_keeps_the_declared_prior(tiny_target, tiny_draft):
-    """Measured, a draft model's agreement made ``auto`` read prompts that did not pay back (see the module doc)."""
+    """Taken as the prior, a draft model's measured agreement makes ``auto`` read prompts that do not pay back (see the
+    module doc)."""
     drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
     assert drafter.acceptance_prior() is None
     assert SpeculativeGenerator(tiny_target, drafter).draft_length_policy("auto").prior_acceptance == 0.5

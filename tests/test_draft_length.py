@@ -157,8 +157,8 @@ def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
 
 
 def test_concurrent_sequences_each_move_their_origins_probe_interval():
-    """Two requests decoding at once both probe and fail: each failure backs the origin off, where the last fork
-    to probe used to set the origin's interval to its own (one doubling, not two)."""
+    """Two requests decoding at once both probe and fail: each failure backs the origin off (two doublings), rather
+    than the last fork to probe setting the origin's interval to its own (one doubling)."""
     parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first, second = parent.fork(), parent.fork()
     for fork in (first, second):
@@ -180,8 +180,7 @@ def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed
 
 def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_step(tiny_target, tiny_draft):
     """The prompt's prefill and the first draft tokens come in one propose: before anything is timed, a
-    draft model would be taken as free and asked for a deep first draft (a Gemma edit prompt drafted 4
-    tokens at 17 ms each by SmolLM2, one accepted)."""
+    draft model would be taken as free and asked for a deep first draft, most of which the target rejects."""
     shape = [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
     assert make_policy("auto", shape, reads_context=True).next_length(16) == 2
     assert make_policy("auto", shape).next_length(16) > 2
@@ -191,8 +190,9 @@ def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_st
 
 
 def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_timed():
-    """A cold request's first draft was free to the cost model: a layer-skip draft (0.6 of a target forward a
-    token) was made at step 0 of every cold request where a two-input verification costs 1.21 of one."""
+    """Until its drafts are timed, a self-drafter's declared token cost prices them: taken as free, a layer-skip draft
+    (0.6 of a target forward a token) would be made at step 0 of every cold request where a two-input verification
+    costs 1.21 of one."""
     shape = curve(0.21)
     assert make_policy("auto", shape).next_length(16) > 0  # free: 1.5 tokens for 1.21
     dear = make_policy("auto", shape, draft_token_share=0.6)
@@ -553,7 +553,7 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
 
 
 def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_with_that(tiny_target, tiny_draft):
-    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target read at twice
+    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target reads at nearly twice
     the ratio its weights say): the draft model times its prefill against the target's, once."""
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
     drafter = generator.drafter

@@ -118,7 +118,7 @@ def test_an_empty_pool_is_fed_through_the_modules(tiny_dirs):
 @pytest.mark.parametrize("quantize", ["int4", "none"], ids=["written-out step", "modules"])
 def test_a_vocabtrim_head_replaces_the_lm_head_on_either_route(tiny_dirs, quantize):
     """Draft logits through a head of some rows are the full logits of those rows, whichever route the
-    step takes (VocabTrim used to leave the written-out step for the modules, and cost more than it saved)."""
+    step takes (a head that left the written-out step for the modules would cost more than it saves)."""
     backend = load_model(str(tiny_dirs["target"]), quantize=quantize).backend
     rows = torch.tensor([0, 5, 9, 17, 40])
     head = DraftHead(backend, base=rows).for_prompt([])

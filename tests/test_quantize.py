@@ -268,7 +268,7 @@ def test_the_w4a8_builds_for_avx2_and_for_vnni_give_the_same_bits():
 def agree_but_for_a_near_tie(model: nn.Module, prompt: list[int], ours: list[int], theirs: list[int]) -> bool:
     """Whether two greedy decodings of ``model`` agree, or first differ where its two best next tokens are one
     bf16 step apart (a full forward's logits): transformers' attention and ours may round a last bit apart
-    (seen on an AMX Xeon, 5.0 against 4.97 on a random int4 model) and then break that tie differently."""
+    (e.g. 5.0 against 4.97 on a random int4 model) and then break that tie differently."""
     at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     if at is None:
         return ours == theirs

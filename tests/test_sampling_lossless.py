@@ -2,7 +2,7 @@
 (chi-square over ``DRAWS`` = 25,000 draws, stratified), never by equality.  A deliberately broken verifier
 must fail the same tests, which shows they have the power to catch a real bug: resampling from p instead
 of the residual fails with p-values below 1e-16 at 5,000 draws through the engine and below 1e-90 at the
-verifier alone, so a quarter of the 10^5 draws these tests once took keeps a wide margin."""
+verifier alone, so 25,000 draws keep a wide margin."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Pool the inter-token latencies of several ``specdecode bench serve`` runs, per method at one concurrency.
 
-One run's p95 moves by several percent from run to run on a 2-core machine (plain decoding's between 62 and
-75 ms at C=8 in one afternoon), more than the difference being judged.  Every run keeps each request's chunk
-gaps and token counts, so the samples of several runs can be put together and their percentiles read once:
+One run's p95 moves by several percent from run to run on a 2-core machine
+(``docs/results/serve-uvloop-bf16-smollm2-135m``), more than the difference being judged.  Every run keeps each
+request's chunk gaps and token counts, so the samples of several runs can be put together and their percentiles read
+once:
 
     python tools/pool_serve_runs.py --concurrency 8 docs/results/serve-uvloop-bf16-smollm2-135m/c8-rep*/results.json
 

@@ -44,7 +44,8 @@ def _top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     and verification reads depth + 1 rows a step.  A nucleus is rarely more than a few hundred tokens, so
     the largest :data:`NUCLEUS_CANDIDATES` come first (``topk``: ~0.3 ms a row); only rows whose
     candidates do not reach ``top_p`` try the next size, the whole sort last.  The kept set is the one a
-    full sort gives: once the candidates' mass reaches ``top_p`` every later token would be dropped."""
+    full sort gives: once the candidates' mass reaches ``top_p`` every later token would be dropped.  Timings:
+    ``docs/results/avx2/top_p_timing.txt``."""
     vocab = probs.shape[-1]
     for size in NUCLEUS_CANDIDATES:
         if size < vocab:
@@ -112,9 +113,8 @@ def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
 
 def argmax_last(values: torch.Tensor) -> int | list[int]:
     """``values.argmax(-1)`` as Python ints (an int for a vector, a list for a matrix); ties go to the first
-    index, as with torch.  On the CPU numpy finds it: for 16 rows over a 49k vocabulary torch 2.13's argmax
-    took 556 µs on a 2-core Xeon and numpy's 94 µs; the verifier takes one per step, a greedy or coupled
-    drafter one per draft token."""
+    index, as with torch.  On the CPU numpy finds it several times faster than torch's argmax for a few rows
+    over a large vocabulary; the verifier takes one per step, a greedy or coupled drafter one per draft token."""
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
         return values.detach().numpy().argmax(-1).tolist()
     return values.argmax(-1).tolist()

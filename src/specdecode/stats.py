@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # types.py imports torch; the server's protocol module import
 @dataclass
 class GenerationStats:
     """What one request's decoding did.  Every step yields the target's own token plus the draft tokens kept,
-    so ``new_tokens == steps + accepted_tokens`` (the README and ``--json`` promise it), also when EOS or the
+    so ``new_tokens == steps + accepted_tokens`` (the docs and ``--json`` promise it), also when EOS or the
     token limit cuts the last step short: the engine passes ``kept`` to :meth:`record_step`."""
 
     new_tokens: int = 0

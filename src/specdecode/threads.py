@@ -2,9 +2,9 @@
 
 Why: torch's OpenMP threads meet at a barrier after every parallel region.  When another process keeps one
 of two cores busy, a two-thread forward waits at each barrier for the thread that lost its core to get it
-back, many times per forward.  Measured on a 2-core Xeon, plain decoding of ``smollm2-135m`` fell from
-26 to 1.7 tokens/s beside one busy process with two threads, and kept 15.5 with one.  (OpenMP's passive
-wait policy avoids the collapse but cost 38% of the idle speed on the same machine, so it is no answer.)
+back, many times per forward: beside one busy process, two-thread decoding keeps a tenth of its idle speed or less
+and one thread keeps most of it (``docs/results/contention-smollm2-135m``).  (OpenMP's passive wait policy avoids
+the collapse but costs a large share of the idle speed, so it is no answer.)
 
 So the :class:`ThreadGovernor` looks, before a forward and at most every ``interval_s``, at how much CPU the
 other processes used since its last look (the busy time of our CPUs in ``/proc/stat`` minus this process's

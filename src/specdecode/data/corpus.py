@@ -61,8 +61,8 @@ def sharegpt_conversations(target: LoadedModel, n: int, max_tokens: int, seed: i
     return out
 
 
-#: Ranking keys of the tokenizers seen in this process: hashing Qwen's 152k tokens took 0.39 s, on every drafter
-#: built with VocabTrim.
+#: Ranking keys of the tokenizers seen in this process: hashing Qwen's 152k tokens takes a noticeable fraction of a
+#: second, which every drafter built with VocabTrim would pay.
 _KEYS: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
 
 

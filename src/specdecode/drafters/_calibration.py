@@ -2,17 +2,17 @@
 
 ``auto`` needs an acceptance to weigh a cold request's first drafts with.  A fixed guess (one half) is far off
 for a self-drafter: on SmolLM2-135M an exit after 15 of 30 layers agrees with the full model on 6% of next tokens,
-and such a drafter drafted on every cold request and had none of 201 tokens accepted.  So the self-drafters
-measure, once per loaded drafter, how often their greedy guess of the next token equals the target's on a
-built-in chat exchange, teacher-forced (both read the true text: one forward each, no generation; the target's once
-per target).  That is the chance that a greedy draft's first token is accepted; on the target's own answers
-acceptance often runs higher (SmolLM2 with its Kangaroo adapter: 23% here, 33% of drafted tokens accepted over the
-quick suite), so the measure errs towards not drafting.
+so under that guess it drafts on every cold request and has next to nothing accepted
+(``docs/results/quick-self-prior-epyc-r8``).  So the self-drafters measure, once per loaded drafter, how often their
+greedy guess of the next token equals the target's on a built-in chat exchange, teacher-forced (both read the true
+text: one forward each, no generation; the target's once per target).  That is the chance that a greedy draft's
+first token is accepted; on the target's own answers acceptance often runs higher, so the measure errs towards not
+drafting.
 
-Draft models keep the declared prior.  Measured the same way, Qwen2.5-Coder-0.5B agrees with the w4a8 1.5B on 80%
-of the answer's tokens; taken as the prior it made ``auto`` read every prompt and draft: 1.16x on humaneval, but
-0.91x on sharegpt (54% accepted there) and +2.1% time over the w4a8 suite, against declining every prompt at
-one half (``docs/results/w4a8-draft-prior-epyc-r8``).
+Draft models keep the declared prior.  Measured the same way, a draft model's agreement overstates what drafting
+earns once it must read the prompt: Qwen2.5-Coder-0.5B agrees with the w4a8 1.5B on 80% of the answer's tokens, and
+taken as the prior that made ``auto`` read every prompt and draft, slower over the suite than declining every prompt
+at one half (``docs/results/w4a8-draft-prior-epyc-r8``).
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 After SAM-Decoding (Hu et al., 2024), which drafts from a suffix automaton of the prompt and output where it
 matches and from a model (EAGLE) where it does not.  A head trained on a CPU budget guesses open chat about
-as well as it can but copies poorly, and copying is where speculation pays most: on the 4 tasks of
-``qwen2.5-coder-1.5b`` prompt lookup ran at 2.42x plain on HumanEval where the EAGLE head ran at 1.71x, and the
-head at 1.59x on CHAMP where lookup ran at 1.00x.  Tree verification checks both in one forward: the lookup's
+as well as it can but copies poorly, and copying is where speculation pays most: for ``qwen2.5-coder-1.5b``
+prompt lookup beat the EAGLE head on HumanEval, and the head won on CHAMP, where lookup gained nothing
+(``docs/results/eagle-362k-rows-qwen2.5-coder-1.5b``).  Tree verification checks both in one forward: the lookup's
 continuation joins the tree as one more branch (merged with the nodes it agrees with), every node scored by
 its own source's calibrated estimate, and the budget verifies whichever nodes pay.  A lookup likely enough to
 be right is drafted alone, as SAM-Decoding does with a long match.  The lookup costs a scan of the context,

@@ -67,11 +67,11 @@ def grow_tree(root: State, expand: Expand, max_nodes: int, max_depth: int, min_p
 class PayingTrees:
     """Which nodes of a best-first tree to verify on this target: the leading ones that pay for their width.
 
-    A forward's cost per input depends on the target: over fp32 or bf16 weights 17 inputs cost about
-    1.15x one, but torch's int4 kernel works in blocks of 4 rows, so 5 inputs cost 2.2x one and 17 about
-    4.6x (``qwen2.5-coder-1.5b``).  A 16-node suffix tree whose branches are mostly rejected then costs
-    far more than it yields.  So, as for the trained heads: the counts' probabilities are calibrated
-    online against what verification accepted (per depth), and the tree is cut to the node count with
+    A forward's cost per input depends on the target: over fp32 or bf16 weights 17 inputs cost little more than one,
+    but torch's int4 kernel works in blocks of 4 rows, so its cost jumps at every fifth input
+    (``docs/results/quantize-qwen2.5-coder-1.5b``, ``forward-cost-*.json``).  A 16-node suffix tree whose branches
+    are mostly rejected then costs far more than it yields.  So, as for the trained heads: the counts' probabilities
+    are calibrated online against what verification accepted (per depth), and the tree is cut to the node count with
     the most expected tokens per unit of the target's measured cost (:class:`TreeBudget`).
 
     Chains pass through whole, without confidences: their depth is the draft-length policy's choice,

@@ -1,8 +1,8 @@
 """Whether drafting while the target verifies pays here, learnt online (``draft-model`` with ``parallel=true``).
 
 PEARL's worker (:mod:`specdecode.drafters._lookahead`) runs the draft model beside the target's forward.  On
-a CPU the two share the cores and the memory bandwidth: with ``qwen2.5-coder-1.5b`` (bf16, int4 0.5B draft)
-on 2 cores the worker made decoding 1.41x plain against 1.89x drafting in turn.  Whether it pays depends on
+a CPU the two share the cores and the memory bandwidth, so the worker can make decoding slower than drafting
+in turn (``docs/results/pearl-bf16-qwen2.5-coder-1.5b``).  Whether it pays depends on
 the machine and on what else runs on it, so a drafter asked to draft in parallel times both ways — steps
 with the worker and without, alternating, in tokens per second — keeps the faster, and times both again
 now and then.  The worker changes when drafts are made, never which: output is the same

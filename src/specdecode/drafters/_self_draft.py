@@ -53,7 +53,7 @@ class CostModel:
 
     A draft token costs the LM head plus the fraction of decoder layers run (the head is a large part
     of a small model: ~20% of SmolLM2-135M).  Verifying k draft tokens costs ``1 + verify_token_cost * k``
-    (on CPUs 8 extra rows cost ~1.2-1.4x one, see MODELS.md).
+    (on CPUs 8 extra rows cost ~1.2-1.4x one: ``docs/results/forward-cost``).
     """
 
     num_layers: int

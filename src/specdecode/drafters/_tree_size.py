@@ -1,9 +1,9 @@
 """Sizing draft trees by what they are expected to gain against what verifying them costs.
 
 Trained heads (EAGLE, Medusa, Hydra) grow trees from their own probabilities.  A head trained on a CPU
-budget is not calibrated (SmolLM2's Medusa heads put 40% on guesses the target accepted 4% of the time),
-and a fixed tree of 16 nodes verified on every step then costs more than it yields: Medusa ran at
-0.87x plain decoding.  So the probabilities are calibrated online against what verification accepted, per
+budget is not calibrated (SmolLM2's Medusa heads are far more confident than their acceptance warrants),
+and a fixed tree of 16 nodes verified on every step then costs more than it yields: slower than plain
+decoding.  So the probabilities are calibrated online against what verification accepted, per
 depth, and the number of nodes verified is the one that maximises expected tokens per step over the
 target's measured cost of the verification forward — possibly none, when no node pays.
 """

@@ -20,9 +20,10 @@ serving one domain drafts more of it right.  What is learnt, and where:
   and the base weights each predict its verified tokens (teacher-forced top-1, two forwards).  The
   adapter drafts only while, over the last :data:`CHECK_WINDOW` requests, it predicted at least as many
   as the base weights; otherwise the base weights draft and the adapter keeps training until it
-  catches up.  Measured on 50 ShareGPT openings about Python, LoRA trained on what a 1.5B target wrote
-  predicted the next requests *worse* at every learning rate tried (it learns those answers, not the
-  target): without the check, adaptation there made drafting worse than no adaptation.
+  catches up.  On open chat (ShareGPT openings about Python, a 1.5B target), LoRA trained on what the
+  target wrote predicts the next requests *worse* at every learning rate (it learns those answers, not the
+  target): without the check, adaptation there makes drafting worse than no adaptation
+  (``docs/results/adapt-sim-smollm2-qwen2.5-coder-1.5b``, ``docs/results/avx2/adapt-sharegpt-python-w4a8``).
 * **When**: only at a request's end (``DraftSession.finish``), never during verification; optimizer
   steps run while their time stays within ``adapt_budget`` × the request's decoding time (an overrun or
   an unused share carries over), at most ``adapt_steps`` per request.  A drafting session still open

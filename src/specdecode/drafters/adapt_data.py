@@ -161,7 +161,7 @@ class AdaptingSession(DraftSession):
         self.started = now()
 
     def propose(self, context: list[int], max_tokens: int) -> Draft:
-        if self.version != self.adapter.version:  # the weights changed since this session's cache was filled
+        if self.version != self.adapter.version:  # the weights changed since the session's cache was filled
             self.inner.restart()
             self.version = self.adapter.version
         return self.inner.propose(context, max_tokens)

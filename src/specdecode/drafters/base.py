@@ -128,7 +128,7 @@ class Drafter(ABC):
     #: Declared; a drafter that can measure it does (:attr:`measured_acceptance`).
     prior_acceptance: float | None = None
     #: False for plain decoding (``none``), which never drafts: ``auto`` then has no depth to choose and
-    #: need not measure the target's verification cost curve (4-10 s on a 2-core CPU) for it.
+    #: need not measure the target's verification cost curve (seconds on a CPU) for it.
     drafts: ClassVar[bool] = True
     #: True if the drafter goes on working after a step returns (a worker drafting ahead, PEARL): that work
     #: overlaps whatever runs next, so the benchmark cannot time it in turns with others (its lockstep).

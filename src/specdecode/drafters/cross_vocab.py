@@ -72,8 +72,8 @@ TEXT_WINDOW = 2
 #: The share of a draft model's tokens the target accepts across vocabularies, expected before any is verified
 #: (``Drafter.prior_acceptance``): measured 22-42% for every pair and mapping benchmarked (SmolLM2-135M and
 #: Gemma-3-270M for Qwen2.5-Coder-1.5B, SmolLM2-135M for Gemma-3-270M; ``docs/results/cross-vocab-*``), against
-#: 71-86% for Qwen2.5-Coder-0.5B, which shares the target's vocabulary.  At the policy's default of one half,
-#: a cold request had SmolLM2 read a 295-token prompt for a w4a8 target and lost 8% on it.
+#: 71-86% for Qwen2.5-Coder-0.5B, which shares the target's vocabulary.  The policy's default of one half would
+#: have a cold request read a long prompt with a drafter that does not pay it back.
 PRIOR_ACCEPTANCE = 1 / 3
 
 

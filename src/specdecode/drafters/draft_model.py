@@ -4,15 +4,14 @@ It keeps its own KV cache.  Instead of being told what was rejected, it re-synch
 ``propose``: the cache is cut back to the longest prefix it shares with the accepted context and
 only the missing tokens are fed — so rollback is exact whatever the verifier decided.
 
-``draft_vocab=N`` drafts over the draft model's LM head restricted to the N ids most frequent in chat text
-and the prompt's (VocabTrim, :mod:`specdecode.drafters._vocab`; by default :data:`DEFAULT_DRAFT_MODEL_VOCAB`,
-``draft_vocab=0`` for the full head): on a CPU a 0.5B model's 152k-row head is a fifth of its forward (4.8
-of 25 ms in int4; 1.0 ms over 32k rows).  Tokens outside are never drafted, which cannot change the output.
+``draft_vocab=N`` drafts over the draft model's LM head restricted to the N ids most frequent in chat text and the
+prompt's (VocabTrim, :mod:`specdecode.drafters._vocab`; by default :data:`DEFAULT_DRAFT_MODEL_VOCAB`,
+``draft_vocab=0`` for the full head): on a CPU a 0.5B model's 152k-row head is a fifth of its forward.  Tokens
+outside are never drafted, which cannot change the output.
 
 A draft model with *another* vocabulary drafts through ``vocab_mapping=intersection|text|ngram``
-(:mod:`specdecode.drafters.cross_vocab`), by default :data:`DEFAULT_VOCAB_MAPPING`: ``text`` measured fastest
-(smollm2-135m drafting for qwen2.5-coder-1.5b on four tasks: text 1.16x plain, ngram 1.12x, intersection 1.09x;
-``docs/results/cross-vocab-qwen2.5-coder-1.5b-4tasks``).  The same vocabulary keeps the direct path.
+(:mod:`specdecode.drafters.cross_vocab`), by default :data:`DEFAULT_VOCAB_MAPPING`: ``text`` drafts fastest of
+the three (``docs/results/cross-vocab-qwen2.5-coder-1.5b-4tasks``).  The same vocabulary keeps the direct path.
 
 ``adapt=true`` fine-tunes the draft model online on what the target verifies (LoRA, within a compute
 budget, between requests; ``adapt_budget``, ``adapt_steps``, ``adapt_lr``, ``adapt_save``, ``adapt_load``:
@@ -86,9 +85,8 @@ def loaded_draft(draft_model: str | LoadedModel, target: LoadedModel, *, trains:
 
 #: The mapping a draft model with another vocabulary drafts through when none is named (see the docstring).
 DEFAULT_VOCAB_MAPPING = "text"
-#: VocabTrim's size when ``draft_vocab`` is not given: Qwen2.5-Coder-0.5B drafting for the 1.5B (bf16, int4 draft,
-#: 4 tasks, 3 repeats) ran 2.36x plain over 32,768 ids, 2.13x over 65,536 and 1.99x over all 151,936
-#: (``docs/results/vocabtrim-freq-bf16-qwen2.5-coder-1.5b``).
+#: VocabTrim's size when ``draft_vocab`` is not given: Qwen2.5-Coder-0.5B drafting for the 1.5B ran faster over
+#: 32,768 ids than over 65,536 or all 151,936 (``docs/results/vocabtrim-freq-bf16-qwen2.5-coder-1.5b``).
 DEFAULT_DRAFT_MODEL_VOCAB = 32768
 
 
@@ -154,8 +152,8 @@ def time_draft_token(backend: CausalLM, head: DraftHead | None = None) -> float:
 def time_reading(draft: CausalLM, target: CausalLM, head: DraftHead | None = None) -> float:
     """The draft model's prefill of a ``READING_CONTEXT``-token prompt over the target's of the same tokens, each the
     faster of two (the first warms the kernels): what reading a prompt costs it against the target's prefill.  The
-    weights multiplied per token misjudge it across kernels: on an AMX Xeon an int4 SmolLM2-135M read a 295-token
-    prompt in 0.16 s beside a w4a8 1.5B target's 1.0 s, 0.16 where its weights say 0.09."""
+    weights multiplied per token misjudge it across kernels: an int4 SmolLM2-135M beside a w4a8 1.5B target reads a
+    prompt in nearly twice the share its weights say."""
     length = max(1, min(READING_CONTEXT, draft.max_context - 1, target.max_context - 1))
     prompt = [token % draft.vocab_size for token in range(length)]
     rows = head.for_prompt(prompt) if head is not None else None
@@ -240,7 +238,8 @@ class DraftModelDrafter(Drafter):
         """Seconds of a one-token draft forward: the clock's, learnt from drafting, or else timed now
         (:func:`time_draft_token`, once per drafter).  ``auto`` prices a first draft with it: the weight count it
         otherwise goes by says a 0.5B w4a8 draft token costs a third of a fp32 1.5B target's, where it measures
-        a fourteenth, and long prompts were then declined for drafting that pays (``docs/results/avx2``, 12)."""
+        a fourteenth, which would decline long prompts for drafting that pays (``docs/results/avx2``: "a draft
+        token timed, not counted")."""
         if not self.clock.one_token_s:
             self.clock.add(time_draft_token(self.draft.backend, self.head))
         return self.clock.one_token_s

@@ -12,7 +12,7 @@ verification accepted (:mod:`specdecode.drafters._tree_size`).  A prefix scores 
 extensions, so the best nodes form a tree — Medusa's tree, chosen per step from the heads' confidences
 instead of a static one calibrated offline — and with ``tree_nodes=auto`` (the default) it holds as many
 nodes as pay for their verification, none when no guess does (heads trained on a CPU budget are
-overconfident: a fixed 16-node tree ran at 0.87x plain decoding on SmolLM2-135M).  Sampled requests (and greedy
+overconfident: a fixed 16-node tree is slower than plain decoding on SmolLM2-135M).  Sampled requests (and greedy
 ones with ``tree_nodes=0``) draft a chain, one token sampled from each head's processed distribution
 over the full vocabulary (zero outside the draft vocabulary), returned with the draft so rejection
 sampling stays exact.  Tokens outside the draft vocabulary are never drafted: that cannot change output.
@@ -42,7 +42,7 @@ from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (the heads
-#: are one small MLP each and an LM-head call over the draft vocabulary: SmolLM2's spent about 2%).
+#: are one small MLP each and an LM-head call over the draft vocabulary: SmolLM2's take about 2%).
 DRAFT_SHARE = 0.05
 
 

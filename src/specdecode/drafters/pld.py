@@ -57,7 +57,8 @@ def match_confidence(match_length: int) -> float:
     online; they only tell the kinds apart and start the calibration near where it was measured).  Over the
     quick prompts on ``smollm2-135m`` (offline replay, 8 sequences), the first copied token was accepted
     after 92-100% of matches of 6 tokens or more, 50-60% of matches of 3-4, about 40% of 2 and rarely after
-    1; over whole drafts, tokens after 1- and 2-token matches were accepted at 16% and 23%."""
+    1; over whole drafts, tokens after 1- and 2-token matches were accepted at 16% and 23%.  See
+    ``docs/results/quick-pld-match-length``."""
     if match_length >= 8:
         return 0.95
     if match_length >= 5:

@@ -4,8 +4,9 @@ After ``n`` context tokens the table stores the target's next-token distribution
 verification (softmax of the raw logits, compressed to its top ``topk`` entries, averaged over
 occurrences with weight 1/2 on the newest).  Every verified row is recorded — rejected branches are
 real target distributions too.  A step the policy gave no draft (``auto`` judged drafting a loss here) records only
-the token the target chose, as a point mass: the distribution's softmax and top-k over the vocabulary took about
-0.3 ms of STAND's 0.9 ms a step on a 152k-token w4a8 1.5B target (a 60 ms step), paid whether or not drafting pays.
+the token the target chose, as a point mass: the distribution's softmax and top-k over the vocabulary are a third of
+STAND's time a step on a 152k-token target, paid whether or not drafting pays
+(``docs/results/w4a8-epyc-stand-pointmass-r8``).
 
 The draft tree follows a static template (see ``recycling``): a node's children come from the longest n-gram of
 its context that is in the table.  Greedy decoding

@@ -177,12 +177,12 @@ class SuffixDrafter(Drafter):
     longer match is more trustworthy); the tree with the highest expected number of accepted tokens
     wins.  Cost per step: O(tree_depth) to index the accepted tokens plus the trees grown.
 
-    Options: ``max_nodes`` (16) draft nodes per step — on a CPU with the fast path a forward over 16
-    tokens costs about 1.6x one token, and a long copy (an edit) is accepted 10+ tokens deep;
-    ``tree_depth`` (24) longest substring indexed, bounding match length plus speculation depth and
-    memory (nodes <= tree_depth × tokens indexed); ``spec_factor`` (2.0) depth per matched token;
-    ``min_prob`` (0.1) least estimated path probability of a node; ``global_tokens`` (8192) earlier
-    output tokens remembered, 0 to disable.
+    Options: ``max_nodes`` (16) draft nodes per step — on a CPU with the fast path a forward over 16 tokens
+    costs well under twice one token (``docs/results/forward-cost``), and a long copy (an edit) is accepted 10+
+    tokens deep; ``tree_depth`` (24) longest substring indexed, bounding match length plus speculation depth and
+    memory (nodes <= tree_depth × tokens indexed); ``spec_factor`` (2.0) depth per matched token; ``min_prob``
+    (0.1) least estimated path probability of a node; ``global_tokens`` (8192) earlier output tokens remembered,
+    0 to disable.
 
     The engine caps the depth at ``num_draft_tokens`` (``auto``: up to 16).  A request's output joins the
     global trie when its session finishes.

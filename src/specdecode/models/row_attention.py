@@ -8,8 +8,9 @@ shapes, so a row's result depends on how many rows share the call and how many k
 Two ways to make the call a row gets independent of its neighbours (:mod:`specdecode.models.ragged` picks):
 
 * **Row by row**: each new token in its own call over exactly the keys it may see — the call a one-token
-  forward makes.  Exact by construction, but one kernel call per token and layer (~35 µs on a 2-core Xeon),
-  which made a 16-row forward of bf16 SmolLM2 1.6x a one-row one while its linear layers cost the same.
+  forward makes.  Exact by construction, but one kernel call per token and layer, so a 16-row forward costs far
+  more than a one-row one while its linear layers cost the same (``docs/results/eagle-lookup-bf16-smollm2-135m``,
+  ``tree-plan/``).
 * **Buckets** (:func:`attend_chain_in_buckets`, for chains): a token at position p attends over the keys
   ``[0, bucket_end(p))``, the positions after p masked out.  A masked column adds an exact zero to every
   sum, so the result is plain attention; what matters is that the call's key length now depends on the
@@ -39,7 +40,7 @@ MAX_BUCKET_ROWS = 16
 QUERY_BLOCK = 32
 
 #: The CPU kernel behind ``scaled_dot_product_attention``, called directly: the row-invariant paths make
-#: many small calls, and SDPA's choice of backend took about 40% of such a call.
+#: many small calls, and SDPA's choice of backend is a large part of such a call's time.
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 #: Probe results per (kv_heads, groups, head_dim, dtype, threads).
@@ -79,7 +80,7 @@ def bucket_call(
 @lru_cache(maxsize=64)  # a forward needs one per sequence and bucket; a long bucket is a few MB
 def _bucket_mask(bucket: int, lengths: tuple[int, ...], groups: int, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, groups * n, bucket]: 0 where row g * n + r may look, -inf after its ``lengths[r]`` columns.
-    Cached: every layer of a forward asks for the same masks, and building one took as long as the call."""
+    Cached: every layer of a forward asks for the same masks, and building one costs about what the call does."""
     seen = torch.arange(bucket)[None, :] < torch.tensor(lengths)[:, None]
     mask = torch.zeros(len(lengths), bucket, dtype=dtype).masked_fill_(~seen, float("-inf"))
     return mask.repeat(groups, 1)[None, None]
@@ -199,9 +200,9 @@ class _TreeCall:
     def gather(self, part: torch.Tensor) -> torch.Tensor:
         """[E, kv_heads, bucket, d] of one slot's keys or values ``part`` [kv_heads, capacity, d]: the slot's
         first ``bucket`` columns once per entry (a plain copy), then each entry's path written over them
-        (gathering every column by index took three times as long).  ``repeat``, never ``expand().contiguous()``:
-        with one entry and a bucket as long as the slot, the latter is the slot itself, and the paths were
-        written into the cache (a plain-decoding mismatch that depended on the pool's capacity)."""
+        (gathering every column by index is slower).  ``repeat``, never ``expand().contiguous()``: with one
+        entry and a bucket as long as the slot, the latter is the slot itself, and the paths would be written
+        into the cache."""
         kv_heads, _, dim = part.shape
         entries = len(self.columns)
         out = part[:, : self.bucket].unsqueeze(1).repeat(1, entries, 1, 1)
@@ -213,12 +214,11 @@ class _TreeCall:
 class TreePlan:
     """A tree's new tokens in batched bucket calls, planned once per forward (every layer reads it).
 
-    Every root-to-leaf path is a chain: its nodes, written in order after the cache, are what plain decoding
-    of that branch would have cached, so its rows attend as a chain in buckets.  Paths are batch elements
-    of one call (per bucket) that each gather their key columns, so a tree costs a call or two per layer
-    where row by row made one per node: 16 nodes and the last token through bf16 SmolLM2 took 62 ms, against
-    74-79 ms row by row and 49 ms for 17 tokens as a chain.  That a batch element gets the bits it gets alone
-    is probed (:func:`batches_are_row_invariant`)."""
+    Every root-to-leaf path is a chain: its nodes, written in order after the cache, are what plain decoding of that
+    branch would have cached, so its rows attend as a chain in buckets.  Paths are batch elements of one call (per
+    bucket) that each gather their key columns, so a tree costs a call or two per layer where row by row makes one
+    per node (timed in ``docs/results/eagle-lookup-bf16-smollm2-135m/tree-plan``).  That a batch element gets the
+    bits it gets alone is probed (:func:`batches_are_row_invariant`)."""
 
     def __init__(self, paths: list[tuple[list[int], int]], past: int, groups: int) -> None:
         most = tokens_per_call(groups)

@@ -1,11 +1,11 @@
 """The target's row-invariant forward of one sequence's chain, written out, for w4a8 models.
 
-Why: with w4a8 weights, a 1.5B target's one-token step on the 2-core AVX2 EPYC spent about 45 of 70 ms in
-its matmuls; much of the rest is the modules around them (transformers' decoder, the quantized layers'
-dtype round trips, three query / key / value calls and two gate / up calls that each quantize the same
-input).  The written-out draft step (:mod:`specdecode.models.draft_step`) took 59 ms against the modules'
-70 on that model.  But a draft step may differ from the modules in the last bits, a target step may not:
-plain decoding and verification of every drafter, solo and batched, must give each row the same logits.
+Why: with w4a8 weights, a 1.5B target's one-token step on a CPU spends a large part of its time outside its matmuls,
+in the modules around them (transformers' decoder, the quantized layers' dtype round trips, three query / key /
+value calls and two gate / up calls that each quantize the same input), which the written-out draft step
+(:mod:`specdecode.models.draft_step`) saves.  But a draft step may differ from the modules in the last bits, a
+target step may not: plain decoding and verification of every drafter, solo and batched, must give each row the same
+logits.
 
 So this step computes exactly what the modules compute, operation for operation: the models' own norm,
 embedding, rotary and output-projection modules; fused query / key / value and gate / up projections
@@ -16,9 +16,8 @@ of the modules' path (:func:`~specdecode.models.ragged.ragged_attention`, row in
 logits with the modules' bitwise.  It takes one sequence's chain or tree (positions and an ancestor mask, as
 the modules take them) with every row invariant and nothing captured; anything else (prompts, batches,
 hidden states, skipped layers) goes through the modules.  Trees matter as much as chains: the cost model
-prices every verification by the curve measured on chains, and a tree through the modules cost about a
-tenth more than that curve said (`recycling` on the w4a8 1.5B target, edit prompt: 100-120 ms for a tree one
-deep where a plain step took 85-95).
+prices every verification by the curve measured on chains, and a tree through the modules costs more than
+that curve says, enough to make tree drafters lose (``docs/results/avx2``: trees through the target step).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """``--quantize w4a8``: int4 weights times int8 activations, our own kernel, for AVX2 CPUs (VNNI where present).
 
-Why: on a 2-core AVX2-only AMD EPYC, torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) is bound by
-its arithmetic, not by memory: a 1536→8960 layer took 1.1 ms for one row and 4.2 ms for 8 (its cost grows
-with every row), so int4 decoding of ``qwen2.5-coder-1.5b`` spent 85% of its time in that kernel, and
-llama.cpp decoded the same model twice as fast.  llama.cpp (and OpenVINO on CPUs) quantize the activations
-to int8 per block and multiply with integer dot products; this kernel does the same with AVX2's
-``maddubs``.  The same layer, with its weights cold as in decoding, takes 0.50 ms for one row (7.7 MB read at 15 GB/s,
-near the machine's 19-22 GB/s; torch's int4: 1.1 ms) and 1.3 ms for 8 (int4: 4.1 ms;
-``docs/results/avx2/w4a8_layer_timing.py``).  What got it there: one contiguous, prefetched run of
-weights per channel pair (from 0.72 ms for one row with separate arrays), and the lanes of each group's
-integer dots summed across before one conversion and one fma (8 rows: 1.75 → 1.3 ms).
+Why: on AVX2-only CPUs torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) is bound by its arithmetic,
+not by memory: its cost grows with every row, so int4 decoding spends most of its time in that kernel.
+llama.cpp (and OpenVINO on CPUs) quantize the activations to int8 per block and multiply with integer dot
+products; this kernel does the same with AVX2's ``maddubs`` and reads its weights near the memory's bandwidth,
+well under the int4 kernel's time for one row and for 8 (``docs/results/avx2``, ``w4a8_layer_timing.txt``).
+Its layout serves that bandwidth: one contiguous, prefetched run of weights per channel pair (one memory stream
+per thread), and the lanes of each group's integer dots summed across before one conversion and one fma.
 
 What it computes: the weights are :class:`~specdecode.models.quantized_layers.Int4Linear`'s (asymmetric int4,
 min-max per group of 64 inputs, scale and zero rounded to bf16), ``w = q * scale + offset``; each row of
@@ -21,8 +18,7 @@ is row invariant, bitwise (see the C++ source).
 
 Where the CPU has VNNI (AVX-512 VNNI with VL, or AVX-VNNI), each group's integer dots take one instruction per
 four bytes (``vpdpbusd``) instead of AVX2's multiply, multiply-add and add: the same integers, so the same bits
-(tested).  On a 2-core AMD EPYC (AVX-512): a one-token forward of ``qwen2.5-coder-1.5b`` 43.6 → 40.4 ms, four
-tokens 66.8 → 63.5 ms (``docs/results/w4a8-vnni-epyc/``).
+(tested), and a forward is a few percent faster (``docs/results/w4a8-vnni-epyc``).
 
 Built on first use with torch's C++ extension loader (about 45 s with two cores, once per instruction set; cached under
 ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): it needs a C++ compiler and an x86
@@ -173,8 +169,7 @@ class W4A8Linear(QuantizedLinear):
 
     ``block_copy`` keeps a bf16 copy for prompts only where oneDNN's bf16 matmul runs (as int4 layers do
     there).  Without it the copy would be a plain bf16 tensor multiplied in fp32 slices, and this kernel is
-    faster at every row count: a 1536→8960 layer on the AVX2 EPYC took 5.0 / 20 / 44 ms for 32 / 128 / 300
-    rows against 13 / 29 / 65 ms through such a copy; so prompts go through the kernel, as plain decoding
+    faster at every row count (``docs/results/avx2``); so prompts go through the kernel, as plain decoding
     does, and the model holds no second copy of its weights (3 GB for a 1.5B target)."""
 
     input_dtype = torch.float32

@@ -133,8 +133,8 @@ class Service:
 def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for the app: the fastest event loop and HTTP parser it finds (uvloop and httptools,
     which the ``server`` extra installs; asyncio and h11 otherwise) and no access log.  The event loop shares
-    two cores with the engine: serving ``smollm2-135m`` at concurrency 8, uvloop and httptools decoded 88-90
-    tokens/s with plain decoding over three runs where asyncio and h11 gave 82-90."""
+    two cores with the engine, and serving ``smollm2-135m`` at concurrency 8 uvloop and httptools decoded at least
+    as fast as asyncio and h11 (``docs/results/serve-uvloop-bf16-smollm2-135m``)."""
     return uvicorn.Config(app, loop="auto", http="auto", access_log=False, **options)
 
 
@@ -142,7 +142,7 @@ def freeze_startup_heap() -> None:
     """Exempt what is alive once the models are loaded from Python's cyclic garbage collector.
 
     The libraries, the tokenizer and the model leave some million objects behind; a full collection scans
-    them all and took 140-210 ms on a 2-core Xeon, a pause in whatever thread triggered it — the engine's,
+    them all, over a hundred milliseconds on a small CPU, a pause in whatever thread triggered it — the engine's,
     between two steps of every running request, a few times a minute under load.  Frozen, they are never
     scanned again (they live as long as the server anyway); what serving allocates is collected as before."""
     gc.collect()

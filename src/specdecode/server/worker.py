@@ -7,15 +7,14 @@ request (client gone, stop string found) leaves the batch before the next step a
 at once.  If a step fails (a bug), every request then in the engine gets an error instead of a hang and
 the worker goes on with a fresh engine.
 
-Which thread steps the engine matters for speed.  torch's OpenMP runtime (libgomp) keeps one pool of
-worker threads per thread that ever ran a parallel region, and while more of its threads exist than the
-process has CPUs it stops spin-waiting between parallel regions: every one of the ~500 regions of a
-forward then pays a futex wake-up.  A model loaded (and so already run) in the main thread and stepped
-in a second thread leaves two pools alive: on a 2-core Xeon a one-token forward of ``smollm2-135m`` took
-51 ms instead of 30, and the server decoded about 30% fewer tokens per second than the same batches
-stepped in the main thread.  So :meth:`EngineWorker.drive` steps the engine in the calling thread — the
-thread that loaded the model (``specdecode serve`` and ``bench serve`` give it their main thread and run
-uvicorn beside it) — and :meth:`EngineWorker.start` keeps the own-thread mode for embedders and tests.
+Which thread steps the engine matters for speed.  torch's OpenMP runtime (libgomp) keeps one pool of worker threads
+per thread that ever ran a parallel region, and while more of its threads exist than the process has CPUs it stops
+spin-waiting between parallel regions: every one of the ~500 regions of a forward then pays a futex wake-up.  A
+model loaded (and so already run) in the main thread and stepped in a second thread leaves two pools alive, and on a
+machine with few cores every forward, and so the server's tokens per second, is then markedly slower than with the
+same batches stepped in the main thread.  So :meth:`EngineWorker.drive` steps the engine in the calling thread — the
+thread that loaded the model (``specdecode serve`` and ``bench serve`` give it their main thread and run uvicorn
+beside it) — and :meth:`EngineWorker.start` keeps the own-thread mode for embedders and tests.
 """
 
 from __future__ import annotations

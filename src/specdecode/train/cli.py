@@ -144,7 +144,8 @@ def add_eagle_command(methods: argparse._SubParsersAction) -> None:
         "more epochs for a head trained before, or one trained elsewhere fine-tuned on this data; its layout and "
         "draft vocabulary are kept (--draft-vocab does not apply)",
     )
-    # 3 epochs: SmolLM2-135M's head then trains in under 30 minutes on a 2-core AMX Xeon, data included.
+    # 3 epochs: SmolLM2-135M's head then trains within half an hour on two cores, data included
+    # (docs/results/eagle-default-smollm2-135m).
     eagle.set_defaults(run=cmd_train_eagle, epochs=3)
 
 
