@@ -21,6 +21,7 @@ import uvicorn
 
 from specdecode.cli import main
 from specdecode.generator import SpeculativeGenerator
+from specdecode.models.loading import load_model
 from specdecode.server.app import ServerConfig, Service, create_app
 from specdecode.server.protocol import CompletionRequest
 
@@ -387,3 +388,53 @@ def test_engine_driven_by_the_callers_thread_serves_and_stops(tiny_target):
         asker.join()
     assert answers[0].choices[0].text == solo(tiny_target, TEXT, chat=False, n=6).text
     service.worker.drive(alive=lambda: False)  # an idle engine whose server is gone returns at once
+
+
+@pytest.fixture
+def slow_endless_server(tiny_dirs, monkeypatch):
+    """A server whose target takes 50 ms a forward and never ends a request by EOS: a request for 240 tokens
+    decodes for 12 s unless it is cancelled."""
+    target = load_model(str(tiny_dirs["target"]))
+    forward_batch = target.backend.forward_batch
+
+    def slow_forward_batch(*args, **kwargs):
+        time.sleep(0.05)
+        return forward_batch(*args, **kwargs)
+
+    monkeypatch.setattr(target.backend, "forward_batch", slow_forward_batch)
+    monkeypatch.setattr(SpeculativeGenerator, "eos_ids", property(lambda self: frozenset()))
+    with RunningServer(make_service(target, drafter="none")) as running:
+        yield running
+
+
+def wait_until_idle(running: RunningServer, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while running.service.worker.running or running.service.worker.waiting:
+        assert time.monotonic() < deadline, "the request kept decoding after its client left"
+        time.sleep(0.05)
+    assert running.service.worker.engine.pool.active == 0
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_non_streamed_request_whose_client_times_out_is_cancelled(slow_endless_server, chat):
+    client = openai.OpenAI(base_url=f"{slow_endless_server.url}/v1", api_key="unused", max_retries=0, timeout=0.6)
+    with pytest.raises(openai.APITimeoutError):
+        if chat:
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=240)
+        else:
+            client.completions.create(model="tiny", prompt=TEXT, max_tokens=240)
+    wait_until_idle(slow_endless_server, within_s=3)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_socket_closed_mid_request_cancels_it(slow_endless_server, path):
+    field = {"messages": CHAT} if "chat" in path else {"prompt": TEXT}
+    body = json.dumps({"model": "tiny", "max_tokens": 240, **field}).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", slow_endless_server.port)) as raw:
+        raw.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 5
+        while not slow_endless_server.service.worker.running:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.02)
+    wait_until_idle(slow_endless_server, within_s=3)

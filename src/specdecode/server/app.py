@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome
@@ -149,6 +150,11 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+#: How often a non-streamed request checks that its client is still connected (a streamed one learns it when a
+#: write fails).
+DISCONNECT_POLL_S = 0.25
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -164,6 +170,7 @@ class Exchange:
         self.text = TextAssembler(service.generator, submission.prompt_ids, submission.config)
         self.last = submission.arrived
         self.first = True
+        self.look_again_at = 0.0  # when a non-streamed request next checks that its client is still there
 
     def take(self, update: Update) -> str:
         """The text an update releases (a stop string ends the request at once)."""
@@ -202,16 +209,20 @@ class Exchange:
         return self.shape.complete(text, reason, len(self.submission.prompt_ids), update.stats, extra)
 
     async def _next(self, request: Request) -> Update | None:
-        """The next update, or None once the client has disconnected (polled while waiting)."""
+        """The next update, or None once the client has disconnected.  The connection is looked at every
+        ``DISCONNECT_POLL_S``, between updates as well as while waiting for one: a request whose steps come
+        faster than that would otherwise never look, and decode to its end for nobody."""
         getter = asyncio.ensure_future(self.submission.updates.get())
         while True:
-            done, _ = await asyncio.wait({getter}, timeout=0.5)
+            if time.monotonic() >= self.look_again_at:
+                self.look_again_at = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    getter.cancel()
+                    self.service.worker.cancel(self.submission)
+                    return None
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
             if done:
                 return getter.result()
-            if await request.is_disconnected():
-                getter.cancel()
-                self.service.worker.cancel(self.submission)
-                return None
 
     async def stream(self) -> AsyncIterator[str]:
         try:
@@ -242,6 +253,25 @@ class Exchange:
             self.service.worker.cancel(self.submission)
 
 
+class ApiKeyGuard:
+    """Answers 401 to a request without ``Authorization: Bearer <key>`` (``/health`` excepted).  A plain ASGI
+    middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) hides the client's disconnect from
+    ``Request.is_disconnected``, and a non-streamed request whose client left would then decode on for nobody."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in UNAUTHENTICATED:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                refusal = error_body("invalid or missing API key", "authentication_error")
+                await JSONResponse(refusal, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(service: Service) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -253,14 +283,8 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="specdecode", lifespan=lifespan)
     app.state.service = service
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        key = service.config.api_key
-        if key and request.url.path not in UNAUTHENTICATED:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return JSONResponse(error_body("invalid or missing API key", "authentication_error"), status_code=401)
-        return await call_next(request)
+    if service.config.api_key:
+        app.add_middleware(ApiKeyGuard, key=service.config.api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError):
