@@ -1,4 +1,4 @@
-"""Top-p before and after the candidate nucleus (session 23), in one run: generate() with the old full-sort
+"""Top-p before and after the candidate nucleus (ccaa4ce), in one run: generate() with the old full-sort
 ``_top_p_drop`` and the current one, alternating, 3 repeats each, the best of each kept.
 
     python docs/results/avx2/top_p_timing.py smollm2-135m

@@ -26,7 +26,7 @@ features = target_features(
     default_aux_layers(target.backend.num_layers),
 )
 del writer
-# The split as the trainer drew it in session 32 (a seeded permutation; since session 33 a hash of each sequence).
+# The split as the trainer of e09ac2a drew it (a seeded permutation; later trainers split by a hash of each sequence).
 order = torch.randperm(len(features), generator=torch.Generator().manual_seed(0)).tolist()
 held = order[: max(1, round(0.05 * len(order)))]
 fresh = [features[i] for i in held if i >= 920]

@@ -1,4 +1,4 @@
-"""Plain vs ``pld`` decoding per weight precision on one code-editing prompt (issue 17, item 1).
+"""Plain vs ``pld`` decoding per weight precision on one code-editing prompt.
 
 Run: ``python docs/results/quantize-kernels/decode.py --model smollm2-135m --out docs/results/quantize-smollm2-135m``.
 Per precision: load the model once (``load_model(..., quantize=...)``, what ``specdecode generate --quantize``

@@ -1,4 +1,4 @@
-"""Per-linear-layer time of torch's CPU weight-only kernels against the fp32 fast path (issue 17, item 1).
+"""Per-linear-layer time of torch's CPU weight-only kernels against the fp32 fast path.
 
 Run: ``python docs/results/quantize-kernels/kernels.py [--json out.json]``.  For every layer shape of
 smollm2-135m and qwen2.5-coder-1.5b and M = 1, 4, 8 rows, the median time of one call, with the weights

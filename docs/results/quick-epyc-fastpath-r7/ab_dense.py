@@ -1,5 +1,5 @@
 """SmolLM2's forward over 1-8 new tokens after 450 cached, with the fast path's dense MKL copies used for up to
-3 rows (before this session) and without them (what tune_fast_path chose on this CPU), interleaved; fastest ms."""
+3 rows (the choice before 9b50112) and without them (what tune_fast_path chose on this CPU), interleaved; fastest ms."""
 
 import torch
 
