@@ -304,7 +304,13 @@ def check_prompt_text(prompt: str) -> None:
 class TextAssembler:
     """Turns one sequence's accepted tokens into text as it goes: incremental detokenisation (no broken
     multi-byte characters), stop strings held back while they might still be completing, and cut once one
-    appears."""
+    appears.
+
+    Each step decodes only a window of the last tokens, not the whole output: ``settled`` tokens' text is in
+    ``text``; the window starts one settling earlier (``window_start``), so that the window's first token, whose
+    text a tokenizer may render differently at the start of a sequence (a dropped leading space), is rendered
+    the same in both decodes whose difference is the new text.  Text ending in an incomplete UTF-8 sequence is
+    not settled until the character completes (or the request ends)."""
 
     def __init__(self, generator: SpeculativeGenerator, prompt_ids: list[int], config: GenerationConfig) -> None:
         self.generator = generator
@@ -313,32 +319,43 @@ class TextAssembler:
         self.holdback = max((len(s) for s in config.stop), default=1) - 1
         self.generated: list[int] = []
         self.text = ""
+        self.window_start = 0
+        self.settled = 0
         self.released = 0
         self.stopped = False
         self.dropped = 0  # tokens of the last step after the one that completed a stop string
         self.last_step = 0  # tokens the last step gave
 
+    def _settle(self, final: bool = False) -> None:
+        """Add the text of the tokens past ``settled`` to ``text``, unless it ends mid-character (``final``: even
+        then)."""
+        window = self.generator._decode(self.generated[self.window_start :])
+        if window.endswith("\ufffd") and not final:
+            return
+        known = self.generator._decode(self.generated[self.window_start : self.settled])
+        self.text += window[len(known) :]
+        self.window_start, self.settled = self.settled, len(self.generated)
+
     def add(self, new_tokens: list[int]) -> StreamEvent:
         self.generated.extend(new_tokens)
         self.last_step = len(new_tokens)
-        text = self.generator._decode(self.generated)
-        cut = _find_stop(text, self.stops, max(0, self.released - self.holdback))
+        self._settle()
+        cut = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
         if cut is not None:
-            self.text = text[:cut]
+            self.text = self.text[:cut]
             kept = self.generator._trim_to_stop(self.generated, self.stops)
             self.dropped, self.generated = len(self.generated) - len(kept), kept
             self.stopped = True
             piece, self.released = self.text[self.released :], len(self.text)
             return StreamEvent(text=piece, token_ids=new_tokens)
-        self.text = text
-        safe = len(text) - self.holdback
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            safe = min(safe, len(text) - 1)
-        piece = text[self.released : safe] if safe > self.released else ""
+        safe = len(self.text) - self.holdback
+        piece = self.text[self.released : safe] if safe > self.released else ""
         self.released = max(self.released, safe)
         return StreamEvent(text=piece, token_ids=new_tokens)
 
     def finish(self, outcome: DecodeOutcome) -> StreamEvent:
+        if not self.stopped:
+            self._settle(final=True)  # an incomplete character at the very end is the output's last text
         if self.dropped:  # what the stop string cut off was never returned: it is not counted either
             outcome.stats.drop_tail(self.dropped, self.last_step - 1)
             self.dropped = 0
