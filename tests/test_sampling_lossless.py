@@ -279,3 +279,16 @@ def test_nucleus_found_among_the_top_candidates_is_the_full_sorts(top_p):
 def test_greedy_params_give_one_hot():
     logits = torch.tensor([[0.1, 2.0, -1.0]])
     assert sampling_probs(logits, SamplingParams()).tolist() == [[0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-30, 1e-21])
+def test_a_vanishing_temperature_is_its_limit_not_nan(temperature):
+    """logits / 5e-324 overflows float32 (the temperature itself rounds to 0): the distribution is the limit, the
+    argmax set, ties sharing it; the Gumbel weights keep the same support."""
+    from specdecode.sampling import sampling_log_weights, sampling_probs
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [0.5, -1.0, 4.0, 0.0]])
+    params = SamplingParams(temperature=temperature, top_p=0.95)
+    expected = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0]])
+    assert torch.equal(sampling_probs(logits, params), expected)
+    assert torch.equal(torch.isfinite(sampling_log_weights(logits, params)), expected > 0)

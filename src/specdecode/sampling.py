@@ -27,9 +27,19 @@ NOISE_CACHE_SIZE = 64
 NUCLEUS_CANDIDATES = (256, 4096)
 
 
+#: Temperatures so small (a request may send a float64 subnormal) that logits / temperature overflows float32.
+LIMIT_BELOW_TEMPERATURE = 1e-20
+
+
 def _tempered_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k (cut tokens at -inf): the first two stages of the processed distribution."""
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    if params.temperature < LIMIT_BELOW_TEMPERATURE:
+        # Divided, the largest logits would overflow to inf (or the temperature round to 0 in float32) and softmax
+        # give nan: the distribution is taken at its limit instead, the argmax (ties sharing it equally).
+        logits = torch.where(logits == logits.amax(dim=-1, keepdim=True), 0.0, float("-inf"))
+    else:
+        logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

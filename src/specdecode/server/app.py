@@ -33,6 +33,7 @@ from specdecode.engine import DecodeOutcome
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator, TextAssembler
 from specdecode.server.metrics import ServerMetrics, speculative_summary
+from specdecode.server.openapi import api_document, completion_responses
 from specdecode.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,6 +43,7 @@ from specdecode.server.protocol import (
     finish_reason,
 )
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
+from specdecode.verify.registry import VERIFIERS
 
 UNAUTHENTICATED = ("/health",)
 
@@ -88,6 +90,18 @@ class Service:
                 len(sub.prompt_ids), stats, finish_reason(reason)
             ),
         )
+
+    def verifiers(self) -> list[str]:
+        """The verifiers a request may choose here: every registered one this model can run (``judge`` needs a
+        trained judge)."""
+        usable = []
+        for name in VERIFIERS:
+            try:
+                self.generator.config_for(verifier=name)
+            except SpecDecodeError:
+                continue
+            usable.append(name)
+        return usable
 
     def drafter_for(self, body: _Common) -> Drafter:
         name = body.speculative.drafter if body.speculative else None
@@ -306,13 +320,13 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -332,12 +346,21 @@ def create_app(service: Service) -> FastAPI:
             return StreamingResponse(exchange.stream(), media_type="text/event-stream")
         return await exchange.complete(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=completion_responses())
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await answer(request, body, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=completion_responses())
     async def completions(request: Request, body: CompletionRequest):
         return await answer(request, body, chat=False)
 
+    document: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        if not document:
+            backend = service.generator.target.backend
+            document.update(api_document(app, backend.vocab_size, sorted(service.drafters), service.verifiers()))
+        return document
+
+    app.openapi = openapi
     return app

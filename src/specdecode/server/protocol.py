@@ -15,14 +15,37 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from specdecode.stats import GenerationStats
 from specdecode.verify.registry import VERIFIERS
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
-Count = Annotated[int, Field(ge=1)]
+
+def _whole_number(value: object) -> object:
+    """JSON Schema counts 3.0 as an integer, as the API document promises; the strict models would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+WHOLE = BeforeValidator(_whole_number)  # after a field's constraints, which the API document then shows as such
+Count = Annotated[int, Field(ge=1), WHOLE]
+#: Rules the server checks by hand, with its own messages ("prompt is blank", "stop strings must be non-empty"),
+#: declared in the API document so that it describes what is accepted (``server/openapi.py``).
+NonBlank = Annotated[str, Field(json_schema_extra={"minLength": 1, "pattern": r"\S"})]
+NonEmpty = Annotated[str, Field(json_schema_extra={"minLength": 1})]
+_SAYS_SOMETHING = {
+    "type": "object",
+    "required": ["content"],
+    "properties": {
+        "content": {
+            "anyOf": [
+                {"type": "string", "pattern": r"\S"},
+                {"type": "array", "contains": {"type": "object", "properties": {"text": {"pattern": r"\S"}}}},
+            ]
+        }
+    },
+}
 
 
 class SpeculativeOptions(BaseModel):
@@ -31,7 +54,7 @@ class SpeculativeOptions(BaseModel):
 
     model_config = _STRICT
     drafter: str | None = None
-    num_draft_tokens: Annotated[int, Field(ge=0, le=64)] | Literal["auto", "heuristic"] | None = None
+    num_draft_tokens: Annotated[int, Field(ge=0, le=64), WHOLE] | Literal["auto", "heuristic"] | None = None
 
 
 class StreamOptions(BaseModel):
@@ -46,10 +69,10 @@ class _Common(BaseModel):
     max_completion_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off (vLLM uses -1)
-    seed: int | None = None
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # -1 or 0: off (vLLM uses -1)
+    seed: Annotated[int, WHOLE] | None = None
     coupled: bool | None = None  # with a seed: Gumbel-max coupled (default) or rejection sampling (false)
-    stop: str | list[str] | None = None
+    stop: NonEmpty | list[NonEmpty] | None = None
     n: Literal[1] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -91,12 +114,19 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra={"contains": _SAYS_SOMETHING})]
 
 
 class CompletionRequest(_Common):
-    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    echo: Literal[False] = False
+    prompt: NonBlank | Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
+    echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("Input should be False")
+        return echo
 
 
 def new_id(prefix: str) -> str:

@@ -1,0 +1,72 @@
+"""``/openapi.json`` as the server behaves, so that clients generated from it and fuzzers read the truth.
+
+FastAPI's document left alone would promise what the server does not do: a 422 for a bad body (the server
+answers 400 with an OpenAI-style error object), any string as a prompt (a blank one is refused), any token id
+(ids must be in the vocabulary), any drafter or verifier name (only those the server runs).  The constraints that
+depend on the loaded model and the drafters served are written in when the document is built; those that the
+request models check by hand (to keep their error messages) are declared on the fields (``protocol.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+#: What each error status means, for the operations that take a request body.
+ERROR_STATUSES = {
+    400: "The request is malformed or a value is out of range (the message names the field).",
+    401: "The server was started with an API key and the request did not carry it (`Authorization: Bearer`).",
+    404: "The request names a model this server does not serve.",
+    429: "The queue of waiting requests is full; retry after the `Retry-After` seconds.",
+    500: "The engine failed while decoding this request.",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer: ``{"error": {"message", "type", "param", "code"}}``, as OpenAI's API."""
+
+    error: ErrorDetail
+
+
+def completion_responses() -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of a completion route: a JSON object, or with ``"stream": true`` server-sent events; and the
+    error statuses."""
+    event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    said = "The completion, or with `stream` its chunks as server-sent events."
+    answer = {200: {"description": said, "content": {"text/event-stream": {"schema": event}}}}
+    errors = {status: {"model": ErrorResponse, "description": text} for status, text in ERROR_STATUSES.items()}
+    return answer | errors
+
+
+def api_document(app: FastAPI, vocab_size: int, drafters: list[str], verifiers: list[str]) -> dict[str, Any]:
+    """The OpenAPI document of ``app``: FastAPI's, less its 422 answers, plus what the loaded model and the served
+    drafters and verifiers allow."""
+    document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    schemas = document.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = schemas.get(name, {}).get("properties", {})
+        if "verifier" in fields:
+            fields["verifier"] = {"anyOf": [{"enum": verifiers}, {"type": "null"}], "title": "Verifier"}
+        if name == "CompletionRequest":
+            for choice in fields["prompt"]["anyOf"]:
+                if choice.get("type") == "array":
+                    choice["items"]["maximum"] = vocab_size - 1
+    options = schemas.get("SpeculativeOptions", {}).get("properties", {})
+    if "drafter" in options:
+        options["drafter"] = {"anyOf": [{"enum": drafters}, {"type": "null"}], "title": "Drafter"}
+    return document
