@@ -370,12 +370,11 @@ def test_batch_and_demo_apply_the_chat_template_by_default(tmp_path, capsys, tin
 
 
 def test_registered_draft_model_with_another_vocabulary_is_refused_before_any_download(capsys, monkeypatch, tmp_path):
-    from specdecode import decode_commands
     from specdecode.decode_commands import check_registry_vocabularies
-    from specdecode.models import registry
+    from specdecode.models import loading, registry
 
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))  # nothing cached: any load would download
-    for module, name in ((decode_commands, "load_model"), (registry, "ensure_model")):
+    for module, name in ((loading, "load_model"), (registry, "ensure_model")):
         monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("nothing may be loaded or downloaded"))
     argv = ["generate", "hi", "--model", "smollm2-135m", "--drafter", "hsd", "--draft-model", "gemma3-270m"]
     code, _, err = run_cli(capsys, *argv)

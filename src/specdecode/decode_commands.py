@@ -17,8 +17,7 @@ from specdecode.drafters import check_drafter_options
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.generator import SpeculativeGenerator, check_prompt_text
-from specdecode.models import registry
-from specdecode.models.loading import load_model
+from specdecode.models import loading, registry
 from specdecode.models.quantize import check_quantize, draft_quantization
 
 
@@ -88,12 +87,12 @@ def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabula
         "device": args.device,
         "block_copies": not args.lean_weights,
     }
-    target = load_model(args.model, quantize=quantize, **common)
+    target = loading.load_model(args.model, quantize=quantize, **common)
     if draft_model is None:
         return target, None
     if draft_model == args.model and quantize_draft == quantize:
         return target, target
-    return target, load_model(draft_model, quantize=quantize_draft, **common)
+    return target, loading.load_model(draft_model, quantize=quantize_draft, **common)
 
 
 def _build_generator(args: argparse.Namespace, drafter: str, defaults):
