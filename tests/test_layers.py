@@ -39,11 +39,11 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("entry", frozenset({"cli", "__main__"})),
 )
 
-#: Arrows that break the layers today and go away with the changes on their way: remove each one when its change
-#: lands (the test fails while an entry here no longer exists, so none is forgotten).
-#: config -> verify.registry closes the circle config <-> verify (the verifiers register themselves);
-#: config -> draft_length goes with the draft length's one type; decode_commands -> bench.quality with
-#: parse_verifier moving to the verifier registry.
+#: Known arrows against the layers, each to be removed from this set when the change that removes it from the code
+#: lands (the test fails while an entry names an arrow the code no longer has, so none stays behind):
+#: config -> verify.registry closes the circle config <-> verify, and goes when the verifiers register themselves;
+#: config -> draft_length goes with the draft length's one type; decode_commands -> bench.quality goes when
+#: parse_verifier moves to the verifier registry.
 PENDING_ARROWS: frozenset[tuple[str, str]] = frozenset(
     {
         ("specdecode.config", "specdecode.verify.registry"),
