@@ -176,7 +176,7 @@ def test_train_command_saves_heads_where_the_drafter_looks(tiny_dirs, tmp_path, 
     model_dir = shutil.copytree(tiny_dirs["target"], tmp_path / "model")
     assert_one_line_error(capsys, ["generate", "w1", "--model", str(model_dir), "--drafter", kind], f"train {kind}")
     prompts = [[5 + i, 17, 22, 9] for i in range(4)]
-    monkeypatch.setattr("specdecode.train.data.prompt_ids", lambda target, tasks, n, seed: prompts[:n])
+    monkeypatch.setattr("specdecode.train.features.prompt_ids", lambda target, tasks, n, seed: prompts[:n])
     parser = argparse.ArgumentParser()
     add_train_command(parser.add_subparsers(dest="command", required=True))
     flags = ["--prompts", "4", "--new-tokens", "12", "--conversations", "0", "--epochs", "2", "--num-heads", "3"]

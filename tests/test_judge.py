@@ -98,7 +98,9 @@ def judged_model(tiny_dirs, tmp_path_factory):
     argv = ["train", "judge", "--model", str(model_dir), "--prompts", "6", "--new-tokens", "24", "--positions", "12"]
     args = parser.parse_args([*argv, "--window", "1", "--top-k", "8", "--min-prob", "0.01", "--precision", "0.6"])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("specdecode.train.data.prompt_ids", lambda target, tasks, n, seed: _random_prompts(n, 8, seed))
+        patch.setattr(
+            "specdecode.train.judge_run.prompt_ids", lambda target, tasks, n, seed: _random_prompts(n, 8, seed)
+        )
         assert args.run(args) == 0
     return model_dir
 

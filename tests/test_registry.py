@@ -21,7 +21,7 @@ import pytest
 
 from specdecode.errors import CorruptModelError, SpecDecodeError, UnknownModelError
 from specdecode.models import cache, conversion, download, registry
-from specdecode.models.registry import ModelSpec, WheelPart
+from specdecode.models.model_spec import ModelSpec, WheelPart
 from specdecode.verbosity import quiet_third_party
 
 # Table order deliberately differs from the alphabetical order of packages and members.

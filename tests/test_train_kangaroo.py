@@ -48,7 +48,7 @@ def test_train_command_saves_where_the_drafter_looks(tiny_dirs, tmp_path, monkey
     from specdecode.models.loading import load_model
 
     model_dir = shutil.copytree(tiny_dirs["target"], tmp_path / "model")
-    monkeypatch.setattr("specdecode.train.data.prompt_ids", lambda target, tasks, n, seed: _prompts(n, 8, seed))
+    monkeypatch.setattr("specdecode.train.kangaroo_run.prompt_ids", lambda target, tasks, n, seed: _prompts(n, 8, seed))
     parser = argparse.ArgumentParser()
     add_train_command(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(
@@ -76,7 +76,7 @@ def test_train_command_refuses_bad_input_clearly(tiny_dirs, tmp_path, monkeypatc
     from specdecode.errors import SpecDecodeError
 
     model_dir = shutil.copytree(tiny_dirs["target"], tmp_path / "model")
-    monkeypatch.setattr("specdecode.train.data.prompt_ids", lambda target, tasks, n, seed: _prompts(n, 8, seed))
+    monkeypatch.setattr("specdecode.train.kangaroo_run.prompt_ids", lambda target, tasks, n, seed: _prompts(n, 8, seed))
     parser = argparse.ArgumentParser()
     add_train_command(parser.add_subparsers(dest="command", required=True))
     cases = {

@@ -14,97 +14,33 @@ A model already loaded with transformers::
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
-from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.errors import SpecDecodeError
+from specdecode.models.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
+    from specdecode.api import load, wrap
     from specdecode.generator import GenerationResult, SpeculativeGenerator, StreamEvent
 
-DEFAULT_MODEL = "smollm2-135m"
-
-#: Names served from ``specdecode.generator`` on first access: importing it loads torch and transformers
-#: (seconds), which ``specdecode --help``, ``models`` and ``drafters`` must not pay for.
-_LAZY = frozenset({"GenerationResult", "SpeculativeGenerator", "StreamEvent"})
+#: Names served on first access from the module defining them (PEP 562).  This module runs for every
+#: ``import specdecode.X``, the command line's included: importing those modules here would load torch and
+#: transformers (seconds) for ``specdecode --help``, ``models`` and ``drafters``.
+_LAZY = {
+    "load": "specdecode.api",
+    "wrap": "specdecode.api",
+    "GenerationResult": "specdecode.generator",
+    "SpeculativeGenerator": "specdecode.generator",
+    "StreamEvent": "specdecode.generator",
+}
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        from specdecode import generator
-
-        return getattr(generator, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'specdecode' has no attribute {name!r}")
-
-
-def load(
-    model: str = DEFAULT_MODEL,
-    drafter: str = "pld",
-    *,
-    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
-    max_new_tokens: int = 128,
-    fast_path: bool | None = None,
-    device: str | None = None,
-    verifier: str = "exact",
-    quantize: str = "none",
-    **drafter_options,
-) -> SpeculativeGenerator:
-    """Load ``model`` (registry short name, local directory, .gguf file or hub id) with a drafter.
-
-    ``drafter_options`` go to the drafter, e.g. ``draft_model="qwen2.5-coder-0.5b"`` for
-    ``drafter="draft-model"`` or ``max_ngram=4`` for ``drafter="pld"``.  ``fast_path`` (default on
-    where supported) prepacks linear layers for fast multi-token verification on CPUs; ``device``: ``cpu``
-    (default), ``cuda`` or ``cuda:N``.  ``generate_batch`` on the result decodes many prompts together.
-    ``verifier``: ``exact`` (lossless, the default) or a relaxed, LOSSY one (``fly``, ``typical``, ``judge``: see
-    ``specdecode verifiers``); ``generate(..., verifier=...)`` chooses per call.  ``quantize``: the target's
-    weights, as ``--quantize`` (``none``, ``int8``, ``int4``, ``w4a8``, ``bf16``; a draft model is quantized by
-    default, see ``--quantize-draft``).
-    """
-    from specdecode.drafters import check_drafter_options
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import load_model
-    from specdecode.models.quantize import check_quantize
-
-    # An unknown drafter, an option it does not take or an unknown precision fails before the (slow) model load,
-    # as in the CLI.
-    check_drafter_options(drafter, **drafter_options)
-    quantize = check_quantize(quantize, "quantize")
-    defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, verifier=verifier)
-    target = load_model(model, fast_path=fast_path, device=device, quantize=quantize)
-    return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
-
-
-def wrap(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    drafter: str = "pld",
-    *,
-    name: str | None = None,
-    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
-    max_new_tokens: int = 128,
-    verifier: str = "exact",
-    fast_path: bool = False,
-    **drafter_options,
-) -> SpeculativeGenerator:
-    """A speculative generator over a transformers causal LM and tokenizer you have already loaded.
-
-    Greedy output is token for token the model's own greedy output (``model.generate(..., do_sample=False)``), on
-    whatever device and in whatever precision the model is.  ``fast_path=True`` (fp32 on a CPU) prepacks the model's
-    linear layers in place for cheap multi-token verification: faster, but it changes rounding in the last bits,
-    so the text is then that of plain decoding through the packed model.  ``name`` labels stats and caches
-    (default: the model's ``name_or_path``).  The other arguments are :func:`load`'s.
-    """
-    from specdecode.drafters import check_drafter_options
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import from_transformers
-
-    check_drafter_options(drafter, **drafter_options)
-    defaults = GenerationConfig(max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, verifier=verifier)
-    label = name or getattr(getattr(model, "config", None), "name_or_path", "") or type(model).__name__
-    target = from_transformers(model, tokenizer, label, fast_path=fast_path)
-    return SpeculativeGenerator.build(target, drafter, defaults, **drafter_options)
 
 
 __all__ = [

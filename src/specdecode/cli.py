@@ -1,4 +1,4 @@
-"""Command line: ``specdecode generate | batch | serve | demo | models | drafters | bench | train``.
+"""The ``specdecode`` command line: generate, batch, demo, models, drafters, verifiers, bench, serve, export, train.
 
 Names here are a contract (the benchmark and outside checks call them): keep flags and JSON fields.
 User mistakes print one line ``specdecode: error: ...`` and exit 2; no traceback.
@@ -17,17 +17,17 @@ from pathlib import Path
 from typing import NoReturn
 
 from specdecode.bench.cli import add_bench_command
-from specdecode.decode_commands import add_generation_flags, cmd_batch, cmd_demo, cmd_generate
+from specdecode.decode_flags import add_generation_flags
+from specdecode.deferred import Deferred
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.cli import add_export_command
+from specdecode.models import registry
 from specdecode.server.cli import add_serve_command
+from specdecode.train.cli import add_export_command, add_train_command
 from specdecode.verbosity import quiet_third_party
 from specdecode.verify.registry import format_verifiers
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from specdecode.models import registry
-
     statuses = registry.list_models()
     if args.json:
         print(json.dumps([{**vars(s)} for s in statuses]))
@@ -70,10 +70,6 @@ def cmd_drafters(args: argparse.Namespace) -> int:
     return 0
 
 
-#: ``specdecode train``'s line in ``specdecode --help``, shown without building its parser (see build_parser).
-TRAIN_HELP = "train drafter weights on the target model's own outputs"
-
-
 class OneLineErrors(argparse.ArgumentParser):
     """argparse, except that a usage mistake (an unknown flag, ``--max-new-tokens abc``) ends in one line and exit
     2, as every other mistake does, instead of the whole usage first; ``-h`` still shows it.  Subcommands'
@@ -83,9 +79,9 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} -h)\n")
 
 
-def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
-    """The ``specdecode`` parser.  ``with_train=False`` lists ``train`` by name only: its flags' defaults come
-    from the drafters package, which imports torch (seconds), so :func:`main` builds them only to run it."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``specdecode`` parser.  Every command's flags are declared by a light module; the command's own
+    module, which imports torch (seconds), is imported only when it runs (:class:`~specdecode.deferred.Deferred`)."""
     parser = OneLineErrors(prog="specdecode", description="Lossless speculative decoding for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -93,7 +89,7 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt text, or - to read it from standard input")
     add_generation_flags(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    generate.set_defaults(run=cmd_generate)
+    generate.set_defaults(run=Deferred("specdecode.decode_commands:cmd_generate"))
 
     batch = commands.add_parser("batch", help="decode the prompts of a JSONL file together (batched)")
     batch.add_argument(
@@ -102,11 +98,11 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     add_generation_flags(batch)
     batch.add_argument("--batch-size", type=int, default=8, metavar="B", help="sequences decoded together")
     batch.add_argument("--json", action="store_true", help="one JSON object per line, in input order")
-    batch.set_defaults(run=cmd_batch)
+    batch.set_defaults(run=Deferred("specdecode.decode_commands:cmd_batch"))
 
     demo = commands.add_parser("demo", help="plain vs speculative decoding on one prompt, with the speedup")
     add_generation_flags(demo)
-    demo.set_defaults(run=cmd_demo)
+    demo.set_defaults(run=Deferred("specdecode.decode_commands:cmd_demo"))
 
     models = commands.add_parser("models", help="list the offline model registry and what is cached")
     models.add_argument("--json", action="store_true")
@@ -121,19 +117,13 @@ def build_parser(with_train: bool = True) -> argparse.ArgumentParser:
     add_bench_command(commands)
     add_serve_command(commands)
     add_export_command(commands)
-    if with_train:
-        from specdecode.train.cli import add_train_command
-
-        add_train_command(commands)
-    else:
-        commands.add_parser("train", help=TRAIN_HELP, add_help=False)
+    add_train_command(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(with_train=argv[:1] == ["train"])
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
         with quiet_third_party(quiet=not getattr(args, "verbose", True)):

@@ -1,7 +1,7 @@
-"""``specdecode generate | batch | demo``: their flags, how they load the models and build the generator,
-and the commands themselves (``serve`` shares the model flags).
+"""``specdecode generate | batch | demo``: how they load the models and build the generator, and the commands
+themselves (``serve`` loads its models the same way).  Their flags: :mod:`specdecode.decode_flags`.
 
-Names here are a contract (the benchmark and outside checks call them): keep flags and JSON fields.
+Names here are a contract (the benchmark and outside checks call them): keep JSON fields.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ import json
 import re
 import sys
 
-from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, option_value
+from specdecode.config import option_value
+from specdecode.drafters import check_drafter_options
+from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
-from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.generator import SpeculativeGenerator, check_prompt_text
+from specdecode.models import loading, registry
+from specdecode.models.quantize import check_quantize, draft_quantization
 
 
 def parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object]:
@@ -22,104 +26,6 @@ def parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object
     if not sep or not key:
         raise SpecDecodeError(f"{flag} takes KEY=VALUE, got {text!r}")
     return key.replace("-", "_"), option_value(raw)
-
-
-def _draft_tokens(text: str) -> int | str:
-    return int(text) if text.lstrip("-").isdigit() else text
-
-
-def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
-    """What to load and how to draft (``generate``, ``batch``, ``demo`` and ``serve``; read by :func:`load_models`)."""
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-    parser.add_argument("--drafter", default="pld", help=drafter_help)
-    parser.add_argument("--draft-model", help="draft model for --drafter draft-model")
-    parser.add_argument(
-        "--drafter-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
-    )
-    parser.add_argument(
-        "--num-draft-tokens",
-        type=_draft_tokens,
-        default=DEFAULT_NUM_DRAFT_TOKENS,
-        metavar="K",
-        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
-        "default %(default)s",
-    )
-    parser.add_argument(
-        "--no-fast-path",
-        action="store_true",
-        help="keep transformers' default linear kernels (the fast CPU path is on by default)",
-    )
-    parser.add_argument(
-        "--quantize",
-        default="none",
-        metavar="{none,int8,int4,bf16,w4a8}",
-        help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group, "
-        "bf16 (verification costs about one token on CPUs with AMX), w4a8 (int4 weights on int8 activations, our "
-        "AVX2 kernel: fastest on AVX2-only CPUs); lossless against plain decoding of the same quantized model "
-        "(default none)",
-    )
-    parser.add_argument(
-        "--quantize-draft",
-        metavar="{none,int8,int4,bf16,w4a8}",
-        help="quantization of the --draft-model (default int4, w4a8 on AVX2-only CPUs: measured fastest; "
-        "none with adapt=true); drafts never change the output",
-    )
-    parser.add_argument(
-        "--lean-weights",
-        action="store_true",
-        help="int8/int4 layers hold no bf16 copy of their weights for prompts and drafts catching up: "
-        "half the memory or less, but a 300-token prompt prefills about 6x slower",
-    )
-    parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
-    parser.add_argument(
-        "--verbose", action="store_true", help="also show other libraries' warnings and log lines (hidden by default)"
-    )
-
-
-def add_generation_flags(parser: argparse.ArgumentParser) -> None:
-    add_model_flags(parser, "drafting method (see `specdecode drafters`)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    parser.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
-    parser.add_argument(
-        "--no-coupled",
-        dest="coupled",
-        action="store_false",
-        help="with --seed, verify by rejection sampling instead of Gumbel-max coupling: the text then depends on "
-        "the drafter and draft length (coupled, the default, gives one text per seed whatever drafts it)",
-    )
-    parser.add_argument(
-        "--verifier",
-        default="exact",
-        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical, judge (see `specdecode "
-        "verifiers`); options inline (fly:window=2) or with --verifier-option",
-    )
-    parser.add_argument(
-        "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"
-    )
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    chat = parser.add_mutually_exclusive_group()
-    chat.add_argument(
-        "--chat",
-        action="store_const",
-        const=True,
-        help="wrap the prompt in the model's chat template (the default when it has one; with --chat, an error "
-        "when it has none)",
-    )
-    chat.add_argument(
-        "--no-chat",
-        dest="chat",
-        action="store_const",
-        const=False,
-        help="give the prompt to the model as it is, without the chat template",
-    )
 
 
 def _generation_config(args: argparse.Namespace):
@@ -144,8 +50,6 @@ def _generation_config(args: argparse.Namespace):
 def registry_vocab_size(name: str) -> int | None:
     """The vocabulary size the offline registry gives for model ``name`` (its description's "vocab N"), or
     None for a model it does not list."""
-    from specdecode.models import registry
-
     spec = next((spec for spec in registry.MODELS if spec.name == name), None)
     found = re.search(r"\bvocab ([\d,]+)", spec.description) if spec else None
     return int(found.group(1).replace(",", "")) if found else None
@@ -155,8 +59,6 @@ def check_registry_vocabularies(target: str, draft: str) -> None:
     """Refuse a registered draft model whose vocabulary the registry says differs from the registered target's,
     before anything is downloaded or converted (a gigabyte, for some); equal sizes are checked token by token
     once both are loaded."""
-    from specdecode.models import registry
-
     target_size, draft_size = registry_vocab_size(target), registry_vocab_size(draft)
     if target_size is None or draft_size is None or target_size == draft_size:
         return
@@ -176,9 +78,6 @@ def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabula
     ``--device`` applied; a model drafting for itself with the target's quantization is loaded once.  Bad
     ``--quantize`` values and registered models with different vocabularies are refused before either is
     loaded."""
-    from specdecode.models.loading import load_model
-    from specdecode.models.quantize import check_quantize, draft_quantization
-
     quantize = check_quantize(args.quantize)
     quantize_draft = draft_quantization(args.quantize_draft, quantize, device=args.device, trains=adapts)
     if draft_model is not None and same_vocabulary:  # not with --drafter-option vocab_mapping=
@@ -188,19 +87,15 @@ def load_models(args: argparse.Namespace, draft_model: str | None, same_vocabula
         "device": args.device,
         "block_copies": not args.lean_weights,
     }
-    target = load_model(args.model, quantize=quantize, **common)
+    target = loading.load_model(args.model, quantize=quantize, **common)
     if draft_model is None:
         return target, None
     if draft_model == args.model and quantize_draft == quantize:
         return target, target
-    return target, load_model(draft_model, quantize=quantize_draft, **common)
+    return target, loading.load_model(draft_model, quantize=quantize_draft, **common)
 
 
 def _build_generator(args: argparse.Namespace, drafter: str, defaults):
-    from specdecode.drafters import check_drafter_options
-    from specdecode.drafters.adapt import asks_to_adapt
-    from specdecode.generator import SpeculativeGenerator
-
     options = dict(parse_option(o) for o in args.drafter_option)
     options["draft_model"] = args.draft_model
     options = check_drafter_options(drafter, **options)  # fail before the (slow) model load
@@ -213,8 +108,6 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specdecode.generator import check_prompt_text
-
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     check_prompt_text(prompt)  # before the (slow) model load
     generator = _build_generator(args, args.drafter, _generation_config(args))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB, SamplingParams
+from specdecode.data.corpus import token_ranking
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.fastpath import PackedLinear, fast_path_supported
@@ -37,8 +38,6 @@ def frequent_tokens(model: LoadedModel, size: int) -> torch.Tensor | None:
     can be made (no tokenizer, no text): :class:`DraftHead` then takes the first ``size`` ids.  BPE and
     SentencePiece vocabularies put frequent pieces first, less reliably: Qwen2.5-Coder's first 32,768 ids
     missed 2.7% of its own answers' tokens where the 32,768 most frequent missed 1.1%."""
-    from specdecode.data.corpus import token_ranking
-
     vocab_size = model.backend.vocab_size
     if size <= 0 or size >= vocab_size or model.tokenizer is None:
         return None

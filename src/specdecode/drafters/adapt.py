@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from specdecode.drafters.adapt_data import Example
 from specdecode.drafters.base import flag_option
@@ -139,7 +140,7 @@ class OnlineAdapter:
     """The drafter's LoRA adapter, its optimizer and replay buffer: what adaptation shares across requests."""
 
     def __init__(self, loaded: LoadedModel, options: AdaptOptions) -> None:
-        try:
+        try:  # peft is optional (the adapt extra): needed only where a drafter adapts
             from peft import LoraConfig, inject_adapter_in_model
             from peft.tuners.tuners_utils import BaseTunerLayer
         except ImportError as exc:
@@ -271,8 +272,7 @@ class OnlineAdapter:
 
     def save(self, directory: Path) -> None:
         """peft's adapter layout, written to a temporary name first so a reader never sees half a file."""
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
+        from peft import get_peft_model_state_dict  # optional: present, since this adapter was built with it
 
         directory.mkdir(parents=True, exist_ok=True)
         # save_embedding_layers=False: "auto" looks the base model up on the hub (retries without a network).
@@ -285,8 +285,7 @@ class OnlineAdapter:
         partial.replace(directory / WEIGHTS_FILE)
 
     def _load(self, directory: Path) -> None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+        from peft import set_peft_model_state_dict  # optional: present, since this adapter was built with it
 
         try:
             result = set_peft_model_state_dict(self.draft.backend.model, load_file(str(directory / WEIGHTS_FILE)))

@@ -38,12 +38,11 @@ from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.files import head_directory
-from specdecode.heads.storage import load_eagle, target_mismatch, to_backend
+from specdecode.heads.storage import HEAD_DIR, load_eagle, target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
 
-HEAD_DIR = "eagle-head"
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
 #: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
 DRAFT_SHARE = 0.3

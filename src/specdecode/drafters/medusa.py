@@ -35,7 +35,7 @@ from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import head_directory
-from specdecode.heads.medusa import DraftHeads, load_heads
+from specdecode.heads.medusa import DraftHeads, heads_dir, load_heads
 from specdecode.heads.storage import target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel
@@ -80,7 +80,7 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def _load(cls, target: LoadedModel, heads: str | None) -> DraftHeads:
-        return load_heads(head_directory(heads, target.name, f"{cls.kind}-heads", cls.kind, "heads", "heads"), cls.kind)
+        return load_heads(head_directory(heads, target.name, heads_dir(cls.kind), cls.kind, "heads", "heads"), cls.kind)
 
     def _check(self, heads: DraftHeads, target: LoadedModel) -> None:
         """Refuse heads trained for another target: other sizes, or (when the backend exposes its LM head)

@@ -38,6 +38,12 @@ from specdecode.models.base import HiddenStates, LayerwiseExecution
 KINDS = ("medusa", "hydra")
 
 
+def heads_dir(kind: str) -> str:
+    """The directory ``kind``'s heads are saved in next to their target model (``specdecode train medusa``), where
+    the drafter finds them."""
+    return f"{kind}-heads"
+
+
 @dataclass(frozen=True)
 class HeadsConfig:
     """Everything needed to build :class:`DraftHeads` (saved with them)."""

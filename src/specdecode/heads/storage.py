@@ -36,6 +36,9 @@ from specdecode.heads.eagle import EagleConfig, EagleHead, default_aux_layers
 from specdecode.heads.files import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, check_manifest, write_head_files
 from specdecode.models.base import HiddenStates
 
+#: The directory an EAGLE head is saved in next to its target model (``specdecode train eagle``), where the
+#: eagle drafter finds it and ``specdecode export eagle`` reads it.
+HEAD_DIR = "eagle-head"
 SPECULATORS_VERSION = "0.9.0"
 # speculators' copies of the verifier's weights: the target's own are used instead.
 VERIFIER_TENSORS = frozenset({"embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"})

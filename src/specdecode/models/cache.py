@@ -22,14 +22,11 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from specdecode.errors import CorruptModelError
-
-if TYPE_CHECKING:
-    from specdecode.models.registry import ModelSpec
+from specdecode.models.model_spec import ModelSpec
 
 CHUNK = 1 << 20
 MANIFEST = "manifest.json"

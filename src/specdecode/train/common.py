@@ -251,3 +251,18 @@ def report_training(
     print(f"saved {out}")
     hint = "" if not args.out else f" --drafter-option {option}={out}"
     print(f'use it: specdecode generate "..." --model {args.model} --drafter {drafter}{hint}')
+
+
+def checked_tasks(args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
+    """The training tasks of a head's ``specdecode train`` command (eagle, medusa, hydra), after refusing its flags
+    out of range; ``positive`` names its own flags that must be positive."""
+    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", *positive):
+        if getattr(args, flag) <= 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
+    for flag in ("conversations", "draft_vocab"):
+        if getattr(args, flag) < 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise SpecDecodeError("--tasks names no task")
+    return tasks

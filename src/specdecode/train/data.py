@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
+from specdecode.data.tasks import load_task
+from specdecode.draft_length import make_policy
+from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
     from specdecode.models.loading import LoadedModel
-
-#: Prompt sources: chat, code and conversation sets (cached wheels) and the stdlib-grounded tasks.
-DEFAULT_TASKS = "mt-bench,humaneval,sharegpt,champ,summarize,rag,edit"
 
 
 def _encode_user_prompt(target: LoadedModel, text: str) -> list[int]:
@@ -41,8 +42,6 @@ def prompt_ids(target: LoadedModel, tasks: list[str], n: int, seed: int) -> list
     """Up to ``n`` prompts spread over ``tasks``, after the ones the benchmark uses, as the model's input
     ids (chat template applied where the model has one); a task whose data cannot be loaded (e.g. offline
     without its cached wheel) is left out with a warning."""
-    from specdecode.data.tasks import load_task
-
     per_task = -(-n // len(tasks))
     by_task = []
     for name in tasks:
@@ -69,10 +68,6 @@ def self_distill(
     """Each prompt (cut to its last ``max_prompt_tokens``) followed by the target's greedy answer, yielded
     in the prompts' order as soon as every earlier one is done (with a progress bar), after ``skip``
     prompts already done.  Up to :data:`DISTILL_BATCH` answers are decoded together."""
-    from specdecode.batch_engine import BatchEngine, BatchRequest
-    from specdecode.draft_length import make_policy
-    from specdecode.drafters import create_drafter
-
     generation = GenerationConfig(max_new_tokens=new_tokens, num_draft_tokens=8)
     engine = BatchEngine(
         target.backend,

@@ -11,19 +11,16 @@ import argparse
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
-from specdecode.train.features import SHARD
+from specdecode.heads.eagle import default_aux_layers
+from specdecode.heads.files import CONFIG_FILE
+from specdecode.heads.storage import HEAD_DIR, load_eagle, save_eagle
+from specdecode.train.common import checked_tasks, report_training
+from specdecode.train.eagle import EagleTrainConfig, train_eagle
+from specdecode.train.features import collect, training_in_bf16
 
-__all__ = ["SHARD", "run_eagle_training"]  # SHARD, like the feature cache, now lives in train.features
 
-
-def run_eagle_training(args: argparse.Namespace, tasks: list[str]) -> int:
-    from specdecode.drafters.eagle import HEAD_DIR
-    from specdecode.heads.eagle import default_aux_layers
-    from specdecode.heads.storage import CONFIG_FILE, load_eagle, save_eagle
-    from specdecode.train.common import report_training
-    from specdecode.train.eagle import EagleTrainConfig, train_eagle
-    from specdecode.train.features import collect, training_in_bf16
-
+def run_eagle_training(args: argparse.Namespace) -> int:
+    tasks = checked_tasks(args, ("ttt_steps",))
     init = Path(args.init).expanduser() if args.init else None
     if init is not None and not (init / CONFIG_FILE).is_file():  # before the slow part, not after it
         raise SpecDecodeError(f"--init {args.init}: no EAGLE head there (no {CONFIG_FILE})")

@@ -17,16 +17,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
+from specdecode.data.corpus import sharegpt_conversations
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import replace_atomically
-
-if TYPE_CHECKING:
-    from specdecode.models.loading import LoadedModel
-    from specdecode.train.eagle import Features
+from specdecode.models.artifacts import trained_artifact_path
+from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.quantized_layers import bf16_matmul_supported
+from specdecode.train.data import prompt_ids, self_distill
+from specdecode.train.eagle import Features, compute_features
 
 
 def feature_dtype(choice: str) -> torch.dtype:
@@ -38,8 +40,6 @@ def feature_dtype(choice: str) -> torch.dtype:
     features still drafts for the fp32 target: a feature's rounding is far below what one layer's
     approximation of thirty gets wrong, and the target verifies every draft either way."""
     if choice == "auto":
-        from specdecode.models.quantized_layers import bf16_matmul_supported
-
         return torch.bfloat16 if bf16_matmul_supported() else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
 
@@ -83,13 +83,6 @@ def target_features(
 ) -> list[Features]:
     """The training data's target features, computed once: self-distilled answers are appended to a file
     as they are generated and features are saved in shards, so an interrupted run resumes where it was."""
-    from tqdm import tqdm
-
-    # Looked up when called (tests replace train.data's functions), as everything slow to import.
-    from specdecode.data.corpus import sharegpt_conversations
-    from specdecode.train.data import prompt_ids, self_distill
-    from specdecode.train.eagle import Features, compute_features
-
     digest = data_digest(target, args, tasks, aux_layers)
     work.mkdir(parents=True, exist_ok=True)
     whole = work / f"features-{digest}.pt"  # written by earlier versions in one piece
@@ -149,9 +142,6 @@ def collect(
     """Resolve the output (``--out``, or ``artifact`` next to the model), load the target and gather its
     features, keeping ``aux_layers(num_layers)`` besides the final hidden state.  ``goes`` ends the error
     for a model with no default place, which has to ask for ``--out`` ("the head goes", "the heads go")."""
-    from specdecode.models.artifacts import trained_artifact_path
-    from specdecode.models.loading import load_model
-
     out = Path(args.out).expanduser() if args.out else trained_artifact_path(args.model, artifact)
     if out is None:
         raise SpecDecodeError(

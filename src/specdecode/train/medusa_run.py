@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import argparse
 
+from specdecode.heads.medusa import heads_dir, save_heads
+from specdecode.train.common import checked_tasks, report_training
+from specdecode.train.features import collect, training_in_bf16
+from specdecode.train.medusa import HeadsTrainConfig, train_heads
 
-def run_heads_training(args: argparse.Namespace, tasks: list[str], kind: str) -> int:
-    from specdecode.heads.medusa import save_heads
-    from specdecode.train.common import report_training
-    from specdecode.train.features import collect, training_in_bf16
-    from specdecode.train.medusa import HeadsTrainConfig, train_heads
 
+def run_heads_training(args: argparse.Namespace) -> int:
+    """``specdecode train medusa`` or ``specdecode train hydra`` (``args.method``)."""
+    kind = args.method
+    tasks = checked_tasks(args, ("num_heads",))
     # No intermediate layers: the heads read the final hidden state only.
-    run = collect(args, tasks, f"{kind}-heads", "the heads go", lambda num_layers: ())
+    run = collect(args, tasks, heads_dir(kind), "the heads go", lambda num_layers: ())
     config = HeadsTrainConfig(
         kind=kind,
         num_heads=args.num_heads,

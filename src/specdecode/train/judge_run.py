@@ -6,38 +6,16 @@ import argparse
 import time
 from pathlib import Path
 
+from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
-from specdecode.models.registry import DEFAULT_MODEL
-from specdecode.train.data import DEFAULT_TASKS
+from specdecode.models.artifacts import trained_artifact_path
+from specdecode.models.loading import load_model
+from specdecode.train.data import prompt_ids, self_distill
+from specdecode.train.judge import train_judge
+from specdecode.verify.judge import JUDGE_ARTIFACT
 
 
-def add_judge_command(methods: argparse._SubParsersAction) -> None:
-    judge = methods.add_parser(
-        "judge", help="the judge of --verifier judge (LOSSY): which mismatches the target would carry on from"
-    )
-    judge.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
-    judge.add_argument("--prompts", type=int, default=48, help="prompts the model answers itself")
-    judge.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
-    judge.add_argument("--new-tokens", type=int, default=96, help="tokens the model generates per prompt")
-    judge.add_argument("--max-prompt-tokens", type=int, default=384, help="prompts are cut to their last N tokens")
-    judge.add_argument("--positions", type=int, default=24, help="answer positions examined per answer")
-    judge.add_argument("--window", type=int, default=4, help="harmless: the next N tokens stay the target's")
-    judge.add_argument("--top-k", type=int, default=5, help="alternatives: among the target's top K ...")
-    judge.add_argument("--min-prob", type=float, default=0.05, help="... with at least this probability")
-    judge.add_argument("--precision", type=float, default=0.9, help="held-out precision the threshold must reach")
-    judge.add_argument("--seed", type=int, default=0)
-    judge.add_argument("--out", help="judge directory (default: next to the cached model, where the verifier looks)")
-    judge.set_defaults(run=cmd_train_judge)
-
-
-def cmd_train_judge(args: argparse.Namespace) -> int:
-    from specdecode.config import RelaxedParams
-    from specdecode.models.artifacts import trained_artifact_path
-    from specdecode.models.loading import load_model
-    from specdecode.train.data import prompt_ids, self_distill
-    from specdecode.train.judge import train_judge
-    from specdecode.verify.judge import JUDGE_ARTIFACT
-
+def run_judge_training(args: argparse.Namespace) -> int:
     for flag in ("prompts", "new_tokens", "max_prompt_tokens", "positions", "window"):
         if getattr(args, flag) <= 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")

@@ -2,8 +2,7 @@
 
 The head ``specdecode train eagle`` saved for M is already in that layout; exporting checks it, names the
 verifier as vLLM and ``speculators`` read it (``--verifier``, its architectures and context length from
-the target's config.json) and writes a fresh directory to hand over.  Only argparse at import: torch is
-imported by the command itself, so ``specdecode --help`` stays fast.
+the target's config.json) and writes a fresh directory to hand over.
 """
 
 from __future__ import annotations
@@ -13,33 +12,14 @@ import json
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
-
-
-def add_export_command(subparsers: argparse._SubParsersAction) -> None:
-    export = subparsers.add_parser("export", help="write a trained draft head in another engine's format (vLLM)")
-    kinds = export.add_subparsers(dest="kind", required=True)
-    eagle = kinds.add_parser(
-        "eagle", help="an EAGLE-3 head in vLLM's speculators layout (config.json, model.safetensors)"
-    )
-    eagle.add_argument(
-        "--model", required=True, help="the target the head drafts for: registry short name, local dir, .gguf or hub id"
-    )
-    eagle.add_argument("--out", required=True, help="directory to write (new, or empty)")
-    eagle.add_argument(
-        "--head", help="head directory to export (default: the one `specdecode train eagle --model M` saved)"
-    )
-    eagle.add_argument(
-        "--verifier",
-        help="verifier name_or_path written to config.json, e.g. the model's Hugging Face id (default: --model)",
-    )
-    eagle.set_defaults(run=cmd_export_eagle)
+from specdecode.heads.storage import HEAD_DIR, Verifier, load_eagle, save_eagle
+from specdecode.models import registry
+from specdecode.models.artifacts import trained_artifact_path
 
 
 def _target_config(model: str) -> dict:
     """The target's transformers config.json, if it is on disk (a cached registry model or a model
     directory); {} for a .gguf file or a hub id.  Looking never downloads anything."""
-    from specdecode.models import registry
-
     if registry.is_registered(model):
         status = next(s for s in registry.list_models() if s.name == model)
         path = status.path / "config.json" if status.cached else None
@@ -55,10 +35,6 @@ def _target_config(model: str) -> dict:
 
 def _default_head(model: str) -> Path:
     """Where ``specdecode train eagle --model M`` saved the head (and ``--drafter eagle`` finds it)."""
-    from specdecode.drafters.eagle import HEAD_DIR
-    from specdecode.models import registry
-    from specdecode.models.artifacts import trained_artifact_path
-
     hint = f"train one with `specdecode train eagle --model {model}`, or pass --head DIR"
     if registry.is_registered(model) and not next(s for s in registry.list_models() if s.name == model).cached:
         raise SpecDecodeError(f"no EAGLE head for {model!r}: the model is not even downloaded; {hint}")
@@ -70,10 +46,7 @@ def _default_head(model: str) -> Path:
     return path
 
 
-def cmd_export_eagle(args: argparse.Namespace) -> int:
-    from specdecode.heads.storage import Verifier, load_eagle, save_eagle
-    from specdecode.models import registry
-
+def export_eagle(args: argparse.Namespace) -> int:
     out = Path(args.out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise SpecDecodeError(f"--out {out} exists and is not an empty directory: choose a new one")

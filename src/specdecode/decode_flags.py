@@ -1,0 +1,111 @@
+"""The flags of ``specdecode generate | batch | demo`` (the model flags shared with ``serve``), declared without
+importing what runs them (:mod:`specdecode.decode_commands`), so that their ``--help`` answers at once.
+
+Names here are a contract (the benchmark and outside checks call them): keep flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
+from specdecode.models.registry import DEFAULT_MODEL
+
+
+def _draft_tokens(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
+    """What to load and how to draft (``generate``, ``batch``, ``demo`` and ``serve``; read by
+    :func:`specdecode.decode_commands.load_models`)."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    parser.add_argument("--drafter", default="pld", help=drafter_help)
+    parser.add_argument("--draft-model", help="draft model for --drafter draft-model")
+    parser.add_argument(
+        "--drafter-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra drafter option, e.g. max_ngram=4 for pld (repeatable)",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=_draft_tokens,
+        default=DEFAULT_NUM_DRAFT_TOKENS,
+        metavar="K",
+        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
+        "default %(default)s",
+    )
+    parser.add_argument(
+        "--no-fast-path",
+        action="store_true",
+        help="keep transformers' default linear kernels (the fast CPU path is on by default)",
+    )
+    parser.add_argument(
+        "--quantize",
+        default="none",
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group, "
+        "bf16 (verification costs about one token on CPUs with AMX), w4a8 (int4 weights on int8 activations, our "
+        "AVX2 kernel: fastest on AVX2-only CPUs); lossless against plain decoding of the same quantized model "
+        "(default none)",
+    )
+    parser.add_argument(
+        "--quantize-draft",
+        metavar="{none,int8,int4,bf16,w4a8}",
+        help="quantization of the --draft-model (default int4, w4a8 on AVX2-only CPUs: measured fastest; "
+        "none with adapt=true); drafts never change the output",
+    )
+    parser.add_argument(
+        "--lean-weights",
+        action="store_true",
+        help="int8/int4 layers hold no bf16 copy of their weights for prompts and drafts catching up: "
+        "half the memory or less, but a 300-token prompt prefills about 6x slower",
+    )
+    parser.add_argument("--device", default="cpu", help="where the models run: cpu (default), cuda, cuda:N")
+    parser.add_argument(
+        "--verbose", action="store_true", help="also show other libraries' warnings and log lines (hidden by default)"
+    )
+
+
+def add_generation_flags(parser: argparse.ArgumentParser) -> None:
+    add_model_flags(parser, "drafting method (see `specdecode drafters`)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    parser.add_argument("--seed", type=int, help="seed for sampling (reproducible runs)")
+    parser.add_argument(
+        "--no-coupled",
+        dest="coupled",
+        action="store_false",
+        help="with --seed, verify by rejection sampling instead of Gumbel-max coupling: the text then depends on "
+        "the drafter and draft length (coupled, the default, gives one text per seed whatever drafts it)",
+    )
+    parser.add_argument(
+        "--verifier",
+        default="exact",
+        help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical, judge (see `specdecode "
+        "verifiers`); options inline (fly:window=2) or with --verifier-option",
+    )
+    parser.add_argument(
+        "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"
+    )
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    chat = parser.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        action="store_const",
+        const=True,
+        help="wrap the prompt in the model's chat template (the default when it has one; with --chat, an error "
+        "when it has none)",
+    )
+    chat.add_argument(
+        "--no-chat",
+        dest="chat",
+        action="store_const",
+        const=False,
+        help="give the prompt to the model as it is, without the chat template",
+    )
