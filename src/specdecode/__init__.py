@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig, SamplingParams
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig
 from specdecode.errors import SpecDecodeError
+from specdecode.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -31,19 +31,18 @@ def add_judge_command(methods: argparse._SubParsersAction) -> None:
 
 
 def cmd_train_judge(args: argparse.Namespace) -> int:
-    from specdecode.config import RelaxedParams
     from specdecode.models.artifacts import trained_artifact_path
     from specdecode.models.loading import load_model
     from specdecode.train.data import prompt_ids, self_distill
     from specdecode.train.judge import train_judge
-    from specdecode.verify.judge import JUDGE_ARTIFACT
+    from specdecode.verify.judge import JUDGE_ARTIFACT, JudgeOptions
 
     for flag in ("prompts", "new_tokens", "max_prompt_tokens", "positions", "window"):
         if getattr(args, flag) <= 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
     if not 0 < args.precision <= 1:
         raise SpecDecodeError(f"--precision must be in (0, 1], got {args.precision}")
-    params = RelaxedParams(top_k=args.top_k, min_prob=args.min_prob)  # validates both
+    params = JudgeOptions(top_k=args.top_k, min_prob=args.min_prob)  # validates both
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise SpecDecodeError("--tasks names no task")
