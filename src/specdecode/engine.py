@@ -159,7 +159,8 @@ class TargetVerifier:
         outputs = self.target.forward_batch(inputs)
         checked = []
         for seq, draft, out in zip(sequences, drafts, outputs):
-            sampling, verifier, hidden, final = seq.config.sampling, seq.config.verifier, out.hidden, None
+            sampling, verifier = seq.config.sampling, seq.config.verifier
+            hidden, final = out.hidden, None
             if verifier.method.reads_final_hidden:  # recorded last (_hidden_layers): split off the session's
                 size = self.target.hidden_size
                 final, hidden = hidden[:, -size:], hidden[:, :-size] if seq.session.hidden_layers else None
