@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 
 from specdecode.bench.cli import add_bench_command
 from specdecode.cli import main
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.data.tasks import Prompt, Task
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
@@ -33,6 +33,7 @@ from specdecode.models.base import (
     KVPool,
     SequenceInput,
 )
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from tiny_models import tiny_llama
 

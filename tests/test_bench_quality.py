@@ -52,7 +52,7 @@ def test_settings_and_seeded_subsets(tmp_path, problems):
         select_problems(ordered, 165, seed=0)
     specs = parse_verifiers("fly:window=2:entropy=0.05,typical")
     assert [s.spec for s in specs] == ["exact", "fly:window=2:entropy=0.05", "typical"]
-    assert specs[1].relaxed.window == 2 and specs[1].relaxed.entropy == 0.05
+    assert specs[1].choice.options.window == 2 and specs[1].choice.options.entropy == 0.05
     for bad, message in (
         ("jugde", "unknown verifier"),
         ("exact:window=2", "exact takes no options"),

@@ -102,7 +102,7 @@ def test_draft_model_flag(capsys, tiny_dirs):
 
 @pytest.mark.parametrize("command", ["generate", "batch"])
 def test_no_coupled_verifies_seeded_sampling_by_rejection(command, capsys, tiny_dirs, tmp_path, monkeypatch):
-    import specdecode.engine
+    import specdecode.verify.exact
 
     calls: dict[str, int] = {}
 
@@ -113,9 +113,10 @@ def test_no_coupled_verifies_seeded_sampling_by_rejection(command, capsys, tiny_
 
         return wrapper
 
-    monkeypatch.setattr(specdecode.engine, "verify_coupled", counted("coupled", specdecode.engine.verify_coupled))
-    rejection = counted("rejection", specdecode.engine.verify_speculative_sampling)
-    monkeypatch.setattr(specdecode.engine, "verify_speculative_sampling", rejection)
+    exact = specdecode.verify.exact
+    monkeypatch.setattr(exact, "verify_coupled", counted("coupled", exact.verify_coupled))
+    rejection = counted("rejection", exact.verify_speculative_sampling)
+    monkeypatch.setattr(exact, "verify_speculative_sampling", rejection)
     source = "w1 w2 w3 w1 w2"
     if command == "batch":
         (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": source}) + "\n")

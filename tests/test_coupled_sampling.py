@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-import specdecode.engine
 import specdecode.sampling
 import specdecode.verify.coupled
+import specdecode.verify.exact
 from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, chi2_pvalue, run
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.draft_length import make_policy
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -30,6 +30,7 @@ from specdecode.sampling import (
     sampling_log_weights,
     sampling_probs,
 )
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from specdecode.verify.coupled import verify_coupled
 
@@ -262,7 +263,7 @@ def verified(monkeypatch) -> list[Draft]:
         seen.append(draft)
         return verify_coupled(logits, draft, *args)
 
-    monkeypatch.setattr(specdecode.engine, "verify_coupled", spy)
+    monkeypatch.setattr(specdecode.verify.exact, "verify_coupled", spy)
     return seen
 
 

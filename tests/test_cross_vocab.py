@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import specdecode.drafters.cross_vocab
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.drafters import create_drafter
 from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, build_vocab_map, complete_utf8
 from specdecode.drafters.cross_vocab import draft_to_target
@@ -20,6 +20,7 @@ from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sampling_probs
+from specdecode.sampling_params import SamplingParams
 from tiny_models import bpe_tokenizer, tiny_model
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "def f(x): return x + 1"] * 20

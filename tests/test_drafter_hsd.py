@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, hf_greedy, run
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.drafters.draft_model import DraftModelSession
@@ -17,6 +17,7 @@ from specdecode.drafters.pld import PromptLookupDrafter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling import sampling_probs
+from specdecode.sampling_params import SamplingParams
 
 PROMPT = [3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5]
 

@@ -9,10 +9,11 @@ import torch
 
 import specdecode.drafters.stand
 from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, hf_greedy, run, session_for
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.drafters import create_drafter
 from specdecode.engine import speculative_decode
 from specdecode.sampling import sampling_probs
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft, StepFeedback
 
 

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from helpers import PROMPTS, hf_greedy, run, tiny_gemma3, tiny_qwen2
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters._tree_size import TreeBudget
 from specdecode.drafters.base import Drafter, DraftRequest, StatelessSession
 from specdecode.engine import DecodeOutcome, ancestor_mask, speculative_decode
 from specdecode.generator import SpeculativeGenerator
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from tiny_models import TINY_VOCAB
 

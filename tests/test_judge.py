@@ -12,20 +12,20 @@ import pytest
 import torch
 
 from helpers import assert_one_line_error
-from specdecode.config import RelaxedParams, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import load_model
+from specdecode.sampling_params import SamplingParams
 from specdecode.train.cli import add_train_command
 from specdecode.train.judge import choose_threshold, fit_judge
 from specdecode.types import Draft, Verdict
+from specdecode.verify.base import TargetRows
 from specdecode.verify.greedy import verify_greedy
-from specdecode.verify.judge import Judge, verify_judge
+from specdecode.verify.judge import Judge, JudgeOptions, verify_judge
 from specdecode.verify.registry import is_lossless
-from specdecode.verify.relaxed import TargetRows
 
 V, H = 50, 4
-PARAMS = RelaxedParams(top_k=5, min_prob=0.05)
+PARAMS = JudgeOptions(top_k=5, min_prob=0.05)
 
 
 def judge_reading_hidden_unit(sign: float) -> Judge:
@@ -50,7 +50,7 @@ def test_judge_keeps_a_mismatch_it_rates_harmless_and_only_then():
     assert verify_judge(rows, draft, PARAMS, judge_reading_hidden_unit(+1), hidden) == Verdict((0, 1), 8)
     assert verify_judge(rows, draft, PARAMS, judge_reading_hidden_unit(-1), hidden) == Verdict((), 3)
     lenient = judge_reading_hidden_unit(+1)
-    assert verify_judge(rows, draft, RelaxedParams(judge_threshold=1.0), lenient, hidden) == Verdict((), 3)
+    assert verify_judge(rows, draft, JudgeOptions(judge_threshold=1.0), lenient, hidden) == Verdict((), 3)
 
 
 def test_judge_never_keeps_an_implausible_token_however_it_rates_it():

@@ -21,13 +21,20 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / PACKAGE
 #: The parts, lowest layer first.  A part may import from its own layer or any layer below, never above.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     # What everything may use: errors, plain types, clocks, the machine's description, thread control, and the
-    # helper that names a command's function without importing it.
-    ("base", frozenset({"errors", "types", "clock", "machine", "verbosity", "estimators", "threads", "deferred"})),
+    # helper that names a command's function without importing it; the sampling settings and the typed value of a
+    # ``KEY=VALUE`` option.
+    (
+        "base",
+        frozenset(
+            {"errors", "types", "clock", "machine", "verbosity", "estimators", "threads", "deferred"}
+            | {"sampling_params", "options"}
+        ),
+    ),
     ("models", frozenset({"models"})),  # loading and running the target and draft models
     ("heads", frozenset({"heads"})),  # trained draft heads' networks and files
-    ("settings", frozenset({"config"})),  # what a generation asks for
     ("rules", frozenset({"sampling", "draft_length"})),  # sampling; how many tokens to draft
     ("verification", frozenset({"verify"})),  # which drafted tokens to accept
+    ("settings", frozenset({"config"})),  # what a generation asks for, its verifier parsed by the registry
     ("data", frozenset({"data"})),  # prompt sets, data sets and corpora
     ("drafters", frozenset({"drafters"})),
     # The decoding loop, single and batched, its statistics and the Python API over it.
@@ -37,19 +44,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("server", frozenset({"server"})),  # `specdecode serve` loads models as `generate` does
     ("benchmark", frozenset({"bench"})),  # `bench serve` measures the server
     ("entry", frozenset({"cli", "__main__"})),
-)
-
-#: Known arrows against the layers, each to be removed from this set when the change that removes it from the code
-#: lands (the test fails while an entry names an arrow the code no longer has, so none stays behind):
-#: config -> verify.registry closes the circle config <-> verify, and goes when the verifiers register themselves;
-#: config -> draft_length goes with the draft length's one type; decode_commands -> bench.quality goes when
-#: parse_verifier moves to the verifier registry.
-PENDING_ARROWS: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("specdecode.config", "specdecode.verify.registry"),
-        ("specdecode.config", "specdecode.draft_length"),
-        ("specdecode.decode_commands", "specdecode.bench.quality"),
-    }
 )
 
 #: The one import of the benchmark from outside it: the command line adds the ``bench`` command's parser.
@@ -176,24 +170,19 @@ def test_every_part_has_a_layer(arrows):
 
 
 def test_no_import_points_up_a_layer(arrows):
-    found = upward_arrows(arrows - PENDING_ARROWS)
+    found = upward_arrows(arrows)
     assert not found, "\n".join(found)
 
 
 def test_no_circle_between_parts(arrows):
-    circles = part_circles(arrows - PENDING_ARROWS)
+    circles = part_circles(arrows)
     assert not circles, "\n".join(" <-> ".join(circle) for circle in circles)
-
-
-def test_pending_arrows_still_exist(arrows):
-    """Each pending arrow is removed from PENDING_ARROWS once its change has removed it from the code."""
-    assert PENDING_ARROWS - arrows == set()
 
 
 def test_only_the_command_line_reaches_into_the_benchmark(arrows):
     outside = {
         (importer, imported)
-        for importer, imported in arrows - PENDING_ARROWS - {BENCH_ENTRY}
+        for importer, imported in arrows - {BENCH_ENTRY}
         if part_of(imported) == "bench" and part_of(importer) != "bench"
     }
     assert outside == set()

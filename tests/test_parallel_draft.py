@@ -9,11 +9,11 @@ import threading
 import pytest
 
 from helpers import PROMPTS, hf_greedy, run
-from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._lookahead import Lookahead
 from specdecode.drafters._parallel_switch import ParallelSwitch
 from specdecode.errors import SpecDecodeError
+from specdecode.sampling_params import SamplingParams
 
 
 def counting(token: int, position: int) -> tuple[int, float]:

@@ -13,24 +13,33 @@ import torch
 
 from helpers import assert_one_line_error, serving
 from specdecode.cli import main
-from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.drafters.base import Drafter, StatelessSession
 from specdecode.engine import TargetVerifier
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.sampling import coupled_sample
+from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import ServerConfig, Service, create_app
 from specdecode.types import Draft, Verdict
+from specdecode.verify.base import TargetRows
 from specdecode.verify.coupled import verify_coupled
-from specdecode.verify.fly import verify_fly
+from specdecode.verify.fly import FlyOptions, verify_fly
 from specdecode.verify.greedy import verify_greedy
-from specdecode.verify.registry import VERIFIERS, check_verifier, format_verifiers, is_lossless
-from specdecode.verify.relaxed import TargetRows
-from specdecode.verify.typical import verify_typical
+from specdecode.verify.registry import (
+    VerifierChoice,
+    check_verifier,
+    format_verifiers,
+    is_lossless,
+    parse_verifier,
+    verifiers,
+)
+from specdecode.verify.typical import TypicalOptions, verify_typical
 
 V = 50
 GREEDY = SamplingParams()
-PARAMS = RelaxedParams(entropy=0.1, top_k=5, min_prob=0.05, window=2)
+PARAMS = FlyOptions(entropy=0.1, top_k=5, min_prob=0.05, window=2)
+TYPICAL = TypicalOptions()
 
 
 def flat(top: int, second: int) -> torch.Tensor:
@@ -67,7 +76,7 @@ def test_fly_rejects_at_a_peaked_row_and_an_implausible_token():
     outsider = flat(3, 4)
     outsider[4] = -5.0  # far below the top-k and the probability floor
     assert verify_fly(rows(outsider, peaked(7), peaked(8), peaked(9)), draft, PARAMS) == Verdict((), 3)
-    strict = RelaxedParams(entropy=0.1, top_k=1, window=2)  # only the argmax is "plausible": exact again
+    strict = FlyOptions(entropy=0.1, top_k=1, window=2)  # only the argmax is "plausible": exact again
     assert verify_fly(rows(flat(3, 4), peaked(7), peaked(8), peaked(9)), draft, strict) == Verdict((), 3)
 
 
@@ -85,7 +94,7 @@ def test_fly_rolls_back_when_the_target_disagrees_inside_the_window():
 def test_fly_after_a_confirmed_window_relaxes_again_and_window_zero_is_the_gate_alone():
     logits = (flat(3, 4), peaked(7), peaked(8), flat(5, 6), peaked(1), peaked(2), peaked(9))
     assert verify_fly(rows(*logits), Draft([4, 7, 8, 6, 1, 2]), PARAMS) == Verdict((0, 1, 2, 3, 4, 5), 9)
-    gate_only = RelaxedParams(entropy=0.1, top_k=5, min_prob=0.05, window=0)
+    gate_only = FlyOptions(entropy=0.1, top_k=5, min_prob=0.05, window=0)
     assert verify_fly(rows(flat(3, 4), peaked(5)), Draft([4]), gate_only) == Verdict((0,), 5)
 
 
@@ -107,15 +116,15 @@ def test_fly_walks_trees_preferring_the_exact_child():
 
 
 def test_typical_keeps_a_typical_token_and_rejects_an_atypical_one_when_greedy():
-    assert verify_typical(rows(flat(3, 4), peaked(6)), Draft([4]), PARAMS) == Verdict((0,), 6)
+    assert verify_typical(rows(flat(3, 4), peaked(6)), Draft([4]), TYPICAL) == Verdict((0,), 6)
     sure = torch.zeros(V)
     sure[3] = 5.0  # p(3) ~ 0.75: p(4) ~ 0.005 is under min(epsilon, delta * exp(-H))
-    assert verify_typical(rows(sure, peaked(6)), Draft([4]), PARAMS) == Verdict((), 3)
+    assert verify_typical(rows(sure, peaked(6)), Draft([4]), TYPICAL) == Verdict((), 3)
     # A tree: the typical child is taken over the atypical one, then the walk goes on along it.
     draft = Draft([9, 4, 6], parents=[-1, -1, 1])
     logits = flat(3, 4)
     logits[9] = -5.0
-    assert verify_typical(rows(logits, peaked(0), peaked(6), peaked(2)), draft, PARAMS) == Verdict((1, 2), 2)
+    assert verify_typical(rows(logits, peaked(0), peaked(6), peaked(2)), draft, TYPICAL) == Verdict((1, 2), 2)
 
 
 def test_typical_in_seeded_sampling_keeps_the_other_of_two_likely_tokens():
@@ -125,21 +134,21 @@ def test_typical_in_seeded_sampling_keeps_the_other_of_two_likely_tokens():
     chosen = coupled_sample(two, sampling, 5, 7)
     other = 4 if chosen == 3 else 3
     target = rows(two, peaked(6), sampling=sampling, seed=5, first_position=7)
-    assert verify_typical(target, Draft([other]), PARAMS).path == (0,)
+    assert verify_typical(target, Draft([other]), TYPICAL).path == (0,)
     exact = TargetRows(torch.stack([two, peaked(6)]), sampling, seed=5, first_position=7)
     assert exact.choice(0, 7) == chosen  # what coupled verification would emit in its place
     low = two.clone()
     low[other] = 0.0  # now p(other) ~ 0: rejected, and the target's own sample is emitted
     assert verify_typical(
-        rows(low, peaked(6), sampling=sampling, seed=5, first_position=7), Draft([other]), PARAMS
+        rows(low, peaked(6), sampling=sampling, seed=5, first_position=7), Draft([other]), TYPICAL
     ) == (Verdict((), 3 if other == 4 else 4))
 
 
 @pytest.mark.parametrize(
     "sampling", [GREEDY, SamplingParams(temperature=0.9, top_k=20, seed=11)], ids=["greedy", "coupled"]
 )
-@pytest.mark.parametrize("verify", [verify_fly, verify_typical])
-def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, sampling):
+@pytest.mark.parametrize("verify, options", [(verify_fly, PARAMS), (verify_typical, TYPICAL)], ids=["fly", "typical"])
+def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, options, sampling):
     """Both extend exact verification (greedy matching, or coupled verification when seeded): the exact path is
     a prefix of theirs, and where they stop as early they emit the same token."""
     gen = torch.Generator().manual_seed(0)
@@ -153,7 +162,7 @@ def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, sampling)
             exact = verify_greedy(logits, draft)
         else:
             exact = verify_coupled(logits, draft, sampling, sampling.seed, 40)
-        relaxed = verify(TargetRows(logits, sampling, sampling.seed, 40), draft, PARAMS)
+        relaxed = verify(TargetRows(logits, sampling, sampling.seed, 40), draft, options)
         assert relaxed.path[: len(exact.path)] == exact.path
         if len(relaxed.path) == len(exact.path):
             assert relaxed == exact
@@ -163,7 +172,7 @@ def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, sampling)
 
 
 def test_registry_says_which_verifiers_are_lossless():
-    assert [n for n, info in VERIFIERS.items() if info.lossless] == ["exact"]
+    assert [n for n, info in verifiers().items() if info.lossless] == ["exact"]
     assert not is_lossless("fly") and not is_lossless("typical") and not is_lossless("judge")
     assert "lossy" in format_verifiers() and "lossless" in format_verifiers()
     with pytest.raises(SpecDecodeError, match="unknown verifier 'jugde'"):
@@ -171,9 +180,9 @@ def test_registry_says_which_verifiers_are_lossless():
     with pytest.raises(SpecDecodeError, match="unknown verifier"):
         GenerationConfig(verifier="nope")
     with pytest.raises(SpecDecodeError, match="window"):
-        RelaxedParams(window=-1)
+        FlyOptions(window=-1)
     with pytest.raises(SpecDecodeError, match="unknown verifier option"):
-        RelaxedParams.from_options({"windw": 2})
+        parse_verifier("fly", {"windw": 2})
 
 
 def test_exact_is_the_default_and_relaxed_requests_are_labelled_lossy(tiny_target):
@@ -203,18 +212,18 @@ def test_target_verifier_dispatches_per_sequence(tiny_target):
     backend, drafter = tiny_target.backend, create_drafter("none", tiny_target)
     pool = backend.new_pool()
     pool.reserve(2, 64)
-    loose = RelaxedParams(entropy=0.0, top_k=64, min_prob=0.0, window=0)
+    loose = FlyOptions(entropy=0.0, top_k=64, min_prob=0.0, window=0)
     seqs = [
         start_sequence(
             backend,
             drafter,
             [5, 6, 7],
-            GenerationConfig(verifier=v, relaxed=loose),
+            GenerationConfig(verifier=v),
             frozenset(),
             make_policy(4),
             pool.allocate(),
         )
-        for v in ("exact", "fly")
+        for v in (VerifierChoice("exact"), VerifierChoice("fly", loose))
     ]
     logits = backend.forward(torch.tensor([5, 6, 7]), backend.new_cache()).logits[-1]
     wrong = int(logits.argsort()[-2])  # the target's second choice: exact rejects it, loose fly keeps it
@@ -270,7 +279,7 @@ def test_python_api_load_takes_a_verifier_and_refuses_unknown_ones_before_loadin
     with pytest.raises(SpecDecodeError, match="unknown verifier"):
         specdecode.load("no-such-model", verifier="jugde")  # refused before the model is looked up
     generator = specdecode.load(str(tiny_dirs["target"]), verifier="fly", max_new_tokens=6)
-    assert generator.defaults.verifier == "fly"
+    assert generator.defaults.verifier.name == "fly"
     assert generator.generate("w1 w2 w1 w2").stats.to_json()["lossless"] is False
     assert generator.generate("w1 w2 w1 w2", verifier="exact").stats.lossless
 
@@ -317,9 +326,11 @@ def test_fly_output_through_the_engine_departs_only_where_the_gate_and_window_al
     after every relaxed acceptance, chains and trees alike."""
     from specdecode.engine import speculative_decode
 
-    params = RelaxedParams(entropy=0.1, top_k=5, min_prob=0.0, window=2)
+    params = FlyOptions(entropy=0.1, top_k=5, min_prob=0.0, window=2)
     prompt = [12, 13, 14, 12, 13, 14, 12, 13, 14, 12, 13]
-    config = GenerationConfig(max_new_tokens=40, num_draft_tokens=4, ignore_eos=True, verifier="fly", relaxed=params)
+    config = GenerationConfig(
+        max_new_tokens=40, num_draft_tokens=4, ignore_eos=True, verifier=VerifierChoice("fly", params)
+    )
     backend, drafter = tiny_target.backend, SecondChoiceDrafter(tiny_target, tree)
     out = [t for chunk in speculative_decode(backend, drafter, prompt, config) for t in chunk]
     logits = backend.forward(torch.tensor(prompt + out), backend.new_cache()).logits[len(prompt) - 1 : -1]

@@ -21,11 +21,12 @@ from transformers.generation.logits_process import (
 import specdecode.verify.rejection
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, chi2_pvalue
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.draft_length import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import speculative_decode
 from specdecode.sampling import sample, sampling_probs
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from specdecode.verify.rejection import verify_speculative_sampling
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from helpers import hf_greedy, run, session_for, tiny_gemma3, tiny_llama3, tiny_qwen2
-from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._self_draft import DraftHead, SelfDraftSession
 from specdecode.drafters.base import DraftRequest
@@ -15,6 +14,7 @@ from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.drafters.layer_skip import initial_skip_set
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
+from specdecode.sampling_params import SamplingParams
 from tiny_models import wrap
 
 IDS = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18])

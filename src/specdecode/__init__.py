@@ -17,9 +17,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from specdecode.config import GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from specdecode.api import load, wrap

@@ -12,13 +12,16 @@ import json
 import re
 import sys
 
-from specdecode.config import option_value
+from specdecode.config import GenerationConfig
 from specdecode.drafters import check_drafter_options
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.generator import SpeculativeGenerator, check_prompt_text
 from specdecode.models import loading, registry
 from specdecode.models.quantize import check_quantize, draft_quantization
+from specdecode.options import option_value
+from specdecode.sampling_params import SamplingParams
+from specdecode.verify.registry import DEFAULT_VERIFIER, parse_verifier
 
 
 def parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object]:
@@ -28,15 +31,10 @@ def parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object
     return key.replace("-", "_"), option_value(raw)
 
 
-def _generation_config(args: argparse.Namespace):
-    from specdecode.bench.quality import parse_verifier  # NAME[:OPTION=VALUE...], as `bench quality` takes it
-    from specdecode.config import GenerationConfig, RelaxedParams, SamplingParams
-
-    verifier = parse_verifier(args.verifier)
+def _generation_config(args: argparse.Namespace) -> GenerationConfig:
     options = dict(parse_option(o, "--verifier-option") for o in args.verifier_option)
     return GenerationConfig(
-        verifier=verifier.name,
-        relaxed=RelaxedParams.from_options({**verifier.options, **options}),
+        verifier=parse_verifier(args.verifier, options),
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
         sampling=SamplingParams(
@@ -225,7 +223,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     prompt = DEMO_PROMPT_INSTRUCTION + DEMO_CODE
     defaults = _generation_config(args)
     speculative = _build_generator(args, args.drafter, defaults)
-    exact = dataclasses.replace(defaults, verifier="exact")  # the reference is the target's own output
+    exact = dataclasses.replace(defaults, verifier=DEFAULT_VERIFIER)  # the reference is the target's own output
     plain = type(speculative).build(speculative.target, "none", exact)
     plain.generate(prompt, chat=args.chat, max_new_tokens=4)  # warm-up: first-call allocations are not decoding
     speculative.warm_up()  # nor is measuring the cost curve `auto` reads (plain decoding needs none)

@@ -10,6 +10,7 @@ import argparse
 
 from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS
 from specdecode.models.registry import DEFAULT_MODEL
+from specdecode.verify.registry import DEFAULT_VERIFIER
 
 
 def _draft_tokens(text: str) -> int | str:
@@ -85,7 +86,7 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--verifier",
-        default="exact",
+        default=DEFAULT_VERIFIER,
         help="exact (lossless, default) or a relaxed, LOSSY verifier: fly, typical, judge (see `specdecode "
         "verifiers`); options inline (fly:window=2) or with --verifier-option",
     )

@@ -7,14 +7,15 @@ follows the context).  The verifier keeps n <= k draft tokens and supplies one m
 the cache is cropped to ``context + d_1..d_n`` and the loop continues.  With no draft this is exactly
 plain autoregressive decoding, which is why ``--drafter none`` is the baseline.
 
-Which verifier decides (:class:`TargetVerifier`, per sequence): greedy matching at temperature 0;
-with sampling and a seed, Gumbel-max coupled verification (:mod:`specdecode.verify.coupled`: the tokens
-are a function of the seed and the target alone, so a seed gives the same text with every drafter and
-draft length, ``auto`` included, and with none); with sampling and no seed, or ``coupled=False``,
-rejection sampling (:mod:`specdecode.verify.rejection`), which keeps a sampling drafter's guesses a
-little more often but whose text depends on what was drafted.  All three are exact.  A request may instead
-choose a relaxed, lossy verifier (``verifier="fly"``, ``"typical"`` or ``"judge"``,
-:mod:`specdecode.verify.registry`), which also keeps some mismatches; its stats say ``lossless: false``.
+Which verifier decides (:class:`TargetVerifier`, per sequence) is the request's choice, asked of the registry
+(:mod:`specdecode.verify.registry`).  By default ``exact`` (:mod:`specdecode.verify.exact`): greedy matching at
+temperature 0; with sampling and a seed, Gumbel-max coupled verification (:mod:`specdecode.verify.coupled`: the
+tokens are a function of the seed and the target alone, so a seed gives the same text with every drafter and
+draft length, ``auto`` included, and with none); with sampling and no seed, or ``coupled=False``, rejection
+sampling (:mod:`specdecode.verify.rejection`), which keeps a sampling drafter's guesses a little more often but
+whose text depends on what was drafted.  All three are exact.  A request may instead choose a relaxed, lossy
+verifier (``verifier="fly"``, ``"typical"`` or ``"judge"``), which also keeps some mismatches; its stats say
+``lossless: false``.
 
 :func:`step` is the whole step for a batch of sequences, and the only one: the single-sequence
 generator (:func:`speculative_decode`), the batched engine (:mod:`specdecode.batch_engine`) and the policy replay
@@ -39,21 +40,11 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.models.base import CausalLM, KVCache, SequenceInput
-from specdecode.sampling import sampling_probs
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
-from specdecode.verify.coupled import verify_coupled
-from specdecode.verify.fly import verify_fly
-from specdecode.verify.greedy import verify_greedy
-from specdecode.verify.judge import judge_for, verify_judge
-from specdecode.verify.rejection import verify_speculative_sampling
-from specdecode.verify.relaxed import TargetRows
-from specdecode.verify.typical import verify_typical
+from specdecode.verify.base import TargetRows
 
 Clock = Callable[[], float]
-
-#: The relaxed (lossy) verifiers a request may choose instead of ``exact`` (:mod:`specdecode.verify.registry`).
-RELAXED = {"fly": verify_fly, "typical": verify_typical}
 
 #: Cache positions beyond a request's last token that a final draft may occupy during verification.
 MAX_DRAFT_MARGIN = 64
@@ -154,9 +145,8 @@ def ancestor_mask(draft: Draft) -> torch.Tensor:
 
 
 class TargetVerifier:
-    """The real verifier: one ragged target forward over every sequence's draft, then per sequence greedy
-    matching, coupled verification (sampling with a seed: drafter-invariant) or rejection sampling
-    (sampling without one), and each cache compacted to its accepted path."""
+    """The real verifier: one ragged target forward over every sequence's draft, then per sequence the verifier
+    its request chose (:mod:`specdecode.verify.registry`), and each cache compacted to its accepted path."""
 
     def __init__(self, target: CausalLM) -> None:
         self.target = target
@@ -169,32 +159,31 @@ class TargetVerifier:
         outputs = self.target.forward_batch(inputs)
         checked = []
         for seq, draft, out in zip(sequences, drafts, outputs):
-            sampling, hidden = seq.config.sampling, out.hidden
-            rows = TargetRows(out.logits, sampling, sampling.seed, len(seq.context), seq.generator)
-            if seq.config.verifier == "judge":  # lossy, chosen by the request: reads the final hidden states
+            sampling, verifier = seq.config.sampling, seq.config.verifier
+            hidden, final = out.hidden, None
+            if verifier.method.reads_final_hidden:  # recorded last (_hidden_layers): split off the session's
                 size = self.target.hidden_size
                 final, hidden = hidden[:, -size:], hidden[:, :-size] if seq.session.hidden_layers else None
-                judge = judge_for(self.target.name, seq.config.relaxed.judge, size)
-                verdict = verify_judge(rows, draft, seq.config.relaxed, judge, final)
-            elif seq.config.verifier in RELAXED:  # lossy, chosen by the request (--verifier): never by default
-                verdict = RELAXED[seq.config.verifier](rows, draft, seq.config.relaxed)
-            elif sampling.greedy:
-                verdict = verify_greedy(out.logits, draft)
-            elif sampling.is_coupled:
-                # Row 0 predicts the token at position len(context): the noise is keyed by that position.
-                verdict = verify_coupled(out.logits, draft, sampling, sampling.seed, len(seq.context))
-            else:
-                verdict = verify_speculative_sampling(sampling_probs(out.logits, sampling), draft, seq.generator)
+            rows = TargetRows(
+                out.logits,
+                sampling,
+                sampling.seed,
+                first_position=len(seq.context),
+                generator=seq.generator,
+                final_hidden=final,
+                target_name=self.target.name,
+            )
+            verdict = verifier.verify(rows, draft)
             # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
             seq.cache.keep(len(seq.context) - 1, [0, *(1 + node for node in verdict.path)])
             checked.append(Checked(verdict, out.logits, hidden))
         return checked
 
     def _hidden_layers(self, seq: Sequence) -> tuple[int, ...]:
-        """The hidden states the forward records for ``seq``: its drafting session's, plus the final one that a
-        judge reads (last, so that it can be split off again)."""
+        """The hidden states the forward records for ``seq``: its drafting session's, plus the final one when its
+        verifier reads it (last, so that it can be split off again)."""
         layers = seq.session.hidden_layers
-        return (*layers, self.target.num_layers) if seq.config.verifier == "judge" else layers
+        return (*layers, self.target.num_layers) if seq.config.verifier.method.reads_final_hidden else layers
 
 
 def _plan_confidences(early: Draft | None) -> list[float] | None:
@@ -322,7 +311,7 @@ def start_sequence(
         )
         if session.hidden_layers:
             session.observe_prompt(out.hidden)
-    seq.stats.verifier = config.verifier
+    seq.stats.verifier = config.verifier.name
     seq.step_end = now()
     seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
     length_policy.begin(seq.stats.prefill_s)

@@ -12,17 +12,16 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig, RelaxedParams
+from specdecode.config import GenerationConfig
 from specdecode.draft_length import DraftLengthPolicy, make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
-from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
-from specdecode.verify.judge import judge_for
+from specdecode.verify.registry import VerifierChoice, parse_verifier
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -172,27 +171,33 @@ class SpeculativeGenerator:
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def config_for(self, **params) -> GenerationConfig:
-        """Defaults overridden by the given (non-None) parameters, validated.  ``verifier_options`` (a dict,
-        e.g. ``{"window": 4}``) sets the relaxed verifiers' knobs (:class:`~specdecode.config.RelaxedParams`)."""
+        """Defaults overridden by the given (non-None) parameters, validated.  ``verifier``: a name, a spec
+        (``"fly:window=2"``) or a :class:`~specdecode.verify.registry.VerifierChoice`; ``verifier_options`` (a dict,
+        e.g. ``{"window": 4}``) sets its options over the chosen ones (``specdecode verifiers`` lists each one's)."""
         unknown = set(params) - _PARAM_NAMES - _SAMPLING_NAMES - {"verifier_options"}
         if unknown:
             raise SpecDecodeError(f"unknown generation parameter(s): {', '.join(sorted(unknown))}")
         given = {k: v for k, v in params.items() if v is not None}
-        if "verifier_options" in given:
-            options = {**vars(self.defaults.relaxed), **dict(given.pop("verifier_options"))}
-            given["relaxed"] = RelaxedParams.from_options(options)
+        if "verifier" in given or "verifier_options" in given:
+            given["verifier"] = self._verifier(given.get("verifier"), given.pop("verifier_options", None))
         if "stop" in given:
             given["stop"] = (given["stop"],) if isinstance(given["stop"], str) else tuple(given["stop"])
         sampling = dataclasses.replace(
             self.defaults.sampling, **{k: v for k, v in given.items() if k in _SAMPLING_NAMES}
         )
         config = dataclasses.replace(
-            self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES | {"relaxed"}}
+            self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES}
         )
-        if config.verifier == "judge":  # its judge must exist before the request runs (CLI exit 2, HTTP 400)
-            backend = require_capability(self.target.backend, HiddenStates, "verifier 'judge'")
-            judge_for(self.target.backend.name, config.relaxed.judge, backend.hidden_size)
+        config.verifier.prepare(self.target.backend)  # e.g. judge's trained files: refused now (CLI exit 2, HTTP 400)
         return config
+
+    def _verifier(self, verifier: str | VerifierChoice | None, options: dict | None) -> VerifierChoice:
+        """A request's verifier: the defaults' (with their options) when it names the same one or none."""
+        if verifier is None or verifier == self.defaults.verifier.name:
+            verifier = self.defaults.verifier
+        elif not isinstance(verifier, VerifierChoice):
+            verifier = parse_verifier(verifier)
+        return verifier.with_options(options) if options else verifier
 
     @property
     def eos_ids(self) -> frozenset[int]:

@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from specdecode.config import SamplingParams
+from specdecode.sampling_params import SamplingParams
 
 #: Noise vectors kept (one per (seed, position, vocabulary size)): a step needs depth + 1 positions per
 #: sequence, and a drafter's noise for a position is read again by the verifier in the same step.  At a

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from specdecode.verify.registry import is_lossless
+from specdecode.verify.registry import DEFAULT_VERIFIER, is_lossless
 
 if TYPE_CHECKING:  # types.py imports torch; the server's protocol module imports this one
     from specdecode.types import StepObservation
@@ -28,7 +28,7 @@ class GenerationStats:
     verify_s: float = 0.0
     forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
     wall_s: float = 0.0
-    verifier: str = "exact"  # the request's verifier; anything but exact is lossy (verify/registry.py)
+    verifier: str = DEFAULT_VERIFIER  # the request's verifier; the registry says whether it is lossless
 
     @property
     def lossless(self) -> bool:

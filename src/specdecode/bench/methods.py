@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdecode.config import GenerationConfig, option_value
+from specdecode.config import GenerationConfig
 from specdecode.drafters import accepted_options, drafter_class
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
 from specdecode.models.quantize import draft_quantization
+from specdecode.options import option_value
 
 DEFAULT_K = GenerationConfig().num_draft_tokens
 

@@ -33,9 +33,8 @@ from specdecode.bench.quality_suites import (
     get_suite,
     select_problems,
 )
-from specdecode.config import RelaxedParams, option_value
 from specdecode.errors import SpecDecodeError
-from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
+from specdecode.verify.registry import DEFAULT_VERIFIER, VerifierChoice, parse_verifier
 
 if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
     from specdecode.bench.methods import MethodSpec
@@ -64,37 +63,16 @@ DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class VerifierSpec:
-    """``fly:window=2:entropy=0.05`` → the verifier's name and its :class:`RelaxedParams`; ``spec`` keys results."""
+    """``fly:window=2:entropy=0.05`` as written (``spec``, the key of its results) and the verifier it chooses."""
 
-    name: str
-    relaxed: RelaxedParams = field(default_factory=RelaxedParams)
     spec: str = DEFAULT_VERIFIER
-
-    @property
-    def options(self) -> dict[str, Any]:
-        return asdict(self.relaxed)
-
-
-def parse_verifier(text: str) -> VerifierSpec:
-    """``NAME[:OPTION=VALUE...]``, options as in ``--verifier-option`` (see :class:`RelaxedParams`)."""
-    spec = text.strip()
-    name, *parts = spec.split(":")
-    check_verifier(name)
-    options: dict[str, Any] = {}
-    for part in parts:
-        key, sep, raw = part.partition("=")
-        if not sep or not key or not raw:
-            raise SpecDecodeError(f"verifier {spec!r}: expected OPTION=VALUE after ':', got {part!r}")
-        options[key.replace("-", "_")] = option_value(raw)
-    if options and name == DEFAULT_VERIFIER:
-        raise SpecDecodeError(f"verifier {spec!r}: exact takes no options")
-    return VerifierSpec(name, RelaxedParams.from_options(options), spec)
+    choice: VerifierChoice = field(default_factory=VerifierChoice)
 
 
 def parse_verifiers(text: str) -> list[VerifierSpec]:
     """Comma-separated specs; ``exact`` is always measured first (the reference of every speed-up and match)."""
-    specs = [parse_verifier(part) for part in text.split(",") if part.strip()]
-    return [VerifierSpec(DEFAULT_VERIFIER), *(s for s in specs if s.spec != DEFAULT_VERIFIER)]
+    specs = [VerifierSpec(part.strip(), parse_verifier(part)) for part in text.split(",") if part.strip()]
+    return [VerifierSpec(), *(s for s in specs if s.spec != DEFAULT_VERIFIER)]
 
 
 @dataclass(frozen=True)
@@ -189,8 +167,7 @@ def decode(
         temperature=settings.temperature,
         seed=settings.seed,
         stop=list(request.stops),
-        verifier=verifier.name,
-        verifier_options=verifier.options,
+        verifier=verifier.choice,
     )
     stats = result.stats
     outcome = suite.grade(problem, request.joint + result.text, settings.timeout_s, settings.memory_mb)
@@ -258,7 +235,7 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
     target = load_model(settings.model, quantize=settings.quantize)
     checker = SpeculativeGenerator.build(target, REFERENCE)
     for verifier in settings.verifiers:  # e.g. judge without a trained judge: refused before anything runs
-        checker.config_for(verifier=verifier.name, verifier_options=verifier.options)
+        checker.config_for(verifier=verifier.choice)
     drafts = {
         name: load_model(name, quantize=settings.quantize_draft or settings.quantize)
         for name in sorted({m.draft_model for m in settings.methods} - {None})

@@ -166,7 +166,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Relaxed verifiers (`lossless` no) keep some draft tokens the target would not have produced: their "
         f"{metric} and equality columns are what that costs. Verifier options are in the spec (see "
-        "`specdecode verifiers` and `RelaxedParams`).",
+        "`specdecode verifiers` and each verifier's options class in `specdecode/verify/`).",
         "",
         common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
         + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specdecode.config import DEFAULT_DRAFT_VOCAB, SamplingParams
+from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.data.corpus import token_ranking
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
@@ -27,6 +27,7 @@ from specdecode.models.fastpath import PackedLinear, fast_path_supported
 from specdecode.models.quantize import quantized_like
 from specdecode.models.quantized_layers import QuantizedLinear
 from specdecode.sampling import argmax_last, sample, sampling_probs
+from specdecode.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from specdecode.models.loading import LoadedModel

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
-from specdecode.config import SamplingParams
 from specdecode.errors import SpecDecodeError
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft, StepFeedback
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from specdecode.server.protocol import (
     finish_reason,
 )
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
-from specdecode.verify.registry import VERIFIERS
+from specdecode.verify.registry import verifiers
 
 UNAUTHENTICATED = ("/health",)
 
@@ -95,7 +95,7 @@ class Service:
         """The verifiers a request may choose here: every registered one this model can run (``judge`` needs a
         trained judge)."""
         usable = []
-        for name in VERIFIERS:
+        for name in verifiers():
             try:
                 self.generator.config_for(verifier=name)
             except SpecDecodeError:

@@ -17,8 +17,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
-from specdecode.verify.registry import VERIFIERS
+from specdecode.verify.registry import check_verifier
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -83,9 +84,10 @@ class _Common(BaseModel):
     @field_validator("verifier")
     @classmethod
     def _known_verifier(cls, name: str | None) -> str | None:
-        if name is not None and name not in VERIFIERS:
-            raise ValueError(f"unknown verifier {name!r}; choose from {', '.join(VERIFIERS)}")
-        return name
+        try:
+            return None if name is None else check_verifier(name)
+        except SpecDecodeError as exc:  # as a ValueError, pydantic reports it as this field's 400
+            raise ValueError(str(exc)) from exc
 
     @property
     def include_usage(self) -> bool:

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM, HiddenStates, require_capability
-from specdecode.verify.judge import Judge, judge_features, plausible
+from specdecode.verify.judge import Judge, JudgeOptions, judge_features, plausible
 
 
 @dataclass
@@ -41,7 +40,7 @@ def collect_examples(
     sequence: list[int],
     answer_start: int,
     window: int,
-    params: RelaxedParams,
+    params: JudgeOptions,
     positions: int,
     rng: random.Random,
     into: Examples,
@@ -149,7 +148,7 @@ def train_judge(
     sequences: list[tuple[list[int], int]],
     *,
     window: int,
-    params: RelaxedParams,
+    params: JudgeOptions,
     positions: int,
     precision: float,
     seed: int,

@@ -6,13 +6,12 @@ import argparse
 import time
 from pathlib import Path
 
-from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
 from specdecode.models.artifacts import trained_artifact_path
 from specdecode.models.loading import load_model
 from specdecode.train.data import prompt_ids, self_distill
 from specdecode.train.judge import train_judge
-from specdecode.verify.judge import JUDGE_ARTIFACT
+from specdecode.verify.judge import JUDGE_ARTIFACT, JudgeOptions
 
 
 def run_judge_training(args: argparse.Namespace) -> int:
@@ -21,7 +20,7 @@ def run_judge_training(args: argparse.Namespace) -> int:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
     if not 0 < args.precision <= 1:
         raise SpecDecodeError(f"--precision must be in (0, 1], got {args.precision}")
-    params = RelaxedParams(top_k=args.top_k, min_prob=args.min_prob)  # validates both
+    params = JudgeOptions(top_k=args.top_k, min_prob=args.min_prob)  # validates both
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise SpecDecodeError("--tasks names no task")

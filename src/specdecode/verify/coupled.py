@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.config import SamplingParams
 from specdecode.sampling import coupled_sample
+from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft, Verdict, children_by_row
 
 

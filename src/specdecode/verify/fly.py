@@ -20,15 +20,34 @@ With ``window`` = 0 the gate alone decides.  Works with every drafter, chains an
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from specdecode.config import RelaxedParams
 from specdecode.types import Draft, Verdict
-from specdecode.verify.relaxed import TargetRows, entropy, relaxed_walk
+from specdecode.verify.base import TargetRows, VerifierMethod, check_fractions, check_integers
+from specdecode.verify.registry import register_verifier
+from specdecode.verify.relaxed import entropy, relaxed_walk
 
 
-def fly_keep(rows: TargetRows, draft: Draft, params: RelaxedParams):
+@dataclass(frozen=True)
+class FlyOptions:
+    """At a row where the draft token differs from the target's choice, the mismatch is kept provisionally when
+    the target's distribution there is flat (entropy over log(vocabulary) >= ``entropy``) and the draft token is
+    among the target's ``top_k`` most likely with probability >= ``min_prob``; it stands only if the next
+    ``window`` draft tokens then match the target exactly, else the step rolls back to the mismatch."""
+
+    entropy: float = 0.1
+    top_k: int = 5
+    min_prob: float = 0.05
+    window: int = 3
+
+    def __post_init__(self) -> None:
+        check_fractions(self, "entropy", "min_prob")
+        check_integers(self, top_k=1, window=0)
+
+
+def fly_keep(rows: TargetRows, draft: Draft, params: FlyOptions):
     """The gate as a keep rule: the most probable candidate that passes it, or None."""
 
     def keep(row: int, candidates: list[int]) -> int | None:
@@ -46,6 +65,14 @@ def fly_keep(rows: TargetRows, draft: Draft, params: RelaxedParams):
     return keep
 
 
-def verify_fly(rows: TargetRows, draft: Draft, params: RelaxedParams) -> Verdict:
+def verify_fly(rows: TargetRows, draft: Draft, params: FlyOptions) -> Verdict:
     """Entropy gate plus deferred window over ``rows`` (the target's logits in the verification layout)."""
     return relaxed_walk(rows, draft, fly_keep(rows, draft, params), window=params.window)
+
+
+@register_verifier("fly", lossless=False)
+class Fly(VerifierMethod):
+    """FLy: a mismatch where the target is unsure is kept if the next draft tokens then match (LOSSY)"""
+
+    options = FlyOptions
+    verify = staticmethod(verify_fly)

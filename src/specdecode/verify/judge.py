@@ -27,18 +27,41 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
 
-from specdecode.config import RelaxedParams
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import CONFIG_FILE, WEIGHTS_FILE, check_manifest, head_directory, write_head_files
 from specdecode.types import Draft, Verdict
-from specdecode.verify.relaxed import TargetRows, entropy, relaxed_walk
+from specdecode.verify.base import TargetRows, VerifierMethod, check_fractions, check_integers
+from specdecode.verify.registry import register_verifier
+from specdecode.verify.relaxed import entropy, relaxed_walk
+
+if TYPE_CHECKING:
+    from specdecode.models.base import CausalLM
 
 #: Where a model's judge lives next to its cached checkpoint.
 JUDGE_ARTIFACT = "judge"
+
+
+@dataclass(frozen=True)
+class JudgeOptions:
+    """A mismatch passing the gate — the draft token among the target's ``top_k`` most likely, with probability
+    >= ``min_prob`` — is kept when the trained judge (``judge``: its directory, default next to the model) rates
+    it harmless with probability >= ``judge_threshold`` (default: the threshold chosen at training)."""
+
+    top_k: int = 5
+    min_prob: float = 0.05
+    judge: str | None = None
+    judge_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        check_fractions(self, "min_prob", *(("judge_threshold",) if self.judge_threshold is not None else ()))
+        if self.judge is not None and (not isinstance(self.judge, str) or not self.judge):
+            raise SpecDecodeError(f"verifier option judge must be a directory, got {self.judge!r}")
+        check_integers(self, top_k=1)
 
 
 @dataclass
@@ -83,14 +106,14 @@ def judge_features(hidden: torch.Tensor, probs: torch.Tensor, token: int) -> tor
     return torch.cat([hidden.float().reshape(-1), torch.tensor([log_p, flatness])])
 
 
-def plausible(probs: torch.Tensor, token: int, params: RelaxedParams) -> bool:
+def plausible(probs: torch.Tensor, token: int, params: JudgeOptions) -> bool:
     """The gate before the judge (the same one its training examples passed): among the target's ``top_k``
     and with probability at least ``min_prob``."""
     p = float(probs[token])
     return p >= params.min_prob and int(torch.count_nonzero(probs > p)) < params.top_k
 
 
-def verify_judge(rows: TargetRows, draft: Draft, params: RelaxedParams, judge: Judge, hidden: torch.Tensor) -> Verdict:
+def verify_judge(rows: TargetRows, draft: Draft, params: JudgeOptions, judge: Judge, hidden: torch.Tensor) -> Verdict:
     """Exact matching, plus the mismatches the judge calls harmless; ``hidden`` [nodes + 1, hidden_size] is
     the target's final hidden state at every row of the verification forward."""
     threshold = judge.threshold if params.judge_threshold is None else params.judge_threshold
@@ -106,6 +129,24 @@ def verify_judge(rows: TargetRows, draft: Draft, params: RelaxedParams, judge: J
         return passing[best] if float(scores[best]) >= threshold else None
 
     return relaxed_walk(rows, draft, keep)
+
+
+@register_verifier("judge", lossless=False)
+class JudgeVerifier(VerifierMethod):
+    """a trained judge keeps a mismatch it predicts the target would carry on from (`train judge`) (LOSSY)"""
+
+    options = JudgeOptions
+    reads_final_hidden = True
+
+    @classmethod
+    def prepare(cls, target: CausalLM, options: JudgeOptions) -> None:
+        super().prepare(target, options)
+        judge_for(target.name, options.judge, target.hidden_size)  # its judge must exist before a request runs
+
+    @staticmethod
+    def verify(rows: TargetRows, draft: Draft, options: JudgeOptions) -> Verdict:
+        judge = judge_for(rows.target_name, options.judge, rows.final_hidden.shape[-1])
+        return verify_judge(rows, draft, options, judge, rows.final_hidden)
 
 
 @lru_cache(maxsize=8)

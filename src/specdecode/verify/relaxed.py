@@ -16,49 +16,15 @@ first, else the child ``keep`` picks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.config import SamplingParams
-from specdecode.sampling import coupled_sample, sample, sampling_probs
 from specdecode.types import Draft, Verdict, children_by_row
+from specdecode.verify.base import TargetRows
 
 #: ``keep(row, candidates)``: which of the candidate child nodes (none equal to the target's choice) to keep
 #: at logits row ``row``, or None.
 KeepRule = Callable[[int, list[int]], "int | None"]
-
-
-@dataclass
-class TargetRows:
-    """The target's logits in the verification row layout, read lazily along the walked path."""
-
-    logits: torch.Tensor  # [nodes + 1, vocab] raw
-    sampling: SamplingParams
-    seed: int | None = None  # a coupled request's seed
-    first_position: int = 0  # the absolute position row 0 predicts (the context's length)
-    generator: torch.Generator | None = None  # draws of unseeded (or uncoupled) sampling
-    _probs: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    def choice(self, row: int, position: int) -> int:
-        """The token the exact verifier would take at ``row`` (which predicts absolute ``position``)."""
-        if self.sampling.greedy:
-            return int(self.logits[row].argmax())
-        if self.sampling.is_coupled and self.seed is not None:
-            return coupled_sample(self.logits[row], self.sampling, self.seed, position)
-        return sample(sampling_probs(self.logits[row].float().cpu(), self.sampling), self.generator)
-
-    def raw_probs(self, row: int) -> torch.Tensor:
-        """softmax of the raw logits (temperature 1, nothing cut): the model's own uncertainty at ``row``."""
-        if row not in self._probs:
-            self._probs[row] = torch.softmax(self.logits[row].float(), dim=-1).cpu()
-        return self._probs[row]
-
-    def processed_probs(self, row: int) -> torch.Tensor:
-        """The distribution the request samples from (temperature, top-k, top-p); the raw one when greedy."""
-        if self.sampling.greedy:
-            return self.raw_probs(row)
-        return sampling_probs(self.logits[row].float(), self.sampling).cpu()
 
 
 def entropy(probs: torch.Tensor) -> float:

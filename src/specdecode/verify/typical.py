@@ -15,13 +15,26 @@ emitted where the path ends.  Chains and trees alike (the walk of :mod:`specdeco
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from specdecode.config import RelaxedParams
 from specdecode.types import Draft, Verdict
-from specdecode.verify.relaxed import TargetRows, entropy, relaxed_walk
+from specdecode.verify.base import TargetRows, VerifierMethod, check_fractions
+from specdecode.verify.registry import register_verifier
+from specdecode.verify.relaxed import entropy, relaxed_walk
 
 
-def typical_keep(rows: TargetRows, draft: Draft, params: RelaxedParams):
+@dataclass(frozen=True)
+class TypicalOptions:
+    """A draft token x is kept when p(x) > min(``epsilon``, ``delta`` * exp(-H(p)))."""
+
+    epsilon: float = 0.09
+    delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        check_fractions(self, "epsilon", "delta")
+
+
+def typical_keep(rows: TargetRows, draft: Draft, params: TypicalOptions):
     """The typicality test as a keep rule: the most probable candidate above the bar, or None."""
 
     def keep(row: int, candidates: list[int]) -> int | None:
@@ -37,6 +50,14 @@ def typical_keep(rows: TargetRows, draft: Draft, params: RelaxedParams):
     return keep
 
 
-def verify_typical(rows: TargetRows, draft: Draft, params: RelaxedParams) -> Verdict:
+def verify_typical(rows: TargetRows, draft: Draft, params: TypicalOptions) -> Verdict:
     """Typical acceptance over ``rows`` (the target's logits in the verification layout)."""
     return relaxed_walk(rows, draft, typical_keep(rows, draft, params))
+
+
+@register_verifier("typical", lossless=False)
+class Typical(VerifierMethod):
+    """Medusa's typical acceptance: keep a token whose target probability beats an entropy-scaled bar (LOSSY)"""
+
+    options = TypicalOptions
+    verify = staticmethod(verify_typical)
