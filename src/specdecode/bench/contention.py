@@ -18,32 +18,23 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
 
-from specdecode.bench import common, peers, runner
+from specdecode.bench import common, peers
+from specdecode.bench.contention_report import CONDITIONS, CONTESTANTS, write_report
+from specdecode.bench.resume import resume, run_fingerprint, save_json
 from specdecode.data.tasks import Task, load_tasks
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.threads import GOVERNOR, fixed_threads, process_cpus
 
 SCHEMA_VERSION = 1
-CONDITIONS = ("idle", "busy")
-CONTESTANTS = ("none", "pld", "none-fixed-threads", "hf-plain", "hf-prompt-lookup")
-LABELS = {
-    "none": "specdecode plain (governed threads)",
-    "pld": "specdecode pld (governed threads)",
-    "none-fixed-threads": "specdecode plain, threads fixed at the CPU count",
-    "hf-plain": "transformers plain",
-    "hf-prompt-lookup": "transformers prompt lookup",
-}
-KEEP_GOAL = 0.45
-SPEEDUP_DRIFT_GOAL = 0.20
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
     "tasks": ("edit", "summarize", "rag", "humaneval"),
@@ -71,7 +62,7 @@ class ContentionSettings:
         common.check_tasks(self.tasks)
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tasks": list(self.tasks), "out": str(self.out)}
+        return common.settings_json(self)
 
 
 def resolve_settings(**overrides: Any) -> ContentionSettings:
@@ -147,16 +138,10 @@ def run_contention(
 ) -> dict[str, Any]:
     """Measure every (contestant, condition) not yet in ``settings.out/results.json``; write the report.
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
-    from specdecode.bench.contention_report import write_report
-
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     path = settings.out / "results.json"
-    fingerprint = common.run_fingerprint(settings, tasks)
-    results = common.read_previous(path)
-    if results is not None and results.get("fingerprint") != fingerprint:
-        raise common.other_settings_error(path, results.get("fingerprint"), fingerprint)
-    if results is None:
-        results = common.new_results(SCHEMA_VERSION, fingerprint)
+    fingerprint = run_fingerprint(settings, tasks)
+    results = resume(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint)
     results["settings"] = settings.to_json()
     done = {(c["method"], c["condition"]) for c in results["cells"]}
     pending = [(name, condition) for name in CONTESTANTS for condition in CONDITIONS if (name, condition) not in done]
@@ -166,7 +151,7 @@ def run_contention(
         encode = common.PromptEncoder(target, settings.model, settings.max_new_tokens)
         prompts = [p.ids for p in encode.encode_tasks(tasks)]
         cpus = len(process_cpus())
-        results.setdefault("environment", runner.environment(cpus))
+        results.setdefault("environment", common.environment(cpus))
         governed = f"{cpus} or fewer (governed: {'adaptive' if GOVERNOR.adaptive else 'fixed here'})"
         results["environment"].update(fast_path=fast_path_default(), threads=governed)
         started = time.perf_counter()
@@ -178,34 +163,6 @@ def run_contention(
                 cell = measure_cell(decode, threads, prompts, settings.max_new_tokens)
             started = common.add_cell(results, {"method": name, "condition": condition, **cell}, path, started)
         results["environment"]["load_average_end"] = common.load_average()
-    common.save_json(path, results)
+    save_json(path, results)
     write_report(results, settings.out)
     return results
-
-
-def summary(results: Mapping[str, Any]) -> dict[str, Any]:
-    """The goal figures from the cells: share of idle speed kept, pld's speed-up idle and busy."""
-    speed = {(c["method"], c["condition"]): c["tokens_per_s"] for c in results["cells"]}
-
-    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
-        return round(speed[a] / speed[b], 3) if a in speed and b in speed and speed[b] else None
-
-    kept = {name: ratio((name, "busy"), (name, "idle")) for name in CONTESTANTS}
-    speedup = {condition: ratio(("pld", condition), ("none", condition)) for condition in CONDITIONS}
-    drift = None
-    if speedup["idle"] and speedup["busy"]:
-        drift = round(abs(speedup["busy"] / speedup["idle"] - 1), 3)
-    return {
-        "kept": kept,
-        "pld_speedup": speedup,
-        "pld_speedup_drift": drift,
-        "keep_goal_met": kept["none"] is not None and kept["none"] >= KEEP_GOAL,
-        "drift_goal_met": drift is not None and drift <= SPEEDUP_DRIFT_GOAL,
-        "same_tokens": _same_tokens(results),
-    }
-
-
-def _same_tokens(results: Mapping[str, Any]) -> bool:
-    """Our contestants' outputs agree across conditions and thread counts (greedy: they must)."""
-    ours = [c["outputs"] for c in results["cells"] if not c["method"].startswith("hf-")]
-    return all(outputs == ours[0] for outputs in ours)

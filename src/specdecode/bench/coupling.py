@@ -16,19 +16,23 @@ cost curve ``auto`` measures once are not decoding.  Not resumable: a run takes 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specdecode.data.tasks import TASK_NAMES, Task
+from tqdm import tqdm
+
+from specdecode.bench import common
+from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.reporting import fmt, machine_line, table
+from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
-
-if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
-    from specdecode.bench.methods import MethodSpec
-    from specdecode.generator import SpeculativeGenerator
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.loading import fast_path_default, load_model
+from specdecode.models.quantize import check_quantize
+from specdecode.threads import fixed_threads
 
 REFERENCE = "none"  # plain decoding: its coupled outputs are what every coupled output must equal
 VERIFIERS = ("coupled", "rejection")
@@ -67,8 +71,6 @@ class CouplingSettings:
     out: Path
 
     def __post_init__(self) -> None:
-        from specdecode.bench import common
-
         common.check_positive_ints(
             ("--prompts-per-task", self.prompts_per_task),
             ("--max-new-tokens", self.max_new_tokens),
@@ -83,8 +85,6 @@ class CouplingSettings:
             raise SpecDecodeError(f"--top-p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
-        from specdecode.models.quantize import check_quantize  # here, not at import: it imports torch
-
         check_quantize(self.quantize)
 
     def to_json(self) -> dict[str, Any]:
@@ -95,9 +95,6 @@ class CouplingSettings:
 def resolve_settings(**overrides: Any) -> CouplingSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
     ``none`` is always measured (first), so it is dropped from ``methods``."""
-    from specdecode.bench import common
-    from specdecode.bench.methods import parse_methods
-
     parsers = {"methods": parse_methods, "tasks": common.split_names}
     values = common.resolve_values(CouplingSettings, DEFAULTS, overrides, "coupling setting", parsers)
     return CouplingSettings(
@@ -167,15 +164,6 @@ def measure_coupling(
 ) -> dict[str, Any]:
     """Decode every prompt with every method (``none`` first) and both verifiers; write results.json and
     results.md to ``settings.out`` and return the results.  ``tasks`` replaces the real prompts (tests)."""
-    from tqdm import tqdm
-
-    from specdecode.bench import common, runner
-    from specdecode.bench.methods import MethodSpec
-    from specdecode.data.tasks import load_tasks
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import fast_path_default, load_model
-    from specdecode.threads import fixed_threads
-
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, PROMPT_SEED)
     target = load_model(settings.model, quantize=settings.quantize)
     draft_names = sorted({m.draft_model for m in settings.methods} - {None})
@@ -188,7 +176,7 @@ def measure_coupling(
     results: dict[str, Any] = {
         "settings": settings.to_json(),
         "prompts": [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded],
-        "environment": {**runner.environment(settings.threads), "fast_path": fast_path_default()},
+        "environment": {**common.environment(settings.threads), "fast_path": fast_path_default()},
         "rows": [],
     }
     reference: dict[str, list[int]] = {}
@@ -219,9 +207,6 @@ def measure_coupling(
 
 def markdown(results: dict[str, Any]) -> str:
     """results.md, from the results JSON alone."""
-    from specdecode.bench import common
-    from specdecode.bench.markdown import fmt, table
-
     s = results["settings"]
     rows = results["rows"]
     plain = {r["verifier"]: r["tokens_per_s"] for r in rows if r["method"] == REFERENCE}
@@ -262,64 +247,8 @@ def markdown(results: dict[str, Any]) -> str:
         "Coupled rows must equal plain coupled decoding on every prompt (drafter invariance); rejection "
         "sampling draws other (equally exact) samples, so its text differs.",
         "",
-        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
+        machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
         + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
         "",
     ]
     return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------
-# ``specdecode bench coupling``
-
-
-def add_coupling_command(commands: argparse._SubParsersAction) -> None:
-    """Add ``coupling`` to ``bench``'s sub-commands.  A flag given to ``bench`` before the sub-command is kept
-    unless repeated after it (SUPPRESS), as for ``bench throughput``."""
-    keep = argparse.SUPPRESS
-    coupling = commands.add_parser(
-        "coupling",
-        help="seeded sampling: acceptance of Gumbel-max coupling vs rejection sampling per drafter",
-        description="Every method decodes every quick-suite prompt twice with the same seed, coupled and by "
-        "rejection sampling; results go to --out (results.json, results.md).",
-    )
-    coupling.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
-    coupling.add_argument(
-        "--methods", default=keep, help=f"comma-separated drafter specs (default {DEFAULTS['methods']})"
-    )
-    coupling.add_argument("--tasks", default=keep, help="comma-separated tasks (default: all)")
-    coupling.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
-    coupling.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 64")
-    coupling.add_argument("--temperature", type=float, default=keep, help="sampling temperature, > 0 (default 0.8)")
-    coupling.add_argument("--top-p", type=float, default=keep, help="nucleus sampling, in (0, 1] (default 1.0: off)")
-    coupling.add_argument("--seed", type=int, default=keep, help="sampling seed of every decode (default 0)")
-    coupling.add_argument(
-        "--quantize",
-        default=keep,
-        metavar="{none,int8,int4,bf16,w4a8}",
-        help="weight-only quantization of the target and draft models (default none)",
-    )
-    coupling.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
-    coupling.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
-    coupling.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
-    coupling.set_defaults(run=run_coupling)
-
-
-def run_coupling(args: argparse.Namespace) -> int:
-    from specdecode.bench.cli import _flags, _run_and_print
-
-    names = (
-        "model",
-        "methods",
-        "tasks",
-        "prompts_per_task",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "quantize",
-        "out",
-    )
-    settings = resolve_settings(**_flags(args, *names, "threads"))
-    progress = getattr(args, "progress", True)
-    return _run_and_print("bench coupling", "results.json, results.md", settings, measure_coupling, progress)

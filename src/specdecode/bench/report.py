@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_speedups, slowest_prompts, task_order
-from specdecode.bench.markdown import fmt, table
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
+from specdecode.bench.reporting import fmt, table
 from specdecode.data.tasks import GROUNDED_TASKS
 
 # --------------------------------------------------------------------------------------------------------

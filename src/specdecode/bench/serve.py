@@ -23,6 +23,8 @@ Every cell starts cold, like a fresh generator in ``bench throughput``: the serv
 adaptive draft-length policies are reset while the server is idle; each method gets one untimed warm-up
 request first.  The reference for equality is method ``none`` at C=1 (always measured, first).
 ``results.json`` is written after every cell; a rerun with the same settings skips the cells it holds.
+
+Needs the ``server`` extra, as ``specdecode serve`` does.
 """
 
 from __future__ import annotations
@@ -31,18 +33,26 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import common, runner
+import uvicorn
+from tqdm import tqdm
+
+from specdecode.bench import common
 from specdecode.bench.methods import MethodSpec, draft_weights, parse_int_list, parse_methods
+from specdecode.bench.resume import other_settings_error, resume, run_fingerprint
 from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
+from specdecode.config import GenerationConfig
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
+from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import check_quantize
+from specdecode.server.app import ServerConfig, Service, create_app, freeze_startup_heap, uvicorn_config
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -93,9 +103,7 @@ class ServeSettings:
         common.check_tasks(self.tasks)
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(methods=[m.spec for m in self.methods], concurrency=list(self.concurrency), out=str(self.out))
-        return {**data, "tasks": list(self.tasks)}
+        return common.settings_json(self)
 
 
 def resolve_settings(**overrides: Any) -> ServeSettings:
@@ -144,10 +152,6 @@ class InProcessServer:
     the port)."""
 
     def __init__(self, service: Any) -> None:
-        import uvicorn
-
-        from specdecode.server.app import create_app, freeze_startup_heap, uvicorn_config
-
         freeze_startup_heap()  # as specdecode serve does
         self.service = service
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -195,9 +199,21 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     drafts = ("quantize_draft",) if settings.quantize_draft is not None else ()
-    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts)
+    fingerprint = run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts)
     path = settings.out / RESULTS_FILE
-    results = _load_previous(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
+
+    def same_benchmark(previous: dict[str, Any]) -> dict[str, Any]:
+        if previous.get("benchmark") != "serve" or previous.get("schema_version") != SCHEMA_VERSION:
+            raise SpecDecodeError(
+                f"{path} holds results of another benchmark or version: choose another --out or empty it"
+            )
+        return previous
+
+    def refusal(old: dict[str, Any]) -> SpecDecodeError:
+        return other_settings_error(path, old, fingerprint, [("max batch size", "max_batch_size")])
+
+    previous = resume(path, fingerprint, refusal=refusal, admit=same_benchmark)
+    results = previous or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
 
     def measure(pending: list[tuple[str, int]]) -> None:
         _measure(settings, tasks, pending, results, progress)
@@ -205,28 +221,9 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
     return common.run_cells(results, settings, cell_order(settings), "concurrency", measure, write_report, path)
 
 
-def _load_previous(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    previous = common.read_previous(path)
-    if previous is None:
-        return None
-    if previous.get("benchmark") != "serve" or previous.get("schema_version") != SCHEMA_VERSION:
-        raise SpecDecodeError(f"{path} holds results of another benchmark or version: choose another --out or empty it")
-    if previous.get("fingerprint") != fingerprint:
-        extra = [("max batch size", "max_batch_size")]
-        raise common.other_settings_error(path, previous.get("fingerprint"), fingerprint, extra)
-    return previous
-
-
 def _measure(
     settings: ServeSettings, tasks: Sequence[Task], pending: list[tuple[str, int]], results: dict, progress: bool
 ) -> None:
-    from tqdm import tqdm
-
-    from specdecode.config import GenerationConfig
-    from specdecode.drafters import create_drafter
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.server.app import ServerConfig, Service
-
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
     needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
@@ -251,7 +248,7 @@ def _measure(
     results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
     results["prompts"] = [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded]
     versions = common.package_versions(("openai", "uvicorn", "uvloop", "httptools", "fastapi"))
-    results["environment"] = {**runner.environment(settings.threads), **versions, "fast_path": fast_path_default()}
+    results["environment"] = {**common.environment(settings.threads), **versions, "fast_path": fast_path_default()}
     started = time.perf_counter()
     with (
         InProcessServer(service) as server,

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from specdecode.batch_engine import BatchRequest
-from specdecode.bench import common, peers, runner
+from specdecode.bench import common, peers
 from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.resume import resume, run_fingerprint
 from specdecode.bench.throughput_report import summarize_cell, write_report
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
@@ -71,9 +74,7 @@ class ThroughputSettings:
             raise SpecDecodeError(f"--batch-sizes takes comma-separated positive integers, got {self.batch_sizes!r}")
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(methods=[m.spec for m in self.methods], batch_sizes=list(self.batch_sizes), out=str(self.out))
-        return {**data, "tasks": list(self.tasks)}
+        return common.settings_json(self)
 
 
 def resolve_settings(**overrides: Any) -> ThroughputSettings:
@@ -153,16 +154,6 @@ def run_peer(
 # The run
 
 
-def _load_previous(settings: ThroughputSettings, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    path = settings.out / RESULTS_FILE
-    previous = common.read_previous(path)
-    if previous is not None and (
-        previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != fingerprint
-    ):
-        raise common.other_settings_error(path, previous.get("fingerprint"), fingerprint)
-    return previous
-
-
 def run_throughput(
     settings: ThroughputSettings, tasks: Sequence[Task] | None = None, progress: bool = True
 ) -> dict[str, Any]:
@@ -170,8 +161,9 @@ def run_throughput(
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    fingerprint = common.run_fingerprint(settings, tasks)
-    results = _load_previous(settings, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint)
+    fingerprint = run_fingerprint(settings, tasks)
+    previous = resume(settings.out / RESULTS_FILE, fingerprint, SCHEMA_VERSION)
+    results = previous or common.new_results(SCHEMA_VERSION, fingerprint)
 
     def measure(pending: list[tuple[str, int]]) -> None:
         _measure(settings, tasks, pending, results, progress)
@@ -188,8 +180,6 @@ def _measure(
     results: dict[str, Any],
     progress: bool,
 ) -> None:
-    from tqdm import tqdm
-
     target = load_model(settings.model)
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
@@ -199,7 +189,7 @@ def _measure(
     keys, prompts = [e.key for e in encoded], [e.ids for e in encoded]
     results["chat_template"] = encode.chat
     results["prompts"] = [{"prompt": key, "prompt_tokens": len(ids)} for key, ids in zip(keys, prompts)]
-    results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
+    results["environment"] = {**common.environment(settings.threads), "fast_path": fast_path_default()}
     peer_model: LoadedModel | None = None
     warm: set[str] = set()
 
