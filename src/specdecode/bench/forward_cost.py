@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specdecode.bench.common import check_positive_ints
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import prefilled, timed_rounds
@@ -90,13 +91,13 @@ def print_forward_cost(
     """``specdecode bench forward-cost``: measure and print the curve (one JSON object with ``as_json``), then
     with ``with_profiles`` the per-operator profiles of 1- and 8-token forwards."""
     quantize = check_quantize(quantize or "none")
+    repeats = 5 if repeats is None else repeats
+    check_positive_ints(("--repeats", repeats), *([("--threads", threads)] if threads is not None else []))
     if threads is not None:
-        if threads < 1:
-            raise SpecDecodeError(f"--threads must be a positive integer, got {threads}")
         torch.set_num_threads(threads)
     backend = load_model(model or DEFAULT_MODEL, quantize=quantize).backend
     try:
-        cost = measure_forward_cost(backend, context_tokens=context_tokens, max_new=max_new, repeats=repeats or 5)
+        cost = measure_forward_cost(backend, context_tokens=context_tokens, max_new=max_new, repeats=repeats)
     except ValueError as exc:  # bad sizes: a user mistake, one line
         raise SpecDecodeError(str(exc)) from exc
     print(json.dumps({**cost.to_json(), "quantize": quantize}) if as_json else format_curve(cost))
