@@ -34,11 +34,22 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def is_number(value: Any) -> bool:
+    """An ``int`` or a ``float`` (not ``True``)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def check_positive_ints(*labelled: tuple[str, Any]) -> None:
     """Every ``(flag label, value)`` must be a positive integer; the first that is not is the error."""
     for label, value in labelled:
         if not is_positive_int(value):
             raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
+
+
+def check_positive_int_list(label: str, values: Sequence[Any]) -> None:
+    """``--batch-sizes``-like settings: at least one value, each a positive integer."""
+    if not values or not all(is_positive_int(v) for v in values):
+        raise SpecDecodeError(f"{label} takes comma-separated positive integers, got {values!r}")
 
 
 def check_known_tasks(names: Iterable[str]) -> None:
@@ -75,14 +86,39 @@ def resolve_values(
     what: str,
     parsers: Mapping[str, Callable[[str], Any]],
 ) -> dict[str, Any]:
-    """``defaults`` (threads: the number of cores) overridden by the given ``overrides``; a string value of a
-    key in ``parsers`` is parsed as on the command line, in the order of ``parsers`` (so the first bad flag
-    is the one reported)."""
-    values = {**defaults, "threads": os.cpu_count() or 1, **given_settings(overrides, settings_class, what)}
+    """``defaults`` (threads, where the settings have them: the number of cores) overridden by the given
+    ``overrides``; a string value of a key in ``parsers`` is parsed as on the command line, in the order of
+    ``parsers`` (so the first bad flag is the one reported).  Lists come back as tuples, ``out`` as a path."""
+    cores = {"threads": os.cpu_count() or 1} if "threads" in settings_class.__dataclass_fields__ else {}
+    values = {**defaults, **cores, **given_settings(overrides, settings_class, what)}
     for key, parse in parsers.items():
         if isinstance(values[key], str):
             values[key] = parse(values[key])
-    return values
+    values = {key: tuple(value) if isinstance(value, list) else value for key, value in values.items()}
+    return {**values, "out": Path(values["out"])}
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """What every benchmark of the built-in prompt sets is given: the target, the prompts (``tasks``, a seeded
+    selection of ``prompts_per_task`` each), the new tokens per request and where the results go; checked when
+    built, a bad value in one line naming its flag."""
+
+    model: str
+    tasks: tuple[str, ...]
+    prompts_per_task: int
+    max_new_tokens: int
+    seed: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        check_positive_ints(("--prompts-per-task", self.prompts_per_task), ("--max-new-tokens", self.max_new_tokens))
+        check_tasks(self.tasks)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return settings_json(self)
 
 
 def settings_json(settings: Any) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -47,31 +46,16 @@ BUSY_LOOP = "while True:\n    pass\n"
 
 
 @dataclass(frozen=True)
-class ContentionSettings:
-    model: str
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
-    seed: int
-    out: Path
-
-    def __post_init__(self) -> None:
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task), ("--max-new-tokens", self.max_new_tokens)
-        )
-        common.check_tasks(self.tasks)
-
-    def to_json(self) -> dict[str, Any]:
-        return common.settings_json(self)
+class ContentionSettings(common.PromptSettings):
+    """No ``threads``: how many threads to run is what this benchmark leaves to the governor, and checks."""
 
 
 def resolve_settings(**overrides: Any) -> ContentionSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    values = common.resolve_values(
-        ContentionSettings, DEFAULTS, overrides, "contention setting", {"tasks": common.split_names}
+    parsers = {"tasks": common.split_names}
+    return ContentionSettings(
+        **common.resolve_values(ContentionSettings, DEFAULTS, overrides, "contention setting", parsers)
     )
-    values.pop("threads", None)  # this benchmark's point is the thread count it does not fix
-    return ContentionSettings(**{**values, "tasks": tuple(values["tasks"]), "out": Path(values["out"])})
 
 
 @contextmanager

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -57,39 +56,23 @@ DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class CouplingSettings:
-    model: str
+class CouplingSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
     temperature: float
     top_p: float
-    seed: int
     quantize: str
     threads: int
-    out: Path
 
     def __post_init__(self) -> None:
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--threads", self.threads),
-        )
-        common.check_tasks(self.tasks)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+        super().__post_init__()
+        common.check_positive_ints(("--threads", self.threads))
+        if not common.is_number(self.temperature):
             raise SpecDecodeError(f"--temperature must be a number, got {self.temperature!r}")
         if self.temperature <= 0:  # greedy decoding samples nothing: there is no verifier to compare
             raise SpecDecodeError(f"--temperature must be > 0 (coupling is for sampling), got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not common.is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise SpecDecodeError(f"--top-p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
         check_quantize(self.quantize)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        return {**data, "methods": [m.spec for m in self.methods], "tasks": list(self.tasks), "out": str(self.out)}
 
 
 def resolve_settings(**overrides: Any) -> CouplingSettings:
@@ -97,19 +80,7 @@ def resolve_settings(**overrides: Any) -> CouplingSettings:
     ``none`` is always measured (first), so it is dropped from ``methods``."""
     parsers = {"methods": parse_methods, "tasks": common.split_names}
     values = common.resolve_values(CouplingSettings, DEFAULTS, overrides, "coupling setting", parsers)
-    return CouplingSettings(
-        model=values["model"],
-        methods=tuple(m for m in values["methods"] if m.spec != REFERENCE),
-        tasks=tuple(values["tasks"]),
-        prompts_per_task=values["prompts_per_task"],
-        max_new_tokens=values["max_new_tokens"],
-        temperature=values["temperature"],
-        top_p=values["top_p"],
-        seed=values["seed"],
-        quantize=values["quantize"],
-        threads=values["threads"],
-        out=Path(values["out"]),
-    )
+    return CouplingSettings(**{**values, "methods": tuple(m for m in values["methods"] if m.spec != REFERENCE)})
 
 
 def decode(

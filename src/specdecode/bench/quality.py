@@ -129,7 +129,7 @@ class QualitySettings:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
         for label, value in (("--temperature", self.temperature), ("--timeout-s", self.timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if not common.is_number(value) or value < 0:
                 raise SpecDecodeError(f"{label} must be a number >= 0, got {value!r}")
         if self.timeout_s <= 0:
             raise SpecDecodeError(f"--timeout-s must be > 0, got {self.timeout_s}")
@@ -151,8 +151,6 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
     values = common.resolve_values(QualitySettings, DEFAULTS, overrides, "quality setting", parsers)
     values["methods"] = tuple(m for m in values["methods"] if m.spec != REFERENCE)
     values["quantize_draft"] = draft_weights(values["methods"], values["quantize"], values["quantize_draft"])
-    values["verifiers"] = tuple(values["verifiers"])
-    values["out"] = Path(values["out"])
     return QualitySettings(**values)
 
 

@@ -34,7 +34,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -74,36 +73,21 @@ DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class ServeSettings:
-    model: str
+class ServeSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
     concurrency: tuple[int, ...]
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
     max_batch_size: int
-    seed: int
     threads: int
-    out: Path
     quantize: str = "none"  # the target's weights (--quantize)
     quantize_draft: str | None = None  # the draft models' (--quantize-draft); None: no method has one
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_quantize(self.quantize)
         if self.quantize_draft is not None:
             check_quantize(self.quantize_draft, "--quantize-draft")
-        if not self.concurrency or not all(common.is_positive_int(c) for c in self.concurrency):
-            raise SpecDecodeError(f"--concurrency takes comma-separated positive integers, got {self.concurrency!r}")
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--max-batch-size", self.max_batch_size),
-            ("--threads", self.threads),
-        )
-        common.check_tasks(self.tasks)
-
-    def to_json(self) -> dict[str, Any]:
-        return common.settings_json(self)
+        common.check_positive_int_list("--concurrency", self.concurrency)
+        common.check_positive_ints(("--max-batch-size", self.max_batch_size), ("--threads", self.threads))
 
 
 def resolve_settings(**overrides: Any) -> ServeSettings:
@@ -114,24 +98,17 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
         "tasks": common.split_names,
     }
     values = common.resolve_values(ServeSettings, DEFAULTS, overrides, "serve benchmark setting", parsers)
-    concurrency = tuple(values["concurrency"])
+    concurrency = values["concurrency"]
     if all(common.is_positive_int(c) for c in concurrency):  # else ServeSettings reports them as given
         concurrency = tuple(sorted(set(concurrency)))
     batch = values["max_batch_size"]
-    methods = tuple(values["methods"])
     return ServeSettings(
-        model=values["model"],
-        methods=methods,
-        concurrency=concurrency,
-        tasks=tuple(values["tasks"]),
-        prompts_per_task=values["prompts_per_task"],
-        max_new_tokens=values["max_new_tokens"],
-        max_batch_size=batch if batch is not None else max(concurrency, default=1),
-        seed=values["seed"],
-        threads=values["threads"],
-        out=Path(values["out"]),
-        quantize=values["quantize"],
-        quantize_draft=draft_weights(methods, values["quantize"], values["quantize_draft"]),
+        **{
+            **values,
+            "concurrency": concurrency,
+            "max_batch_size": batch if batch is not None else max(concurrency, default=1),
+            "quantize_draft": draft_weights(values["methods"], values["quantize"], values["quantize_draft"]),
+        }
     )
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -28,7 +27,6 @@ from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
 from specdecode.bench.resume import resume, run_fingerprint
 from specdecode.bench.throughput_report import summarize_cell, write_report
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
-from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 
@@ -51,30 +49,16 @@ DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class ThroughputSettings:
-    model: str
+class ThroughputSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
     batch_sizes: tuple[int, ...]
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
-    seed: int
     peers: bool
     threads: int
-    out: Path
 
     def __post_init__(self) -> None:
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--threads", self.threads),
-        )
-        common.check_tasks(self.tasks)
-        if not self.batch_sizes or not all(common.is_positive_int(b) for b in self.batch_sizes):
-            raise SpecDecodeError(f"--batch-sizes takes comma-separated positive integers, got {self.batch_sizes!r}")
-
-    def to_json(self) -> dict[str, Any]:
-        return common.settings_json(self)
+        super().__post_init__()
+        common.check_positive_ints(("--threads", self.threads))
+        common.check_positive_int_list("--batch-sizes", self.batch_sizes)
 
 
 def resolve_settings(**overrides: Any) -> ThroughputSettings:
@@ -86,16 +70,7 @@ def resolve_settings(**overrides: Any) -> ThroughputSettings:
     }
     values = common.resolve_values(ThroughputSettings, DEFAULTS, overrides, "throughput setting", parsers)
     return ThroughputSettings(
-        model=values["model"],
-        methods=tuple(values["methods"]),
-        batch_sizes=tuple(sorted(set(values["batch_sizes"]))),
-        tasks=tuple(values["tasks"]),
-        prompts_per_task=values["prompts_per_task"],
-        max_new_tokens=values["max_new_tokens"],
-        seed=values["seed"],
-        peers=bool(values["peers"]),
-        threads=values["threads"],
-        out=Path(values["out"]),
+        **{**values, "batch_sizes": tuple(sorted(set(values["batch_sizes"]))), "peers": bool(values["peers"])}
     )
 
 
