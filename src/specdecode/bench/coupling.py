@@ -24,8 +24,9 @@ from typing import Any
 from tqdm import tqdm
 
 from specdecode.bench import common
+from specdecode.bench.coupling_report import REFERENCE, markdown, summarize_row
 from specdecode.bench.methods import MethodSpec, parse_methods
-from specdecode.bench.reporting import fmt, machine_line, table
+from specdecode.bench.metrics import decode_record
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -33,7 +34,6 @@ from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import check_quantize
 from specdecode.threads import fixed_threads
 
-REFERENCE = "none"  # plain decoding: its coupled outputs are what every coupled output must equal
 VERIFIERS = ("coupled", "rejection")
 WARMUP_TOKENS = 8
 #: Prompt selection: the quick suite's prompts (``bench --suite quick``), whatever the sampling seed.
@@ -97,37 +97,7 @@ def decode(
         seed=settings.seed,
         coupled=coupled,
     )
-    stats = result.stats
-    return {
-        "token_ids": result.token_ids,
-        "new_tokens": stats.new_tokens,
-        "steps": stats.steps,
-        "drafted_tokens": stats.drafted_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "wall_s": round(stats.wall_s, 5),
-    }
-
-
-def summarize_row(method: str, verifier: str, keys: Sequence[str], records: Sequence[dict], reference: dict) -> dict:
-    """One (method, verifier) row: pooled acceptance and speed, and equality with plain coupled decoding."""
-    total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
-    wall_s = sum(r["wall_s"] for r in records)
-    same = [reference[key] == r["token_ids"] for key, r in zip(keys, records)]
-    return {
-        "method": method,
-        "verifier": verifier,
-        **total,
-        "wall_s": round(wall_s, 4),
-        # Tokens per target forward, the target's own token included (plain decoding: 1.0).
-        "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
-        "acceptance_rate": total["accepted_tokens"] / total["drafted_tokens"] if total["drafted_tokens"] else None,
-        "tokens_per_s": total["new_tokens"] / wall_s if wall_s > 0 else 0.0,
-        "equal_to_plain_coupled": sum(same) / len(same),
-        "per_prompt": [
-            {"prompt": key, **{k: v for k, v in r.items() if k != "token_ids"}, "equal_to_plain_coupled": s}
-            for key, r, s in zip(keys, records, same)
-        ],
-    }
+    return {"token_ids": result.token_ids, **decode_record(result.stats)}
 
 
 def measure_coupling(
@@ -174,52 +144,3 @@ def measure_coupling(
     common.save_json(settings.out / "results.json", results)
     (settings.out / "results.md").write_text(markdown(results))
     return results
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """results.md, from the results JSON alone."""
-    s = results["settings"]
-    rows = results["rows"]
-    plain = {r["verifier"]: r["tokens_per_s"] for r in rows if r["method"] == REFERENCE}
-    lines = [
-        f"# Coupled vs rejection sampling: `{s['model']}`",
-        "",
-        f"{len(results['prompts'])} prompts ({', '.join(s['tasks'])}), temperature {s['temperature']}, "
-        f"top-p {s.get('top_p', 1.0)}, seed "
-        f"{s['seed']}, up to {s['max_new_tokens']} new tokens (EOS ends a decode), default draft lengths unless "
-        "a method says `k=`. Every method decodes every prompt twice from a cold drafter with the same seed: "
-        "Gumbel-max coupled (the default for seeded sampling, drafter-invariant) and rejection sampling "
-        "(`--no-coupled`). Mean accepted tokens count the target's own token per step (plain decoding: 1.00).",
-        "",
-        *table(
-            [
-                "method",
-                "verifier",
-                "mean accepted tokens / step",
-                "draft acceptance rate",
-                "tokens/s",
-                "over plain (same verifier)",
-                "same tokens as plain coupled",
-            ],
-            (
-                [
-                    f"`{r['method']}`",
-                    r["verifier"],
-                    fmt(r["mean_accepted_tokens"]),
-                    fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".1f", "%"),
-                    fmt(r["tokens_per_s"], ".1f"),
-                    fmt(r["tokens_per_s"] / plain[r["verifier"]] if plain.get(r["verifier"]) else None, ".2f", "x"),
-                    f"{round(r['equal_to_plain_coupled'] * len(r['per_prompt']))}/{len(r['per_prompt'])}",
-                ]
-                for r in rows
-            ),
-        ),
-        "",
-        "Coupled rows must equal plain coupled decoding on every prompt (drafter invariance); rejection "
-        "sampling draws other (equally exact) samples, so its text differs.",
-        "",
-        machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
-        + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
-        "",
-    ]
-    return "\n".join(lines)

@@ -142,3 +142,23 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+#: What a generation's stats count, as the per-prompt records of ``bench coupling`` and ``bench quality`` keep them.
+DECODE_COUNTS = ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")
+
+
+def decode_record(stats: Any) -> dict[str, Any]:
+    """A :class:`~specdecode.stats.GenerationStats`' counts and wall time, as a record keeps them."""
+    return {**{key: getattr(stats, key) for key in DECODE_COUNTS}, "wall_s": round(stats.wall_s, 5)}
+
+
+def pooled_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """The counts of :data:`DECODE_COUNTS` summed over records."""
+    records = list(records)
+    return {key: sum(r[key] for r in records) for key in DECODE_COUNTS}
+
+
+def tokens_per_step(counts: Mapping[str, int]) -> float:
+    """Tokens per target forward, the target's own token included (plain decoding: 1.0)."""
+    return (counts["accepted_tokens"] + counts["steps"]) / counts["steps"] if counts["steps"] else 0.0

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from specdecode.bench import common
 from specdecode.bench.methods import MethodSpec, draft_weights, parse_methods
+from specdecode.bench.metrics import decode_record
 from specdecode.bench.quality_report import summarize, write_report
 from specdecode.bench.quality_suites import CHAT_REQUEST, CHAT_STOPS, STOPS, get_suite, select_problems
 from specdecode.bench.resume import resume, save_json
@@ -188,11 +189,7 @@ def decode(
         "task_id": problem["task_id"],
         "completion": result.text,
         "token_ids": result.token_ids,
-        "new_tokens": stats.new_tokens,
-        "steps": stats.steps,
-        "drafted_tokens": stats.drafted_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "wall_s": round(stats.wall_s, 5),
+        **decode_record(stats),
         "lossless": stats.lossless,
         **outcome,
     }

@@ -7,13 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.reporting import fmt, machine_line, pyplot, save_figure, table
+from specdecode.bench.metrics import pooled_counts, tokens_per_step
+from specdecode.bench.reporting import closing_line, fmt, pyplot, save_figure, table
 
 REFERENCE = ("none", "exact")  # plain decoding: the lossless output
 
 
 def _pooled(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
+    total = pooled_counts(records)
     wall_s = sum(r["wall_s"] for r in records)
     # The tokens returned: a speculative step may have decoded past a stop string (results from before the
     # stats stopped counting those) and plain decoding, which stops at once, would not have.
@@ -23,8 +24,7 @@ def _pooled(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "returned_tokens": returned,
         "wall_s": round(wall_s, 4),
         "tokens_per_s": returned / wall_s if wall_s > 0 else 0.0,
-        # Tokens per target forward, the target's own token included (plain decoding: 1.0).
-        "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
+        "mean_accepted_tokens": tokens_per_step(total),
     }
 
 
@@ -163,8 +163,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{metric} and equality columns are what that costs. Verifier options are in the spec (see "
         "`specdecode verifiers` and `RelaxedParams`).",
         "",
-        machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
-        + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
+        closing_line(results),
         "",
     ]
     return "\n".join(lines)

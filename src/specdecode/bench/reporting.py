@@ -32,9 +32,12 @@ def machine_line(env: Mapping[str, Any], packages: Sequence[str]) -> str:
     )
 
 
-def measured_line(results: Mapping[str, Any]) -> str:
-    """The closing sentence on how long measuring took."""
-    return f"Measured in {results.get('measure_s', 0) / 60:.1f} min."
+def closing_line(results: Mapping[str, Any]) -> str:
+    """A report's last sentence: the machine (:func:`machine_line`) and how long measuring took."""
+    env = results.get("environment", {})
+    return machine_line(env, ("torch", "transformers", "specdecode")) + (
+        f" Measured in {results.get('measure_s', 0) / 60:.1f} min."
+    )
 
 
 # --------------------------------------------------------------------------------------------------------
