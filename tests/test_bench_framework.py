@@ -16,11 +16,11 @@ from helpers import assert_one_line_error, bench_parser
 from specdecode.bench import benchmark
 from specdecode.bench.arguments import Flag
 from specdecode.bench.benchmark import Benchmark, benchmarks, register_benchmark
-from specdecode.bench.commands.suite import Suite
+from specdecode.bench.commands.suite import BenchSuite
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
-COMMANDS = [Suite(), *(cls() for cls in benchmarks().values())]
+COMMANDS = [BenchSuite(), *(cls() for cls in benchmarks().values())]
 #: Flags that keep a run small, should it get as far as its prompts (it must not get further).
 SMALL = {"bench": ["--tasks", "edit"], "throughput": ["--tasks", "edit"], "serve": ["--tasks", "edit"]}
 SMALL |= {"contention": ["--tasks", "edit"], "quality": ["--tasks", "2"], "adapt": ["--requests", "2"]}

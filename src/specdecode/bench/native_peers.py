@@ -1,6 +1,7 @@
 """The CPU engines a user would pick instead of ours: llama.cpp (through ``llama-cpp-python``) on the very
 GGUF our checkpoint was de-quantized from, and OpenVINO GenAI on int8 / int4 exports made by its own
-tooling (``optimum-cli export openvino``).  Both are optional extras, skipped with a message when absent.
+tooling (``optimum-cli export openvino``).  Both are optional extras, skipped with a message when absent: they
+are imported where a run needs them, never with this module.
 
 Each runs the benchmark's contract: prompt token ids in, exactly ``max_new_tokens`` greedy token ids out
 (EOS ignored), the generation call timed, prefill included — as our generator is timed (building an
@@ -29,6 +30,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import model_cache_dir
@@ -145,8 +149,6 @@ class _LlamaDraft:
         self.llm, self.k = llm, k
 
     def __call__(self, input_ids, /, **kwargs: Any):
-        import numpy as np
-
         drafted = []
         # reset=True (the default) is what keeps the longest cached prefix; reset=False would append the
         # whole context to the cache again.
@@ -175,7 +177,6 @@ def openvino_run(
     Every pipeline compiles its own copy of the weights (1.5B int8: ~1.7 GB), so only one is alive at a time
     (:data:`_PIPELINE`): a run builds its pipeline when another one ran last — from OpenVINO's cache of
     compiled models, warmed up with a two-token call, all untimed — and times only ``generate``."""
-    import numpy as np
     import openvino as ov
     import openvino_genai as genai
 
@@ -263,7 +264,6 @@ def _convert_tokenizer(source: Path, out: Path) -> None:
     pipeline encodes through it even when given token ids."""
     import openvino as ov
     from openvino_tokenizers import convert_tokenizer
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     ov.save_model(convert_tokenizer(tokenizer, with_detokenizer=False), out / "openvino_tokenizer.xml")

@@ -7,10 +7,12 @@ previous one finished; :func:`stream_one` times one streamed request's chunks as
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from specdecode.bench.methods import DEFAULT_K, MethodSpec
@@ -107,9 +109,6 @@ class ClientProcess:
     elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
 
     def __init__(self, port: int) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         self.port = port
         self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
@@ -137,7 +136,7 @@ def _in_child(port: int, call: Callable[..., Any], *args: Any) -> Any:
 
 
 def client_for(port: int) -> Any:
-    import openai
+    import openai  # optional (not even the server extra needs it): imported in the client process only
 
     # trust_env=False: a proxy configured for the outside world must not see loopback requests.
     http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)

@@ -10,7 +10,7 @@ from specdecode.bench.arguments import THREADS_HELP, Arguments, Flag
 from specdecode.bench.benchmark import Benchmark
 
 
-class Suite(Benchmark):
+class BenchSuite(Benchmark):
     name = ""
     label = "bench"
     entry = "run_bench"
