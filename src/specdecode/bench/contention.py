@@ -1,16 +1,16 @@
 """``specdecode bench contention``: decoding speed with one busy process beside us, against the idle speed.
 
-A laptop or a shared server always has something else running.  On a 2-core machine, one process that keeps
-one core busy made torch's two spin-waiting OpenMP threads collapse: plain decoding fell to a tenth of its idle
-speed (see :mod:`specdecode.threads`, whose thread governor is what this benchmark checks).  For each
+A laptop or a shared server always has something else running, and torch's spin-waiting OpenMP threads collapse
+when another process keeps one of the cores they count on busy (see :mod:`specdecode.threads`, whose thread
+governor is what this benchmark checks; measured in ``docs/results/contention-smollm2-135m``).  For each
 contestant — our plain and ``pld`` decoding with governed threads, our plain decoding with the thread count
-fixed at the number of CPUs (what it was before the governor), and transformers' plain and prompt-lookup
+fixed at the number of CPUs (no governor), and transformers' plain and prompt-lookup
 ``generate()`` as a user runs them (torch's default threads, no CPU fast path) — the same prompts are decoded
 twice in a row: idle, then with one competitor (a Python busy loop) running.  The competitor starts before
 an untimed warm-up generation, so the governor has settled (it needs about a second) when timing starts.
 
-Goals (issue 19): with one busy competitor on 2 cores we keep at least 45% of our idle tokens/s, and the
-speed-up of ``pld`` over plain stays within 20% of its idle value.
+Goals (:mod:`specdecode.bench.contention_report`): with one busy competitor on 2 cores we keep at least 45% of
+our idle tokens/s, and the speed-up of ``pld`` over plain stays within 20% of its idle value.
 """
 
 from __future__ import annotations

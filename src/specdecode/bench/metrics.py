@@ -100,7 +100,7 @@ def time_shares(records: Iterable[Mapping[str, Any]]) -> TimeShares | None:
     return TimeShares(draft=draft / wall, overhead=max(0.0, wall - draft - forward) / wall)
 
 
-#: Resamples of the bootstrap: the interval's ends move by well under 0.01x between seeds at this count.
+#: Resamples of the bootstrap: enough that the interval's ends hardly depend on its seed.
 BOOTSTRAP_RESAMPLES = 2000
 
 

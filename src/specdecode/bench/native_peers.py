@@ -39,8 +39,8 @@ from specdecode.models.cache import model_cache_dir
 from specdecode.models.registry import ensure_gguf, ensure_model, is_registered
 
 _LLAMACPP_HINT = "pip install -e '.[llamacpp]' (compiles llama.cpp, about 13 min on 2 cores)"
-#: llama.cpp's AMX backend (built when the compiling CPU has AMX) crashed in decode on every model we ran
-#: (llama-cpp-python 0.3.36, a 2-core Sapphire Rapids Xeon; ggml-org/llama.cpp#20824): build without it.
+#: llama.cpp's AMX backend (built when the compiling CPU has AMX) crashes in decode (ggml-org/llama.cpp#20824):
+#: build without it.
 _NO_AMX_HINT = (
     "reinstall llama.cpp without its AMX backend, which segfaults here (ggml-org/llama.cpp#20824): "
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON '
@@ -174,7 +174,7 @@ def openvino_run(
     prompt lookup (``lookup``: ``max_ngram_size``, ``num_assistant_tokens``) or with ``draft``'s export
     drafting ``lookup["num_assistant_tokens"]`` tokens.
 
-    Every pipeline compiles its own copy of the weights (1.5B int8: ~1.7 GB), so only one is alive at a time
+    Every pipeline compiles its own copy of the weights, so only one is alive at a time
     (:data:`_PIPELINE`): a run builds its pipeline when another one ran last — from OpenVINO's cache of
     compiled models, warmed up with a two-token call, all untimed — and times only ``generate``."""
     import openvino as ov

@@ -258,8 +258,8 @@ def _measure(
                 started = common.add_cell(results, cell, settings.out / RESULTS_FILE, started)
                 bar.update()
 
-        # The engine steps in this thread, which loaded the model (see specdecode.server.worker: a second
-        # thread running torch costs it ~30%); the cells are driven from another.
+        # The engine steps in this thread, which loaded the model (see specdecode.server.worker: torch is slower
+        # in a thread of its own); the cells are driven from another.
         run_beside(measure_cells, service.worker.drive)
     results["environment"]["load_average_end"] = common.load_average()
 

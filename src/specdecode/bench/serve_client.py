@@ -104,9 +104,9 @@ def run_cell(
 class ClientProcess:
     """The benchmark's clients, in a spawned child process that lives for the whole run.
 
-    In the server's process, eight client threads parsing SSE chunks took the interpreter lock from the
-    engine's thread between its torch calls, and the steps grew by some milliseconds; real clients run
-    elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
+    Client threads in the server's process would take the interpreter lock from the engine's thread between
+    its torch calls and lengthen its steps (``docs/results/serve-bf16-clientproc-smollm2-135m``); real clients
+    run elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
 
     def __init__(self, port: int) -> None:
         self.port = port
