@@ -27,9 +27,10 @@ _DISCOVERED = False
 
 
 class Benchmark:
-    """One command.  A subclass sets the class attributes and :meth:`arguments`; the default :meth:`resolve`
-    calls ``resolve_settings(**given)`` of its ``module``, whose settings have an ``out`` directory where
-    :meth:`measure` leaves ``results.md``."""
+    """One command, in four steps: its flags (:meth:`arguments`), :meth:`resolve` them into checked settings,
+    :meth:`measure` (leaving ``results.md`` in the settings' ``out`` directory), :meth:`report`.  A subclass
+    sets the class attributes, :meth:`arguments` and :meth:`measure`; the default :meth:`resolve` is the
+    ``resolve_settings(**given)`` of its ``module``."""
 
     name: ClassVar[str]  # the sub-command
     help: ClassVar[str]  # its line in ``specdecode bench --help``
@@ -39,15 +40,14 @@ class Benchmark:
     #: Settings a sub-command takes from ``bench``'s own flags (given before it) without a flag of its own.
     from_bench: ClassVar[tuple[str, ...]] = ()
 
-    @property
-    def label(self) -> str:
-        """How progress and messages name the command."""
-        return f"bench {self.name}"
+    label: ClassVar[str]  # how progress and messages name the command: default "bench NAME"
+    entry: ClassVar[str]  # the name of the function a parsed command line runs (``args.run``): default "run_NAME"
 
-    @property
-    def entry(self) -> str:
-        """The name of the function ``args.run`` that a parsed command line dispatches to."""
-        return "run_" + self.name.replace("-", "_")
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = getattr(cls, "name", "")
+        cls.label = cls.__dict__.get("label", f"bench {name}")
+        cls.entry = cls.__dict__.get("entry", "run_" + name.replace("-", "_"))
 
     def arguments(self) -> Arguments:
         """The flags, by setting name: a help text for a flag of :data:`~specdecode.bench.arguments.SHARED`, else
@@ -63,6 +63,7 @@ class Benchmark:
         return self.implementation.resolve_settings(**given)
 
     def measure(self, settings: Any, progress: bool) -> Any:
+        """Measure what ``settings.out`` does not hold yet and write the results there; ``progress``: show it."""
         raise NotImplementedError
 
     def report(self, settings: Any, seconds: float) -> None:
