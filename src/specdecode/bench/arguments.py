@@ -13,6 +13,10 @@ from typing import Any
 
 QUANTIZE_MODES = "{none,int8,int4,bf16,w4a8}"
 THREADS_HELP = "torch threads (default: number of cores)"
+#: ``--tasks`` of the benchmarks that send every prompt as a request of its own.
+REQUESTS_TASKS_HELP = (
+    "comma-separated tasks (default: all); every prompt, multi-edit's requests too, is an independent request"
+)
 
 
 class Flag:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from specdecode.bench.methods import parse_int_list, parse_methods
 from specdecode.bench.resume import save_json
 from specdecode.data.tasks import TASK_NAMES, Prompt, Task
 from specdecode.errors import SpecDecodeError
@@ -119,6 +120,12 @@ class PromptSettings:
 
     def to_json(self) -> dict[str, Any]:
         return settings_json(self)
+
+
+def cell_parsers(column: str, flag: str) -> dict[str, Callable[[str], Any]]:
+    """How a cell benchmark parses its flags' strings: the methods, the values of its ``column`` (``flag``,
+    such as ``--batch-sizes``) and the tasks, in that order."""
+    return {"methods": parse_methods, column: lambda text: parse_int_list(text, flag), "tasks": split_names}
 
 
 def settings_json(settings: Any) -> dict[str, Any]:

@@ -40,7 +40,7 @@ import uvicorn
 from tqdm import tqdm
 
 from specdecode.bench import common
-from specdecode.bench.methods import MethodSpec, draft_weights, parse_int_list, parse_methods
+from specdecode.bench.methods import MethodSpec, draft_weights
 from specdecode.bench.resume import other_settings_error, resume, run_fingerprint
 from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
@@ -92,11 +92,7 @@ class ServeSettings(common.PromptSettings):
 
 def resolve_settings(**overrides: Any) -> ServeSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    parsers = {
-        "methods": parse_methods,
-        "concurrency": lambda text: parse_int_list(text, "--concurrency"),
-        "tasks": common.split_names,
-    }
+    parsers = common.cell_parsers("concurrency", "--concurrency")
     values = common.resolve_values(ServeSettings, DEFAULTS, overrides, "serve benchmark setting", parsers)
     concurrency = values["concurrency"]
     if all(common.is_positive_int(c) for c in concurrency):  # else ServeSettings reports them as given

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from specdecode.batch_engine import BatchRequest
 from specdecode.bench import common, peers
-from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
+from specdecode.bench.methods import MethodSpec
 from specdecode.bench.resume import resume, run_fingerprint
 from specdecode.bench.throughput_report import summarize_cell, write_report
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
@@ -63,11 +63,7 @@ class ThroughputSettings(common.PromptSettings):
 
 def resolve_settings(**overrides: Any) -> ThroughputSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    parsers = {
-        "methods": parse_methods,
-        "batch_sizes": lambda text: parse_int_list(text, "--batch-sizes"),
-        "tasks": common.split_names,
-    }
+    parsers = common.cell_parsers("batch_sizes", "--batch-sizes")
     values = common.resolve_values(ThroughputSettings, DEFAULTS, overrides, "throughput setting", parsers)
     return ThroughputSettings(
         **{**values, "batch_sizes": tuple(sorted(set(values["batch_sizes"]))), "peers": bool(values["peers"])}

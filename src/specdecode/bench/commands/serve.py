@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdecode.bench.arguments import QUANTIZE_MODES, THREADS_HELP, Arguments, Flag
+from specdecode.bench.arguments import QUANTIZE_MODES, REQUESTS_TASKS_HELP, THREADS_HELP, Arguments, Flag
 from specdecode.bench.benchmark import Benchmark, register_benchmark
-from specdecode.bench.commands.throughput import TASKS_HELP
 from specdecode.models.registry import DEFAULT_MODEL
 
 
@@ -29,7 +28,7 @@ class Serve(Benchmark):
             "model": f"target model (default {DEFAULT_MODEL})",
             "concurrency": Flag(metavar="C,C,...", help="closed-loop clients sending at once (default 1,4,8)"),
             "methods": "comma-separated drafter specs, all served at once (default none,pld,suffix)",
-            "tasks": TASKS_HELP,
+            "tasks": REQUESTS_TASKS_HELP,
             "prompts_per_task": "default 1",
             "max_new_tokens": "max_tokens of every request (default 96)",
             "max_batch_size": Flag(type=int, metavar="B", help="the server's batch (default: largest C)"),

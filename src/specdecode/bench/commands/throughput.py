@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdecode.bench.arguments import THREADS_HELP, Arguments, Flag
+from specdecode.bench.arguments import REQUESTS_TASKS_HELP, THREADS_HELP, Arguments, Flag
 from specdecode.bench.benchmark import Benchmark, register_benchmark
 from specdecode.models.registry import DEFAULT_MODEL
-
-TASKS_HELP = "comma-separated tasks (default: all); every prompt, multi-edit's requests too, is an independent request"
 
 
 @register_benchmark
@@ -29,7 +27,7 @@ class Throughput(Benchmark):
             "batch_sizes": Flag(
                 metavar="B,B,...", help="largest numbers of sequences decoding together (default 1,2,4,8)"
             ),
-            "tasks": TASKS_HELP,
+            "tasks": REQUESTS_TASKS_HELP,
             "prompts_per_task": "default 1",
             "max_new_tokens": "default 96",
             "seed": "seed of the prompt selection (default 0)",
