@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,24 @@ def test_help_shows_every_flag(command, capsys):
         if name == "progress":
             option = "--no-progress"
         assert option in text
+
+
+def test_no_help_loads_torch():
+    """The parser is built from the commands' declarations alone: what measures is imported when it runs."""
+    argvs = [argv_of(command, "--help") for command in COMMANDS]
+    code = (
+        "import contextlib, io, sys\n"
+        "from specdecode.cli import main\n"
+        f"for argv in {argvs!r}:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers'}))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.label)
