@@ -8,8 +8,8 @@ import json
 import pytest
 
 from helpers import forbid, tiny_bench_tasks
-from specdecode.bench import contention
-from specdecode.bench.contention import CONDITIONS, CONTESTANTS
+from specdecode.bench import contention, contention_report
+from specdecode.bench.contention_report import CONDITIONS, CONTESTANTS
 from specdecode.cli import main
 
 
@@ -38,7 +38,7 @@ def test_report_states_both_goals_and_the_peer_ratio(finished):
     assert "within 20% of its idle value" in text
     assert "against transformers' plain `generate()`" in text
     assert (settings.out / "contention.png").stat().st_size > 0
-    summary = contention.summary(results)
+    summary = contention_report.summary(results)
     assert set(summary["kept"]) == set(CONTESTANTS)
     assert summary["same_tokens"] is True  # greedy: thread counts and load never change our tokens here
 

@@ -3,13 +3,12 @@ rows, the report files, and the command's flags and errors.  Timings are never a
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 import pytest
 
-from helpers import tiny_bench_tasks
+from helpers import bench_parser, tiny_bench_tasks
 from specdecode.bench import coupling
 from specdecode.errors import SpecDecodeError
 
@@ -81,8 +80,7 @@ def test_bad_settings_are_one_line_errors(overrides, message):
 
 
 def test_command_flags_reach_the_settings(tmp_path, monkeypatch, capsys):
-    parser = argparse.ArgumentParser(prog="specdecode bench")
-    coupling.add_coupling_command(parser.add_subparsers(dest="bench_command"))
+    parser = bench_parser()
     seen = []
 
     def fake_measure(settings, progress):
@@ -92,6 +90,7 @@ def test_command_flags_reach_the_settings(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(coupling, "measure_coupling", fake_measure)
     tmp_path.joinpath("out").mkdir()
     argv = [
+        "bench",
         "coupling",
         "--methods",
         "pld",

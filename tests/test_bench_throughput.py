@@ -18,7 +18,7 @@ from helpers import (
     tiny_bench_tasks,
     without_cell,
 )
-from specdecode.bench import peers, throughput, throughput_report
+from specdecode.bench import metrics, peers, throughput
 from specdecode.cli import main
 from specdecode.errors import SpecDecodeError
 
@@ -138,9 +138,9 @@ def test_batched_peer_matches_solo_transformers(tiny_target):
 
 
 def test_percentile():
-    assert throughput_report.percentile([3.0, 1.0, 2.0], 50) == 2.0
-    assert throughput_report.percentile([1.0, 2.0], 95) == pytest.approx(1.95)
-    assert throughput_report.percentile([4.0], 95) == 4.0
+    assert metrics.percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert metrics.percentile([1.0, 2.0], 95) == pytest.approx(1.95)
+    assert metrics.percentile([4.0], 95) == 4.0
 
 
 # --------------------------------------------------------------------------------------------------------

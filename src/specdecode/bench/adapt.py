@@ -17,15 +17,26 @@ adapt.png plots mean accepted tokens per request for both.
 
 from __future__ import annotations
 
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from tqdm import tqdm
+
+from specdecode.bench import common
+from specdecode.bench.adapt_report import summarize, write_report
+from specdecode.bench.quality_suites import Chat, HumanEval, Request
+from specdecode.bench.resume import resume, save_json
+from specdecode.data import datasets
+from specdecode.drafters.adapt import AdaptOptions
+from specdecode.drafters.cross_vocab import check_vocab_mapping
 from specdecode.errors import SpecDecodeError
-
-if TYPE_CHECKING:
-    from specdecode.bench.quality_suites import Request
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.loading import fast_path_default, load_model
+from specdecode.models.quantize import check_quantize
+from specdecode.threads import fixed_threads
 
 SCHEMA_VERSION = 1
 ARMS = ("frozen", "adapted")
@@ -73,7 +84,7 @@ class AdaptSettings:
     out: Path
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "out": str(self.out)}
+        return common.settings_json(self)
 
     def drafter_options(self) -> dict[str, Any]:
         return {"vocab_mapping": self.vocab_mapping} if self.vocab_mapping not in (None, "none") else {}
@@ -92,10 +103,6 @@ class AdaptSettings:
 
 def resolve_settings(**given: Any) -> AdaptSettings:
     """The defaults with every given (non-None) value in their place, checked (one-line errors)."""
-    from specdecode.bench import common
-    from specdecode.drafters.adapt import AdaptOptions
-    from specdecode.drafters.cross_vocab import check_vocab_mapping
-
     values = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
     if values["task"] not in TASKS:
         raise SpecDecodeError(f"--task must be one of {', '.join(TASKS)}, got {values['task']!r}")
@@ -103,8 +110,6 @@ def resolve_settings(**given: Any) -> AdaptSettings:
         raise SpecDecodeError("--topic chooses ShareGPT openings: it needs --task sharegpt")
     if not str(values["topic"]).strip():
         raise SpecDecodeError("--topic must be a word, got an empty one")
-    from specdecode.models.quantize import check_quantize
-
     check_quantize(values["quantize"])
     check_quantize(values["quantize_draft"], "--quantize-draft")
     common.check_positive_ints(("--requests", values["requests"]), ("--max-new-tokens", values["max_new_tokens"]))
@@ -129,8 +134,6 @@ def fingerprint(settings: AdaptSettings) -> dict[str, Any]:
 
 
 def humaneval_problems(count: int) -> list[dict[str, Any]]:
-    from specdecode.bench.quality_suites import HumanEval
-
     problems = HumanEval().problems()  # in task-id order
     if count > len(problems):
         raise SpecDecodeError(f"--requests: HumanEval has {len(problems)} problems, asked for {count}")
@@ -139,12 +142,12 @@ def humaneval_problems(count: int) -> list[dict[str, Any]]:
 
 def sharegpt_topic_problems(topic: str, count: int) -> list[dict[str, Any]]:
     """The ShareGPT openings that mention ``topic`` as a whole word (any case), in the dataset's order."""
-    import re
-
-    from specdecode.data.datasets import sharegpt_prompts, sharegpt_records
-
     word = re.compile(rf"\b{re.escape(topic.strip())}\b", re.IGNORECASE)
-    found = [{"task_id": p.id, "text": p.text} for p in sharegpt_prompts(sharegpt_records()) if word.search(p.text)]
+    found = [
+        {"task_id": p.id, "text": p.text}
+        for p in datasets.sharegpt_prompts(datasets.sharegpt_records())
+        if word.search(p.text)
+    ]
     if count > len(found):
         raise SpecDecodeError(f"--requests: ShareGPT has {len(found)} openings on {topic!r}, asked for {count}")
     return found[:count]
@@ -158,8 +161,6 @@ def problems_of(settings: AdaptSettings) -> list[dict[str, Any]]:
 
 def request_of(generator: Any, problem: dict[str, Any], settings: AdaptSettings) -> Request:
     """A problem put to the model as ``bench quality`` puts it: HumanEval's code request, or a chat turn."""
-    from specdecode.bench.quality_suites import Chat, HumanEval
-
     return (HumanEval() if settings.task == "humaneval" else Chat()).request(generator, problem)
 
 
@@ -190,24 +191,20 @@ def decode(generator: Any, problem: dict[str, Any], settings: AdaptSettings) -> 
 
 def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, Any]:
     """Decode every (request, arm) not already in results.json, saving after each; then the report."""
-    from tqdm import tqdm
-
-    from specdecode.bench import common, runner
-    from specdecode.bench.adapt_report import summarize, write_report
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import fast_path_default, load_model
-    from specdecode.threads import fixed_threads
-
     problems = problems_of(settings)
     path = settings.out / "results.json"
     wanted = fingerprint(settings)
-    results = common.read_previous(path)
-    if results is not None and results.get("fingerprint") != wanted:
-        old = results.get("fingerprint")
-        raise SpecDecodeError(f"{path} holds results of other settings ({old}): choose another --out or empty it")
-    results = results or {"schema_version": SCHEMA_VERSION, "fingerprint": wanted, "records": {a: [] for a in ARMS}}
+
+    def refusal(old: dict[str, Any]) -> SpecDecodeError:
+        return SpecDecodeError(f"{path} holds results of other settings ({old}): choose another --out or empty it")
+
+    results = resume(path, wanted, refusal=refusal) or {
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": wanted,
+        "records": {a: [] for a in ARMS},
+    }
     results["settings"] = settings.to_json()
-    results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
+    results["environment"] = {**common.environment(settings.threads), "fast_path": fast_path_default()}
     records: dict[str, list[dict[str, Any]]] = results["records"]
     todo = [(i, arm) for i in range(len(problems)) for arm in ARMS if i >= len(records[arm])]
     if todo:
@@ -233,73 +230,10 @@ def measure_adapt(settings: AdaptSettings, progress: bool = True) -> dict[str, A
                 record["adapter_train_s"] = round(adapter.train_s, 3) if arm == "adapted" else 0.0
                 records[arm].append(record)
                 results["summary"] = summarize(results)
-                common.save_json(path, results)
+                save_json(path, results)
                 bar.update()
     results["environment"]["load_average_end"] = common.load_average()
     results["summary"] = summarize(results)
-    common.save_json(path, results)
+    save_json(path, results)
     write_report(results, settings.out)
     return results
-
-
-def add_adapt_command(commands: Any) -> None:
-    """Add ``adapt`` to ``bench``'s sub-commands (a flag given to ``bench`` before it is kept: SUPPRESS)."""
-    import argparse
-
-    keep = argparse.SUPPRESS
-    adapt = commands.add_parser(
-        "adapt",
-        help="online adaptation of a draft model: mean accepted tokens per request, adapted against frozen",
-        description="The first N problems of one domain in order (HumanEval, or the ShareGPT openings on one "
-        "topic), greedy, each decoded by the frozen and the adapted drafter. Results go to --out (results.json, "
-        "results.md, adapt.png); a rerun resumes what that directory holds.",
-    )
-    adapt.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
-    adapt.add_argument("--draft-model", default=keep, help=f"draft model (default {DEFAULTS['draft_model']})")
-    adapt.add_argument(
-        "--vocab-mapping",
-        default=keep,
-        metavar="{intersection,text,ngram,none}",
-        help=f"across vocabularies (default {DEFAULTS['vocab_mapping']}; none: the same vocabulary)",
-    )
-    adapt.add_argument("--task", default=keep, metavar="{humaneval,sharegpt}", help="the domain (default humaneval)")
-    adapt.add_argument(
-        "--topic",
-        default=keep,
-        metavar="WORD",
-        help="with --task sharegpt: the openings that mention WORD, in the dataset's order (default python)",
-    )
-    adapt.add_argument("--requests", type=int, default=keep, metavar="N", help="requests in order (default 50)")
-    adapt.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 128")
-    adapt.add_argument("--num-draft-tokens", default=keep, metavar="K", help="K (default 8), auto or heuristic")
-    adapt.add_argument(
-        "--adapt-budget", type=float, default=keep, metavar="F", help="training time / decoding time (default 0.1)"
-    )
-    adapt.add_argument("--adapt-steps", type=int, default=keep, metavar="N", help="most steps per request (default 8)")
-    adapt.add_argument("--adapt-lr", type=float, default=keep, metavar="LR", help="learning rate (default 1e-3)")
-    adapt.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
-    adapt.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
-    adapt.add_argument(
-        "--quantize",
-        default=keep,
-        metavar="MODE",
-        help="the target's weights (default none)",
-    )
-    adapt.add_argument(
-        "--quantize-draft",
-        default=keep,
-        metavar="MODE",
-        help="the draft model's weights (default none; quantized, it adapts fp32 copies of its last layers and head)",
-    )
-    adapt.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
-    adapt.set_defaults(run=run_adapt)
-
-
-def run_adapt(args: Any) -> int:
-    from specdecode.bench.cli import _flags, _run_and_print
-
-    names = ("model", "draft_model", "vocab_mapping", "task", "topic", "requests", "max_new_tokens", "num_draft_tokens")
-    tuning = ("adapt_budget", "adapt_steps", "adapt_lr", "threads", "quantize", "quantize_draft", "out")
-    settings = resolve_settings(**_flags(args, *names, *tuning))
-    progress = getattr(args, "progress", True)
-    return _run_and_print("bench adapt", "results.json, results.md, adapt.png", settings, measure_adapt, progress)

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.markdown import table
+from specdecode.bench.reporting import fmt, pyplot, save_figure, table, write_markdown_and_plot
 
 #: Requests at each end of the run that are compared (first N against last N).
 EDGE = 10
@@ -72,10 +72,6 @@ def summarize(results: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _num(value: float | None, digits: int = 2) -> str:
-    return "–" if value is None else f"{value:.{digits}f}"
-
-
 def domain(settings: Mapping[str, Any]) -> str:
     """The requests' domain in words: "humaneval problems", or "ShareGPT openings on 'python'"."""
     if settings["task"] == "sharegpt":
@@ -90,12 +86,12 @@ def markdown(results: Mapping[str, Any]) -> str:
         [
             arm,
             str(a["requests"]),
-            _num(a["first_mean_accepted"]),
-            _num(a["last_mean_accepted"]),
-            _num(a["last_over_first"], 3),
-            _num(a["first_tokens_per_s"]),
-            _num(a["last_tokens_per_s"]),
-            _num(a["tokens_per_s"]),
+            fmt(a["first_mean_accepted"]),
+            fmt(a["last_mean_accepted"]),
+            fmt(a["last_over_first"], ".3f"),
+            fmt(a["first_tokens_per_s"]),
+            fmt(a["last_tokens_per_s"]),
+            fmt(a["tokens_per_s"]),
         ]
         for arm, a in arms.items()
     ]
@@ -129,10 +125,10 @@ def markdown(results: Mapping[str, Any]) -> str:
         "",
         f"- Lossless: {lossless}.",
         "- Adapted over frozen, mean accepted tokens, the mean of per-request ratios: "
-        f"first {EDGE} {_num(s['paired_ratio_first'], 3)}x, last {EDGE} {_num(s['paired_ratio_last'], 3)}x, "
-        f"all {_num(s['paired_ratio'], 3)}x.",
-        f"- Adaptation: {s['adapter_steps']} optimizer steps, {_num(s['adapter_train_s'], 1)} s of training, "
-        f"{_num(100 * s['train_share'] if s['train_share'] is not None else None, 1)}% of the adapted drafter's "
+        f"first {EDGE} {fmt(s['paired_ratio_first'], '.3f')}x, last {EDGE} {fmt(s['paired_ratio_last'], '.3f')}x, "
+        f"all {fmt(s['paired_ratio'], '.3f')}x.",
+        f"- Adaptation: {s['adapter_steps']} optimizer steps, {fmt(s['adapter_train_s'], '.1f')} s of training, "
+        f"{fmt(100 * s['train_share'] if s['train_share'] is not None else None, '.1f')}% of the adapted drafter's "
         f"wall time{drafted}.",
         f"- Machine: {env.get('cpu')}, {env.get('cores')} cores, threads {env.get('threads') or 'governed'}; "
         f"load average {env.get('load_average_start')} at the start, {env.get('load_average_end')} at the end.",
@@ -142,8 +138,6 @@ def markdown(results: Mapping[str, Any]) -> str:
 
 
 def plot(results: Mapping[str, Any], path: Path) -> None:
-    from specdecode.bench.common import pyplot, save_figure
-
     plt = pyplot()
     fig, (ax, below) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(2, 1))
     records = results["records"]
@@ -165,6 +159,4 @@ def plot(results: Mapping[str, Any], path: Path) -> None:
 
 
 def write_report(results: Mapping[str, Any], out: Path) -> None:
-    from specdecode.bench.common import write_markdown_and_plot
-
     write_markdown_and_plot(results, out, markdown, plot, "adapt.png")

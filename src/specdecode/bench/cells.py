@@ -176,7 +176,7 @@ def prompt_speedups(results: Mapping[str, Any]) -> list[PromptSpeedup]:
 
 def slowest_prompts(measured: Sequence[PromptSpeedup]) -> list[PromptSpeedup]:
     """Each method's prompt with the lowest median paired speed-up over the baseline: where a user of ``auto``
-    would most regret drafting (issue 17 asks for no prompt below 0.95x)."""
+    would most regret drafting (the goal: no prompt below ``report.NEVER_SLOWER``)."""
     by_method: dict[str, list[PromptSpeedup]] = {}
     for cell in measured:
         by_method.setdefault(cell.method, []).append(cell)

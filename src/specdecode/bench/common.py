@@ -1,16 +1,14 @@
-"""What the benchmark commands share: ``bench`` (``runner.py``), ``bench throughput`` and ``bench serve``.
-
-They validate their settings alike, key and encode their prompts alike, keep their measurements in a
-``results.json`` that a rerun resumes from (and refuses when it was written with other settings), and the two
-cell benchmarks (one cell per method and batch size or concurrency) build their Markdown tables and plots
-alike.  One copy of each of those rules here keeps the commands' error messages, files and checks in step.
+"""What the benchmarks share while they measure: their settings' checks, the encoding of their prompts, the cells
+of the cell benchmarks (``bench throughput``, ``bench serve``, ``bench contention``) and the environment they
+record.  One copy of each rule keeps the commands' error messages, files and checks in step (their results
+files: :mod:`specdecode.bench.resume`; their reports: :mod:`specdecode.bench.reporting`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import dataclasses
 import os
+import platform
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,10 +16,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench.markdown import table
+import torch
+
+from specdecode.bench.methods import parse_int_list, parse_methods
+from specdecode.bench.resume import save_json
 from specdecode.data.tasks import TASK_NAMES, Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
+from specdecode.machine import cpu_name
 from specdecode.threads import fixed_threads
 
 # --------------------------------------------------------------------------------------------------------
@@ -33,11 +35,22 @@ def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def is_number(value: Any) -> bool:
+    """An ``int`` or a ``float`` (not ``True``)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def check_positive_ints(*labelled: tuple[str, Any]) -> None:
     """Every ``(flag label, value)`` must be a positive integer; the first that is not is the error."""
     for label, value in labelled:
         if not is_positive_int(value):
             raise SpecDecodeError(f"{label} must be a positive integer, got {value!r}")
+
+
+def check_positive_int_list(label: str, values: Sequence[Any]) -> None:
+    """``--batch-sizes``-like settings: at least one value, each a positive integer."""
+    if not values or not all(is_positive_int(v) for v in values):
+        raise SpecDecodeError(f"{label} takes comma-separated positive integers, got {values!r}")
 
 
 def check_known_tasks(names: Iterable[str]) -> None:
@@ -74,14 +87,59 @@ def resolve_values(
     what: str,
     parsers: Mapping[str, Callable[[str], Any]],
 ) -> dict[str, Any]:
-    """``defaults`` (threads: the number of cores) overridden by the given ``overrides``; a string value of a
-    key in ``parsers`` is parsed as on the command line, in the order of ``parsers`` (so the first bad flag
-    is the one reported)."""
-    values = {**defaults, "threads": os.cpu_count() or 1, **given_settings(overrides, settings_class, what)}
+    """``defaults`` (threads, where the settings have them: the number of cores) overridden by the given
+    ``overrides``; a string value of a key in ``parsers`` is parsed as on the command line, in the order of
+    ``parsers`` (so the first bad flag is the one reported).  Lists come back as tuples, ``out`` as a path."""
+    cores = {"threads": os.cpu_count() or 1} if "threads" in settings_class.__dataclass_fields__ else {}
+    values = {**defaults, **cores, **given_settings(overrides, settings_class, what)}
     for key, parse in parsers.items():
         if isinstance(values[key], str):
             values[key] = parse(values[key])
-    return values
+    values = {key: tuple(value) if isinstance(value, list) else value for key, value in values.items()}
+    return {**values, "out": Path(values["out"])}
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """What every benchmark of the built-in prompt sets is given: the target, the prompts (``tasks``, a seeded
+    selection of ``prompts_per_task`` each), the new tokens per request and where the results go; checked when
+    built, a bad value in one line naming its flag."""
+
+    model: str
+    tasks: tuple[str, ...]
+    prompts_per_task: int
+    max_new_tokens: int
+    seed: int
+    out: Path
+
+    def __post_init__(self) -> None:
+        check_positive_ints(("--prompts-per-task", self.prompts_per_task), ("--max-new-tokens", self.max_new_tokens))
+        check_tasks(self.tasks)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return settings_json(self)
+
+
+def cell_parsers(column: str, flag: str) -> dict[str, Callable[[str], Any]]:
+    """How a cell benchmark parses its flags' strings: the methods, the values of its ``column`` (``flag``,
+    such as ``--batch-sizes``) and the tasks, in that order."""
+    return {"methods": parse_methods, column: lambda text: parse_int_list(text, flag), "tasks": split_names}
+
+
+def settings_json(settings: Any) -> dict[str, Any]:
+    """A settings dataclass as its results record it: field by field, a method or verifier by its spec, a
+    tuple as a list, a path as a string."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple | list):
+            return [plain(item) for item in value]
+        if isinstance(value, Path):
+            return str(value)
+        return getattr(value, "spec", value)
+
+    return {field.name: plain(getattr(settings, field.name)) for field in dataclasses.fields(settings)}
 
 
 def drafter_options(method: Any, drafts: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,27 +152,7 @@ def drafter_options(method: Any, drafts: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Prompts: keyed ``task/id``, encoded once, and checked against the context before anything is measured
-
-
-def prompt_fingerprint(tasks: Sequence[Task]) -> list[str]:
-    """``task/id#hash`` of every request, in order: what a resumed run must share with the first."""
-    return [
-        f"{task.name}/{p.id}#{hashlib.sha256(p.text.encode()).hexdigest()[:12]}" for task in tasks for p in task.prompts
-    ]
-
-
-def run_fingerprint(settings: Any, tasks: Sequence[Task], *extra: str) -> dict[str, Any]:
-    """What a cell benchmark's rerun must share with the run it resumes: model, ``max_new_tokens``, the
-    ``extra`` settings named, and the prompts.  No prompt at all is an error."""
-    if not any(task.prompts for task in tasks):
-        raise SpecDecodeError("the selected tasks have no prompts")
-    return {
-        "model": settings.model,
-        "max_new_tokens": settings.max_new_tokens,
-        **{name: getattr(settings, name) for name in extra},
-        "prompts": prompt_fingerprint(tasks),
-    }
+# Prompts: encoded once, and checked against the context before anything is measured
 
 
 @dataclass(frozen=True)
@@ -151,41 +189,7 @@ class PromptEncoder:
 
 
 # --------------------------------------------------------------------------------------------------------
-# results.json: written after every unit of work, resumed by a rerun with the same settings
-
-
-def save_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically: an interrupted run never leaves a half-written file to resume from."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def read_previous(path: Path) -> dict[str, Any] | None:
-    """The results an earlier run left at ``path``, or None if there are none; unreadable ones are an error
-    (they are never silently overwritten).  Whether they fit this run is for the caller to check."""
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SpecDecodeError(f"cannot resume from {path}: {exc}; delete it or choose another --out") from exc
-
-
-def other_settings_error(
-    path: Path, old: Mapping[str, Any] | None, new: Mapping[str, Any], extra: Sequence[tuple[str, str]] = ()
-) -> SpecDecodeError:
-    """The one-line refusal to resume a run fingerprinted ``old`` (see :func:`run_fingerprint`) with ``new``;
-    ``extra`` names the further settings compared, as (label, fingerprint key)."""
-    old = old or {}
-    was = [f"model {old.get('model')!r}", f"max_new_tokens {old.get('max_new_tokens')}"]
-    was += [f"{label} {old.get(key)}" for label, key in extra]
-    now = [repr(new["model"]), str(new["max_new_tokens"]), *(str(new[key]) for _, key in extra)]
-    return SpecDecodeError(
-        f"{path} holds results of other settings ({', '.join(was)}, {len(old.get('prompts', []))} prompts; now "
-        f"{', '.join(now)}, {len(new['prompts'])}): choose another --out or empty it"
-    )
+# The cell benchmarks' results (one cell per method and batch size or concurrency)
 
 
 def new_results(schema_version: int, fingerprint: dict[str, Any], **head: Any) -> dict[str, Any]:
@@ -244,99 +248,18 @@ def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-# --------------------------------------------------------------------------------------------------------
-# Reports of the cell benchmarks: one table per metric, a row per method, a column per batch size/concurrency
-
-Cells = dict[tuple[str, int], Mapping[str, Any]]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def cells_by(results: Mapping[str, Any], column: str) -> tuple[Cells, list[int]]:
-    """The cells by (method, value of ``column``), and the column values in ascending order."""
-    cells = {(c["method"], c[column]): c for c in results["cells"]}
-    return cells, sorted({value for _, value in cells})
-
-
-def cell_getter(cells: Cells) -> Callable[[str, int, str], Any]:
-    """``get(method, column value, key)``: the cell's value, None where the cell or the key is missing."""
-
-    def get(name: str, column: int, key: str) -> Any:
-        cell = cells.get((name, column))
-        return None if cell is None else cell.get(key)
-
-    return get
-
-
-def request_count(results: Mapping[str, Any]) -> int:
-    return len(results.get("prompts", [])) or next((c["requests"] for c in results["cells"]), 0)
-
-
-def machine_line(env: Mapping[str, Any], packages: Sequence[str]) -> str:
-    """The report's sentence on what the numbers depend on besides the code (see ``runner.environment``)."""
-    load = env.get("load_average_start"), env.get("load_average_end")
-    return (
-        f"One run on one machine: {env.get('cpu')} with CPU capability **{env.get('cpu_capability')}**, "
-        f"{env.get('cores')} cores, {env.get('threads')} torch threads, fast path "
-        f"{'on' if env.get('fast_path') else 'off'}; load average (1/5/15 min) at start {load[0]}, at end {load[1]}. "
-        + ", ".join(f"{package} {env.get(package)}" for package in packages)
-        + "."
-    )
-
-
-def metric_sections(
-    tables: Iterable[tuple[str, Callable[[str, int], str]]], names: Sequence[str], columns: Sequence[int], prefix: str
-) -> list[str]:
-    """A ``## title`` section per (title, value) with a method × ``prefix=column`` table of ``value``."""
-    lines: list[str] = []
-    for title, value in tables:
-        rows = ([f"`{n}`", *(value(n, c) for c in columns)] for n in names)
-        lines += ["", f"## {title}", "", *table(["method", *(f"{prefix}={c}" for c in columns)], rows)]
-    return lines
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only: no display is needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def log2_axis(ax: Any, columns: Sequence[int], xlabel: str, ylabel: str) -> None:
-    """Batch sizes and concurrencies double from point to point: a log-2 x axis ticked at each."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(columns, [str(c) for c in columns])
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-
-
-def write_markdown_and_plot(
-    results: Mapping[str, Any],
-    out: Path,
-    markdown: Callable[[Mapping[str, Any]], str],
-    plot: Callable[[Mapping[str, Any], Path], None],
-    png: str,
-) -> list[Path]:
-    """``results.md`` and the plot ``png`` in ``out``, both from the results JSON alone."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(markdown(results))
-    plot(results, out / png)
-    return [out / "results.md", out / png]
+def environment(threads: int | None) -> dict[str, Any]:
+    """What the numbers depend on besides the code: CPU, threads, library versions, load from others."""
+    versions = package_versions(("torch", "transformers", "specdecode"))
+    return {
+        "cpu": cpu_name(),
+        # The widest vector instructions torch uses here (AVX2, AVX512...): what the CPU fast path gains
+        # depends on it more than on the CPU's name.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **versions,
+        "load_average_start": load_average(),
+    }

@@ -1,16 +1,16 @@
 """``specdecode bench contention``: decoding speed with one busy process beside us, against the idle speed.
 
-A laptop or a shared server always has something else running.  On a 2-core machine, one process that keeps
-one core busy made torch's two spin-waiting OpenMP threads collapse: plain decoding fell to a tenth of its idle
-speed (see :mod:`specdecode.threads`, whose thread governor is what this benchmark checks).  For each
+A laptop or a shared server always has something else running, and torch's spin-waiting OpenMP threads collapse
+when another process keeps one of the cores they count on busy (see :mod:`specdecode.threads`, whose thread
+governor is what this benchmark checks; measured in ``docs/results/contention-smollm2-135m``).  For each
 contestant — our plain and ``pld`` decoding with governed threads, our plain decoding with the thread count
-fixed at the number of CPUs (what it was before the governor), and transformers' plain and prompt-lookup
+fixed at the number of CPUs (no governor), and transformers' plain and prompt-lookup
 ``generate()`` as a user runs them (torch's default threads, no CPU fast path) — the same prompts are decoded
 twice in a row: idle, then with one competitor (a Python busy loop) running.  The competitor starts before
 an untimed warm-up generation, so the governor has settled (it needs about a second) when timing starts.
 
-Goals (issue 19): with one busy competitor on 2 cores we keep at least 45% of our idle tokens/s, and the
-speed-up of ``pld`` over plain stays within 20% of its idle value.
+Goals (:mod:`specdecode.bench.contention_report`): with one busy competitor on 2 cores we keep at least 45% of
+our idle tokens/s, and the speed-up of ``pld`` over plain stays within 20% of its idle value.
 """
 
 from __future__ import annotations
@@ -18,32 +18,22 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel
 
-from specdecode.bench import common, peers, runner
+from specdecode.bench import common, peers
+from specdecode.bench.contention_report import CONDITIONS, CONTESTANTS, write_report
+from specdecode.bench.resume import resume, run_fingerprint, save_json
 from specdecode.data.tasks import Task, load_tasks
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.threads import GOVERNOR, fixed_threads, process_cpus
 
 SCHEMA_VERSION = 1
-CONDITIONS = ("idle", "busy")
-CONTESTANTS = ("none", "pld", "none-fixed-threads", "hf-plain", "hf-prompt-lookup")
-LABELS = {
-    "none": "specdecode plain (governed threads)",
-    "pld": "specdecode pld (governed threads)",
-    "none-fixed-threads": "specdecode plain, threads fixed at the CPU count",
-    "hf-plain": "transformers plain",
-    "hf-prompt-lookup": "transformers prompt lookup",
-}
-KEEP_GOAL = 0.45
-SPEEDUP_DRIFT_GOAL = 0.20
 DEFAULTS: dict[str, Any] = {
     "model": "smollm2-135m",
     "tasks": ("edit", "summarize", "rag", "humaneval"),
@@ -56,31 +46,16 @@ BUSY_LOOP = "while True:\n    pass\n"
 
 
 @dataclass(frozen=True)
-class ContentionSettings:
-    model: str
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
-    seed: int
-    out: Path
-
-    def __post_init__(self) -> None:
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task), ("--max-new-tokens", self.max_new_tokens)
-        )
-        common.check_tasks(self.tasks)
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "tasks": list(self.tasks), "out": str(self.out)}
+class ContentionSettings(common.PromptSettings):
+    """No ``threads``: how many threads to run is what this benchmark leaves to the governor, and checks."""
 
 
 def resolve_settings(**overrides: Any) -> ContentionSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    values = common.resolve_values(
-        ContentionSettings, DEFAULTS, overrides, "contention setting", {"tasks": common.split_names}
+    parsers = {"tasks": common.split_names}
+    return ContentionSettings(
+        **common.resolve_values(ContentionSettings, DEFAULTS, overrides, "contention setting", parsers)
     )
-    values.pop("threads", None)  # this benchmark's point is the thread count it does not fix
-    return ContentionSettings(**{**values, "tasks": tuple(values["tasks"]), "out": Path(values["out"])})
 
 
 @contextmanager
@@ -147,16 +122,10 @@ def run_contention(
 ) -> dict[str, Any]:
     """Measure every (contestant, condition) not yet in ``settings.out/results.json``; write the report.
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
-    from specdecode.bench.contention_report import write_report
-
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     path = settings.out / "results.json"
-    fingerprint = common.run_fingerprint(settings, tasks)
-    results = common.read_previous(path)
-    if results is not None and results.get("fingerprint") != fingerprint:
-        raise common.other_settings_error(path, results.get("fingerprint"), fingerprint)
-    if results is None:
-        results = common.new_results(SCHEMA_VERSION, fingerprint)
+    fingerprint = run_fingerprint(settings, tasks)
+    results = resume(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint)
     results["settings"] = settings.to_json()
     done = {(c["method"], c["condition"]) for c in results["cells"]}
     pending = [(name, condition) for name in CONTESTANTS for condition in CONDITIONS if (name, condition) not in done]
@@ -166,7 +135,7 @@ def run_contention(
         encode = common.PromptEncoder(target, settings.model, settings.max_new_tokens)
         prompts = [p.ids for p in encode.encode_tasks(tasks)]
         cpus = len(process_cpus())
-        results.setdefault("environment", runner.environment(cpus))
+        results.setdefault("environment", common.environment(cpus))
         governed = f"{cpus} or fewer (governed: {'adaptive' if GOVERNOR.adaptive else 'fixed here'})"
         results["environment"].update(fast_path=fast_path_default(), threads=governed)
         started = time.perf_counter()
@@ -178,34 +147,6 @@ def run_contention(
                 cell = measure_cell(decode, threads, prompts, settings.max_new_tokens)
             started = common.add_cell(results, {"method": name, "condition": condition, **cell}, path, started)
         results["environment"]["load_average_end"] = common.load_average()
-    common.save_json(path, results)
+    save_json(path, results)
     write_report(results, settings.out)
     return results
-
-
-def summary(results: Mapping[str, Any]) -> dict[str, Any]:
-    """The goal figures from the cells: share of idle speed kept, pld's speed-up idle and busy."""
-    speed = {(c["method"], c["condition"]): c["tokens_per_s"] for c in results["cells"]}
-
-    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
-        return round(speed[a] / speed[b], 3) if a in speed and b in speed and speed[b] else None
-
-    kept = {name: ratio((name, "busy"), (name, "idle")) for name in CONTESTANTS}
-    speedup = {condition: ratio(("pld", condition), ("none", condition)) for condition in CONDITIONS}
-    drift = None
-    if speedup["idle"] and speedup["busy"]:
-        drift = round(abs(speedup["busy"] / speedup["idle"] - 1), 3)
-    return {
-        "kept": kept,
-        "pld_speedup": speedup,
-        "pld_speedup_drift": drift,
-        "keep_goal_met": kept["none"] is not None and kept["none"] >= KEEP_GOAL,
-        "drift_goal_met": drift is not None and drift <= SPEEDUP_DRIFT_GOAL,
-        "same_tokens": _same_tokens(results),
-    }
-
-
-def _same_tokens(results: Mapping[str, Any]) -> bool:
-    """Our contestants' outputs agree across conditions and thread counts (greedy: they must)."""
-    ours = [c["outputs"] for c in results["cells"] if not c["method"].startswith("hf-")]
-    return all(outputs == ours[0] for outputs in ours)

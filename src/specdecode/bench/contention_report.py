@@ -1,4 +1,5 @@
-"""``results.md`` and ``contention.png`` of ``specdecode bench contention``, from its results JSON alone."""
+"""What ``specdecode bench contention`` measures and aims at, and its ``results.md`` and ``contention.png``, from
+its results JSON alone."""
 
 from __future__ import annotations
 
@@ -6,9 +7,49 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import common
-from specdecode.bench.contention import CONDITIONS, CONTESTANTS, KEEP_GOAL, LABELS, SPEEDUP_DRIFT_GOAL, summary
-from specdecode.bench.markdown import fmt, table
+from specdecode.bench.reporting import fmt, machine_line, pyplot, save_figure, table, write_markdown_and_plot
+
+CONDITIONS = ("idle", "busy")
+CONTESTANTS = ("none", "pld", "none-fixed-threads", "hf-plain", "hf-prompt-lookup")
+LABELS = {
+    "none": "specdecode plain (governed threads)",
+    "pld": "specdecode pld (governed threads)",
+    "none-fixed-threads": "specdecode plain, threads fixed at the CPU count",
+    "hf-plain": "transformers plain",
+    "hf-prompt-lookup": "transformers prompt lookup",
+}
+#: Share of its idle tokens/s our plain decoding keeps with one busy competitor on 2 cores.
+KEEP_GOAL = 0.45
+#: How far ``pld``'s speed-up over plain decoding may drift from its idle value under that load.
+SPEEDUP_DRIFT_GOAL = 0.20
+
+
+def summary(results: Mapping[str, Any]) -> dict[str, Any]:
+    """The goal figures from the cells: share of idle speed kept, pld's speed-up idle and busy."""
+    speed = {(c["method"], c["condition"]): c["tokens_per_s"] for c in results["cells"]}
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
+        return round(speed[a] / speed[b], 3) if a in speed and b in speed and speed[b] else None
+
+    kept = {name: ratio((name, "busy"), (name, "idle")) for name in CONTESTANTS}
+    speedup = {condition: ratio(("pld", condition), ("none", condition)) for condition in CONDITIONS}
+    drift = None
+    if speedup["idle"] and speedup["busy"]:
+        drift = round(abs(speedup["busy"] / speedup["idle"] - 1), 3)
+    return {
+        "kept": kept,
+        "pld_speedup": speedup,
+        "pld_speedup_drift": drift,
+        "keep_goal_met": kept["none"] is not None and kept["none"] >= KEEP_GOAL,
+        "drift_goal_met": drift is not None and drift <= SPEEDUP_DRIFT_GOAL,
+        "same_tokens": _same_tokens(results),
+    }
+
+
+def _same_tokens(results: Mapping[str, Any]) -> bool:
+    """Our contestants' outputs agree across conditions and thread counts (greedy: they must)."""
+    ours = [c["outputs"] for c in results["cells"] if not c["method"].startswith("hf-")]
+    return all(outputs == ours[0] for outputs in ours)
 
 
 def markdown(results: Mapping[str, Any]) -> str:
@@ -34,7 +75,7 @@ def markdown(results: Mapping[str, Any]) -> str:
     lines = [
         f"# specdecode under contention: model `{s['model']}`",
         "",
-        common.machine_line(env, ("torch", "transformers", "specdecode")),
+        machine_line(env, ("torch", "transformers", "specdecode")),
         "",
         f"{len(results['fingerprint']['prompts'])} prompts ({', '.join(s['tasks'])}), {s['max_new_tokens']} new "
         "tokens each (greedy, EOS ignored), decoded one after another; tokens/s over the whole set, after an "
@@ -77,7 +118,7 @@ def plot_contention(results: Mapping[str, Any], path: Path) -> None:
     """Idle and busy tokens/s side by side, one pair of bars per contestant."""
     cells = {(c["method"], c["condition"]): c["tokens_per_s"] for c in results["cells"]}
     names = [n for n in CONTESTANTS if any((n, c) in cells for c in CONDITIONS)]
-    fig, ax = common.pyplot().subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     width = 0.38
     for offset, condition in ((-width / 2, "idle"), (width / 2, "busy")):
         xs = [i + offset for i in range(len(names))]
@@ -91,9 +132,9 @@ def plot_contention(results: Mapping[str, Any], path: Path) -> None:
     )
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    common.save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def write_report(results: Mapping[str, Any], out: Path) -> list[Path]:
     """``results.md`` and ``contention.png`` in ``out``."""
-    return common.write_markdown_and_plot(results, out, markdown, plot_contention, "contention.png")
+    return write_markdown_and_plot(results, out, markdown, plot_contention, "contention.png")

@@ -16,21 +16,24 @@ cost curve ``auto`` measures once are not decoding.  Not resumable: a run takes 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
-from specdecode.data.tasks import TASK_NAMES, Task
+from tqdm import tqdm
+
+from specdecode.bench import common
+from specdecode.bench.coupling_report import REFERENCE, markdown, summarize_row
+from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.metrics import decode_record
+from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.loading import fast_path_default, load_model
+from specdecode.models.quantize import check_quantize
+from specdecode.threads import fixed_threads
 
-if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
-    from specdecode.bench.methods import MethodSpec
-    from specdecode.generator import SpeculativeGenerator
-
-REFERENCE = "none"  # plain decoding: its coupled outputs are what every coupled output must equal
 VERIFIERS = ("coupled", "rejection")
 WARMUP_TOKENS = 8
 #: Prompt selection: the quick suite's prompts (``bench --suite quick``), whatever the sampling seed.
@@ -53,66 +56,31 @@ DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class CouplingSettings:
-    model: str
+class CouplingSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
     temperature: float
     top_p: float
-    seed: int
     quantize: str
     threads: int
-    out: Path
 
     def __post_init__(self) -> None:
-        from specdecode.bench import common
-
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--threads", self.threads),
-        )
-        common.check_tasks(self.tasks)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+        super().__post_init__()
+        common.check_positive_ints(("--threads", self.threads))
+        if not common.is_number(self.temperature):
             raise SpecDecodeError(f"--temperature must be a number, got {self.temperature!r}")
         if self.temperature <= 0:  # greedy decoding samples nothing: there is no verifier to compare
             raise SpecDecodeError(f"--temperature must be > 0 (coupling is for sampling), got {self.temperature}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not common.is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise SpecDecodeError(f"--top-p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
-        from specdecode.models.quantize import check_quantize  # here, not at import: it imports torch
-
         check_quantize(self.quantize)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        return {**data, "methods": [m.spec for m in self.methods], "tasks": list(self.tasks), "out": str(self.out)}
 
 
 def resolve_settings(**overrides: Any) -> CouplingSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
     ``none`` is always measured (first), so it is dropped from ``methods``."""
-    from specdecode.bench import common
-    from specdecode.bench.methods import parse_methods
-
     parsers = {"methods": parse_methods, "tasks": common.split_names}
     values = common.resolve_values(CouplingSettings, DEFAULTS, overrides, "coupling setting", parsers)
-    return CouplingSettings(
-        model=values["model"],
-        methods=tuple(m for m in values["methods"] if m.spec != REFERENCE),
-        tasks=tuple(values["tasks"]),
-        prompts_per_task=values["prompts_per_task"],
-        max_new_tokens=values["max_new_tokens"],
-        temperature=values["temperature"],
-        top_p=values["top_p"],
-        seed=values["seed"],
-        quantize=values["quantize"],
-        threads=values["threads"],
-        out=Path(values["out"]),
-    )
+    return CouplingSettings(**{**values, "methods": tuple(m for m in values["methods"] if m.spec != REFERENCE)})
 
 
 def decode(
@@ -129,37 +97,7 @@ def decode(
         seed=settings.seed,
         coupled=coupled,
     )
-    stats = result.stats
-    return {
-        "token_ids": result.token_ids,
-        "new_tokens": stats.new_tokens,
-        "steps": stats.steps,
-        "drafted_tokens": stats.drafted_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "wall_s": round(stats.wall_s, 5),
-    }
-
-
-def summarize_row(method: str, verifier: str, keys: Sequence[str], records: Sequence[dict], reference: dict) -> dict:
-    """One (method, verifier) row: pooled acceptance and speed, and equality with plain coupled decoding."""
-    total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
-    wall_s = sum(r["wall_s"] for r in records)
-    same = [reference[key] == r["token_ids"] for key, r in zip(keys, records)]
-    return {
-        "method": method,
-        "verifier": verifier,
-        **total,
-        "wall_s": round(wall_s, 4),
-        # Tokens per target forward, the target's own token included (plain decoding: 1.0).
-        "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
-        "acceptance_rate": total["accepted_tokens"] / total["drafted_tokens"] if total["drafted_tokens"] else None,
-        "tokens_per_s": total["new_tokens"] / wall_s if wall_s > 0 else 0.0,
-        "equal_to_plain_coupled": sum(same) / len(same),
-        "per_prompt": [
-            {"prompt": key, **{k: v for k, v in r.items() if k != "token_ids"}, "equal_to_plain_coupled": s}
-            for key, r, s in zip(keys, records, same)
-        ],
-    }
+    return {"token_ids": result.token_ids, **decode_record(result.stats)}
 
 
 def measure_coupling(
@@ -167,15 +105,6 @@ def measure_coupling(
 ) -> dict[str, Any]:
     """Decode every prompt with every method (``none`` first) and both verifiers; write results.json and
     results.md to ``settings.out`` and return the results.  ``tasks`` replaces the real prompts (tests)."""
-    from tqdm import tqdm
-
-    from specdecode.bench import common, runner
-    from specdecode.bench.methods import MethodSpec
-    from specdecode.data.tasks import load_tasks
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import fast_path_default, load_model
-    from specdecode.threads import fixed_threads
-
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, PROMPT_SEED)
     target = load_model(settings.model, quantize=settings.quantize)
     draft_names = sorted({m.draft_model for m in settings.methods} - {None})
@@ -188,7 +117,7 @@ def measure_coupling(
     results: dict[str, Any] = {
         "settings": settings.to_json(),
         "prompts": [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded],
-        "environment": {**runner.environment(settings.threads), "fast_path": fast_path_default()},
+        "environment": {**common.environment(settings.threads), "fast_path": fast_path_default()},
         "rows": [],
     }
     reference: dict[str, list[int]] = {}
@@ -215,111 +144,3 @@ def measure_coupling(
     common.save_json(settings.out / "results.json", results)
     (settings.out / "results.md").write_text(markdown(results))
     return results
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """results.md, from the results JSON alone."""
-    from specdecode.bench import common
-    from specdecode.bench.markdown import fmt, table
-
-    s = results["settings"]
-    rows = results["rows"]
-    plain = {r["verifier"]: r["tokens_per_s"] for r in rows if r["method"] == REFERENCE}
-    lines = [
-        f"# Coupled vs rejection sampling: `{s['model']}`",
-        "",
-        f"{len(results['prompts'])} prompts ({', '.join(s['tasks'])}), temperature {s['temperature']}, "
-        f"top-p {s.get('top_p', 1.0)}, seed "
-        f"{s['seed']}, up to {s['max_new_tokens']} new tokens (EOS ends a decode), default draft lengths unless "
-        "a method says `k=`. Every method decodes every prompt twice from a cold drafter with the same seed: "
-        "Gumbel-max coupled (the default for seeded sampling, drafter-invariant) and rejection sampling "
-        "(`--no-coupled`). Mean accepted tokens count the target's own token per step (plain decoding: 1.00).",
-        "",
-        *table(
-            [
-                "method",
-                "verifier",
-                "mean accepted tokens / step",
-                "draft acceptance rate",
-                "tokens/s",
-                "over plain (same verifier)",
-                "same tokens as plain coupled",
-            ],
-            (
-                [
-                    f"`{r['method']}`",
-                    r["verifier"],
-                    fmt(r["mean_accepted_tokens"]),
-                    fmt(None if r["acceptance_rate"] is None else 100 * r["acceptance_rate"], ".1f", "%"),
-                    fmt(r["tokens_per_s"], ".1f"),
-                    fmt(r["tokens_per_s"] / plain[r["verifier"]] if plain.get(r["verifier"]) else None, ".2f", "x"),
-                    f"{round(r['equal_to_plain_coupled'] * len(r['per_prompt']))}/{len(r['per_prompt'])}",
-                ]
-                for r in rows
-            ),
-        ),
-        "",
-        "Coupled rows must equal plain coupled decoding on every prompt (drafter invariance); rejection "
-        "sampling draws other (equally exact) samples, so its text differs.",
-        "",
-        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
-        + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------------------
-# ``specdecode bench coupling``
-
-
-def add_coupling_command(commands: argparse._SubParsersAction) -> None:
-    """Add ``coupling`` to ``bench``'s sub-commands.  A flag given to ``bench`` before the sub-command is kept
-    unless repeated after it (SUPPRESS), as for ``bench throughput``."""
-    keep = argparse.SUPPRESS
-    coupling = commands.add_parser(
-        "coupling",
-        help="seeded sampling: acceptance of Gumbel-max coupling vs rejection sampling per drafter",
-        description="Every method decodes every quick-suite prompt twice with the same seed, coupled and by "
-        "rejection sampling; results go to --out (results.json, results.md).",
-    )
-    coupling.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
-    coupling.add_argument(
-        "--methods", default=keep, help=f"comma-separated drafter specs (default {DEFAULTS['methods']})"
-    )
-    coupling.add_argument("--tasks", default=keep, help="comma-separated tasks (default: all)")
-    coupling.add_argument("--prompts-per-task", type=int, default=keep, metavar="N", help="default 1")
-    coupling.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 64")
-    coupling.add_argument("--temperature", type=float, default=keep, help="sampling temperature, > 0 (default 0.8)")
-    coupling.add_argument("--top-p", type=float, default=keep, help="nucleus sampling, in (0, 1] (default 1.0: off)")
-    coupling.add_argument("--seed", type=int, default=keep, help="sampling seed of every decode (default 0)")
-    coupling.add_argument(
-        "--quantize",
-        default=keep,
-        metavar="{none,int8,int4,bf16,w4a8}",
-        help="weight-only quantization of the target and draft models (default none)",
-    )
-    coupling.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
-    coupling.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
-    coupling.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
-    coupling.set_defaults(run=run_coupling)
-
-
-def run_coupling(args: argparse.Namespace) -> int:
-    from specdecode.bench.cli import _flags, _run_and_print
-
-    names = (
-        "model",
-        "methods",
-        "tasks",
-        "prompts_per_task",
-        "max_new_tokens",
-        "temperature",
-        "top_p",
-        "seed",
-        "quantize",
-        "out",
-    )
-    settings = resolve_settings(**_flags(args, *names, "threads"))
-    progress = getattr(args, "progress", True)
-    return _run_and_print("bench coupling", "results.json, results.md", settings, measure_coupling, progress)

@@ -8,13 +8,21 @@ curve the cost model uses lives in :mod:`specdecode.models.cost`.
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from dataclasses import dataclass
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
+from specdecode.bench.common import check_positive_ints
+from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import prefilled, timed_rounds
+from specdecode.models.loading import load_model
+from specdecode.models.quantize import check_quantize
+from specdecode.models.registry import DEFAULT_MODEL
 
 
 @dataclass
@@ -68,3 +76,30 @@ def profile_forward(backend: CausalLM, n_new: int, context_tokens: int, repeats:
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
     header = f"{backend.name}: {repeats} forwards of {n_new} new tokens after {context_tokens} cached"
     return f"{header}\n{table}"
+
+
+def print_forward_cost(
+    model: str | None,
+    quantize: str | None,
+    threads: int | None,
+    context_tokens: int,
+    max_new: int,
+    repeats: int | None,
+    as_json: bool,
+    with_profiles: bool,
+) -> None:
+    """``specdecode bench forward-cost``: measure and print the curve (one JSON object with ``as_json``), then
+    with ``with_profiles`` the per-operator profiles of 1- and 8-token forwards."""
+    quantize = check_quantize(quantize or "none")
+    repeats = 5 if repeats is None else repeats
+    check_positive_ints(("--repeats", repeats), *([("--threads", threads)] if threads is not None else []))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    backend = load_model(model or DEFAULT_MODEL, quantize=quantize).backend
+    try:
+        cost = measure_forward_cost(backend, context_tokens=context_tokens, max_new=max_new, repeats=repeats)
+    except ValueError as exc:  # bad sizes: a user mistake, one line
+        raise SpecDecodeError(str(exc)) from exc
+    print(json.dumps({**cost.to_json(), "quantize": quantize}) if as_json else format_curve(cost))
+    for n_new in (1, 8) if with_profiles else ():
+        print(profile_forward(backend, n_new, context_tokens), file=sys.stderr if as_json else sys.stdout)

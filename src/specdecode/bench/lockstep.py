@@ -1,11 +1,11 @@
 """Our methods decode one prompt in turns, a step at a time (lockstep), each timed over its own turns only.
 
-Why: on a shared 2-core host the time of one 96-token request varies by 6-8% from one run to the next (other
-tenants' load on the cores and the memory bus comes and goes within seconds), so a method timed after plain
-decoding, request by request, reads anywhere from 0.88x to 1.15x of it when both do the very same work.  Taking
+Why: on a shared host the time of one request varies from run to run by more than the differences measured
+(other tenants' load on the cores and the memory bus comes and goes within seconds), so a method timed after
+plain decoding, request by request, may read well above or below it while both do the very same work.  Taking
 turns — a few hundredths of a second each — puts every method's steps next to plain decoding's steps, so a
-burst of load falls on all of them alike: two plain decodings timed this way read 0.99-1.01x of each other (12
-repeats, against 0.88-1.15x request by request).  The turn goes to whichever request has the fewest tokens so
+burst of load falls on all of them alike (two plain decodings timed so agree far more closely:
+``docs/results/quick-every-lockstep-epyc-r5``).  The turn goes to whichever request has the fewest tokens so
 far, so a method that yields five tokens a step takes a step while plain decoding takes five, and both
 requests span the same stretch of time.
 
@@ -64,9 +64,8 @@ def run_lockstep(
     own turns and its stats.  The turn goes to the request with the fewest tokens so far, so all of them
     advance through their tokens together and span the same stretch of time, however many tokens a step of
     each yields.  Among equals ``ties`` draws who goes first (None: the given order), so that no request
-    always steps right after the same neighbour: with ties broken in a fixed order the A/A control of a quick
-    run read 1.016x on a prompt where, drawn, it read 0.989x (the cause was not found), and a drawn order
-    makes any such effect noise rather than bias."""
+    always steps right after the same neighbour: a fixed order can bias the A/A control
+    (``docs/results/quick-every-lockstep-epyc-r5``), a drawn one makes any such effect noise rather than bias."""
     joined = time.perf_counter()
     turns = {name: _Turns(events, joined) for name, events in streams.items()}
     live = list(turns.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +100,7 @@ def time_shares(records: Iterable[Mapping[str, Any]]) -> TimeShares | None:
     return TimeShares(draft=draft / wall, overhead=max(0.0, wall - draft - forward) / wall)
 
 
-#: Resamples of the bootstrap: the interval's ends move by well under 0.01x between seeds at this count.
+#: Resamples of the bootstrap: enough that the interval's ends hardly depend on its seed.
 BOOTSTRAP_RESAMPLES = 2000
 
 
@@ -133,3 +133,32 @@ def bootstrap_speedup(
     ratios.sort()
     tail = (1 - confidence) / 2
     return ratios[int(tail * (len(ratios) - 1))], ratios[round((1 - tail) * (len(ratios) - 1))]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+#: What a generation's stats count, as the per-prompt records of ``bench coupling`` and ``bench quality`` keep them.
+DECODE_COUNTS = ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")
+
+
+def decode_record(stats: Any) -> dict[str, Any]:
+    """A :class:`~specdecode.stats.GenerationStats`' counts and wall time, as a record keeps them."""
+    return {**{key: getattr(stats, key) for key in DECODE_COUNTS}, "wall_s": round(stats.wall_s, 5)}
+
+
+def pooled_counts(records: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """The counts of :data:`DECODE_COUNTS` summed over records."""
+    records = list(records)
+    return {key: sum(r[key] for r in records) for key in DECODE_COUNTS}
+
+
+def tokens_per_step(counts: Mapping[str, int]) -> float:
+    """Tokens per target forward, the target's own token included (plain decoding: 1.0)."""
+    return (counts["accepted_tokens"] + counts["steps"]) / counts["steps"] if counts["steps"] else 0.0

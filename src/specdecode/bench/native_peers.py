@@ -1,6 +1,7 @@
 """The CPU engines a user would pick instead of ours: llama.cpp (through ``llama-cpp-python``) on the very
 GGUF our checkpoint was de-quantized from, and OpenVINO GenAI on int8 / int4 exports made by its own
-tooling (``optimum-cli export openvino``).  Both are optional extras, skipped with a message when absent.
+tooling (``optimum-cli export openvino``).  Both are optional extras, skipped with a message when absent: they
+are imported where a run needs them, never with this module.
 
 Each runs the benchmark's contract: prompt token ids in, exactly ``max_new_tokens`` greedy token ids out
 (EOS ignored), the generation call timed, prefill included — as our generator is timed (building an
@@ -30,13 +31,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+from transformers import AutoTokenizer
+
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cache import model_cache_dir
 from specdecode.models.registry import ensure_gguf, ensure_model, is_registered
 
 _LLAMACPP_HINT = "pip install -e '.[llamacpp]' (compiles llama.cpp, about 13 min on 2 cores)"
-#: llama.cpp's AMX backend (built when the compiling CPU has AMX) crashed in decode on every model we ran
-#: (llama-cpp-python 0.3.36, a 2-core Sapphire Rapids Xeon; ggml-org/llama.cpp#20824): build without it.
+#: llama.cpp's AMX backend (built when the compiling CPU has AMX) crashes in decode (ggml-org/llama.cpp#20824):
+#: build without it.
 _NO_AMX_HINT = (
     "reinstall llama.cpp without its AMX backend, which segfaults here (ggml-org/llama.cpp#20824): "
     'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON '
@@ -145,8 +149,6 @@ class _LlamaDraft:
         self.llm, self.k = llm, k
 
     def __call__(self, input_ids, /, **kwargs: Any):
-        import numpy as np
-
         drafted = []
         # reset=True (the default) is what keeps the longest cached prefix; reset=False would append the
         # whole context to the cache again.
@@ -172,10 +174,9 @@ def openvino_run(
     prompt lookup (``lookup``: ``max_ngram_size``, ``num_assistant_tokens``) or with ``draft``'s export
     drafting ``lookup["num_assistant_tokens"]`` tokens.
 
-    Every pipeline compiles its own copy of the weights (1.5B int8: ~1.7 GB), so only one is alive at a time
+    Every pipeline compiles its own copy of the weights, so only one is alive at a time
     (:data:`_PIPELINE`): a run builds its pipeline when another one ran last — from OpenVINO's cache of
     compiled models, warmed up with a two-token call, all untimed — and times only ``generate``."""
-    import numpy as np
     import openvino as ov
     import openvino_genai as genai
 
@@ -263,7 +264,6 @@ def _convert_tokenizer(source: Path, out: Path) -> None:
     pipeline encodes through it even when given token ids."""
     import openvino as ov
     from openvino_tokenizers import convert_tokenizer
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
     ov.save_model(convert_tokenizer(tokenizer, with_detokenizer=False), out / "openvino_tokenizer.xml")

@@ -6,15 +6,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from specdecode.bench.cells import CellResult, task_order
+from specdecode.bench.reporting import pyplot, save_figure
 
 
 def plot_speedup(cells: Sequence[CellResult], path: Path, title: str, baseline: str | None) -> None:
     """Grouped bars: speed-up over our plain decoding (the line at 1) per task, one bar per method and peer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tasks = task_order(cells)
     methods = list(
         dict.fromkeys(c.method for c in cells if c.kind != "sweep" and c.speedup is not None and c.method != baseline)
@@ -30,18 +27,12 @@ def plot_speedup(cells: Sequence[CellResult], path: Path, title: str, baseline: 
     ax.set_ylabel("speed-up over our plain decoding")
     ax.set_title(title)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_draft_length(curves: Mapping[tuple[str, str], list], path: Path, title: str) -> None:
     """Mean accepted tokens (left) and speed-up (right) against the draft length k."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for (base, task), points in curves.items():
         ks = [k for k, _ in points]
@@ -53,6 +44,4 @@ def plot_draft_length(curves: Mapping[tuple[str, str], list], path: Path, title:
         ax.set_xlabel("draft length k")
         ax.legend(fontsize="small")
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -22,23 +22,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specdecode.bench.quality_suites import (
-    CHAT_REQUEST,
-    CHAT_STOPS,
-    STOPS,
-    get_suite,
-    select_problems,
-)
+from tqdm import tqdm
+
+from specdecode.bench import common
+from specdecode.bench.methods import MethodSpec, draft_weights, parse_methods
+from specdecode.bench.metrics import decode_record
+from specdecode.bench.quality_report import summarize, write_report
+from specdecode.bench.quality_suites import CHAT_REQUEST, CHAT_STOPS, STOPS, get_suite, select_problems
+from specdecode.bench.resume import resume, save_json
 from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
+from specdecode.models.loading import fast_path_default, load_model
+from specdecode.models.quantize import check_quantize
+from specdecode.threads import fixed_threads
 from specdecode.verify.registry import DEFAULT_VERIFIER, VerifierChoice, parse_verifier
-
-if TYPE_CHECKING:  # the parser is built for every command: torch is imported only to run the benchmark
-    from specdecode.bench.methods import MethodSpec
-    from specdecode.generator import SpeculativeGenerator
 
 SCHEMA_VERSION = 1
 REFERENCE = "none"  # plain decoding, exact: the lossless output
@@ -93,9 +94,6 @@ class QualitySettings:
     quantize_draft: str | None = None  # the draft models' (--quantize-draft); None: no method has one
 
     def __post_init__(self) -> None:
-        from specdecode.bench import common
-        from specdecode.models.quantize import check_quantize
-
         check_quantize(self.quantize)
         if self.quantize_draft is not None:
             check_quantize(self.quantize_draft, "--quantize-draft")
@@ -110,25 +108,18 @@ class QualitySettings:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecDecodeError(f"--seed must be an integer, got {self.seed!r}")
         for label, value in (("--temperature", self.temperature), ("--timeout-s", self.timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            if not common.is_number(value) or value < 0:
                 raise SpecDecodeError(f"{label} must be a number >= 0, got {value!r}")
         if self.timeout_s <= 0:
             raise SpecDecodeError(f"--timeout-s must be > 0, got {self.timeout_s}")
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            **{k: v for k, v in asdict(self).items() if k not in {"methods", "verifiers", "out"}},
-            "methods": [m.spec for m in self.methods],
-            "verifiers": [v.spec for v in self.verifiers],
-            "out": str(self.out),
-        }
+        return common.settings_json(self)
 
 
 def resolve_settings(**overrides: Any) -> QualitySettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
     ``none`` is always measured (with ``exact``), so it is dropped from ``methods``."""
-    from specdecode.bench import common
-    from specdecode.bench.methods import draft_weights, parse_methods
 
     def count(text: str) -> int:
         if not text.strip().isdigit():
@@ -139,8 +130,6 @@ def resolve_settings(**overrides: Any) -> QualitySettings:
     values = common.resolve_values(QualitySettings, DEFAULTS, overrides, "quality setting", parsers)
     values["methods"] = tuple(m for m in values["methods"] if m.spec != REFERENCE)
     values["quantize_draft"] = draft_weights(values["methods"], values["quantize"], values["quantize_draft"])
-    values["verifiers"] = tuple(values["verifiers"])
-    values["out"] = Path(values["out"])
     return QualitySettings(**values)
 
 
@@ -177,11 +166,7 @@ def decode(
         "task_id": problem["task_id"],
         "completion": result.text,
         "token_ids": result.token_ids,
-        "new_tokens": stats.new_tokens,
-        "steps": stats.steps,
-        "drafted_tokens": stats.drafted_tokens,
-        "accepted_tokens": stats.accepted_tokens,
-        "wall_s": round(stats.wall_s, 5),
+        **decode_record(stats),
         "lossless": stats.lossless,
         **outcome,
     }
@@ -206,31 +191,27 @@ def fingerprint(settings: QualitySettings, problems: Sequence[dict[str, Any]]) -
 def measure_quality(settings: QualitySettings, progress: bool = True, problems: Sequence[dict] | None = None) -> dict:
     """Decode and check every (method, verifier, problem) not already in ``settings.out``/results.json; write
     results.json after each, then results.md and quality.png.  ``problems`` replaces the dataset's (tests)."""
-    from tqdm import tqdm
-
-    from specdecode.bench import common, runner
-    from specdecode.bench.methods import MethodSpec
-    from specdecode.bench.quality_report import summarize, write_report
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.loading import fast_path_default, load_model
-    from specdecode.threads import fixed_threads
-
     suite = get_suite(settings.dataset)
     if problems is None:
         problems = select_problems(suite.problems(), settings.tasks, settings.seed)
     chosen = list(problems)
     path = settings.out / "results.json"
     wanted = fingerprint(settings, chosen)
-    previous = common.read_previous(path)
-    if previous is not None and previous.get("fingerprint") != wanted:
-        old = previous.get("fingerprint") or {}
-        raise SpecDecodeError(
+
+    def refusal(old: dict[str, Any]) -> SpecDecodeError:
+        return SpecDecodeError(
             f"{path} holds results of other settings (model {old.get('model')!r}, {len(old.get('problems', []))} "
             f"problems, seed {old.get('seed')}): choose another --out or empty it"
         )
-    results = previous or {"schema_version": SCHEMA_VERSION, "fingerprint": wanted, "records": {}, "measure_s": 0.0}
+
+    results = resume(path, wanted, refusal=refusal) or {
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": wanted,
+        "records": {},
+        "measure_s": 0.0,
+    }
     results["settings"] = settings.to_json()
-    results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
+    results["environment"] = {**common.environment(settings.threads), "fast_path": fast_path_default()}
     records: dict[str, dict] = results["records"]
     target = load_model(settings.model, quantize=settings.quantize)
     checker = SpeculativeGenerator.build(target, REFERENCE)
@@ -270,83 +251,11 @@ def measure_quality(settings: QualitySettings, progress: bool = True, problems: 
                     results["rows"] = summarize(
                         results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers]
                     )
-                    common.save_json(path, results)
+                    save_json(path, results)
                     bar.update()
             write_report(results, settings.out)  # a report of what is measured so far, should the run stop
     results["environment"]["load_average_end"] = common.load_average()
     results["rows"] = summarize(results, [m.spec for m, _ in plan], [v.spec for v in settings.verifiers])
-    common.save_json(path, results)
+    save_json(path, results)
     write_report(results, settings.out)
     return results
-
-
-# --------------------------------------------------------------------------------------------------------
-# ``specdecode bench quality``
-
-
-def add_quality_command(commands: Any) -> None:
-    """Add ``quality`` to ``bench``'s sub-commands.  A flag given to ``bench`` before the sub-command is kept
-    unless repeated after it (SUPPRESS), as for ``bench coupling``."""
-    import argparse
-
-    keep = argparse.SUPPRESS
-    quality = commands.add_parser(
-        "quality",
-        help="relaxed (lossy) verifiers: speed-up against quality (HumanEval pass@1, CHAMP answers, chat), in one run",
-        description="Every drafter decodes every selected problem with every verifier; HumanEval completions run "
-        "against the problem's tests in a limited child process, CHAMP final answers are compared, chat answers "
-        "are compared with the lossless ones. Results go to --out (results.json, results.md, quality.png); a rerun "
-        "resumes what that directory holds.",
-    )
-    quality.add_argument("--model", default=keep, help=f"target model (default {DEFAULTS['model']})")
-    quality.add_argument(
-        "--methods", default=keep, help=f"comma-separated drafter specs (default {DEFAULTS['methods']})"
-    )
-    quality.add_argument(
-        "--verifiers",
-        default=keep,
-        help="comma-separated verifier specs NAME[:OPTION=VALUE...]; exact always runs "
-        f"(default {DEFAULTS['verifiers']})",
-    )
-    quality.add_argument(
-        "--tasks",
-        default=keep,
-        metavar="N",
-        help=f"problems of the dataset, a seeded subset (default {DEFAULTS['tasks']}; HumanEval has 164)",
-    )
-    quality.add_argument(
-        "--dataset",
-        default=keep,
-        help="humaneval: pass@1 by running the tests (default); champ: final-answer accuracy on CHAMP math; "
-        "chat: MT-Bench/ShareGPT, equality with the lossless answer only",
-    )
-    quality.add_argument("--seed", type=int, default=keep, help="seed of the subset (and of sampling) (default 0)")
-    quality.add_argument("--max-new-tokens", type=int, default=keep, metavar="N", help="default 256")
-    quality.add_argument("--temperature", type=float, default=keep, help="0 = greedy (default)")
-    quality.add_argument("--timeout-s", type=float, default=keep, help="per completion's tests (default 10)")
-    quality.add_argument("--memory-mb", type=int, default=keep, help="address space of a test process (default 1024)")
-    quality.add_argument("--out", default=keep, help=f"output directory (default {DEFAULTS['out']})")
-    quality.add_argument("--threads", type=int, default=keep, help="torch threads (default: number of cores)")
-    quality.add_argument(
-        "--quantize",
-        default=keep,
-        metavar="{none,int8,int4,bf16,w4a8}",
-        help="weights of the target (default none); lossless is against plain decoding of these weights",
-    )
-    quality.add_argument(
-        "--quantize-draft",
-        default=keep,
-        metavar="{none,int8,int4,bf16,w4a8}",
-        help="of the draft models (default int4, w4a8 on AVX2-only CPUs)",
-    )
-    quality.add_argument("--no-progress", dest="progress", action="store_false", default=keep, help="no progress bar")
-    quality.set_defaults(run=run_quality)
-
-
-def run_quality(args: Any) -> int:
-    from specdecode.bench.cli import _flags, _run_and_print
-
-    names = ("model", "methods", "verifiers", "dataset", "tasks", "seed", "max_new_tokens", "temperature", "timeout_s")
-    settings = resolve_settings(**_flags(args, *names, "memory_mb", "out", "threads", "quantize", "quantize_draft"))
-    progress = getattr(args, "progress", True)
-    return _run_and_print("bench quality", "results.json, results.md, quality.png", settings, measure_quality, progress)

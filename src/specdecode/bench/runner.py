@@ -18,31 +18,30 @@ times are comparable.
 
 from __future__ import annotations
 
-import os
-import platform
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-import torch
+from tqdm import tqdm
 
-from specdecode.bench.common import PromptEncoder, load_average, package_versions, read_previous, save_json
+from specdecode.bench.cells import build_cells
+from specdecode.bench.common import PromptEncoder, environment, load_average, settings_json
 from specdecode.bench.contestants import Contestant, build_contestants, peer_specs
 from specdecode.bench.lockstep import run_lockstep
-from specdecode.bench.suites import BenchSettings, sweep_methods
+from specdecode.bench.report import write_report
+from specdecode.bench.resume import resume, save_json
+from specdecode.bench.suites import BenchSettings, resolve_settings, sweep_methods
+from specdecode.data.prompt_file import read_prompt_file
 from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
-from specdecode.machine import cpu_name
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.stats import GenerationStats
 from specdecode.threads import fixed_threads
 
-# 2: ``drafter_state`` joined the fingerprint (a version-1 file is read as drafter_state "request").
-# 3: ``default_k`` joined it: a method without ``k=`` (``pld``) drafted K=5 before "auto" became the default.
-# 4: ``interleave`` joined it: before it every contestant ran request by request.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 4  # each version added a setting to the fingerprint (see _upgrade)
 RESULTS_FILE = "results.json"
 WARMUP_TOKENS = 8
 
@@ -110,23 +109,6 @@ def add_acceptance(record: dict[str, Any], stats: GenerationStats) -> None:
             totals[i] += count
 
 
-def environment(threads: int) -> dict[str, Any]:
-    """What the numbers depend on besides the code: CPU, threads, library versions, load from others."""
-    versions = package_versions(("torch", "transformers", "specdecode"))
-    return {
-        "cpu": cpu_name(),
-        # The widest vector instructions torch uses here (AVX2, AVX512...): what the CPU fast path gains
-        # depends on it more than on the CPU's name.
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        **versions,
-        "load_average_start": load_average(),
-    }
-
-
 @dataclass
 class _Item:
     task: Task
@@ -158,32 +140,37 @@ def _plan(settings: BenchSettings, tasks: Sequence[Task], runs: dict[str, dict[s
     return items
 
 
-def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
-    path = settings.out / RESULTS_FILE
-    previous = read_previous(path)
-    if previous is None:
-        return None
-    if previous.get("schema_version") == 1:  # before drafter_state existed every run reset per request
-        previous["fingerprint"] = {**previous.get("fingerprint", {}), "drafter_state": "request"}
-        previous["schema_version"] = 2
-    if previous.get("schema_version") == 2:  # before default_k existed the default was K=5
-        previous["fingerprint"] = {**previous.get("fingerprint", {}), "default_k": 5}
-        previous["schema_version"] = 3
-    if previous.get("schema_version") == 3:  # before interleave existed, requests ran one after another
-        previous["fingerprint"] = {**previous.get("fingerprint", {}), "interleave": "request"}
-        previous["schema_version"] = SCHEMA_VERSION
-    if previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != settings.fingerprint:
-        raise SpecDecodeError(
-            f"{path} holds results of another configuration ({previous.get('fingerprint')}; now "
-            f"{settings.fingerprint}): choose another --out or delete it"
-        )
+def _upgrade(previous: dict[str, Any]) -> dict[str, Any]:
+    """Results of an older schema as the current one: each version added a setting to the fingerprint, which the
+    older results had at the value they were measured with."""
+    added = {
+        1: ("drafter_state", "request"),  # version 1 reset every drafter per request
+        2: ("default_k", 5),  # a method without ``k=`` drafted 5 tokens
+        3: ("interleave", "request"),  # every contestant ran request by request
+    }
+    while (version := previous.get("schema_version")) in added:
+        key, value = added[version]
+        previous["fingerprint"] = {**previous.get("fingerprint", {}), key: value}
+        previous["schema_version"] = version + 1
     return previous
 
 
-def settings_json(settings: BenchSettings) -> dict[str, Any]:
-    data = asdict(settings)
-    data["methods"] = [m.spec for m in settings.methods]
-    data["out"] = str(settings.out)
+def _load_previous(settings: BenchSettings) -> dict[str, Any] | None:
+    path = settings.out / RESULTS_FILE
+
+    def refusal(old: dict[str, Any]) -> SpecDecodeError:
+        return SpecDecodeError(
+            f"{path} holds results of another configuration ({old}; now "
+            f"{settings.fingerprint}): choose another --out or delete it"
+        )
+
+    return resume(path, settings.fingerprint, SCHEMA_VERSION, refusal, admit=_upgrade)
+
+
+def results_settings(settings: BenchSettings) -> dict[str, Any]:
+    """The settings as results.json records them, with what the report needs of them: the baseline, the peers'
+    configurations and the sweep's variants."""
+    data = settings_json(settings)
     data["baseline"] = next((m.spec for m in settings.methods if m.drafter == "none"), None)
     data["peers"] = {
         spec.name: {"matches": spec.matches.spec, "family": spec.family, **spec.config} for spec in peer_specs(settings)
@@ -195,6 +182,15 @@ def settings_json(settings: BenchSettings) -> dict[str, Any]:
     return data
 
 
+def resolve_flags(suite: str, prompts: str | None, **given: Any) -> BenchSettings:
+    """``bench``'s flags as settings: the prompts file ``prompts`` (``--prompts``) is read here, and the lines of it
+    that were skipped are said on stderr."""
+    prompt_file = read_prompt_file(prompts) if prompts is not None else None
+    for problem in prompt_file.skipped if prompt_file else ():
+        print(f"specdecode: {problem}", file=sys.stderr)
+    return resolve_settings(suite, prompts_file=prompt_file, **given)
+
+
 def run_benchmark(
     settings: BenchSettings, tasks: Sequence[Task] | None = None, progress: bool = True
 ) -> dict[str, Any]:
@@ -202,9 +198,6 @@ def run_benchmark(
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON.
     """
-    from specdecode.bench.cells import build_cells
-    from specdecode.bench.report import write_report
-
     results = _load_previous(settings) or {
         "schema_version": SCHEMA_VERSION,
         "fingerprint": settings.fingerprint,
@@ -213,7 +206,7 @@ def run_benchmark(
         "measure_s": 0.0,
     }
     tasks = list(tasks) if tasks is not None else settings.load_tasks()
-    results["settings"] = settings_json(settings)
+    results["settings"] = results_settings(settings)
     if plan := _plan(settings, tasks, results["runs"]):
         with fixed_threads(settings.threads):
             _measure(settings, tasks, plan, results, progress)
@@ -227,8 +220,6 @@ def run_benchmark(
 def _measure(
     settings: BenchSettings, tasks: Sequence[Task], plan: list[_Item], results: dict[str, Any], progress: bool
 ) -> None:
-    from tqdm import tqdm
-
     target = load_model(settings.model, quantize=settings.quantize)
     draft_names = sorted({m.draft_model for m in settings.methods} - {None})
     draft_quantize = settings.quantize_draft or settings.quantize

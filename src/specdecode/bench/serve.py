@@ -23,6 +23,8 @@ Every cell starts cold, like a fresh generator in ``bench throughput``: the serv
 adaptive draft-length policies are reset while the server is idle; each method gets one untimed warm-up
 request first.  The reference for equality is method ``none`` at C=1 (always measured, first).
 ``results.json`` is written after every cell; a rerun with the same settings skips the cells it holds.
+
+Needs the ``server`` extra, as ``specdecode serve`` does.
 """
 
 from __future__ import annotations
@@ -31,18 +33,25 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from specdecode.bench import common, runner
-from specdecode.bench.methods import MethodSpec, draft_weights, parse_int_list, parse_methods
+import uvicorn
+from tqdm import tqdm
+
+from specdecode.bench import common
+from specdecode.bench.methods import MethodSpec, draft_weights
+from specdecode.bench.resume import other_settings_error, resume, run_fingerprint
 from specdecode.bench.serve_client import ClientProcess, one_line
 from specdecode.bench.serve_report import request_record, summarize_cell, write_report
+from specdecode.config import GenerationConfig
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
+from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
+from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import check_quantize
+from specdecode.server.app import ServerConfig, Service, create_app, freeze_startup_heap, uvicorn_config
 
 SCHEMA_VERSION = 1
 RESULTS_FILE = "results.json"
@@ -64,66 +73,38 @@ DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class ServeSettings:
-    model: str
+class ServeSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
     concurrency: tuple[int, ...]
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
     max_batch_size: int
-    seed: int
     threads: int
-    out: Path
     quantize: str = "none"  # the target's weights (--quantize)
     quantize_draft: str | None = None  # the draft models' (--quantize-draft); None: no method has one
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_quantize(self.quantize)
         if self.quantize_draft is not None:
             check_quantize(self.quantize_draft, "--quantize-draft")
-        if not self.concurrency or not all(common.is_positive_int(c) for c in self.concurrency):
-            raise SpecDecodeError(f"--concurrency takes comma-separated positive integers, got {self.concurrency!r}")
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--max-batch-size", self.max_batch_size),
-            ("--threads", self.threads),
-        )
-        common.check_tasks(self.tasks)
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(methods=[m.spec for m in self.methods], concurrency=list(self.concurrency), out=str(self.out))
-        return {**data, "tasks": list(self.tasks)}
+        common.check_positive_int_list("--concurrency", self.concurrency)
+        common.check_positive_ints(("--max-batch-size", self.max_batch_size), ("--threads", self.threads))
 
 
 def resolve_settings(**overrides: Any) -> ServeSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    parsers = {
-        "methods": parse_methods,
-        "concurrency": lambda text: parse_int_list(text, "--concurrency"),
-        "tasks": common.split_names,
-    }
+    parsers = common.cell_parsers("concurrency", "--concurrency")
     values = common.resolve_values(ServeSettings, DEFAULTS, overrides, "serve benchmark setting", parsers)
-    concurrency = tuple(values["concurrency"])
+    concurrency = values["concurrency"]
     if all(common.is_positive_int(c) for c in concurrency):  # else ServeSettings reports them as given
         concurrency = tuple(sorted(set(concurrency)))
     batch = values["max_batch_size"]
-    methods = tuple(values["methods"])
     return ServeSettings(
-        model=values["model"],
-        methods=methods,
-        concurrency=concurrency,
-        tasks=tuple(values["tasks"]),
-        prompts_per_task=values["prompts_per_task"],
-        max_new_tokens=values["max_new_tokens"],
-        max_batch_size=batch if batch is not None else max(concurrency, default=1),
-        seed=values["seed"],
-        threads=values["threads"],
-        out=Path(values["out"]),
-        quantize=values["quantize"],
-        quantize_draft=draft_weights(methods, values["quantize"], values["quantize_draft"]),
+        **{
+            **values,
+            "concurrency": concurrency,
+            "max_batch_size": batch if batch is not None else max(concurrency, default=1),
+            "quantize_draft": draft_weights(values["methods"], values["quantize"], values["quantize_draft"]),
+        }
     )
 
 
@@ -144,10 +125,6 @@ class InProcessServer:
     the port)."""
 
     def __init__(self, service: Any) -> None:
-        import uvicorn
-
-        from specdecode.server.app import create_app, freeze_startup_heap, uvicorn_config
-
         freeze_startup_heap()  # as specdecode serve does
         self.service = service
         self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -195,9 +172,21 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     drafts = ("quantize_draft",) if settings.quantize_draft is not None else ()
-    fingerprint = common.run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts)
+    fingerprint = run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts)
     path = settings.out / RESULTS_FILE
-    results = _load_previous(path, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
+
+    def same_benchmark(previous: dict[str, Any]) -> dict[str, Any]:
+        if previous.get("benchmark") != "serve" or previous.get("schema_version") != SCHEMA_VERSION:
+            raise SpecDecodeError(
+                f"{path} holds results of another benchmark or version: choose another --out or empty it"
+            )
+        return previous
+
+    def refusal(old: dict[str, Any]) -> SpecDecodeError:
+        return other_settings_error(path, old, fingerprint, [("max batch size", "max_batch_size")])
+
+    previous = resume(path, fingerprint, refusal=refusal, admit=same_benchmark)
+    results = previous or common.new_results(SCHEMA_VERSION, fingerprint, benchmark="serve")
 
     def measure(pending: list[tuple[str, int]]) -> None:
         _measure(settings, tasks, pending, results, progress)
@@ -205,28 +194,9 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
     return common.run_cells(results, settings, cell_order(settings), "concurrency", measure, write_report, path)
 
 
-def _load_previous(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    previous = common.read_previous(path)
-    if previous is None:
-        return None
-    if previous.get("benchmark") != "serve" or previous.get("schema_version") != SCHEMA_VERSION:
-        raise SpecDecodeError(f"{path} holds results of another benchmark or version: choose another --out or empty it")
-    if previous.get("fingerprint") != fingerprint:
-        extra = [("max batch size", "max_batch_size")]
-        raise common.other_settings_error(path, previous.get("fingerprint"), fingerprint, extra)
-    return previous
-
-
 def _measure(
     settings: ServeSettings, tasks: Sequence[Task], pending: list[tuple[str, int]], results: dict, progress: bool
 ) -> None:
-    from tqdm import tqdm
-
-    from specdecode.config import GenerationConfig
-    from specdecode.drafters import create_drafter
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.server.app import ServerConfig, Service
-
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
     needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
@@ -251,7 +221,7 @@ def _measure(
     results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
     results["prompts"] = [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded]
     versions = common.package_versions(("openai", "uvicorn", "uvloop", "httptools", "fastapi"))
-    results["environment"] = {**runner.environment(settings.threads), **versions, "fast_path": fast_path_default()}
+    results["environment"] = {**common.environment(settings.threads), **versions, "fast_path": fast_path_default()}
     started = time.perf_counter()
     with (
         InProcessServer(service) as server,
@@ -284,8 +254,8 @@ def _measure(
                 started = common.add_cell(results, cell, settings.out / RESULTS_FILE, started)
                 bar.update()
 
-        # The engine steps in this thread, which loaded the model (see specdecode.server.worker: a second
-        # thread running torch costs it ~30%); the cells are driven from another.
+        # The engine steps in this thread, which loaded the model (see specdecode.server.worker: torch is slower
+        # in a thread of its own); the cells are driven from another.
         run_beside(measure_cells, service.worker.drive)
     results["environment"]["load_average_end"] = common.load_average()
 

@@ -7,10 +7,12 @@ previous one finished; :func:`stream_one` times one streamed request's chunks as
 
 from __future__ import annotations
 
+import multiprocessing
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from specdecode.bench.methods import DEFAULT_K, MethodSpec
@@ -102,14 +104,11 @@ def run_cell(
 class ClientProcess:
     """The benchmark's clients, in a spawned child process that lives for the whole run.
 
-    In the server's process, eight client threads parsing SSE chunks took the interpreter lock from the
-    engine's thread between its torch calls, and the steps grew by some milliseconds; real clients run
-    elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
+    Client threads in the server's process would take the interpreter lock from the engine's thread between
+    its torch calls and lengthen its steps (``docs/results/serve-bf16-clientproc-smollm2-135m``); real clients
+    run elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
 
     def __init__(self, port: int) -> None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
         self.port = port
         self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
@@ -137,7 +136,7 @@ def _in_child(port: int, call: Callable[..., Any], *args: Any) -> Any:
 
 
 def client_for(port: int) -> Any:
-    import openai
+    import openai  # optional (not even the server extra needs it): imported in the client process only
 
     # trust_env=False: a proxy configured for the outside world must not see loopback requests.
     http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)

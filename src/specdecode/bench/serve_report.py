@@ -7,9 +7,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import common
-from specdecode.bench.markdown import fmt
-from specdecode.bench.metrics import ratio
+from specdecode.bench import reporting
+from specdecode.bench.metrics import percentile, ratio
+from specdecode.bench.reporting import fmt
 
 
 def itl_samples(record: Mapping[str, Any]) -> list[float]:
@@ -40,7 +40,7 @@ def request_record(key: str, reply: dict[str, Any], tokenizer: Any) -> dict[str,
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
-    return round(common.percentile(values, q), 6) if values else None
+    return round(percentile(values, q), 6) if values else None
 
 
 def summarize_cell(
@@ -80,15 +80,15 @@ def summarize_cell(
     }
 
 
-def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], common.Cells]:
-    cells, levels = common.cells_by(results, "concurrency")
+def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], reporting.Cells]:
+    cells, levels = reporting.cells_by(results, "concurrency")
     return list(dict.fromkeys(c["method"] for c in results["cells"])), levels, cells
 
 
 def markdown(results: Mapping[str, Any]) -> str:
     s = results["settings"]
     names, levels, cells = _rows(results)
-    get = common.cell_getter(cells)
+    get = reporting.cell_getter(cells)
 
     def ms(key: str) -> Callable[[str, int], str]:
         return lambda n, c: fmt(None if get(n, c, key) is None else 1000 * get(n, c, key), ".1f")
@@ -96,13 +96,13 @@ def markdown(results: Mapping[str, Any]) -> str:
     def over_none(key: str) -> Callable[[str, int], str]:
         return lambda n, c: fmt(ratio(get(n, c, key), get("none", c, key)), ".2f", "x")
 
-    requests = common.request_count(results)
+    requests = reporting.request_count(results)
     endpoint = results.get("endpoint", "/v1/chat/completions")
     lines = [
         f"# specdecode server under load: model `{s['model']}`"
         + ("" if s.get("quantize", "none") == "none" else f" ({s['quantize']} weights)"),
         "",
-        common.machine_line(
+        reporting.machine_line(
             results.get("environment", {}),
             ("torch", "transformers", "openai", "uvicorn", "uvloop", "httptools", "specdecode"),
         )
@@ -135,28 +135,28 @@ def markdown(results: Mapping[str, Any]) -> str:
         ("Outputs identical to `none` at C=1", lambda n, c: fmt(
             None if get(n, c, "equal_to_none_c1") is None else 100 * get(n, c, "equal_to_none_c1"), ".0f", "%")),
     ]  # fmt: skip
-    lines += common.metric_sections(tables, names, levels, "C")
+    lines += reporting.metric_sections(tables, names, levels, "C")
     return "\n".join(lines) + "\n"
 
 
 def plot_serve(results: Mapping[str, Any], path: Path) -> None:
     """Tokens/s and p95 inter-token latency against concurrency, one line per method."""
     names, levels, cells = _rows(results)
-    fig, (left, right) = common.pyplot().subplots(1, 2, figsize=(11, 4.5))
+    fig, (left, right) = reporting.pyplot().subplots(1, 2, figsize=(11, 4.5))
     for name in names:
         points = sorted((c, cell) for (n, c), cell in cells.items() if n == name)
         left.plot([c for c, _ in points], [cell["tokens_per_s"] for _, cell in points], marker="o", label=name)
         itl = [(c, cell["itl_p95_s"]) for c, cell in points if cell.get("itl_p95_s") is not None]
         right.plot([c for c, _ in itl], [1000 * v for _, v in itl], marker="o", label=name)
     for ax, label in ((left, "tokens/s (all requests)"), (right, "p95 inter-token latency (ms)")):
-        common.log2_axis(ax, levels, "concurrency C (closed-loop clients)", label)
+        reporting.log2_axis(ax, levels, "concurrency C (closed-loop clients)", label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     env = results.get("environment", {})
     fig.suptitle(f"{Path(results['settings']['model']).name}: server under load ({env.get('cpu_capability')})")
-    common.save_figure(fig, path)
+    reporting.save_figure(fig, path)
 
 
 def write_report(results: Mapping[str, Any], out: Path) -> list[Path]:
     """``results.md`` and ``serve.png`` in ``out``."""
-    return common.write_markdown_and_plot(results, out, markdown, plot_serve, "serve.png")
+    return reporting.write_markdown_and_plot(results, out, markdown, plot_serve, "serve.png")

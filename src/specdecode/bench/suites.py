@@ -48,9 +48,8 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {
-    # Sized for under 10 minutes on an idle 2-core CPU: smollm2 decodes ~12 tokens/s plainly, so each of the
-    # ~85 timed runs (multi-edit's session adds 3 requests x 4 contestants x 2 repeats) takes 4-9 s.
-    # --prompts-per-task 3 covers each task better at about 3x the time.
+    # Minutes on a 2-core CPU (docs/results/quick); --prompts-per-task 3 covers each task better at about 3x the
+    # time.
     "quick": Suite(
         model="smollm2-135m",
         methods="none,pld",
@@ -61,7 +60,7 @@ SUITES: dict[str, Suite] = {
         draft_lengths=(1, 2, 4, 8),
         sweep_tasks=("edit",),
     ),
-    # The 1.5B target decodes ~2 tokens/s plainly on the same CPU: expect 1.5-2 hours.
+    # Hours on the same CPU (docs/results/qwen2.5-coder-1.5b).
     "full": Suite(
         model="qwen2.5-coder-1.5b",
         methods="none,pld,draft-model:qwen2.5-coder-0.5b",
@@ -135,7 +134,7 @@ class BenchSettings:
             "drafter_state": self.drafter_state,
             "interleave": self.interleave,
             "default_k": DEFAULT_K,
-            # Only when set, so that results measured before these settings existed still resume.
+            # Only when set: results written without these settings resume as they are.
             **({"quantize": self.quantize} if self.quantize != "none" else {}),
             **({"quantize_draft": self.quantize_draft} if self.quantize_draft is not None else {}),
             **({"prompts_sha256": self.prompts_sha256} if self.prompts_file is not None else {}),

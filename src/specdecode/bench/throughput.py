@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from tqdm import tqdm
+
 from specdecode.batch_engine import BatchRequest
-from specdecode.bench import common, peers, runner
-from specdecode.bench.methods import MethodSpec, parse_int_list, parse_methods
+from specdecode.bench import common, peers
+from specdecode.bench.methods import MethodSpec
+from specdecode.bench.resume import resume, run_fingerprint
 from specdecode.bench.throughput_report import summarize_cell, write_report
 from specdecode.data.tasks import TASK_NAMES, Task, load_tasks
-from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 
@@ -48,53 +49,24 @@ DEFAULTS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class ThroughputSettings:
-    model: str
+class ThroughputSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
     batch_sizes: tuple[int, ...]
-    tasks: tuple[str, ...]
-    prompts_per_task: int
-    max_new_tokens: int
-    seed: int
     peers: bool
     threads: int
-    out: Path
 
     def __post_init__(self) -> None:
-        common.check_positive_ints(
-            ("--prompts-per-task", self.prompts_per_task),
-            ("--max-new-tokens", self.max_new_tokens),
-            ("--threads", self.threads),
-        )
-        common.check_tasks(self.tasks)
-        if not self.batch_sizes or not all(common.is_positive_int(b) for b in self.batch_sizes):
-            raise SpecDecodeError(f"--batch-sizes takes comma-separated positive integers, got {self.batch_sizes!r}")
-
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(methods=[m.spec for m in self.methods], batch_sizes=list(self.batch_sizes), out=str(self.out))
-        return {**data, "tasks": list(self.tasks)}
+        super().__post_init__()
+        common.check_positive_ints(("--threads", self.threads))
+        common.check_positive_int_list("--batch-sizes", self.batch_sizes)
 
 
 def resolve_settings(**overrides: Any) -> ThroughputSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    parsers = {
-        "methods": parse_methods,
-        "batch_sizes": lambda text: parse_int_list(text, "--batch-sizes"),
-        "tasks": common.split_names,
-    }
+    parsers = common.cell_parsers("batch_sizes", "--batch-sizes")
     values = common.resolve_values(ThroughputSettings, DEFAULTS, overrides, "throughput setting", parsers)
     return ThroughputSettings(
-        model=values["model"],
-        methods=tuple(values["methods"]),
-        batch_sizes=tuple(sorted(set(values["batch_sizes"]))),
-        tasks=tuple(values["tasks"]),
-        prompts_per_task=values["prompts_per_task"],
-        max_new_tokens=values["max_new_tokens"],
-        seed=values["seed"],
-        peers=bool(values["peers"]),
-        threads=values["threads"],
-        out=Path(values["out"]),
+        **{**values, "batch_sizes": tuple(sorted(set(values["batch_sizes"]))), "peers": bool(values["peers"])}
     )
 
 
@@ -153,16 +125,6 @@ def run_peer(
 # The run
 
 
-def _load_previous(settings: ThroughputSettings, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    path = settings.out / RESULTS_FILE
-    previous = common.read_previous(path)
-    if previous is not None and (
-        previous.get("schema_version") != SCHEMA_VERSION or previous.get("fingerprint") != fingerprint
-    ):
-        raise common.other_settings_error(path, previous.get("fingerprint"), fingerprint)
-    return previous
-
-
 def run_throughput(
     settings: ThroughputSettings, tasks: Sequence[Task] | None = None, progress: bool = True
 ) -> dict[str, Any]:
@@ -170,8 +132,9 @@ def run_throughput(
 
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    fingerprint = common.run_fingerprint(settings, tasks)
-    results = _load_previous(settings, fingerprint) or common.new_results(SCHEMA_VERSION, fingerprint)
+    fingerprint = run_fingerprint(settings, tasks)
+    previous = resume(settings.out / RESULTS_FILE, fingerprint, SCHEMA_VERSION)
+    results = previous or common.new_results(SCHEMA_VERSION, fingerprint)
 
     def measure(pending: list[tuple[str, int]]) -> None:
         _measure(settings, tasks, pending, results, progress)
@@ -188,8 +151,6 @@ def _measure(
     results: dict[str, Any],
     progress: bool,
 ) -> None:
-    from tqdm import tqdm
-
     target = load_model(settings.model)
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
@@ -199,7 +160,7 @@ def _measure(
     keys, prompts = [e.key for e in encoded], [e.ids for e in encoded]
     results["chat_template"] = encode.chat
     results["prompts"] = [{"prompt": key, "prompt_tokens": len(ids)} for key, ids in zip(keys, prompts)]
-    results["environment"] = {**runner.environment(settings.threads), "fast_path": fast_path_default()}
+    results["environment"] = {**common.environment(settings.threads), "fast_path": fast_path_default()}
     peer_model: LoadedModel | None = None
     warm: set[str] = set()
 

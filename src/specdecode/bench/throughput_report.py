@@ -7,10 +7,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from specdecode.bench import common
-from specdecode.bench.common import percentile  # also importable from here, where it was first defined
-from specdecode.bench.markdown import fmt
-from specdecode.bench.metrics import ratio
+from specdecode.bench import reporting
+from specdecode.bench.metrics import percentile, ratio
+from specdecode.bench.reporting import fmt
 
 
 def summarize_cell(
@@ -51,10 +50,10 @@ def summarize_cell(
     }
 
 
-def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], common.Cells]:
+def _rows(results: Mapping[str, Any]) -> tuple[list[str], list[int], reporting.Cells]:
     """Row names (our methods in order, ``none`` first when only its reference cell exists, the peer last),
     column batch sizes, and the cells by (method, batch size)."""
-    cells, sizes = common.cells_by(results, "batch_size")
+    cells, sizes = reporting.cells_by(results, "batch_size")
     names = list(
         dict.fromkeys(
             [
@@ -70,16 +69,16 @@ def markdown(results: Mapping[str, Any]) -> str:
     s = results["settings"]
     names, sizes, cells = _rows(results)
     peer = next((c["method"] for c in results["cells"] if c["kind"] == "peer"), None)
-    get = common.cell_getter(cells)
+    get = reporting.cell_getter(cells)
 
     def tps(name: str, b: int) -> float | None:
         return get(name, b, "tokens_per_s")
 
-    requests = common.request_count(results)
+    requests = reporting.request_count(results)
     lines = [
         f"# specdecode batched throughput: model `{s['model']}`",
         "",
-        common.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode")),
+        reporting.machine_line(results.get("environment", {}), ("torch", "transformers", "specdecode")),
         "",
         f"{requests} requests ({', '.join(s['tasks'])}; {s['prompts_per_task']} prompt(s) per task, seed "
         f"{s['seed']}; chat template {'on' if results.get('chat_template') else 'off'}), all submitted at once; "
@@ -112,27 +111,27 @@ def markdown(results: Mapping[str, Any]) -> str:
                 lambda n, b: fmt(ratio(tps(n, b), tps(peer, b)), ".2f", "x"),
             )
         )
-    lines += common.metric_sections(tables, names, sizes, "B")
+    lines += reporting.metric_sections(tables, names, sizes, "B")
     return "\n".join(lines) + "\n"
 
 
 def plot_throughput(results: Mapping[str, Any], path: Path) -> None:
     """Tokens/s against batch size, one line per method and the peer."""
     names, sizes, cells = _rows(results)
-    fig, ax = common.pyplot().subplots(figsize=(7, 4.5))
+    fig, ax = reporting.pyplot().subplots(figsize=(7, 4.5))
     for name in names:
         points = sorted((b, c["tokens_per_s"]) for (n, b), c in cells.items() if n == name)
         kind = next(c["kind"] for (n, _), c in cells.items() if n == name)
         style = "--" if kind == "peer" else "-"
         ax.plot([b for b, _ in points], [t for _, t in points], style, marker="o", label=name)
-    common.log2_axis(ax, sizes, "batch size B (sequences decoding together)", "tokens/s (all requests)")
+    reporting.log2_axis(ax, sizes, "batch size B (sequences decoding together)", "tokens/s (all requests)")
     env = results.get("environment", {})
     ax.set_title(f"{Path(results['settings']['model']).name}: batched throughput ({env.get('cpu_capability')})")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
-    common.save_figure(fig, path)
+    reporting.save_figure(fig, path)
 
 
 def write_report(results: Mapping[str, Any], out: Path) -> list[Path]:
     """``results.md`` and ``throughput.png`` in ``out``."""
-    return common.write_markdown_and_plot(results, out, markdown, plot_throughput, "throughput.png")
+    return reporting.write_markdown_and_plot(results, out, markdown, plot_throughput, "throughput.png")
