@@ -219,7 +219,7 @@ def clamp(x, low, high):
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The README's main job: same prompt, plain decoding vs speculative decoding, same output."""
+    """The main job of the README's first command: same prompt, plain decoding vs speculative decoding, same output."""
     prompt = DEMO_PROMPT_INSTRUCTION + DEMO_CODE
     defaults = _generation_config(args)
     speculative = _build_generator(args, args.drafter, defaults)

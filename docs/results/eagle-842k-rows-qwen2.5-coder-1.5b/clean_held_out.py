@@ -9,8 +9,8 @@ import torch
 from specdecode.heads.eagle import default_aux_layers
 from specdecode.heads.storage import load_eagle
 from specdecode.models.loading import load_model
+from specdecode.train.cli import DEFAULT_TASKS
 from specdecode.train.common import target_views, trainable_embed
-from specdecode.train.data import DEFAULT_TASKS
 from specdecode.train.eagle import held_out_acceptance, make_windows
 from specdecode.train.features import target_features, work_dir
 

@@ -9,7 +9,7 @@ import torch
 
 from specdecode.heads.eagle import default_aux_layers
 from specdecode.models.loading import load_model
-from specdecode.train.data import DEFAULT_TASKS
+from specdecode.train.cli import DEFAULT_TASKS
 from specdecode.train.features import SHARD, data_digest, target_features
 
 M = Path.home() / ".cache/specdecode/models/qwen2.5-coder-1.5b"
