@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from helpers import tiny_llama3
-from specdecode.draft_length import CostModelLength
-from specdecode.draft_length.cost_model import INHERITED_PROBE_BACKOFF
+from specdecode.draft_length.cost_model import CostModel
+from specdecode.draft_length.spec import AUTO
+from specdecode.draft_length.tuning import INHERITED_PROBE_BACKOFF
 from specdecode.drafters import create_drafter
 from specdecode.drafters._calibration import calibration_text, self_draft_agreement
 from specdecode.drafters.kangaroo import KangarooAdapter
@@ -45,7 +46,7 @@ def test_each_self_drafter_reports_its_measured_agreement_as_its_prior(tiny_targ
     # An untrained adapter is the plain exit after layer 1: it agrees as that exit does.
     assert kangaroo.acceptance_prior() == pytest.approx(early.exit_agreement[1])
     assert 0.0 <= skip.acceptance_prior() <= 1.0
-    policy = SpeculativeGenerator(tiny_target, kangaroo).draft_length_policy("auto")
+    policy = SpeculativeGenerator(tiny_target, kangaroo).draft_length_policy(AUTO)
     assert policy.prior_acceptance == kangaroo.acceptance_prior()
 
 
@@ -58,13 +59,13 @@ def test_without_a_tokenizer_the_declared_prior_stands():
 
 
 def test_a_prior_that_makes_no_depth_pay_starts_probing_where_losing_probes_would_have_left_it():
-    hopeless = CostModelLength(prior_acceptance=0.05, draft_token_share=0.4)
-    assert hopeless.next_length(16) == 0
+    hopeless = CostModel(prior_acceptance=0.05, draft_token_share=0.4)
+    assert hopeless.fork().next_length(16) == 0
     assert hopeless.probe_interval == INHERITED_PROBE_BACKOFF * hopeless.probe_every
     assert hopeless.fork().probe_interval == hopeless.probe_interval
-    hopeful = CostModelLength(draft_token_share=0.4)
+    hopeful = CostModel(draft_token_share=0.4)
     assert hopeful.probe_interval == hopeful.probe_every
-    assert hopeful.next_length(16) > 0
+    assert hopeful.fork().next_length(16) > 0
 
 
 @pytest.mark.real_model
@@ -79,4 +80,4 @@ def test_a_draft_model_keeps_the_declared_prior(tiny_target, tiny_draft):
     """Measured, a draft model's agreement made ``auto`` read prompts that did not pay back (see the module doc)."""
     drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
     assert drafter.acceptance_prior() is None
-    assert SpeculativeGenerator(tiny_target, drafter).draft_length_policy("auto").prior_acceptance == 0.5
+    assert SpeculativeGenerator(tiny_target, drafter).draft_length_policy(AUTO).prior_acceptance == 0.5

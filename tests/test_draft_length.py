@@ -5,19 +5,17 @@ from __future__ import annotations
 import pytest
 
 from specdecode.batch_plan import plan_batch
-from specdecode.draft_length import (
-    LOSS_ALLOWANCE_STEPS,
-    LOSS_BUDGET,
-    CostModelLength,
-    FixedLength,
-    HeuristicLength,
-    StepObservation,
-    make_policy,
-)
+from specdecode.draft_length.base import FixedLength, HeuristicLength
+from specdecode.draft_length.cost_model import CostModel
+from specdecode.draft_length.factory import DrafterCosts, make_policy
+from specdecode.draft_length.sequence import CostModelLength
+from specdecode.draft_length.spec import AUTO, parse_draft_length
+from specdecode.draft_length.tuning import LOSS_ALLOWANCE_STEPS, LOSS_BUDGET
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import LinearFit, ShareWithPrior
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.cost import linear_curve
+from specdecode.types import StepObservation
 
 
 def curve(per_input: float, widths: int = 16) -> tuple[float, ...]:
@@ -69,27 +67,27 @@ def test_heuristic_schedule_like_transformers():
 
 
 def test_cost_model_drafts_deep_when_verification_is_cheap_and_acceptance_high():
-    policy = CostModelLength(curve=curve(0.01))
+    policy = CostModel(curve=curve(0.01)).fork()
     feed(policy, 60, accept_rate=0.9)
     assert policy.next_length(12) >= 8
 
 
 def test_cost_model_drafts_shallow_when_wide_forwards_are_expensive():
-    cheap, steep = CostModelLength(curve=curve(0.02)), CostModelLength(curve=curve(0.5))
+    cheap, steep = CostModel(curve=curve(0.02)).fork(), CostModel(curve=curve(0.5)).fork()
     feed(cheap, 60, accept_rate=0.7)
     feed(steep, 60, accept_rate=0.7)
     assert steep.next_length(12) < cheap.next_length(12)
 
 
 def test_expected_rate_is_tokens_over_seconds():
-    policy = CostModelLength(curve=(1.0, 1.5, 2.0), prior_acceptance=0.5)
+    policy = CostModel(curve=(1.0, 1.5, 2.0), prior_acceptance=0.5).fork()
     # Before any timing, seconds are in units of a one-input forward: (1 + 0.5 + 0.25) / 2.0.
     assert policy.expected_rate(2) == pytest.approx(1.75 / 2.0)
     assert policy.relative_cost(5) == pytest.approx(3.0)  # extrapolated along the curve's slope
 
 
 def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape():
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     for _ in range(30):  # only width 1 is ever seen, at twice the quiet speed
         policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0, verify_s=0.2))
     assert policy.verify_seconds(1) == pytest.approx(0.2)
@@ -98,7 +96,7 @@ def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape(
 
 def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
     # The probe schedule alone: the loss budget, which would stop even probes here, is tested on its own below.
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     lengths = [policy.next_length(12) for _ in range(8)]
     assert lengths.count(0) == 6 and lengths.count(1) == 2
@@ -117,7 +115,7 @@ def probe_once(
 
 
 def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
 
     def steps_to_next_probe(accepted: int) -> int:
@@ -130,7 +128,7 @@ def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
 def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_rejected_one():
     """A self-drafter's token can cost most of a target forward (layer-skip on a w4a8 Qwen: 0.8): its accepted
     probe yields two tokens for more than two plain steps' time, which says drafting still loses."""
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     probe_once(policy, accepted=1, draft_s=0.9, verify_s=1.3, plain_s=1.0)
     assert policy.probe_interval == 8
@@ -139,14 +137,14 @@ def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_reject
 def test_an_accepted_probe_that_leaves_drafting_a_loss_backs_off_as_a_rejected_one():
     """Half of a self-drafter's tokens accepted at half a target forward each: a probe that is accepted pays on
     its own (2 tokens for 1.8 plain steps), but drafting at that acceptance still loses, so probing slows down."""
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.5, depth=1, draft_s=0.05)
     probe_once(policy, accepted=1, draft_s=0.05)
     assert policy.probe_interval == 8 and policy.next_length(12) == 0
 
 
 def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
-    parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    parent = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first = parent.fork()
     feed(first, 40, accept_rate=0.0, depth=2)
     assert [probe_once(first, accepted=0) for _ in range(4)] == [4, 8, 16, 32]
@@ -159,7 +157,7 @@ def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
 def test_concurrent_sequences_each_move_their_origins_probe_interval():
     """Two requests decoding at once both probe and fail: each failure backs the origin off, where the last fork
     to probe used to set the origin's interval to its own (one doubling, not two)."""
-    parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    parent = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first, second = parent.fork(), parent.fork()
     for fork in (first, second):
         feed(fork, 40, accept_rate=0.0, depth=2)
@@ -168,7 +166,7 @@ def test_concurrent_sequences_each_move_their_origins_probe_interval():
 
 
 def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed():
-    policy = make_policy("auto", [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])
+    policy = make_policy(AUTO, DrafterCosts(curve=[1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])).fork()
     cheap = policy.next_length(16)
     assert cheap > 2  # a drafter not known to read the context: its drafts are taken as free
     policy.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.5, setup_s=0.49, verify_s=0.1))
@@ -183,28 +181,29 @@ def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_st
     draft model would be taken as free and asked for a deep first draft (a Gemma edit prompt drafted 4
     tokens at 17 ms each by SmolLM2, one accepted)."""
     shape = [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
-    assert make_policy("auto", shape, reads_context=True).next_length(16) == 2
-    assert make_policy("auto", shape).next_length(16) > 2
+    assert make_policy(AUTO, DrafterCosts(curve=shape, reads_context=True)).fork().next_length(16) == 2
+    assert make_policy(AUTO, DrafterCosts(curve=shape)).fork().next_length(16) > 2
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
-    assert generator.draft_length_policy("auto").deepest == 2
-    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy("auto").deepest == 16
+    assert generator.draft_length_policy(AUTO).fork().deepest == 2
+    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy(AUTO).fork().deepest == 16
 
 
 def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_timed():
     """A cold request's first draft was free to the cost model: a layer-skip draft (0.6 of a target forward a
     token) was made at step 0 of every cold request where a two-input verification costs 1.21 of one."""
     shape = curve(0.21)
-    assert make_policy("auto", shape).next_length(16) > 0  # free: 1.5 tokens for 1.21
-    dear = make_policy("auto", shape, draft_token_share=0.6)
+    assert make_policy(AUTO, DrafterCosts(curve=shape)).fork().next_length(16) > 0  # free: 1.5 tokens for 1.21
+    dear = make_policy(AUTO, DrafterCosts(curve=shape, draft_token_share=0.6)).fork()
     assert dear.step_seconds(2) == pytest.approx(1.42 + 2 * 0.6)
     assert dear.next_length(16) == 0  # 1.5 tokens for 1.81 forwards
-    assert make_policy("auto", shape, draft_token_share=0.02).next_length(16) > 0  # a cheap one still drafts
+    cheap = make_policy(AUTO, DrafterCosts(curve=shape, draft_token_share=0.02)).fork()
+    assert cheap.next_length(16) > 0  # a cheap one still drafts
     dear.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.001, verify_s=0.121))
     assert dear.step_seconds(1) == pytest.approx(dear.draft_cost(1) + dear.verify_seconds(2))  # timed: the fit
 
 
 def test_cost_model_counts_a_slow_drafter():
-    free, slow = CostModelLength(curve=curve(0.1)), CostModelLength(curve=curve(0.1))
+    free, slow = CostModel(curve=curve(0.1)).fork(), CostModel(curve=curve(0.1)).fork()
     feed(free, 60, accept_rate=0.7, draft_s=0.0)
     feed(slow, 60, accept_rate=0.7, draft_s=8 * 0.08)
     assert slow.next_length(12) < free.next_length(12)
@@ -212,7 +211,7 @@ def test_cost_model_counts_a_slow_drafter():
 
 def test_overhead_per_step_favours_deeper_drafts():
     """A fixed cost per step (observe, bookkeeping) is paid whatever k, so it makes each step's tokens worth more."""
-    lean, heavy = CostModelLength(curve=curve(0.3)), CostModelLength(curve=curve(0.3))
+    lean, heavy = CostModel(curve=curve(0.3)).fork(), CostModel(curve=curve(0.3)).fork()
     feed(lean, 60, accept_rate=0.6, overhead_s=0.0)
     feed(heavy, 60, accept_rate=0.6, overhead_s=0.5)
     assert heavy.next_length(12) > lean.next_length(12)
@@ -241,8 +240,8 @@ def test_a_share_with_a_prior_moves_with_the_evidence_and_forgets_with_the_disco
 
 def test_linear_curve_is_the_guess_before_measuring():
     assert linear_curve(1.7)[7] == pytest.approx(1.7)
-    assert make_policy("auto").curve == pytest.approx(linear_curve(1.3))
-    assert make_policy("auto", [2.0, 3.0]).curve == (1.0, 1.5)  # normalised to one input
+    assert make_policy(AUTO).curve == pytest.approx(linear_curve(1.3))
+    assert make_policy(AUTO, DrafterCosts(curve=[2.0, 3.0])).curve == (1.0, 1.5)  # normalised to one input
 
 
 # -- the SpecDec++-style stop rule ----------------------------------------------------------------
@@ -250,7 +249,7 @@ def test_linear_curve_is_the_guess_before_measuring():
 
 def confident_policy(rate: float = 2.0) -> CostModelLength:
     """Forward of w inputs costs 1 + 0.05 (w - 1) seconds; tokens per second achieved so far = ``rate``."""
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     policy.observe(StepObservation(depth=0, nodes=0, accepted=rate - 1.0, draft_s=0.0, verify_s=1.0))
     assert policy.achieved_rate() == pytest.approx(rate)
     return policy
@@ -300,12 +299,12 @@ def test_fixed_and_heuristic_never_stop_a_drafter():
 @pytest.mark.parametrize("bad", [-1, "fast", 2.5, None])
 def test_bad_specs_are_refused(bad):
     with pytest.raises(SpecDecodeError, match="num-draft-tokens"):
-        make_policy(bad)
+        parse_draft_length(bad)
 
 
 def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_drafts():
     """Copied text comes in runs: after a fully accepted draft draft deep, after a miss draft shallow."""
-    policy = CostModelLength(curve=curve(0.3))
+    policy = CostModel(curve=curve(0.3)).fork()
     for step in range(80):
         full = (step // 5) % 2 == 0  # five fully accepted drafts, then five rejected at the first token
         policy.observe(
@@ -321,7 +320,7 @@ def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_dr
 
 
 def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.0, verify_s=0.1))
     before = [m.value for m in policy.acceptance]
     policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
@@ -331,7 +330,7 @@ def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
 def test_a_drafter_catching_up_with_the_context_is_no_per_token_cost():
     """A draft model's first propose prefills the prompt: that time is reported as ``setup_s`` and kept out
     of the per-token draft cost, which would otherwise make drafting look dear for the requests after it."""
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=1.04, verify_s=0.1, setup_s=1.0))
     for _ in range(5):
         policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.04, verify_s=0.1))
@@ -342,7 +341,7 @@ def test_catching_up_after_the_prompt_is_a_cost_of_drafting():
     """The first draft's reading of the prompt is weighed ex ante (``reading_pays``); what the drafter spends
     catching up later (tokens skipped while drafting was off, context re-tokenised across vocabularies) is
     what drafting costs: two tokens a step for 0.22 s against 0.1 s plain steps is a loss."""
-    policy = CostModelLength(curve=curve(0.05), loss_budget=None)
+    policy = CostModel(curve=curve(0.05), loss_budget=None).fork()
     policy.observe(plain_step(0.1))
     policy.observe(StepObservation(depth=2, nodes=2, accepted=1, draft_s=1.04, setup_s=1.0, verify_s=0.12))
     assert policy.gain.value > 1.0  # the prompt's reading is not held against the first draft
@@ -374,7 +373,7 @@ def tree_step(policy, accepted: int, nodes: int = 30, one_input_s: float = 0.1) 
 
 
 def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed():
-    policy = CostModelLength(curve=curve(0.1), probe_every=4, loss_budget=None)
+    policy = CostModel(curve=curve(0.1), probe_every=4, loss_budget=None).fork()
     for _ in range(12):  # 1.5 tokens per step for a forward four times a plain one's
         policy.observe(tree_step(policy, accepted=1 if policy.gain.weight % 2 else 0))
     assert policy.losing
@@ -386,7 +385,7 @@ def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed(
 
 
 def test_drafting_that_pays_is_never_turned_off():
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     feed(policy, 60, accept_rate=0.6, depth=4)
     assert not policy.losing and policy.gain.value > 1.2
     assert policy.net_saved_s > 0 and not policy.over_budget
@@ -396,7 +395,7 @@ def test_drafting_is_judged_against_timed_plain_steps_not_the_curve():
     """Trees of 8 nodes that the curve prices at 1.35 plain forwards but that take 2.5 (row-by-row attention,
     a long context): two tokens a step is a loss, though scale times the curve, pulled up by those very steps,
     would call it a gain."""
-    policy = CostModelLength(curve=curve(0.05), loss_budget=None)
+    policy = CostModel(curve=curve(0.05), loss_budget=None).fork()
     for _ in range(12):
         policy.observe(plain_step(0.1))
         policy.observe(StepObservation(depth=2, nodes=8, accepted=1, draft_s=0.0, verify_s=0.25))
@@ -428,7 +427,7 @@ def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its
     """A self-drafter at 0.6 of a target forward a token, all rejected: the first draft loses 0.09 s against a
     0.1 s plain step.  That spends the budget (half a step plus 1% of the 1 s prefill and the steps), so the
     probe schedule (every 4 steps) waits until the sequence's time pays for another try."""
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
     policy.begin(prefill_s=1.0)
     depths = decode(policy, 64, draft_s=0.06)
     assert depths[0] > 0
@@ -437,14 +436,14 @@ def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its
     assert lost <= LOSS_BUDGET * policy.elapsed_s + LOSS_ALLOWANCE_STEPS * 0.1 + 0.09  # at most one try over
     assert len(tries) < 64 // 4  # fewer than the probe schedule alone would have made
     assert all(b - a > 4 for a, b in zip(tries[1:], tries[2:]))  # spaced by the budget, not by probe_every
-    unbudgeted = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
+    unbudgeted = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
     unbudgeted.begin(prefill_s=1.0)
     decode(unbudgeted, 64, draft_s=0.06)
     assert -unbudgeted.net_saved_s > 2 * lost
 
 
 def test_each_sequence_starts_with_its_own_loss_budget():
-    parent = CostModelLength(curve=curve(0.3), probe_every=4)
+    parent = CostModel(curve=curve(0.3), probe_every=4)
     first = parent.fork()
     first.begin(prefill_s=0.5)
     decode(first, 8, draft_s=0.06)
@@ -457,10 +456,11 @@ def plain_step(one_input_s: float = 0.1) -> StepObservation:
     return StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=one_input_s)
 
 
-def reader(context_cost: float, draft_token_s: float | None = None) -> CostModelLength:
+def reader(context_cost: float, draft_token_s: float | None = None) -> CostModel:
     """``auto`` for a drafter that reads the context at ``context_cost`` of the target's forward (and whose draft
     token was timed at ``draft_token_s`` seconds)."""
-    return make_policy("auto", curve(0.05), reads_context=True, context_cost=context_cost, draft_token_s=draft_token_s)
+    costs = DrafterCosts(curve(0.05), reads_context=True, context_cost=context_cost, draft_token_s=draft_token_s)
+    return make_policy(AUTO, costs)
 
 
 def test_a_reading_that_drafts_cannot_pay_back_leaves_the_sequence_plain():
@@ -490,7 +490,7 @@ def test_a_reading_expected_to_gain_less_than_the_margin_is_declined():
 
 def test_a_batch_never_probes_a_sequence_that_declined_its_reading():
     shared = reader(0.4)
-    shared.observe(plain_step())  # an earlier request timed the target
+    shared.fork().observe(plain_step())  # an earlier request timed the target
     declined, other = shared.fork(), shared.fork()
     declined.begin(prefill_s=2.0)
     plans = [plan_batch([declined, other], [63 - i, 63 - i]) for i in range(40)]
@@ -548,7 +548,7 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
     drafter = generator.drafter
     seconds = drafter.draft_token_seconds()
     assert 0 < seconds < 1 and drafter.draft_token_seconds() == seconds  # timed once, then the clock's
-    assert generator.draft_length_policy("auto").draft_token_s == seconds
+    assert generator.draft_length_policy(AUTO).draft_token_s == seconds
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.draft_token_seconds() is None
 
 
@@ -559,7 +559,7 @@ def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_w
     drafter = generator.drafter
     ratio = drafter.reading_cost()
     assert ratio > 0 and drafter.reading_cost() == ratio
-    assert generator.draft_length_policy("auto").context_cost.value == pytest.approx(ratio)
+    assert generator.draft_length_policy(AUTO).context_cost.value == pytest.approx(ratio)
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.reading_cost() is None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.draft_length.spec import AUTO, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
 
@@ -11,11 +12,10 @@ from specdecode.verify.registry import DEFAULT_VERIFIER, check_verifier
 #: this many token ids (most frequent first) instead of the target's whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 8192
 
-#: ``--num-draft-tokens`` when none is given: K, "auto" (cost model) or "heuristic" (transformers' schedule).
-#: The one place the default lives (the CLI, ``specdecode.load`` and the benchmark's default K read it).  In
-#: replay of the quick suite (tools/replay_draft_length.py) "auto" came within 3% of the best fixed K on every
-#: task; no fixed K did.
-DEFAULT_NUM_DRAFT_TOKENS: int | str = "auto"
+#: ``--num-draft-tokens`` when none is given: ``auto``, the cost model, because the best fixed K differs by
+#: drafter, task and machine (``tools/replay_draft_length.py`` compares them on recorded outputs).  The one place
+#: the default lives (the CLI, ``specdecode.load`` and the benchmark's default K read it).
+DEFAULT_NUM_DRAFT_TOKENS: DraftLength = AUTO
 
 
 def option_value(raw: str) -> int | float | str:
@@ -125,7 +125,7 @@ class GenerationConfig:
         knobs are ``relaxed``."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # given as an int, "auto" or "heuristic": parsed
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -136,9 +136,6 @@ class GenerationConfig:
         check_verifier(self.verifier)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise SpecDecodeError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
-        # Imported here: draft_length needs torch, which ``specdecode --help`` must not load.
-        from specdecode.draft_length import make_policy
-
-        make_policy(self.num_draft_tokens)  # validates
+        object.__setattr__(self, "num_draft_tokens", parse_draft_length(self.num_draft_tokens))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty strings")

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig, RelaxedParams
-from specdecode.draft_length import DraftLengthPolicy, make_policy
+from specdecode.draft_length.base import PolicySource
+from specdecode.draft_length.factory import policy_for
+from specdecode.draft_length.spec import AUTO, DraftLength
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
@@ -65,7 +67,7 @@ class SpeculativeGenerator:
         self.drafter = drafter
         self.defaults = defaults or GenerationConfig()
         # Adaptive draft-length policies keep what they learned (costs, acceptance) across requests.
-        self._adaptive_policies: dict[tuple[str, Drafter], DraftLengthPolicy] = {}
+        self._policies: dict[tuple[DraftLength, Drafter], PolicySource] = {}
 
     @classmethod
     def build(
@@ -75,29 +77,17 @@ class SpeculativeGenerator:
 
     def reset_drafter(self) -> None:
         self.drafter.reset()
-        self._adaptive_policies.clear()
+        self._policies.clear()
 
-    def draft_length_policy(self, spec: int | str, drafter: Drafter | None = None) -> DraftLengthPolicy:
-        """The policy requests with draft length ``spec`` decode with, kept per drafter (``None``: this
-        generator's): what an adaptive policy learns about one drafter's acceptance says nothing of another's."""
-        if isinstance(spec, int):
-            return make_policy(spec)
+    def draft_length_policy(self, length: DraftLength, drafter: Drafter | None = None) -> PolicySource:
+        """The policy requests drafting ``length`` decode with, kept per drafter (``None``: this generator's): what
+        an adaptive policy learns about one drafter's acceptance says nothing of another's.  ``auto`` weighs
+        acceptance against this model's verification cost curve, measured on first use (see :meth:`warm_up`)."""
         drafter = drafter or self.drafter
-        key = (spec, drafter)
-        if key not in self._adaptive_policies:
-            # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
-            # on first use, see warm_up, and cached per loaded model: reset_drafter keeps it).
-            curve = relative_cost_curve(self.target.backend) if spec == "auto" and drafter.drafts else None
-            self._adaptive_policies[key] = make_policy(
-                spec,
-                curve,
-                reads_context=drafter.reads_context,
-                context_cost=drafter.reading_cost() if spec == "auto" else None,
-                draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
-                prior_acceptance=drafter.acceptance_prior() if spec == "auto" else None,
-                draft_token_share=drafter.draft_token_share() if spec == "auto" else None,
-            )
-        return self._adaptive_policies[key]
+        key = (length, drafter)
+        if key not in self._policies:
+            self._policies[key] = policy_for(length, drafter, self.target.backend)
+        return self._policies[key]
 
     def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:
         """Measure now what the first request would otherwise wait for: the target's verification cost
@@ -111,7 +101,7 @@ class SpeculativeGenerator:
         agreement).  ``drafters``: those the requests will use (default: this generator's).  Returns the seconds
         spent, 0 where there was nothing to measure."""
         drafters = list(drafters) or [self.drafter]
-        auto = self.defaults.num_draft_tokens == "auto" and any(d.drafts for d in drafters)
+        auto = self.defaults.num_draft_tokens == AUTO and any(d.drafts for d in drafters)
         started = time.perf_counter()
         prepared = [drafter.prepare() for drafter in drafters]
         if not auto:

@@ -70,7 +70,7 @@ def self_distill(
     in the prompts' order as soon as every earlier one is done (with a progress bar), after ``skip``
     prompts already done.  Up to :data:`DISTILL_BATCH` answers are decoded together."""
     from specdecode.batch_engine import BatchEngine, BatchRequest
-    from specdecode.draft_length import make_policy
+    from specdecode.draft_length.factory import make_policy
     from specdecode.drafters import create_drafter
 
     generation = GenerationConfig(max_new_tokens=new_tokens, num_draft_tokens=8)
