@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from specdecode.batch_plan import plan_batch
+from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import FixedLength, HeuristicLength
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.draft_length.factory import DrafterCosts, make_policy
 from specdecode.draft_length.sequence import CostModelLength
-from specdecode.draft_length.spec import AUTO, parse_draft_length
+from specdecode.draft_length.spec import AUTO, HEURISTIC, MAX_FIXED_DRAFT_LENGTH, Fixed, parse_draft_length
 from specdecode.draft_length.tuning import LOSS_ALLOWANCE_STEPS, LOSS_BUDGET
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import LinearFit, ShareWithPrior
@@ -300,6 +301,49 @@ def test_fixed_and_heuristic_never_stop_a_drafter():
 def test_bad_specs_are_refused(bad):
     with pytest.raises(SpecDecodeError, match="num-draft-tokens"):
         parse_draft_length(bad)
+
+
+@pytest.mark.parametrize(
+    ("given", "length"),
+    [
+        (0, Fixed(0)),
+        (MAX_FIXED_DRAFT_LENGTH, Fixed(64)),
+        ("auto", AUTO),
+        ("heuristic", HEURISTIC),
+        (Fixed(3), Fixed(3)),
+    ],
+)
+def test_a_draft_length_is_parsed_once_and_written_back_as_it_was_given(given, length):
+    assert parse_draft_length(given) == length
+    assert parse_draft_length(length.to_json()) == length and str(length) == str(length.to_json())
+    assert GenerationConfig(num_draft_tokens=given).num_draft_tokens == length
+
+
+@pytest.mark.parametrize("bad", [MAX_FIXED_DRAFT_LENGTH + 1, True, "4", "Auto", 4.0])
+def test_one_rule_refuses_what_is_not_a_draft_length(bad):
+    """Text of a number is not a number here (the CLI reads its flag as a typed value first), nor is a bool."""
+    with pytest.raises(SpecDecodeError, match=r"^num-draft-tokens must be an integer from 0 to 64, 'auto' or 'heu"):
+        parse_draft_length(bad)
+    with pytest.raises(SpecDecodeError):
+        Fixed(bad)
+
+
+def test_every_edge_refuses_a_draft_length_with_the_same_line(capsys, tiny_dirs):
+    from pydantic import ValidationError
+
+    from specdecode.cli import main
+    from specdecode.server.protocol import SpeculativeOptions
+
+    message = "num-draft-tokens must be an integer from 0 to 64, 'auto' or 'heuristic', got 65"
+    with pytest.raises(SpecDecodeError) as python:
+        GenerationConfig(num_draft_tokens=65)
+    assert str(python.value) == message
+    with pytest.raises(ValidationError) as http:
+        SpeculativeOptions.model_validate({"num_draft_tokens": 65})
+    assert http.value.errors()[0]["msg"] == message
+    assert SpeculativeOptions.model_validate({"num_draft_tokens": "auto"}).num_draft_tokens == AUTO
+    assert main(["generate", "w1", "--model", str(tiny_dirs["target"]), "--num-draft-tokens", "65"]) == 2
+    assert capsys.readouterr().err.strip() == f"specdecode: error: {message}"
 
 
 def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_drafts():
