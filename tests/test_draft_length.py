@@ -127,8 +127,8 @@ def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
 
 
 def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_rejected_one():
-    """A self-drafter's token can cost most of a target forward (layer-skip on a w4a8 Qwen: 0.8): its accepted
-    probe yields two tokens for more than two plain steps' time, which says drafting still loses."""
+    """A self-drafter's token can cost most of a target forward: its accepted probe yields two tokens for more
+    than two plain steps' time, which says drafting still loses."""
     policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     probe_once(policy, accepted=1, draft_s=0.9, verify_s=1.3, plain_s=1.0)
@@ -179,8 +179,7 @@ def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed
 
 def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_step(tiny_target, tiny_draft):
     """The prompt's prefill and the first draft tokens come in one propose: before anything is timed, a
-    draft model would be taken as free and asked for a deep first draft (a Gemma edit prompt drafted 4
-    tokens at 17 ms each by SmolLM2, one accepted)."""
+    draft model would be taken as free and asked for a deep first draft."""
     shape = [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
     assert make_policy(AUTO, DrafterCosts(curve=shape, reads_context=True)).fork().next_length(16) == 2
     assert make_policy(AUTO, DrafterCosts(curve=shape)).fork().next_length(16) > 2
@@ -577,8 +576,8 @@ def test_a_drafter_without_a_declared_cost_or_a_prompt_is_never_gated():
 
 
 def test_a_draft_token_timed_cheaper_than_its_weight_count_makes_reading_pay():
-    """A draft model 0.4 of the target by weight count but timed at 0.05 of its forward (a w4a8 0.5B beside a fp32
-    1.5B measures 0.07): priced by the count, reading a 0.8 s prompt is declined; by the timing, it pays."""
+    """A draft model 0.4 of the target by weight count but timed at 0.05 of its forward (a quantized draft beside a
+    full-precision target): priced by the count, reading a 0.8 s prompt is declined; by the timing, it pays."""
     by_count, by_timing = reader(0.4).fork(), reader(0.4, draft_token_s=0.005).fork()
     for policy in (by_count, by_timing):
         policy.begin(prefill_s=0.8)
@@ -597,8 +596,8 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
 
 
 def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_with_that(tiny_target, tiny_draft):
-    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target read at twice
-    the ratio its weights say): the draft model times its prefill against the target's, once."""
+    """Weights multiplied misjudge a reading across kernels (a draft and a target quantized differently): the
+    draft model times its prefill against the target's, once."""
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
     drafter = generator.drafter
     ratio = drafter.reading_cost()

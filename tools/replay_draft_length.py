@@ -4,8 +4,8 @@
     python tools/replay_draft_length.py --drafter suffix --tokens 256 --cost cost.json
 
 Plain greedy outputs are generated once with our engine (``--drafter none``) and cached in ``--outputs``;
-the cost is ``specdecode bench forward-cost --json`` output (default: the README's measurement, 24.9 ms
-for one token growing linearly to 1.27x at eight).  Prints simulated speed-ups over plain decoding.
+the cost is ``specdecode bench forward-cost --json`` output (default: a forward of 24.9 ms over one token,
+growing linearly to 1.27x at eight).  Prints simulated speed-ups over plain decoding.
 """
 
 from __future__ import annotations
