@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig, RelaxedParams
 from specdecode.draft_length.base import PolicySource
-from specdecode.draft_length.factory import policy_for
+from specdecode.draft_length.factory import measured_policy
 from specdecode.draft_length.spec import AUTO, DraftLength
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
@@ -66,7 +66,7 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.defaults = defaults or GenerationConfig()
-        # Adaptive draft-length policies keep what they learned (costs, acceptance) across requests.
+        # One policy per draft length and drafter, kept across requests: an adaptive one keeps what it learned.
         self._policies: dict[tuple[DraftLength, Drafter], PolicySource] = {}
 
     @classmethod
@@ -86,7 +86,7 @@ class SpeculativeGenerator:
         drafter = drafter or self.drafter
         key = (length, drafter)
         if key not in self._policies:
-            self._policies[key] = policy_for(length, drafter, self.target.backend)
+            self._policies[key] = measured_policy(length, drafter, self.target.backend)
         return self._policies[key]
 
     def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:

@@ -72,6 +72,6 @@ def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> Po
     raise TypeError(f"not a draft length: {length!r}")
 
 
-def policy_for(length: DraftLength, drafter: Drafter, target: CausalLM) -> PolicySource:
+def measured_policy(length: DraftLength, drafter: Drafter, target: CausalLM) -> PolicySource:
     """:func:`make_policy` for requests that ``drafter`` drafts for on ``target``, measured where ``length`` needs."""
     return make_policy(length, DrafterCosts.measure(drafter, target) if length == AUTO else DrafterCosts())
