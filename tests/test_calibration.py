@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import tiny_llama3
+from specdecode.config import AUTO
 from specdecode.draft_length.cost_model import CostModel
-from specdecode.draft_length.spec import AUTO
 from specdecode.draft_length.tuning import INHERITED_PROBE_BACKOFF
 from specdecode.drafters import create_drafter
 from specdecode.drafters._calibration import calibration_text, self_draft_agreement

@@ -12,8 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import specdecode.drafters.cross_vocab
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
-from specdecode.config import GenerationConfig, SamplingParams
-from specdecode.draft_length.spec import AUTO
+from specdecode.config import AUTO, GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, build_vocab_map, complete_utf8
 from specdecode.drafters.cross_vocab import draft_to_target

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from specdecode.batch_plan import plan_batch
-from specdecode.config import GenerationConfig
+from specdecode.config import AUTO, HEURISTIC, MAX_FIXED_DRAFT_LENGTH, Fixed, GenerationConfig, parse_draft_length
 from specdecode.draft_length.base import FixedLength, HeuristicLength
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.draft_length.factory import DrafterCosts, make_policy
 from specdecode.draft_length.sequence import CostModelLength
-from specdecode.draft_length.spec import AUTO, HEURISTIC, MAX_FIXED_DRAFT_LENGTH, Fixed, parse_draft_length
 from specdecode.draft_length.tuning import LOSS_ALLOWANCE_STEPS, LOSS_BUDGET
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import LinearFit, ShareWithPrior

@@ -351,8 +351,8 @@ def test_stats_split_wall_time_into_forwards_drafting_and_engine_overhead(tiny_t
 
 
 def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(tiny_target):
+    from specdecode.config import AUTO
     from specdecode.draft_length.cost_model import CostModel
-    from specdecode.draft_length.spec import AUTO
     from specdecode.models.cost import relative_cost_curve
 
     generator = SpeculativeGenerator.build(tiny_target, "pld")

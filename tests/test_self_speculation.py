@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from helpers import hf_greedy, run, session_for, tiny_gemma3, tiny_llama3, tiny_qwen2
-from specdecode.config import SamplingParams
-from specdecode.draft_length.spec import AUTO
+from specdecode.config import AUTO, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._self_draft import DraftHead, SelfDraftSession
 from specdecode.drafters.base import DraftRequest

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig, SamplingParams
-from specdecode.draft_length.spec import DraftLength
 from specdecode.errors import SpecDecodeError
 
 if TYPE_CHECKING:
@@ -38,7 +37,7 @@ def load(
     model: str = DEFAULT_MODEL,
     drafter: str = "pld",
     *,
-    num_draft_tokens: DraftLength | int | str = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
     max_new_tokens: int = 128,
     fast_path: bool | None = None,
     device: str | None = None,

@@ -13,7 +13,6 @@ import re
 import sys
 
 from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, option_value
-from specdecode.draft_length.spec import MAX_FIXED_DRAFT_LENGTH
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
 from specdecode.models.registry import DEFAULT_MODEL
 
@@ -23,6 +22,10 @@ def parse_option(text: str, flag: str = "--drafter-option") -> tuple[str, object
     if not sep or not key:
         raise SpecDecodeError(f"{flag} takes KEY=VALUE, got {text!r}")
     return key.replace("-", "_"), option_value(raw)
+
+
+def _draft_tokens(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
 
 
 def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
@@ -39,11 +42,11 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
     )
     parser.add_argument(
         "--num-draft-tokens",
-        type=option_value,  # parsed with the other generation settings (GenerationConfig)
+        type=_draft_tokens,
         default=DEFAULT_NUM_DRAFT_TOKENS,
         metavar="K",
-        help=f"draft depth per step: an integer from 0 to {MAX_FIXED_DRAFT_LENGTH}, 'auto' (cost model) or "
-        "'heuristic' (transformers' schedule); default %(default)s",
+        help="draft depth per step: an integer, 'auto' (cost model) or 'heuristic' (transformers' schedule); "
+        "default %(default)s",
     )
     parser.add_argument(
         "--no-fast-path",

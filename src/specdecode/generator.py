@@ -12,10 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig, RelaxedParams
+from specdecode.config import AUTO, DraftLength, GenerationConfig, RelaxedParams
 from specdecode.draft_length.base import PolicySource
 from specdecode.draft_length.factory import measured_policy
-from specdecode.draft_length.spec import AUTO, DraftLength
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode

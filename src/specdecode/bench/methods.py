@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, option_value
-from specdecode.draft_length.spec import MAX_FIXED_DRAFT_LENGTH, Fixed, parse_draft_length
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, MAX_FIXED_DRAFT_LENGTH, Fixed, option_value, parse_draft_length
 from specdecode.drafters import accepted_options, drafter_class
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError

@@ -2,7 +2,7 @@
 
 A fixed K is wrong whenever costs or acceptance vary: on a CPU a verification forward over 8 tokens
 costs 2-3x one token, so drafting deep only pays while the drafter is being accepted.  A request asks for a
-draft length (:mod:`~specdecode.draft_length.spec`: ``Fixed(k)``, ``Auto``, ``Heuristic``), which
+draft length (:data:`specdecode.config.DraftLength`: ``Fixed(k)``, ``Auto``, ``Heuristic``), which
 :func:`~specdecode.draft_length.factory.make_policy` turns into a policy (:mod:`~specdecode.draft_length.base`):
 
 * ``FixedLength(k)`` — always k (the classic setting);
@@ -14,6 +14,4 @@ draft length (:mod:`~specdecode.draft_length.spec`: ``Fixed(k)``, ``Auto``, ``He
   (measured once per model), online estimates of per-position acceptance and of the drafter's own cost;
   drafters that report per-token confidences get a SpecDec++-style stop threshold derived from the same costs;
   and a sequence whose drafting has lost more than a small budget against plain decoding stops trying.
-
-This package's ``__init__`` imports nothing: the draft length's value (``spec``) must load without torch.
 """

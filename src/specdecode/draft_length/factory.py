@@ -1,21 +1,35 @@
-"""The one place a :data:`~specdecode.draft_length.spec.DraftLength` becomes a policy (:func:`make_policy`), from
+"""The one place a :data:`~specdecode.config.DraftLength` becomes a policy (:func:`make_policy`), from
 what is known of the drafter and the target (:class:`DrafterCosts`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from specdecode.config import AUTO, Auto, DraftLength, Fixed, Heuristic
 from specdecode.draft_length.base import FixedLength, HeuristicLength, PolicySource
 from specdecode.draft_length.cost_model import CostModel
-from specdecode.draft_length.spec import AUTO, Auto, DraftLength, Fixed, Heuristic
 from specdecode.estimators import RunningMean
 from specdecode.models.cost import relative_cost_curve
 
 if TYPE_CHECKING:
-    from specdecode.drafters.base import Drafter
     from specdecode.models.base import CausalLM
+
+
+class DeclaresCosts(Protocol):
+    """What ``auto`` asks a drafter before it drafts (each :class:`~specdecode.drafters.base.Drafter` answers)."""
+
+    drafts: bool
+    reads_context: bool
+
+    def reading_cost(self) -> float | None: ...
+
+    def draft_token_seconds(self) -> float | None: ...
+
+    def acceptance_prior(self) -> float | None: ...
+
+    def draft_token_share(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +54,7 @@ class DrafterCosts:
     draft_token_share: float | None = None
 
     @classmethod
-    def measure(cls, drafter: Drafter, target: CausalLM) -> DrafterCosts:
+    def measure(cls, drafter: DeclaresCosts, target: CausalLM) -> DrafterCosts:
         """Ask ``drafter`` and ``target`` (each measures once and keeps the result: a loaded model's cost curve
         survives ``reset_drafter``); a drafter that never drafts needs no cost curve."""
         return cls(
@@ -72,6 +86,6 @@ def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> Po
     raise TypeError(f"not a draft length: {length!r}")
 
 
-def measured_policy(length: DraftLength, drafter: Drafter, target: CausalLM) -> PolicySource:
+def measured_policy(length: DraftLength, drafter: DeclaresCosts, target: CausalLM) -> PolicySource:
     """:func:`make_policy` for requests that ``drafter`` drafts for on ``target``, measured where ``length`` needs."""
     return make_policy(length, DrafterCosts.measure(drafter, target) if length == AUTO else DrafterCosts())

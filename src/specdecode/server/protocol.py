@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
-from specdecode.draft_length.spec import MAX_FIXED_DRAFT_LENGTH, DraftLength, parse_draft_length
+from specdecode.config import MAX_FIXED_DRAFT_LENGTH, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
 from specdecode.verify.registry import VERIFIERS
