@@ -17,8 +17,18 @@ DEFAULT_DRAFT_VOCAB = 8192
 MAX_FIXED_DRAFT_LENGTH = 64
 
 
+class _DraftLengthValue:
+    """What every draft length is written as: its JSON value, the same text as ``--num-draft-tokens`` takes."""
+
+    def to_json(self) -> int | str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return str(self.to_json())
+
+
 @dataclass(frozen=True)
-class Fixed:
+class Fixed(_DraftLengthValue):
     """Draft ``k`` tokens every step (0: plain decoding)."""
 
     k: int
@@ -30,29 +40,20 @@ class Fixed:
     def to_json(self) -> int:
         return self.k
 
-    def __str__(self) -> str:
-        return str(self.k)
-
 
 @dataclass(frozen=True)
-class Auto:
+class Auto(_DraftLengthValue):
     """The depth the cost model expects to give the most tokens per second (``auto``)."""
 
     def to_json(self) -> str:
         return "auto"
 
-    def __str__(self) -> str:
-        return "auto"
-
 
 @dataclass(frozen=True)
-class Heuristic:
+class Heuristic(_DraftLengthValue):
     """transformers' assisted-generation schedule (``heuristic``)."""
 
     def to_json(self) -> str:
-        return "heuristic"
-
-    def __str__(self) -> str:
         return "heuristic"
 
 
@@ -63,7 +64,7 @@ class Heuristic:
 DraftLength = Fixed | Auto | Heuristic
 AUTO = Auto()
 HEURISTIC = Heuristic()
-_NAMED_DRAFT_LENGTHS: dict[str, DraftLength] = {"auto": AUTO, "heuristic": HEURISTIC}
+_NAMED_DRAFT_LENGTHS: dict[str, DraftLength] = {str(length): length for length in (AUTO, HEURISTIC)}
 
 
 def parse_draft_length(value: int | str | DraftLength) -> DraftLength:
