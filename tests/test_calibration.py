@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from helpers import tiny_llama3
-from specdecode.config import AUTO
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.draft_length.tuning import INHERITED_PROBE_BACKOFF
 from specdecode.drafters import create_drafter
@@ -46,7 +45,7 @@ def test_each_self_drafter_reports_its_measured_agreement_as_its_prior(tiny_targ
     # An untrained adapter is the plain exit after layer 1: it agrees as that exit does.
     assert kangaroo.acceptance_prior() == pytest.approx(early.exit_agreement[1])
     assert 0.0 <= skip.acceptance_prior() <= 1.0
-    policy = SpeculativeGenerator(tiny_target, kangaroo).draft_length_policy(AUTO)
+    policy = SpeculativeGenerator(tiny_target, kangaroo).draft_length_policy("auto")
     assert policy.prior_acceptance == kangaroo.acceptance_prior()
 
 
@@ -80,4 +79,4 @@ def test_a_draft_model_keeps_the_declared_prior(tiny_target, tiny_draft):
     """Measured, a draft model's agreement made ``auto`` read prompts that did not pay back (see the module doc)."""
     drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_draft)
     assert drafter.acceptance_prior() is None
-    assert SpeculativeGenerator(tiny_target, drafter).draft_length_policy(AUTO).prior_acceptance == 0.5
+    assert SpeculativeGenerator(tiny_target, drafter).draft_length_policy("auto").prior_acceptance == 0.5

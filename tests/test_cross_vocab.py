@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 import specdecode.drafters.cross_vocab
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, assert_one_line_error, chain_pvalues, hf_greedy, run
-from specdecode.config import AUTO, GenerationConfig, SamplingParams
+from specdecode.config import GenerationConfig, SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._vocab_map import ContextTranslator, TokenTable, build_vocab_map, complete_utf8
 from specdecode.drafters.cross_vocab import draft_to_target
@@ -355,5 +355,5 @@ def test_auto_expects_less_acceptance_across_vocabularies(pair):
     across = SpeculativeGenerator.build(target, "draft-model", draft_model=draft)
     same = SpeculativeGenerator.build(target, "draft-model", draft_model=target)
     assert across.drafter.prior_acceptance == PRIOR_ACCEPTANCE < 0.5
-    assert across.draft_length_policy(AUTO).prior_acceptance == PRIOR_ACCEPTANCE
-    assert same.draft_length_policy(AUTO).prior_acceptance == 0.5
+    assert across.draft_length_policy("auto").prior_acceptance == PRIOR_ACCEPTANCE
+    assert same.draft_length_policy("auto").prior_acceptance == 0.5

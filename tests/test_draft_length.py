@@ -183,8 +183,8 @@ def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_st
     assert make_policy(AUTO, DrafterCosts(curve=shape, reads_context=True)).fork().next_length(16) == 2
     assert make_policy(AUTO, DrafterCosts(curve=shape)).fork().next_length(16) > 2
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
-    assert generator.draft_length_policy(AUTO).fork().deepest == 2
-    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy(AUTO).fork().deepest == 16
+    assert generator.draft_length_policy("auto").fork().deepest == 2
+    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy("auto").fork().deepest == 16
 
 
 def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_timed():
@@ -590,7 +590,7 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
     drafter = generator.drafter
     seconds = drafter.draft_token_seconds()
     assert 0 < seconds < 1 and drafter.draft_token_seconds() == seconds  # timed once, then the clock's
-    assert generator.draft_length_policy(AUTO).draft_token_s == seconds
+    assert generator.draft_length_policy("auto").draft_token_s == seconds
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.draft_token_seconds() is None
 
 
@@ -601,7 +601,7 @@ def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_w
     drafter = generator.drafter
     ratio = drafter.reading_cost()
     assert ratio > 0 and drafter.reading_cost() == ratio
-    assert generator.draft_length_policy(AUTO).context_cost.value == pytest.approx(ratio)
+    assert generator.draft_length_policy("auto").context_cost.value == pytest.approx(ratio)
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.reading_cost() is None
 
 

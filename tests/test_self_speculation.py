@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import hf_greedy, run, session_for, tiny_gemma3, tiny_llama3, tiny_qwen2
-from specdecode.config import AUTO, SamplingParams
+from specdecode.config import SamplingParams
 from specdecode.drafters import create_drafter
 from specdecode.drafters._self_draft import DraftHead, SelfDraftSession
 from specdecode.drafters.base import DraftRequest
@@ -254,7 +254,7 @@ def test_self_drafters_declare_the_share_of_the_target_a_draft_token_runs(tiny_t
     shares = {name: drafter.draft_token_share() for name, drafter in self_drafters(tiny_target).items()}
     assert all(0.0 < share < 1.0 for share in shares.values()), shares
     generator = SpeculativeGenerator.build(tiny_target, "layer-skip")
-    assert generator.draft_length_policy(AUTO).draft_token_share == generator.drafter.draft_token_share()
+    assert generator.draft_length_policy("auto").draft_token_share == generator.drafter.draft_token_share()
     assert SpeculativeGenerator.build(tiny_target, "pld").drafter.draft_token_share() is None
 
 

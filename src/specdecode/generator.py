@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import AUTO, DraftLength, GenerationConfig, RelaxedParams
+from specdecode.config import AUTO, DraftLength, GenerationConfig, RelaxedParams, parse_draft_length
 from specdecode.draft_length.base import PolicySource
 from specdecode.draft_length.factory import measured_policy
 from specdecode.drafters import create_drafter
@@ -78,14 +78,13 @@ class SpeculativeGenerator:
         self.drafter.reset()
         self._policies.clear()
 
-    def draft_length_policy(self, length: DraftLength, drafter: Drafter | None = None) -> PolicySource:
+    def draft_length_policy(self, length: DraftLength | int | str, drafter: Drafter | None = None) -> PolicySource:
         """The policy requests drafting ``length`` decode with, kept per drafter (``None``: this generator's): what
         an adaptive policy learns about one drafter's acceptance says nothing of another's.  ``auto`` weighs
         acceptance against this model's verification cost curve, measured on first use (see :meth:`warm_up`)."""
-        drafter = drafter or self.drafter
-        key = (length, drafter)
+        key = (parse_draft_length(length), drafter or self.drafter)
         if key not in self._policies:
-            self._policies[key] = measured_policy(length, drafter, self.target.backend)
+            self._policies[key] = measured_policy(*key, self.target.backend)
         return self._policies[key]
 
     def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:
