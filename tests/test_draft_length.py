@@ -6,7 +6,7 @@ import pytest
 
 from specdecode.batch_plan import plan_batch
 from specdecode.config import AUTO, HEURISTIC, MAX_FIXED_DRAFT_LENGTH, Fixed, GenerationConfig, parse_draft_length
-from specdecode.draft_length.base import FixedLength, HeuristicLength
+from specdecode.draft_length.base import DepthOffer, DraftLengthPolicy, FixedLength, HeuristicLength
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.draft_length.factory import DrafterCosts, make_policy
 from specdecode.draft_length.sequence import CostModelLength
@@ -614,3 +614,29 @@ def test_a_draft_model_loaded_by_name_takes_the_command_lines_default_precision(
     draft_model.loaded_draft("some-draft", tiny_target)
     draft_model.loaded_draft("some-draft", tiny_target, trains=True)  # online adaptation trains fp32 layers
     assert [options["quantize"] for options in asked] == [default_draft_quantization(), "none"]
+
+
+class FreeDrafts(DraftLengthPolicy):
+    """A policy that plans with the batch: drafts cost nothing and each position is accepted at ``acceptance``."""
+
+    plans_with_batch = True
+
+    def __init__(self, acceptance: float) -> None:
+        self.acceptance = acceptance
+
+    def next_length(self, limit: int) -> int:
+        return 1
+
+    def depth_offer(self, limit, proposed) -> DepthOffer:
+        tokens = [sum(self.acceptance**i for i in range(k + 1)) for k in range(min(limit, 8) + 1)]
+        return DepthOffer(tokens, [0.0] * len(tokens), 0.0, lambda width: 1.0 + 0.01 * width)
+
+    def take_depth(self, offer, depth, limit, proposed) -> int:
+        return depth
+
+
+def test_the_batch_plan_asks_any_policy_that_plans_with_it():
+    sure, doubtful = FreeDrafts(0.95), FreeDrafts(0.05)
+    depths = plan_batch([sure, doubtful, FixedLength(2)], [16, 16, 16])
+    assert depths[0] > depths[1] and depths[2] == 2
+    assert plan_batch([sure, FixedLength(2)], [16, 16]) == [1, 2]  # alone with the batch: it chooses alone
