@@ -14,7 +14,9 @@ from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.batch_plan import plan_batch
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import CostModelLength, FixedLength
+from specdecode.draft_length.base import FixedLength
+from specdecode.draft_length.cost_model import CostModel
+from specdecode.draft_length.sequence import CostModelLength
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.engine import speculative_decode
@@ -63,7 +65,7 @@ def run_batch(target, drafter, requests, eos, batch_size, num_draft_tokens):
     policies = {}
 
     def policy_for(config, drafter):
-        from specdecode.draft_length import make_policy
+        from specdecode.draft_length.factory import make_policy
 
         return policies.setdefault(config.num_draft_tokens, make_policy(config.num_draft_tokens))
 
@@ -216,8 +218,8 @@ def test_cli_batch_without_prompts_is_one_clean_error(tmp_path, capsys):
     assert len(err) == 2 and all(line.startswith("specdecode: error:") for line in err)
 
 
-def _trained_auto(acceptance: float) -> CostModelLength:
-    policy = CostModelLength(curve=linear_curve(1.3, widths=16))
+def _trained_auto(acceptance: float) -> CostModel:
+    policy = CostModel(curve=linear_curve(1.3, widths=16))
     policy.acceptance_after[False] = []
     policy.prior_acceptance = acceptance
     return policy
@@ -235,7 +237,7 @@ def test_auto_drafts_less_per_sequence_as_the_batch_grows():
 def test_plan_batch_gives_more_depth_to_the_likelier_sequence():
     confident, doubtful = _trained_auto(0.9).fork(), _trained_auto(0.3).fork()
     doubtful.acceptance_after = confident.acceptance_after = {True: [], False: []}
-    doubtful.prior_acceptance = 0.3
+    doubtful.model.prior_acceptance = 0.3
     depths = plan_batch([confident, doubtful, FixedLength(2)], [16, 16, 16])
     assert depths[0] > depths[1] and depths[2] == 2
     assert plan_batch([confident, doubtful], [0, 0]) == [0, 0]
@@ -263,12 +265,19 @@ def test_a_batch_of_untimed_context_readers_drafts_shallow_like_one_alone():
     # Confidence drafters whose first forward read the prompt: before their cost is timed, the plan asks at
     # most UNTIMED_DEPTH of them in a batch, as next_length does for one sequence.
     shared = _trained_auto(0.9)
-    shared.uses_confidence, shared.reads_context = True, True
-    assert shared.next_length(16) == 2
-    assert max(plan_batch([shared.fork() for _ in range(4)], [16] * 4)) <= 2
+    shared.reads_context = True
+
+    def readers(count: int) -> list[CostModelLength]:
+        forks = [shared.fork() for _ in range(count)]
+        for fork in forks:
+            fork.uses_confidence = True
+        return forks
+
+    assert readers(1)[0].next_length(16) == 2
+    assert max(plan_batch(readers(4), [16] * 4)) <= 2
     shared.draft_cost.add(2, 0.002)
     shared.draft_cost.add(2, 0.002)
-    assert max(plan_batch([shared.fork() for _ in range(4)], [16] * 4)) > 2
+    assert max(plan_batch(readers(4), [16] * 4)) > 2
 
 
 def test_drafters_never_import_the_transformers_backend():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import tiny_llama3
-from specdecode.draft_length import CostModelLength
-from specdecode.draft_length.cost_model import INHERITED_PROBE_BACKOFF
+from specdecode.draft_length.cost_model import CostModel
+from specdecode.draft_length.tuning import INHERITED_PROBE_BACKOFF
 from specdecode.drafters import create_drafter
 from specdecode.drafters._calibration import calibration_text, self_draft_agreement
 from specdecode.drafters.kangaroo import KangarooAdapter
@@ -58,13 +58,13 @@ def test_without_a_tokenizer_the_declared_prior_stands():
 
 
 def test_a_prior_that_makes_no_depth_pay_starts_probing_where_losing_probes_would_have_left_it():
-    hopeless = CostModelLength(prior_acceptance=0.05, draft_token_share=0.4)
-    assert hopeless.next_length(16) == 0
+    hopeless = CostModel(prior_acceptance=0.05, draft_token_share=0.4)
+    assert hopeless.fork().next_length(16) == 0
     assert hopeless.probe_interval == INHERITED_PROBE_BACKOFF * hopeless.probe_every
     assert hopeless.fork().probe_interval == hopeless.probe_interval
-    hopeful = CostModelLength(draft_token_share=0.4)
+    hopeful = CostModel(draft_token_share=0.4)
     assert hopeful.probe_interval == hopeful.probe_every
-    assert hopeful.next_length(16) > 0
+    assert hopeful.fork().next_length(16) > 0
 
 
 @pytest.mark.real_model

@@ -17,7 +17,7 @@ import specdecode.verify.exact
 from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, chi2_pvalue, run
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import make_policy
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import speculative_decode

@@ -5,19 +5,17 @@ from __future__ import annotations
 import pytest
 
 from specdecode.batch_plan import plan_batch
-from specdecode.draft_length import (
-    LOSS_ALLOWANCE_STEPS,
-    LOSS_BUDGET,
-    CostModelLength,
-    FixedLength,
-    HeuristicLength,
-    StepObservation,
-    make_policy,
-)
+from specdecode.config import AUTO, HEURISTIC, MAX_FIXED_DRAFT_LENGTH, Fixed, GenerationConfig, parse_draft_length
+from specdecode.draft_length.base import DepthOffer, DraftLengthPolicy, FixedLength, HeuristicLength
+from specdecode.draft_length.cost_model import CostModel
+from specdecode.draft_length.factory import DrafterCosts, make_policy
+from specdecode.draft_length.sequence import CostModelLength
+from specdecode.draft_length.tuning import LOSS_ALLOWANCE_STEPS, LOSS_BUDGET
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import LinearFit, ShareWithPrior
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.cost import linear_curve
+from specdecode.types import StepObservation
 
 
 def curve(per_input: float, widths: int = 16) -> tuple[float, ...]:
@@ -69,27 +67,27 @@ def test_heuristic_schedule_like_transformers():
 
 
 def test_cost_model_drafts_deep_when_verification_is_cheap_and_acceptance_high():
-    policy = CostModelLength(curve=curve(0.01))
+    policy = CostModel(curve=curve(0.01)).fork()
     feed(policy, 60, accept_rate=0.9)
     assert policy.next_length(12) >= 8
 
 
 def test_cost_model_drafts_shallow_when_wide_forwards_are_expensive():
-    cheap, steep = CostModelLength(curve=curve(0.02)), CostModelLength(curve=curve(0.5))
+    cheap, steep = CostModel(curve=curve(0.02)).fork(), CostModel(curve=curve(0.5)).fork()
     feed(cheap, 60, accept_rate=0.7)
     feed(steep, 60, accept_rate=0.7)
     assert steep.next_length(12) < cheap.next_length(12)
 
 
 def test_expected_rate_is_tokens_over_seconds():
-    policy = CostModelLength(curve=(1.0, 1.5, 2.0), prior_acceptance=0.5)
+    policy = CostModel(curve=(1.0, 1.5, 2.0), prior_acceptance=0.5).fork()
     # Before any timing, seconds are in units of a one-input forward: (1 + 0.5 + 0.25) / 2.0.
     assert policy.expected_rate(2) == pytest.approx(1.75 / 2.0)
     assert policy.relative_cost(5) == pytest.approx(3.0)  # extrapolated along the curve's slope
 
 
 def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape():
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     for _ in range(30):  # only width 1 is ever seen, at twice the quiet speed
         policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0, verify_s=0.2))
     assert policy.verify_seconds(1) == pytest.approx(0.2)
@@ -98,7 +96,7 @@ def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape(
 
 def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
     # The probe schedule alone: the loss budget, which would stop even probes here, is tested on its own below.
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     lengths = [policy.next_length(12) for _ in range(8)]
     assert lengths.count(0) == 6 and lengths.count(1) == 2
@@ -117,7 +115,7 @@ def probe_once(
 
 
 def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
 
     def steps_to_next_probe(accepted: int) -> int:
@@ -128,9 +126,9 @@ def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
 
 
 def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_rejected_one():
-    """A self-drafter's token can cost most of a target forward (layer-skip on a w4a8 Qwen: 0.8): its accepted
-    probe yields two tokens for more than two plain steps' time, which says drafting still loses."""
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    """A self-drafter's token can cost most of a target forward: its accepted probe yields two tokens for more
+    than two plain steps' time, which says drafting still loses."""
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     probe_once(policy, accepted=1, draft_s=0.9, verify_s=1.3, plain_s=1.0)
     assert policy.probe_interval == 8
@@ -139,14 +137,14 @@ def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_reject
 def test_an_accepted_probe_that_leaves_drafting_a_loss_backs_off_as_a_rejected_one():
     """Half of a self-drafter's tokens accepted at half a target forward each: a probe that is accepted pays on
     its own (2 tokens for 1.8 plain steps), but drafting at that acceptance still loses, so probing slows down."""
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None)
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.5, depth=1, draft_s=0.05)
     probe_once(policy, accepted=1, draft_s=0.05)
     assert policy.probe_interval == 8 and policy.next_length(12) == 0
 
 
 def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
-    parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    parent = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first = parent.fork()
     feed(first, 40, accept_rate=0.0, depth=2)
     assert [probe_once(first, accepted=0) for _ in range(4)] == [4, 8, 16, 32]
@@ -159,7 +157,7 @@ def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
 def test_concurrent_sequences_each_move_their_origins_probe_interval():
     """Two requests decoding at once both probe and fail: each failure backs the origin off (two doublings), rather
     than the last fork to probe setting the origin's interval to its own (one doubling)."""
-    parent = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    parent = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first, second = parent.fork(), parent.fork()
     for fork in (first, second):
         feed(fork, 40, accept_rate=0.0, depth=2)
@@ -168,7 +166,7 @@ def test_concurrent_sequences_each_move_their_origins_probe_interval():
 
 
 def test_a_drafter_that_reads_the_context_drafts_shallow_until_its_cost_is_timed():
-    policy = make_policy("auto", [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])
+    policy = make_policy(AUTO, DrafterCosts(curve=[1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16])).fork()
     cheap = policy.next_length(16)
     assert cheap > 2  # a drafter not known to read the context: its drafts are taken as free
     policy.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.5, setup_s=0.49, verify_s=0.1))
@@ -182,11 +180,11 @@ def test_a_drafter_declared_to_read_the_context_drafts_shallow_from_its_first_st
     """The prompt's prefill and the first draft tokens come in one propose: before anything is timed, a
     draft model would be taken as free and asked for a deep first draft, most of which the target rejects."""
     shape = [1.0, 1.02, 1.04, 1.06, 1.08, 1.1, 1.12, 1.14, 1.16]
-    assert make_policy("auto", shape, reads_context=True).next_length(16) == 2
-    assert make_policy("auto", shape).next_length(16) > 2
+    assert make_policy(AUTO, DrafterCosts(curve=shape, reads_context=True)).fork().next_length(16) == 2
+    assert make_policy(AUTO, DrafterCosts(curve=shape)).fork().next_length(16) > 2
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
-    assert generator.draft_length_policy("auto").deepest == 2
-    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy("auto").deepest == 16
+    assert generator.draft_length_policy("auto").fork().deepest == 2
+    assert SpeculativeGenerator.build(tiny_target, "pld").draft_length_policy("auto").fork().deepest == 16
 
 
 def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_timed():
@@ -194,17 +192,18 @@ def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_ti
     (0.6 of a target forward a token) would be made at step 0 of every cold request where a two-input verification
     costs 1.21 of one."""
     shape = curve(0.21)
-    assert make_policy("auto", shape).next_length(16) > 0  # free: 1.5 tokens for 1.21
-    dear = make_policy("auto", shape, draft_token_share=0.6)
+    assert make_policy(AUTO, DrafterCosts(curve=shape)).fork().next_length(16) > 0  # free: 1.5 tokens for 1.21
+    dear = make_policy(AUTO, DrafterCosts(curve=shape, draft_token_share=0.6)).fork()
     assert dear.step_seconds(2) == pytest.approx(1.42 + 2 * 0.6)
     assert dear.next_length(16) == 0  # 1.5 tokens for 1.81 forwards
-    assert make_policy("auto", shape, draft_token_share=0.02).next_length(16) > 0  # a cheap one still drafts
+    cheap = make_policy(AUTO, DrafterCosts(curve=shape, draft_token_share=0.02)).fork()
+    assert cheap.next_length(16) > 0  # a cheap one still drafts
     dear.observe(StepObservation(depth=1, nodes=1, accepted=1, draft_s=0.001, verify_s=0.121))
     assert dear.step_seconds(1) == pytest.approx(dear.draft_cost(1) + dear.verify_seconds(2))  # timed: the fit
 
 
 def test_cost_model_counts_a_slow_drafter():
-    free, slow = CostModelLength(curve=curve(0.1)), CostModelLength(curve=curve(0.1))
+    free, slow = CostModel(curve=curve(0.1)).fork(), CostModel(curve=curve(0.1)).fork()
     feed(free, 60, accept_rate=0.7, draft_s=0.0)
     feed(slow, 60, accept_rate=0.7, draft_s=8 * 0.08)
     assert slow.next_length(12) < free.next_length(12)
@@ -212,7 +211,7 @@ def test_cost_model_counts_a_slow_drafter():
 
 def test_overhead_per_step_favours_deeper_drafts():
     """A fixed cost per step (observe, bookkeeping) is paid whatever k, so it makes each step's tokens worth more."""
-    lean, heavy = CostModelLength(curve=curve(0.3)), CostModelLength(curve=curve(0.3))
+    lean, heavy = CostModel(curve=curve(0.3)).fork(), CostModel(curve=curve(0.3)).fork()
     feed(lean, 60, accept_rate=0.6, overhead_s=0.0)
     feed(heavy, 60, accept_rate=0.6, overhead_s=0.5)
     assert heavy.next_length(12) > lean.next_length(12)
@@ -241,8 +240,8 @@ def test_a_share_with_a_prior_moves_with_the_evidence_and_forgets_with_the_disco
 
 def test_linear_curve_is_the_guess_before_measuring():
     assert linear_curve(1.7)[7] == pytest.approx(1.7)
-    assert make_policy("auto").curve == pytest.approx(linear_curve(1.3))
-    assert make_policy("auto", [2.0, 3.0]).curve == (1.0, 1.5)  # normalised to one input
+    assert make_policy(AUTO).curve == pytest.approx(linear_curve(1.3))
+    assert make_policy(AUTO, DrafterCosts(curve=[2.0, 3.0])).curve == (1.0, 1.5)  # normalised to one input
 
 
 # -- the SpecDec++-style stop rule ----------------------------------------------------------------
@@ -250,7 +249,7 @@ def test_linear_curve_is_the_guess_before_measuring():
 
 def confident_policy(rate: float = 2.0) -> CostModelLength:
     """Forward of w inputs costs 1 + 0.05 (w - 1) seconds; tokens per second achieved so far = ``rate``."""
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     policy.observe(StepObservation(depth=0, nodes=0, accepted=rate - 1.0, draft_s=0.0, verify_s=1.0))
     assert policy.achieved_rate() == pytest.approx(rate)
     return policy
@@ -300,12 +299,55 @@ def test_fixed_and_heuristic_never_stop_a_drafter():
 @pytest.mark.parametrize("bad", [-1, "fast", 2.5, None])
 def test_bad_specs_are_refused(bad):
     with pytest.raises(SpecDecodeError, match="num-draft-tokens"):
-        make_policy(bad)
+        parse_draft_length(bad)
+
+
+@pytest.mark.parametrize(
+    ("given", "length"),
+    [
+        (0, Fixed(0)),
+        (MAX_FIXED_DRAFT_LENGTH, Fixed(64)),
+        ("auto", AUTO),
+        ("heuristic", HEURISTIC),
+        (Fixed(3), Fixed(3)),
+    ],
+)
+def test_a_draft_length_is_parsed_once_and_written_back_as_it_was_given(given, length):
+    assert parse_draft_length(given) == length
+    assert parse_draft_length(length.to_json()) == length and str(length) == str(length.to_json())
+    assert GenerationConfig(num_draft_tokens=given).num_draft_tokens == length
+
+
+@pytest.mark.parametrize("bad", [MAX_FIXED_DRAFT_LENGTH + 1, True, "4", "Auto", 4.0])
+def test_one_rule_refuses_what_is_not_a_draft_length(bad):
+    """Text of a number is not a number here (the CLI reads its flag as a typed value first), nor is a bool."""
+    with pytest.raises(SpecDecodeError, match=r"^num-draft-tokens must be an integer from 0 to 64, 'auto' or 'heu"):
+        parse_draft_length(bad)
+    with pytest.raises(SpecDecodeError):
+        Fixed(bad)
+
+
+def test_every_edge_refuses_a_draft_length_with_the_same_line(capsys, tiny_dirs):
+    from pydantic import ValidationError
+
+    from specdecode.cli import main
+    from specdecode.server.protocol import SpeculativeOptions
+
+    message = "num-draft-tokens must be an integer from 0 to 64, 'auto' or 'heuristic', got 65"
+    with pytest.raises(SpecDecodeError) as python:
+        GenerationConfig(num_draft_tokens=65)
+    assert str(python.value) == message
+    with pytest.raises(ValidationError) as http:
+        SpeculativeOptions.model_validate({"num_draft_tokens": 65})
+    assert http.value.errors()[0]["msg"] == message
+    assert SpeculativeOptions.model_validate({"num_draft_tokens": "auto"}).num_draft_tokens == AUTO
+    assert main(["generate", "w1", "--model", str(tiny_dirs["target"]), "--num-draft-tokens", "65"]) == 2
+    assert capsys.readouterr().err.strip() == f"specdecode: error: {message}"
 
 
 def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_drafts():
     """Copied text comes in runs: after a fully accepted draft draft deep, after a miss draft shallow."""
-    policy = CostModelLength(curve=curve(0.3))
+    policy = CostModel(curve=curve(0.3)).fork()
     for step in range(80):
         full = (step // 5) % 2 == 0  # five fully accepted drafts, then five rejected at the first token
         policy.observe(
@@ -321,7 +363,7 @@ def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_dr
 
 
 def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.0, verify_s=0.1))
     before = [m.value for m in policy.acceptance]
     policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
@@ -331,7 +373,7 @@ def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
 def test_a_drafter_catching_up_with_the_context_is_no_per_token_cost():
     """A draft model's first propose prefills the prompt: that time is reported as ``setup_s`` and kept out
     of the per-token draft cost, which would otherwise make drafting look dear for the requests after it."""
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=1.04, verify_s=0.1, setup_s=1.0))
     for _ in range(5):
         policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.04, verify_s=0.1))
@@ -342,7 +384,7 @@ def test_catching_up_after_the_prompt_is_a_cost_of_drafting():
     """The first draft's reading of the prompt is weighed ex ante (``reading_pays``); what the drafter spends
     catching up later (tokens skipped while drafting was off, context re-tokenised across vocabularies) is
     what drafting costs: two tokens a step for 0.22 s against 0.1 s plain steps is a loss."""
-    policy = CostModelLength(curve=curve(0.05), loss_budget=None)
+    policy = CostModel(curve=curve(0.05), loss_budget=None).fork()
     policy.observe(plain_step(0.1))
     policy.observe(StepObservation(depth=2, nodes=2, accepted=1, draft_s=1.04, setup_s=1.0, verify_s=0.12))
     assert policy.gain.value > 1.0  # the prompt's reading is not held against the first draft
@@ -374,7 +416,7 @@ def tree_step(policy, accepted: int, nodes: int = 30, one_input_s: float = 0.1) 
 
 
 def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed():
-    policy = CostModelLength(curve=curve(0.1), probe_every=4, loss_budget=None)
+    policy = CostModel(curve=curve(0.1), probe_every=4, loss_budget=None).fork()
     for _ in range(12):  # 1.5 tokens per step for a forward four times a plain one's
         policy.observe(tree_step(policy, accepted=1 if policy.gain.weight % 2 else 0))
     assert policy.losing
@@ -386,7 +428,7 @@ def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed(
 
 
 def test_drafting_that_pays_is_never_turned_off():
-    policy = CostModelLength(curve=curve(0.05))
+    policy = CostModel(curve=curve(0.05)).fork()
     feed(policy, 60, accept_rate=0.6, depth=4)
     assert not policy.losing and policy.gain.value > 1.2
     assert policy.net_saved_s > 0 and not policy.over_budget
@@ -396,7 +438,7 @@ def test_drafting_is_judged_against_timed_plain_steps_not_the_curve():
     """Trees of 8 nodes that the curve prices at 1.35 plain forwards but that take 2.5 (row-by-row attention,
     a long context): two tokens a step is a loss, though scale times the curve, pulled up by those very steps,
     would call it a gain."""
-    policy = CostModelLength(curve=curve(0.05), loss_budget=None)
+    policy = CostModel(curve=curve(0.05), loss_budget=None).fork()
     for _ in range(12):
         policy.observe(plain_step(0.1))
         policy.observe(StepObservation(depth=2, nodes=8, accepted=1, draft_s=0.0, verify_s=0.25))
@@ -428,7 +470,7 @@ def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its
     """A self-drafter at 0.6 of a target forward a token, all rejected: the first draft loses 0.09 s against a
     0.1 s plain step.  That spends the budget (half a step plus 1% of the 1 s prefill and the steps), so the
     probe schedule (every 4 steps) waits until the sequence's time pays for another try."""
-    policy = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
+    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
     policy.begin(prefill_s=1.0)
     depths = decode(policy, 64, draft_s=0.06)
     assert depths[0] > 0
@@ -437,14 +479,14 @@ def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its
     assert lost <= LOSS_BUDGET * policy.elapsed_s + LOSS_ALLOWANCE_STEPS * 0.1 + 0.09  # at most one try over
     assert len(tries) < 64 // 4  # fewer than the probe schedule alone would have made
     assert all(b - a > 4 for a, b in zip(tries[1:], tries[2:]))  # spaced by the budget, not by probe_every
-    unbudgeted = CostModelLength(curve=curve(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
+    unbudgeted = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
     unbudgeted.begin(prefill_s=1.0)
     decode(unbudgeted, 64, draft_s=0.06)
     assert -unbudgeted.net_saved_s > 2 * lost
 
 
 def test_each_sequence_starts_with_its_own_loss_budget():
-    parent = CostModelLength(curve=curve(0.3), probe_every=4)
+    parent = CostModel(curve=curve(0.3), probe_every=4)
     first = parent.fork()
     first.begin(prefill_s=0.5)
     decode(first, 8, draft_s=0.06)
@@ -457,10 +499,11 @@ def plain_step(one_input_s: float = 0.1) -> StepObservation:
     return StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=one_input_s)
 
 
-def reader(context_cost: float, draft_token_s: float | None = None) -> CostModelLength:
+def reader(context_cost: float, draft_token_s: float | None = None) -> CostModel:
     """``auto`` for a drafter that reads the context at ``context_cost`` of the target's forward (and whose draft
     token was timed at ``draft_token_s`` seconds)."""
-    return make_policy("auto", curve(0.05), reads_context=True, context_cost=context_cost, draft_token_s=draft_token_s)
+    costs = DrafterCosts(curve(0.05), reads_context=True, context_cost=context_cost, draft_token_s=draft_token_s)
+    return make_policy(AUTO, costs)
 
 
 def test_a_reading_that_drafts_cannot_pay_back_leaves_the_sequence_plain():
@@ -490,7 +533,7 @@ def test_a_reading_expected_to_gain_less_than_the_margin_is_declined():
 
 def test_a_batch_never_probes_a_sequence_that_declined_its_reading():
     shared = reader(0.4)
-    shared.observe(plain_step())  # an earlier request timed the target
+    shared.fork().observe(plain_step())  # an earlier request timed the target
     declined, other = shared.fork(), shared.fork()
     declined.begin(prefill_s=2.0)
     plans = [plan_batch([declined, other], [63 - i, 63 - i]) for i in range(40)]
@@ -533,8 +576,8 @@ def test_a_drafter_without_a_declared_cost_or_a_prompt_is_never_gated():
 
 
 def test_a_draft_token_timed_cheaper_than_its_weight_count_makes_reading_pay():
-    """A draft model 0.4 of the target by weight count but timed at 0.05 of its forward (a w4a8 0.5B beside a fp32
-    1.5B measures 0.07): priced by the count, reading a 0.8 s prompt is declined; by the timing, it pays."""
+    """A draft model 0.4 of the target by weight count but timed at 0.05 of its forward (a quantized draft beside a
+    full-precision target): priced by the count, reading a 0.8 s prompt is declined; by the timing, it pays."""
     by_count, by_timing = reader(0.4).fork(), reader(0.4, draft_token_s=0.005).fork()
     for policy in (by_count, by_timing):
         policy.begin(prefill_s=0.8)
@@ -553,8 +596,8 @@ def test_the_draft_model_times_its_token_once_and_auto_prices_first_drafts_with_
 
 
 def test_the_draft_model_times_its_reading_of_a_prompt_once_and_auto_prices_it_with_that(tiny_target, tiny_draft):
-    """Weights multiplied misjudge a reading across kernels (an int4 draft beside a w4a8 target reads at nearly twice
-    the ratio its weights say): the draft model times its prefill against the target's, once."""
+    """Weights multiplied misjudge a reading across kernels (a draft and a target quantized differently): the
+    draft model times its prefill against the target's, once."""
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
     drafter = generator.drafter
     ratio = drafter.reading_cost()
@@ -572,3 +615,29 @@ def test_a_draft_model_loaded_by_name_takes_the_command_lines_default_precision(
     draft_model.loaded_draft("some-draft", tiny_target)
     draft_model.loaded_draft("some-draft", tiny_target, trains=True)  # online adaptation trains fp32 layers
     assert [options["quantize"] for options in asked] == [default_draft_quantization(), "none"]
+
+
+class FreeDrafts(DraftLengthPolicy):
+    """A policy that plans with the batch: drafts cost nothing and each position is accepted at ``acceptance``."""
+
+    plans_with_batch = True
+
+    def __init__(self, acceptance: float) -> None:
+        self.acceptance = acceptance
+
+    def next_length(self, limit: int) -> int:
+        return 1
+
+    def depth_offer(self, limit, proposed) -> DepthOffer:
+        tokens = [sum(self.acceptance**i for i in range(k + 1)) for k in range(min(limit, 8) + 1)]
+        return DepthOffer(tokens, [0.0] * len(tokens), 0.0, lambda width: 1.0 + 0.01 * width)
+
+    def take_depth(self, offer, depth, limit, proposed) -> int:
+        return depth
+
+
+def test_the_batch_plan_asks_any_policy_that_plans_with_it():
+    sure, doubtful = FreeDrafts(0.95), FreeDrafts(0.05)
+    depths = plan_batch([sure, doubtful, FixedLength(2)], [16, 16, 16])
+    assert depths[0] > depths[1] and depths[2] == 2
+    assert plan_batch([sure, FixedLength(2)], [16, 16]) == [1, 2]  # alone with the batch: it chooses alone

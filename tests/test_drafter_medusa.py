@@ -23,7 +23,7 @@ from helpers import (
 )
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import make_policy
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import DraftRequest
 from specdecode.errors import SpecDecodeError

@@ -352,7 +352,7 @@ def test_stats_split_wall_time_into_forwards_drafting_and_engine_overhead(tiny_t
 
 
 def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(tiny_target):
-    from specdecode.draft_length import CostModelLength
+    from specdecode.draft_length.cost_model import CostModel
     from specdecode.models.cost import relative_cost_curve
 
     generator = SpeculativeGenerator.build(tiny_target, "pld")
@@ -360,7 +360,7 @@ def test_generator_auto_uses_the_measured_cost_curve_and_keeps_it_across_resets(
     auto = generator.generate(PROMPTS[1], max_new_tokens=24, ignore_eos=True, num_draft_tokens="auto")
     assert auto.token_ids == plain.token_ids
     policy = generator.draft_length_policy("auto")
-    assert isinstance(policy, CostModelLength)
+    assert isinstance(policy, CostModel)
     measured = relative_cost_curve(tiny_target.backend)
     assert policy.curve == pytest.approx(measured)
     generator.reset_drafter()

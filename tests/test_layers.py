@@ -32,9 +32,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ),
     ("models", frozenset({"models"})),  # loading and running the target and draft models
     ("heads", frozenset({"heads"})),  # trained draft heads' networks and files
-    ("rules", frozenset({"sampling", "draft_length"})),  # sampling; how many tokens to draft
+    ("sampling", frozenset({"sampling"})),  # logits to the distribution a token is drawn from
     ("verification", frozenset({"verify"})),  # which drafted tokens to accept
     ("settings", frozenset({"config"})),  # what a generation asks for, its verifier parsed by the registry
+    ("draft length", frozenset({"draft_length"})),  # how many tokens to draft: the policies for config's value
     ("data", frozenset({"data"})),  # prompt sets, data sets and corpora
     ("drafters", frozenset({"drafters"})),
     # The decoding loop, single and batched, its statistics and the Python API over it.
@@ -233,7 +234,7 @@ def test_an_upward_arrow_and_a_circle_are_reported():
     assert upward_arrows(arrows) == ["specdecode.models.hf -> specdecode.drafters.base (models -> drafters)"]
     assert part_circles(arrows) == [["drafters", "models"]]
     same_layer = {
-        ("specdecode.sampling", "specdecode.draft_length"),
-        ("specdecode.draft_length", "specdecode.sampling"),
+        ("specdecode.engine", "specdecode.stats"),
+        ("specdecode.stats", "specdecode.engine"),
     }
-    assert upward_arrows(same_layer) == [] and part_circles(same_layer) == [["draft_length", "sampling"]]
+    assert upward_arrows(same_layer) == [] and part_circles(same_layer) == [["engine", "stats"]]

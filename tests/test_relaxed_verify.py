@@ -205,7 +205,7 @@ def test_exact_is_the_default_and_relaxed_requests_are_labelled_lossy(tiny_targe
 
 def test_target_verifier_dispatches_per_sequence(tiny_target):
     """One batch, one forward: an exact and a fly sequence each get their own verdict."""
-    from specdecode.draft_length import make_policy
+    from specdecode.draft_length.base import FixedLength
     from specdecode.drafters import create_drafter
     from specdecode.engine import start_sequence
 
@@ -220,7 +220,7 @@ def test_target_verifier_dispatches_per_sequence(tiny_target):
             [5, 6, 7],
             GenerationConfig(verifier=v),
             frozenset(),
-            make_policy(4),
+            FixedLength(4),
             pool.allocate(),
         )
         for v in (VerifierChoice("exact"), VerifierChoice("fly", loose))

@@ -7,7 +7,7 @@ import pytest
 
 from specdecode.bench.replay import StepCosts, accepted_path, replay
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import FixedLength
+from specdecode.draft_length.base import FixedLength
 from specdecode.drafters import create_drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
 from specdecode.types import Draft

@@ -22,7 +22,7 @@ import specdecode.verify.rejection
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chain_pvalues, chi2_pvalue
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import make_policy
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import speculative_decode
 from specdecode.sampling import sample, sampling_probs

@@ -4,8 +4,8 @@
     python tools/replay_draft_length.py --drafter suffix --tokens 256 --cost cost.json
 
 Plain greedy outputs are generated once with our engine (``--drafter none``) and cached in ``--outputs``;
-the cost is ``specdecode bench forward-cost --json`` output (default: ``smollm2-135m`` on a 2-core CPU, 24.9 ms
-for one token growing linearly to 1.27x at eight).  Prints simulated speed-ups over plain decoding.
+the cost is ``specdecode bench forward-cost --json`` output (default: a forward of 24.9 ms over one token,
+growing linearly to 1.27x at eight).  Prints simulated speed-ups over plain decoding.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from specdecode.bench.replay import ReplayResult, StepCosts, replay
 from specdecode.data.tasks import TASK_NAMES, load_tasks
-from specdecode.draft_length import CostModelLength, FixedLength, HeuristicLength
+from specdecode.draft_length.base import FixedLength, HeuristicLength
+from specdecode.draft_length.cost_model import CostModel
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.cost import linear_curve
@@ -68,7 +69,7 @@ def main() -> None:
     target = load_model(args.model)
     policies = {f"k={k}": (lambda k=k: FixedLength(k)) for k in range(1, 9)}
     policies["heur"] = HeuristicLength
-    policies["auto"] = lambda: CostModelLength(curve=costs.curve)
+    policies["auto"] = lambda: CostModel(curve=costs.curve).fork()
     print(f"{args.drafter}, {args.tokens} tokens: simulated speed-up over plain decoding")
     print(f"{'task':<11}" + "".join(f"{name:>7}" for name in policies) + "  auto/best  auto/worst")
     for task, items in data.items():

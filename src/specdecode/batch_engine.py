@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import DraftLengthPolicy
+from specdecode.draft_length.base import PolicySource
 from specdecode.drafters.base import Drafter
 from specdecode.engine import MAX_DRAFT_MARGIN, Sequence, TargetVerifier, finish_sequence, start_sequence, step
 from specdecode.models.base import CausalLM, KVPool
@@ -41,7 +41,7 @@ class BatchEngine:
         self,
         target: CausalLM,
         drafter: Drafter,
-        policy_for: Callable[[GenerationConfig, Drafter], DraftLengthPolicy],
+        policy_for: Callable[[GenerationConfig, Drafter], PolicySource],
         eos_ids: frozenset[int],
         max_batch_size: int = 8,
     ) -> None:

@@ -12,11 +12,85 @@ from specdecode.verify.registry import VerifierChoice, parse_verifier
 #: this many token ids (most frequent first) instead of the target's whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 8192
 
-#: ``--num-draft-tokens`` when none is given: K, "auto" (cost model) or "heuristic" (transformers' schedule).
-#: The one place the default lives (the CLI, ``specdecode.load`` and the benchmark's default K read it).  In
-#: replay of the quick suite (tools/replay_draft_length.py) "auto" came within 3% of the best fixed K on every
-#: task; no fixed K did.
-DEFAULT_NUM_DRAFT_TOKENS: int | str = "auto"
+#: The deepest fixed draft a request may ask for.  A draft never runs past the tokens a request has left, so
+#: nothing breaks beyond it; but no drafter is accepted that far in a row (the adaptive policies never draft
+#: deeper than 16), so a larger K is a typo that would verify forwards of rejected tokens.
+MAX_FIXED_DRAFT_LENGTH = 64
+
+
+class _DraftLengthValue:
+    """What every draft length is written as: its JSON value, the same text as ``--num-draft-tokens`` takes."""
+
+    def to_json(self) -> int | str:
+        raise NotImplementedError
+
+    def __str__(self) -> str:
+        return str(self.to_json())
+
+
+@dataclass(frozen=True)
+class Fixed(_DraftLengthValue):
+    """Draft ``k`` tokens every step (0: plain decoding)."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 <= self.k <= MAX_FIXED_DRAFT_LENGTH:
+            raise _not_a_draft_length(self.k)
+
+    def to_json(self) -> int:
+        return self.k
+
+
+@dataclass(frozen=True)
+class Auto(_DraftLengthValue):
+    """The depth the cost model expects to give the most tokens per second (``auto``)."""
+
+    def to_json(self) -> str:
+        return "auto"
+
+
+@dataclass(frozen=True)
+class Heuristic(_DraftLengthValue):
+    """transformers' assisted-generation schedule (``heuristic``)."""
+
+    def to_json(self) -> str:
+        return "heuristic"
+
+
+#: The draft length a request asks for (``--num-draft-tokens``, the server's ``speculative.num_draft_tokens``,
+#: ``specdecode.load``, ``generate(...)``): every edge turns what it was given into one with
+#: :func:`parse_draft_length`, under one rule and with one error message; :mod:`specdecode.draft_length` makes
+#: the policy that decides each step's depth from it.
+DraftLength = Fixed | Auto | Heuristic
+AUTO = Auto()
+HEURISTIC = Heuristic()
+_NAMED_DRAFT_LENGTHS: dict[str, DraftLength] = {str(length): length for length in (AUTO, HEURISTIC)}
+
+
+def parse_draft_length(value: int | str | DraftLength) -> DraftLength:
+    """An integer from 0 to :data:`MAX_FIXED_DRAFT_LENGTH`, ``"auto"`` or ``"heuristic"`` (or a draft length
+    already parsed) → its :data:`DraftLength`; anything else is a :class:`SpecDecodeError` saying what is
+    allowed.  Text of an integer is not an integer here: the CLI reads its flag as a number first."""
+    if isinstance(value, (Fixed, Auto, Heuristic)):
+        return value
+    if isinstance(value, str):
+        if value in _NAMED_DRAFT_LENGTHS:
+            return _NAMED_DRAFT_LENGTHS[value]
+        raise _not_a_draft_length(value)
+    return Fixed(value)
+
+
+def _not_a_draft_length(value: object) -> SpecDecodeError:
+    return SpecDecodeError(
+        f"num-draft-tokens must be an integer from 0 to {MAX_FIXED_DRAFT_LENGTH}, 'auto' or 'heuristic', got {value!r}"
+    )
+
+
+#: ``--num-draft-tokens`` when none is given: ``auto``, the cost model, because the best fixed K differs by
+#: drafter, task and machine (``tools/replay_draft_length.py`` compares them on recorded outputs).  The one place
+#: the default lives (the CLI, ``specdecode.load`` and the benchmark's default K read it).
+DEFAULT_NUM_DRAFT_TOKENS: DraftLength = AUTO
 
 
 @dataclass(frozen=True)
@@ -27,7 +101,7 @@ class GenerationConfig:
         options; given as text (``"fly"``, ``"fly:window=2"``) it is parsed here, once."""
 
     max_new_tokens: int = 128
-    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # given as an int, "auto" or "heuristic": parsed
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -38,9 +112,6 @@ class GenerationConfig:
             object.__setattr__(self, "verifier", parse_verifier(self.verifier))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise SpecDecodeError(f"max-new-tokens must be a positive integer, got {self.max_new_tokens!r}")
-        # Imported here: draft_length needs torch, which ``specdecode --help`` must not load.
-        from specdecode.draft_length import make_policy
-
-        make_policy(self.num_draft_tokens)  # validates
+        object.__setattr__(self, "num_draft_tokens", parse_draft_length(self.num_draft_tokens))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty strings")

@@ -37,7 +37,8 @@ import torch
 from specdecode.batch_plan import plan_batch
 from specdecode.clock import now
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import DraftLengthPolicy, make_policy
+from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
@@ -273,7 +274,7 @@ def start_sequence(
     prompt_ids: list[int],
     config: GenerationConfig,
     eos_ids: frozenset[int],
-    policy: DraftLengthPolicy,
+    policy: PolicySource,
     cache: KVCache,
     outcome: DecodeOutcome | None = None,
 ) -> Sequence:
@@ -335,7 +336,7 @@ def speculative_decode(
     config: GenerationConfig,
     eos_ids: frozenset[int] = frozenset(),
     outcome: DecodeOutcome | None = None,
-    draft_length: DraftLengthPolicy | None = None,
+    draft_length: PolicySource | None = None,
 ) -> Iterator[list[int]]:
     """Decode one sequence: yield the tokens accepted at each step (never empty) until EOS, max tokens or a
     full context.

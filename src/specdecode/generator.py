@@ -12,8 +12,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig
-from specdecode.draft_length import DraftLengthPolicy, make_policy
+from specdecode.config import AUTO, DraftLength, GenerationConfig, parse_draft_length
+from specdecode.draft_length.base import PolicySource
+from specdecode.draft_length.factory import measured_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome, speculative_decode
@@ -63,8 +64,8 @@ class SpeculativeGenerator:
         self.target = target
         self.drafter = drafter
         self.defaults = defaults or GenerationConfig()
-        # Adaptive draft-length policies keep what they learned (costs, acceptance) across requests.
-        self._adaptive_policies: dict[tuple[str, Drafter], DraftLengthPolicy] = {}
+        # One policy per draft length and drafter, kept across requests: an adaptive one keeps what it learned.
+        self._policies: dict[tuple[DraftLength, Drafter], PolicySource] = {}
 
     @classmethod
     def build(
@@ -74,29 +75,16 @@ class SpeculativeGenerator:
 
     def reset_drafter(self) -> None:
         self.drafter.reset()
-        self._adaptive_policies.clear()
+        self._policies.clear()
 
-    def draft_length_policy(self, spec: int | str, drafter: Drafter | None = None) -> DraftLengthPolicy:
-        """The policy requests with draft length ``spec`` decode with, kept per drafter (``None``: this
-        generator's): what an adaptive policy learns about one drafter's acceptance says nothing of another's."""
-        if isinstance(spec, int):
-            return make_policy(spec)
-        drafter = drafter or self.drafter
-        key = (spec, drafter)
-        if key not in self._adaptive_policies:
-            # ``auto`` weighs acceptance against this model's measured verification cost curve (measured
-            # on first use, see warm_up, and cached per loaded model: reset_drafter keeps it).
-            curve = relative_cost_curve(self.target.backend) if spec == "auto" and drafter.drafts else None
-            self._adaptive_policies[key] = make_policy(
-                spec,
-                curve,
-                reads_context=drafter.reads_context,
-                context_cost=drafter.reading_cost() if spec == "auto" else None,
-                draft_token_s=drafter.draft_token_seconds() if spec == "auto" else None,
-                prior_acceptance=drafter.acceptance_prior() if spec == "auto" else None,
-                draft_token_share=drafter.draft_token_share() if spec == "auto" else None,
-            )
-        return self._adaptive_policies[key]
+    def draft_length_policy(self, length: DraftLength | int | str, drafter: Drafter | None = None) -> PolicySource:
+        """The policy requests drafting ``length`` decode with, kept per drafter (``None``: this generator's): what
+        an adaptive policy learns about one drafter's acceptance says nothing of another's.  ``auto`` weighs
+        acceptance against this model's verification cost curve, measured on first use (see :meth:`warm_up`)."""
+        key = (parse_draft_length(length), drafter or self.drafter)
+        if key not in self._policies:
+            self._policies[key] = measured_policy(*key, self.target.backend)
+        return self._policies[key]
 
     def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:
         """Measure now what the first request would otherwise wait for: the target's verification cost
@@ -110,7 +98,7 @@ class SpeculativeGenerator:
         agreement).  ``drafters``: those the requests will use (default: this generator's).  Returns the seconds
         spent, 0 where there was nothing to measure."""
         drafters = list(drafters) or [self.drafter]
-        auto = self.defaults.num_draft_tokens == "auto" and any(d.drafts for d in drafters)
+        auto = self.defaults.num_draft_tokens == AUTO and any(d.drafts for d in drafters)
         started = time.perf_counter()
         prepared = [drafter.prepare() for drafter in drafters]
         if not auto:

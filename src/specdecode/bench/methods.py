@@ -11,14 +11,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdecode.config import GenerationConfig
+from specdecode.config import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    MAX_FIXED_DRAFT_LENGTH,
+    Fixed,
+    parse_draft_length,
+)
 from specdecode.drafters import accepted_options, drafter_class
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError
 from specdecode.models.quantize import draft_quantization
 from specdecode.options import option_value
 
-DEFAULT_K = GenerationConfig().num_draft_tokens
+DEFAULT_K = DEFAULT_NUM_DRAFT_TOKENS.to_json()
 
 
 @dataclass(frozen=True)
@@ -27,7 +32,7 @@ class MethodSpec:
     equality, so two spellings of the same configuration compare equal."""
 
     drafter: str
-    k: int | str = DEFAULT_K  # an integer, or an adaptive policy (ADAPTIVE_K)
+    k: int | str = DEFAULT_K  # a draft length as --num-draft-tokens takes it, 0 excepted
     options: tuple[tuple[str, Any], ...] = ()
     spec: str = field(default="", compare=False)
 
@@ -50,9 +55,6 @@ class MethodSpec:
         parts.append(f"k={k}")
         parts += [f"{key}={value}" for key, value in self.options if key != "draft_model"]
         return replace(self, k=k, spec=":".join(parts))
-
-
-ADAPTIVE_K = ("auto", "heuristic")
 
 
 def parse_method(text: str) -> MethodSpec:
@@ -78,11 +80,16 @@ def parse_method(text: str) -> MethodSpec:
             raise SpecDecodeError(f"method {spec!r} sets {key!r} twice")
         if key == "k":
             k_given = True
-            k = raw if raw in ADAPTIVE_K else option_value(raw)
-            if not (k in ADAPTIVE_K or (isinstance(k, int) and k >= 1)):
+            try:
+                length = parse_draft_length(option_value(raw))
+            except SpecDecodeError:
+                length = None
+            if length in (None, Fixed(0)):  # k=0 drafts nothing: that is the method `none`
                 raise SpecDecodeError(
-                    f"method {spec!r}: k (draft length) must be a positive integer, auto or heuristic, got {raw!r}"
+                    f"method {spec!r}: k (draft length) must be a positive integer up to {MAX_FIXED_DRAFT_LENGTH}, "
+                    f"auto or heuristic, got {raw!r}"
                 )
+            k = length.to_json()
         else:
             options[key] = option_value(raw)
     if takes_draft_model and "draft_model" not in options:

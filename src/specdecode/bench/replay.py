@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specdecode.config import GenerationConfig
-from specdecode.draft_length import DraftLengthPolicy
+from specdecode.draft_length.base import DraftLengthPolicy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.engine import Checked, step
 from specdecode.engine import Sequence as DecodeSequence

@@ -4,15 +4,43 @@ transformers' heuristic schedule."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 from specdecode.types import StepObservation
 
 
+class PolicySource(Protocol):
+    """What a generator keeps for one draft length and drafter across requests: each request's sequence
+    decodes with a :meth:`fork` of it (a stateless policy is its own fork)."""
+
+    def fork(self) -> DraftLengthPolicy:
+        """The policy for one more sequence."""
+
+
+@dataclass(frozen=True)
+class DepthOffer:
+    """What drafting 0, 1, ... ``cap`` deep would bring one sequence of a batched step, for :func:`plan_batch
+    <specdecode.batch_plan.plan_batch>` to weigh against the other sequences' offers."""
+
+    tokens: list[float]  # expected tokens of the step at each depth, the target's own included
+    draft_s: list[float]  # seconds of drafting still to spend at each depth (none for a draft already made)
+    overhead_s: float  # the rest of the sequence's step, the same at every depth
+    verify_seconds: Callable[[int], float]  # expected seconds of the shared forward over this many inputs
+
+    @property
+    def cap(self) -> int:
+        return len(self.tokens) - 1
+
+
 class DraftLengthPolicy(ABC):
-    """How deep one sequence drafts.  What a policy learns across requests lives in the object the generator
-    keeps; each sequence decodes with a :meth:`fork` that shares it and adds its own per-sequence state."""
+    """How deep one sequence drafts."""
+
+    #: Whether a batched step chooses this sequence's depth together with the other sequences whose policies do
+    #: (:meth:`depth_offer`, :meth:`take_depth`); otherwise the policy chooses alone (:meth:`depth_alone`) and its
+    #: width is fixed before the others are planned.
+    plans_with_batch: ClassVar[bool] = False
 
     def fork(self) -> DraftLengthPolicy:
         """The policy for one more sequence (stateless policies are their own fork)."""
@@ -21,6 +49,19 @@ class DraftLengthPolicy(ABC):
     @abstractmethod
     def next_length(self, limit: int) -> int:
         """Depth to request from the drafter this step, at most ``limit``."""
+
+    def depth_alone(self, limit: int, proposed: Sequence[float] | None) -> int:
+        """Depth for this step when the policy chooses alone; ``proposed``: the confidences of a chain already
+        drafted before the plan (None: no such draft)."""
+        return self.next_length(limit)
+
+    def depth_offer(self, limit: int, proposed: Sequence[float] | None) -> DepthOffer:
+        """What each depth would bring this sequence (asked only where :attr:`plans_with_batch`)."""
+        raise NotImplementedError(f"{type(self).__name__} chooses its depth alone")
+
+    def take_depth(self, offer: DepthOffer, depth: int, limit: int, proposed: Sequence[float] | None) -> int:
+        """The depth to ask for once the batch's plan gave this sequence ``depth`` of its ``offer``."""
+        raise NotImplementedError(f"{type(self).__name__} chooses its depth alone")
 
     def begin(self, prefill_s: float) -> None:  # noqa: B027
         """The target has read this sequence's prompt, in ``prefill_s`` seconds.  Default: nothing to learn."""

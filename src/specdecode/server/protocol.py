@@ -15,8 +15,10 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
+from specdecode.config import MAX_FIXED_DRAFT_LENGTH, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.stats import GenerationStats
 from specdecode.verify.registry import check_verifier
@@ -48,14 +50,32 @@ _SAYS_SOMETHING = {
     },
 }
 
+_DRAFT_LENGTH_SCHEMA = {
+    "anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": MAX_FIXED_DRAFT_LENGTH},
+        {"enum": ["auto", "heuristic"]},
+        {"type": "null"},
+    ]
+}
+
 
 class SpeculativeOptions(BaseModel):
     """``"speculative": {...}``: one of the drafters the server was started with (or ``"none"``) and how
-    deep it drafts (an integer >= 0, ``"auto"`` or ``"heuristic"``)."""
+    deep it drafts (as ``--num-draft-tokens``: an integer from 0 to 64, ``"auto"`` or ``"heuristic"``)."""
 
     model_config = _STRICT
     drafter: str | None = None
-    num_draft_tokens: Annotated[int, Field(ge=0, le=64), WHOLE] | Literal["auto", "heuristic"] | None = None
+    num_draft_tokens: Annotated[DraftLength | None, WithJsonSchema(_DRAFT_LENGTH_SCHEMA)] = None
+
+    @field_validator("num_draft_tokens", mode="plain")
+    @classmethod
+    def _draft_length(cls, value: object) -> DraftLength | None:
+        if value is None:
+            return None
+        try:
+            return parse_draft_length(_whole_number(value))  # type: ignore[arg-type]
+        except SpecDecodeError as exc:  # the CLI's message, not pydantic's "Value error, ..."
+            raise PydanticCustomError("draft_length", "{message}", {"message": str(exc)}) from None
 
 
 class StreamOptions(BaseModel):

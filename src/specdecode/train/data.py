@@ -22,7 +22,7 @@ from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
 from specdecode.data.tasks import load_task
-from specdecode.draft_length import make_policy
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
 
