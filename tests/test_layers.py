@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ),
     ("models", frozenset({"models"})),  # loading and running the target and draft models
     ("heads", frozenset({"heads"})),  # trained draft heads' networks and files
-    ("sampling", frozenset({"sampling"})),  # logits to the distribution a token is drawn from
+    ("sampling", frozenset({"sampling", "logits_processing"})),  # logits to the distribution a token is drawn from
     ("verification", frozenset({"verify"})),  # which drafted tokens to accept
     ("settings", frozenset({"config"})),  # what a generation asks for, its verifier parsed by the registry
     ("draft length", frozenset({"draft_length"})),  # how many tokens to draft: the policies for config's value

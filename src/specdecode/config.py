@@ -98,7 +98,11 @@ class GenerationConfig:
     """One request: how many tokens, when to stop, how to sample, how far to draft, how to verify.
 
     verifier: ``exact`` (lossless, the default) or a relaxed, lossy one (``specdecode verifiers``), with its
-        options; given as text (``"fly"``, ``"fly:window=2"``) it is parsed here, once."""
+        options; given as text (``"fly"``, ``"fly:window=2"``) it is parsed here, once.
+    ignore_eos: the model's end-of-sequence tokens do not end the request (``stop_token_ids`` still do).
+    stop_token_ids: more tokens that end the request, kept in the output as an end-of-sequence token is.
+    min_tokens: the request cannot end (end-of-sequence or ``stop_token_ids``) before this many tokens: those tokens
+        are given probability 0 until then, at each verified position by its own prefix."""
 
     max_new_tokens: int = 128
     num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # given as an int, "auto" or "heuristic": parsed
@@ -106,6 +110,8 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     verifier: VerifierChoice = field(default_factory=VerifierChoice)
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.verifier, VerifierChoice):
@@ -115,3 +121,16 @@ class GenerationConfig:
         object.__setattr__(self, "num_draft_tokens", parse_draft_length(self.num_draft_tokens))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise SpecDecodeError("stop strings must be non-empty strings")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SpecDecodeError(f"stop token ids must be integers >= 0, got {list(self.stop_token_ids)!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise SpecDecodeError(f"min-tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_new_tokens:
+            raise SpecDecodeError(
+                f"min-tokens ({self.min_tokens}) must be at most max-new-tokens ({self.max_new_tokens})"
+            )
+
+    def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
+        """The tokens that end this request, given the model's end-of-sequence tokens."""
+        return (frozenset() if self.ignore_eos else eos_ids) | frozenset(self.stop_token_ids)

@@ -40,6 +40,7 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.logits_processing import RowHistory
 from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
@@ -173,6 +174,7 @@ class TargetVerifier:
                 generator=seq.generator,
                 final_hidden=final,
                 target_name=self.target.name,
+                history=RowHistory(seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens),
             )
             verdict = verifier.verify(rows, draft)
             # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
@@ -296,7 +298,7 @@ def start_sequence(
     seq = Sequence(
         prompt_ids=list(prompt_ids),
         config=config,
-        stop_ids=frozenset() if config.ignore_eos else eos_ids,
+        stop_ids=config.stop_ids(eos_ids),
         session=session,
         length_policy=length_policy,
         generator=generator,

@@ -52,8 +52,19 @@ class StreamEvent:
     result: GenerationResult | None = None  # set on the last event only
 
 
-_PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos", "verifier"}
-_SAMPLING_NAMES = {"temperature", "top_k", "top_p", "seed", "coupled"}
+_PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos", "verifier", "stop_token_ids", "min_tokens"}
+_SAMPLING_NAMES = {
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "coupled",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+}
 
 
 class SpeculativeGenerator:
@@ -177,7 +188,19 @@ class SpeculativeGenerator:
             self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES}
         )
         config.verifier.prepare(self.target.backend)  # e.g. judge's trained files: refused now (CLI exit 2, HTTP 400)
+        self._check_token_ids(config)
         return config
+
+    def _check_token_ids(self, config: GenerationConfig) -> None:
+        """Refuse a logit bias or a stop token id outside the vocabulary (vLLM's 400)."""
+        vocab = self.target.backend.vocab_size
+        for what, ids in (
+            ("logit-bias", [token for token, _ in config.sampling.logit_bias]),
+            ("stop token", config.stop_token_ids),
+        ):
+            outside = [token for token in ids if token >= vocab]
+            if outside:
+                raise SpecDecodeError(f"{what} ids must be in [0, {vocab}), got {outside}")
 
     def _verifier(self, verifier: str | VerifierChoice | None, options: dict | None) -> VerifierChoice:
         """A request's verifier: the defaults' (with their options) when it names the same one or none."""

@@ -1,4 +1,4 @@
-"""Turn logits into the sampling distribution (temperature, then top-k, then top-p) and draw from it.
+"""Turn logits into the sampling distribution (temperature, then min-p, top-k, top-p) and draw from it.
 
 Shared by drafters (which sample drafts) and verifiers (which sample corrections): both import it
 from here, never from each other.  That is also why the keyed Gumbel noise of coupled sampling lives
@@ -10,6 +10,7 @@ Applied identically to target and draft logits.  The order matches transformers'
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import numpy as np
@@ -32,7 +33,7 @@ LIMIT_BELOW_TEMPERATURE = 1e-20
 
 
 def _tempered_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k (cut tokens at -inf): the first two stages of the processed distribution."""
+    """Temperature, then min-p and top-k (cut tokens at -inf): the first stages of the processed distribution."""
     logits = logits.float()
     if params.temperature < LIMIT_BELOW_TEMPERATURE:
         # Divided, the largest logits would overflow to inf (or the temperature round to 0 in float32) and softmax
@@ -40,6 +41,11 @@ def _tempered_top_k(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = torch.where(logits == logits.amax(dim=-1, keepdim=True), 0.0, float("-inf"))
     else:
         logits = logits / params.temperature
+    if params.min_p > 0.0:
+        # p(v) < min_p * max p  <=>  logit(v) < max logit + log(min_p): no softmax needed (vLLM's order: after the
+        # temperature, before top-k and top-p).
+        floor = logits.amax(dim=-1, keepdim=True) + math.log(params.min_p)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

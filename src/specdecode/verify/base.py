@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from specdecode.errors import SpecDecodeError
+from specdecode.logits_processing import RowHistory, process_rows
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.sampling import coupled_sample, sample, sampling_probs
 from specdecode.sampling_params import SamplingParams
@@ -43,7 +44,10 @@ if TYPE_CHECKING:
 @dataclass
 class TargetRows:
     """The target's output of one verification forward in the row layout (row 0 follows the context, row i + 1
-    follows draft node i), read lazily along the walked path, and what the request's sampling needs."""
+    follows draft node i), read lazily along the walked path, and what the request's sampling needs.
+
+    An exact decision reads :attr:`processed_logits`: each row with the request's bias, penalties and ``min_tokens``
+    applied over that row's own prefix (``history``; :mod:`specdecode.logits_processing`)."""
 
     logits: torch.Tensor  # [nodes + 1, vocab] raw
     sampling: SamplingParams
@@ -52,15 +56,25 @@ class TargetRows:
     generator: torch.Generator | None = None  # draws of unseeded (or uncoupled) sampling
     final_hidden: torch.Tensor | None = None  # [nodes + 1, hidden_size], for a verifier that reads_final_hidden
     target_name: str = ""  # the target model's name: where a verifier's trained files live
+    history: RowHistory | None = None  # what precedes each row: the context and the draft
     _probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    _processed: torch.Tensor | None = None
+
+    @property
+    def processed_logits(self) -> torch.Tensor:
+        """[nodes + 1, vocab]: the logits the request's sampling reads, each row processed with its own prefix."""
+        if self._processed is None:
+            self._processed = process_rows(self.logits, self.sampling, self.history)
+        return self._processed
 
     def choice(self, row: int, position: int) -> int:
         """The token the exact verifier would take at ``row`` (which predicts absolute ``position``)."""
+        logits = self.processed_logits[row]
         if self.sampling.greedy:
-            return int(self.logits[row].argmax())
+            return int(logits.argmax())
         if self.sampling.is_coupled and self.seed is not None:
-            return coupled_sample(self.logits[row], self.sampling, self.seed, position)
-        return sample(sampling_probs(self.logits[row].float().cpu(), self.sampling), self.generator)
+            return coupled_sample(logits, self.sampling, self.seed, position)
+        return sample(sampling_probs(logits.float().cpu(), self.sampling), self.generator)
 
     def raw_probs(self, row: int) -> torch.Tensor:
         """softmax of the raw logits (temperature 1, nothing cut): the model's own uncertainty at ``row``."""
@@ -69,10 +83,11 @@ class TargetRows:
         return self._probs[row]
 
     def processed_probs(self, row: int) -> torch.Tensor:
-        """The distribution the request samples from (temperature, top-k, top-p); the raw one when greedy."""
+        """The distribution the request samples from (processing, temperature, min-p, top-k, top-p); the raw one when
+        greedy."""
         if self.sampling.greedy:
             return self.raw_probs(row)
-        return sampling_probs(self.logits[row].float(), self.sampling).cpu()
+        return sampling_probs(self.processed_logits[row].float(), self.sampling).cpu()
 
 
 @dataclass(frozen=True)

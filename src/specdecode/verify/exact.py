@@ -25,10 +25,10 @@ class Exact(VerifierMethod):
 
     @staticmethod
     def verify(rows: TargetRows, draft: Draft, options: NoOptions) -> Verdict:
-        sampling = rows.sampling
+        sampling, logits = rows.sampling, rows.processed_logits
         if sampling.greedy:
-            return verify_greedy(rows.logits, draft)
+            return verify_greedy(logits, draft)
         if sampling.is_coupled:
             # Row 0 predicts the token at position len(context): the noise is keyed by that position.
-            return verify_coupled(rows.logits, draft, sampling, sampling.seed, rows.first_position)
-        return verify_speculative_sampling(sampling_probs(rows.logits, sampling), draft, rows.generator)
+            return verify_coupled(logits, draft, sampling, sampling.seed, rows.first_position)
+        return verify_speculative_sampling(sampling_probs(logits, sampling), draft, rows.generator)
