@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from transformers.generation.logits_process import MinPLogitsWarper, RepetitionP
 
 from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chi2_pvalue
 from specdecode.batch_engine import BatchEngine, BatchRequest
+from specdecode.cli import main
 from specdecode.config import GenerationConfig
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
@@ -292,3 +294,88 @@ def test_processing_rows_with_the_context_alone_fails_the_same_test(monkeypatch)
     monkeypatch.setattr(RowHistory, "row_paths", lambda self: [[] for _ in range(len(self.draft.tokens) + 1)])
     counts, expected = joint_counts(STRONG, 1, DRAWS // 3)
     assert pooled_pvalue(counts, expected) < FAIL_P
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+PROCESSING_FLAGS = [
+    "--presence-penalty",
+    "0.8",
+    "--frequency-penalty",
+    "0.6",
+    "--repetition-penalty",
+    "1.3",
+    "--logit-bias",
+    "7=4",
+    "--logit-bias",
+    "11=-100",
+    "--min-tokens",
+    "6",
+    "--stop-token-id",
+    "9",
+]
+
+
+def cli_json(capsys, *argv: str) -> tuple[int, list[dict], str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, [json.loads(line) for line in out.splitlines() if line.strip()], err
+
+
+def test_generate_and_batch_flags_give_plain_decodings_output(capsys, tiny_dirs):
+    model = ["--model", str(tiny_dirs["target"]), "--max-new-tokens", "16", "--json", "--no-chat"]
+    outputs = {}
+    for drafter in ("none", "pld", "suffix"):
+        argv = ["generate", "w1 w2 w3 w1 w2", *model, "--drafter", drafter, *PROCESSING_FLAGS]
+        code, rows, err = cli_json(capsys, *argv)
+        assert code == 0, err
+        outputs[drafter] = rows[0]["token_ids"]
+    assert outputs["pld"] == outputs["none"] == outputs["suffix"]
+    code, rows, err = cli_json(capsys, "generate", "w1 w2 w3 w1 w2", *model, "--drafter", "none")
+    assert rows[0]["token_ids"] != outputs["none"]  # the flags changed the output
+    assert 11 not in outputs["none"] and (9 not in outputs["none"] or outputs["none"].index(9) >= 5)
+
+
+def test_batch_lines_take_the_settings_and_bad_ones_are_named(capsys, tiny_dirs, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [
+        {"prompt": "w1 w2 w3 w1 w2", "presence_penalty": 0.8, "logit_bias": {"7": 4}, "min_tokens": 3},
+        {"prompt": "w1 w2", "logit_bias": {"7": 400}},
+        {"prompt": "w1 w2", "stop_token_ids": [10**6]},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    model = ["--model", str(tiny_dirs["target"]), "--max-new-tokens", "8", "--json", "--no-chat", "--ignore-eos"]
+    code, rows, err = cli_json(capsys, "batch", str(path), *model, "--drafter", "pld")
+    assert code == 2
+    code_one, one, _ = cli_json(
+        capsys,
+        "generate",
+        "w1 w2 w3 w1 w2",
+        *model,
+        "--drafter",
+        "none",
+        "--presence-penalty",
+        "0.8",
+        "--logit-bias",
+        "7=4",
+        "--min-tokens",
+        "3",
+    )
+    assert rows[0]["token_ids"] == one[0]["token_ids"]
+    assert "line 2" in rows[1]["error"] and "logit-bias" in rows[1]["error"]
+    assert "line 3" in rows[2]["error"] and "stop token ids" in rows[2]["error"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--logit-bias", "seven=1"], "--logit-bias takes ID=BIAS"),
+        (["--presence-penalty", "2.5"], "presence-penalty"),
+        (["--repetition-penalty", "0"], "repetition-penalty"),
+        (["--min-p", "1.5"], "min-p"),
+        (["--min-tokens", "200"], "min-tokens"),
+    ],
+)
+def test_bad_processing_flags_are_one_clean_error(capsys, flags, message):
+    code = main(["generate", "w1 w2", *flags])
+    assert code == 2 and message in capsys.readouterr().err

@@ -38,11 +38,31 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         max_new_tokens=args.max_new_tokens,
         num_draft_tokens=args.num_draft_tokens,
         sampling=SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed, coupled=args.coupled
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            coupled=args.coupled,
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty,
+            min_p=args.min_p,
+            logit_bias=[_logit_bias_flag(text) for text in args.logit_bias],
         ),
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        stop_token_ids=tuple(args.stop_token_id),
+        min_tokens=args.min_tokens,
     )
+
+
+def _logit_bias_flag(text: str) -> tuple[int, float]:
+    """``--logit-bias ID=BIAS`` → (id, bias); the ranges are SamplingParams' to check."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise SpecDecodeError(f"--logit-bias takes ID=BIAS (a token id and a number), got {text!r}") from None
 
 
 def registry_vocab_size(name: str) -> int | None:
@@ -126,6 +146,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 #: Generation parameters a line of ``specdecode batch`` may set for itself (the flags set the defaults).
 BATCH_LINE_PARAMS = frozenset(
     {"max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "verifier"}
+    | {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"}
+    | {"stop_token_ids", "min_tokens"}
 )
 
 

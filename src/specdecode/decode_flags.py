@@ -93,7 +93,35 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verifier-option", action="append", default=[], metavar="KEY=VALUE", help="e.g. window=4 for fly"
     )
+    parser.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtracted from the logit of each token already generated"
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtracted once per time a token was already generated"
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divides positive (multiplies negative) logits of tokens in the prompt or output; 1 disables it",
+    )
+    parser.add_argument(
+        "--min-p", type=float, default=0.0, help="cut tokens less likely than this times the most likely one"
+    )
+    parser.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (-100..100) to token ID's logit (repeatable)",
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)"
+    )
+    parser.add_argument(
+        "--min-tokens", type=int, default=0, metavar="N", help="no end-of-sequence or stop token before N tokens"
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument(
