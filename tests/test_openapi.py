@@ -17,9 +17,9 @@ from test_server import RunningServer, make_service
 SCHEMATHESIS = shutil.which("schemathesis") or str(Path(sys.executable).parent / "schemathesis")
 
 
-@pytest.fixture(scope="module")
-def running(tiny_target):
-    with RunningServer(make_service(tiny_target)) as server:
+@pytest.fixture(scope="module", params=[False, True], ids=["unknown-fields-ignored", "strict-api"])
+def running(tiny_target, request):
+    with RunningServer(make_service(tiny_target, strict_api=request.param)) as server:
         yield server
 
 

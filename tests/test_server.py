@@ -187,7 +187,6 @@ BAD = [
     (json.dumps({"messages": CHAT, "n": 2}), 400),
     (json.dumps({"messages": []}), 400),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), 400),
-    (json.dumps({"messages": CHAT, "colour": "blue"}), 400),
     (json.dumps({"messages": CHAT, "speculative": {"drafter": "nope"}}), 400),
     (json.dumps({"messages": CHAT, "speculative": {"num_draft_tokens": "many"}}), 400),
     (json.dumps({"messages": [{"role": "user", "content": "w1 " * 400}]}), 400),  # longer than the context
@@ -209,6 +208,17 @@ def test_bad_input_gets_a_4xx_with_an_error_object(server, body, status):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"]
+
+
+def test_an_unknown_field_is_a_400_with_strict_api(tiny_target):
+    with RunningServer(make_service(tiny_target, strict_api=True)) as strict:
+        for body in ({"messages": CHAT, "colour": "blue"}, {"messages": CHAT, "stream_options": {"hue": 1}}):
+            response = httpx.post(f"{strict.url}/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["message"] and error["type"] and error["message"].endswith("unsupported field")
+        document = httpx.get(f"{strict.url}/openapi.json").json()
+        assert document["components"]["schemas"]["ChatCompletionRequest"]["additionalProperties"] is False
 
 
 def test_a_body_that_is_not_json_is_named_so(server):
@@ -438,3 +448,153 @@ def test_a_socket_closed_mid_request_cancels_it(slow_endless_server, path):
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.02)
     wait_until_idle(slow_endless_server, within_s=3)
+
+
+# --- the fields real clients send (OpenAI's, and vLLM's through extra_body) ---------------------------------------
+
+PROCESSING = {
+    "presence_penalty": 0.8,
+    "frequency_penalty": 0.6,
+    "logit_bias": {"7": 4.0, "11": -100.0},
+}
+VLLM_EXTRAS = {"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 6, "ignore_eos": True}
+
+
+def python_params(fields: dict) -> dict:
+    return {key: value for key, value in fields.items() if key != "logit_bias"} | {
+        "logit_bias": {int(k): v for k, v in fields.get("logit_bias", {}).items()}
+    }
+
+
+def test_penalties_bias_and_vllm_extras_give_plain_decodings_output(server, tiny_target):
+    client = server.client()
+    want = solo(tiny_target, CHAT, True, 20, **python_params(PROCESSING | VLLM_EXTRAS))
+    assert want.text != solo(tiny_target, CHAT, True, 20).text  # the fields change the output
+    for drafter in ("pld", "suffix", "none"):
+        extra = VLLM_EXTRAS | {"speculative": {"drafter": drafter, "num_draft_tokens": 4}}
+        chat = client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=20, temperature=0, **PROCESSING, extra_body=extra
+        )
+        assert chat.choices[0].message.content == want.text, drafter
+        assert chat.usage.completion_tokens == len(want.token_ids)
+    sampled = dict(PROCESSING, temperature=0.9, seed=5)
+    seeded = solo(tiny_target, TEXT, False, 16, **python_params(sampled | VLLM_EXTRAS))
+    done = client.completions.create(model="tiny", prompt=TEXT, max_tokens=16, **sampled, extra_body=VLLM_EXTRAS)
+    assert done.choices[0].text == seeded.text
+
+
+def test_stop_token_ids_min_tokens_and_the_stop_text(server, tiny_target):
+    client = server.client()
+    free = solo(tiny_target, TEXT, False, 30, ignore_eos=True)
+    stop_id = free.token_ids[4]
+    stopped = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=30, extra_body={"stop_token_ids": [stop_id], "ignore_eos": True}
+    )
+    cut_at = free.token_ids.index(stop_id)
+    before = tiny_target.tokenizer.decode(free.token_ids[:cut_at], skip_special_tokens=True)
+    assert stopped.choices[0].text == before and stopped.usage.completion_tokens == cut_at + 1  # not its text
+    assert stopped.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        model="tiny",
+        prompt=TEXT,
+        max_tokens=30,
+        extra_body={"stop_token_ids": [stop_id], "ignore_eos": True, "include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == tiny_target.tokenizer.decode(free.token_ids[: cut_at + 1], skip_special_tokens=True)
+    stop = " ".join(free.text.split()[3:5])
+    with_stop = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=30, stop=[stop], extra_body={"include_stop_str_in_output": True}
+    )
+    assert with_stop.choices[0].text == free.text[: free.text.index(stop) + len(stop)]
+    held = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=30, extra_body={"stop_token_ids": [stop_id], "min_tokens": 12}
+    )
+    assert held.usage.completion_tokens >= 12
+
+
+def test_special_tokens_are_shown_when_asked(server, tiny_target):
+    client = server.client()
+    eos = tiny_target.tokenizer.eos_token_id
+    extra = {"logit_bias": {str(eos): 100}, "include_stop_str_in_output": True}
+    shown = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=4, extra_body=extra | {"skip_special_tokens": False}
+    )
+    hidden = client.completions.create(model="tiny", prompt=TEXT, max_tokens=4, extra_body=extra)
+    assert shown.choices[0].text == tiny_target.tokenizer.eos_token and hidden.choices[0].text == ""
+
+
+def test_usage_in_every_chunk_when_asked_as_guidellm_does(server, tiny_target):
+    stream = server.client().chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}, "ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(chunk.usage is not None for chunk in chunks)
+    counts = [chunk.usage.completion_tokens for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 16
+    assert all(chunk.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for chunk in chunks)
+
+
+def test_a_developer_message_is_a_system_message(server, tiny_target):
+    client = server.client()
+    said = [{"role": "developer", "content": "w9 w8"}, *CHAT]
+    chat = client.chat.completions.create(model="tiny", messages=said, max_tokens=12, temperature=0)
+    want = solo(tiny_target, [{"role": "system", "content": "w9 w8"}, *CHAT], True, 12)
+    assert chat.choices[0].message.content == want.text
+
+
+def test_unknown_fields_are_ignored_and_named(server, caplog):
+    response = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 4, "colour": "blue", "stream_options": {"hue": 1}, "stream": True},
+    )
+    assert response.status_code == 200 and response.headers["x-ignored-fields"] == "colour, stream_options.hue"
+    raw = server.client().chat.completions.with_raw_response.create(
+        model="tiny", messages=CHAT, max_tokens=4, extra_body={"colour\n": "blue", "store": True, "metadata": {}}
+    )
+    assert raw.headers["x-ignored-fields"] == "colour\\n, store, metadata"
+    assert any("colour" in record.getMessage() for record in caplog.records if record.name == "specdecode.server")
+    plain = server.client().chat.completions.with_raw_response.create(model="tiny", messages=CHAT, max_tokens=4)
+    assert "x-ignored-fields" not in plain.headers
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"best_of": 2}, "best_of"),
+        ({"logit_bias": {"100000": 1}}, "logit-bias"),
+        ({"stop_token_ids": [100000]}, "stop token ids"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ],
+)
+def test_fields_known_but_not_honoured_for_a_value_are_a_400_naming_them(server, fields, named):
+    response = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": CHAT, **fields})
+    assert response.status_code == 400, response.text
+    assert named in response.json()["error"]["message"]
+    for harmless in (
+        {"tools": []},
+        {"tool_choice": "none"},
+        {"response_format": {"type": "text"}},
+        {"logprobs": False},
+    ):
+        answer = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **harmless})
+        assert answer.status_code == 200, answer.text
+
+
+def test_serve_strict_api_flag_reaches_the_service(tiny_dirs, monkeypatch):
+    from specdecode.cli import build_parser
+    from specdecode.server import launch
+
+    monkeypatch.setattr(SpeculativeGenerator, "warm_up", lambda self, drafters=(): 0.0)
+    for flags, strict in (([], False), (["--strict-api"], True)):
+        args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["target"]), "--drafter", "pld", *flags])
+        assert launch.build_service(args).config.strict_api is strict

@@ -71,7 +71,7 @@ def test_an_incomplete_character_at_the_end_is_kept_as_the_tokenizer_decodes_it(
 def test_work_grows_with_the_new_tokens_not_with_the_whole_output(byte_generator, monkeypatch):
     decoded = []
     decode = byte_generator._decode
-    monkeypatch.setattr(byte_generator, "_decode", lambda ids: decoded.append(len(ids)) or decode(ids))
+    monkeypatch.setattr(byte_generator, "_decode", lambda ids, *skip: decoded.append(len(ids)) or decode(ids, *skip))
     ids = byte_generator.target.tokenizer.encode("abcdefghij " * 40)
     pieces, whole = assemble(byte_generator, ids, [1] * len(ids))
     assert whole == "abcdefghij " * 40

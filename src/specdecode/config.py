@@ -102,7 +102,9 @@ class GenerationConfig:
     ignore_eos: the model's end-of-sequence tokens do not end the request (``stop_token_ids`` still do).
     stop_token_ids: more tokens that end the request, kept in the output as an end-of-sequence token is.
     min_tokens: the request cannot end (end-of-sequence or ``stop_token_ids``) before this many tokens: those tokens
-        are given probability 0 until then, at each verified position by its own prefix."""
+        are given probability 0 until then, at each verified position by its own prefix.
+    skip_special_tokens: the text leaves out special tokens (vLLM's default).
+    include_stop_str_in_output: the text keeps the stop string, or the stop token's text, that ended it (vLLM's)."""
 
     max_new_tokens: int = 128
     num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # given as an int, "auto" or "heuristic": parsed
@@ -112,6 +114,8 @@ class GenerationConfig:
     verifier: VerifierChoice = field(default_factory=VerifierChoice)
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.verifier, VerifierChoice):

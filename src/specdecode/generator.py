@@ -52,7 +52,17 @@ class StreamEvent:
     result: GenerationResult | None = None  # set on the last event only
 
 
-_PARAM_NAMES = {"max_new_tokens", "num_draft_tokens", "stop", "ignore_eos", "verifier", "stop_token_ids", "min_tokens"}
+_PARAM_NAMES = {
+    "max_new_tokens",
+    "num_draft_tokens",
+    "stop",
+    "ignore_eos",
+    "verifier",
+    "stop_token_ids",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+}
 _SAMPLING_NAMES = {
     "temperature",
     "top_k",
@@ -161,9 +171,13 @@ class SpeculativeGenerator:
         if not self.has_chat_template:
             raise SpecDecodeError(f"model {self.target.name!r} has no chat template; use a plain prompt (no --chat)")
         for message in messages:
-            role_ok = message.get("role") in {"system", "user", "assistant"}
+            role_ok = message.get("role") in {"system", "developer", "user", "assistant"}
             if not role_ok or not isinstance(message.get("content"), str):
-                raise SpecDecodeError("chat messages need a role (system, user or assistant) and string content")
+                raise SpecDecodeError(
+                    "chat messages need a role (system, developer, user or assistant) and string content"
+                )
+        # OpenAI's "developer" messages are what "system" ones were; chat templates know only the latter.
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         if not any(m["content"].strip() for m in messages):
             raise SpecDecodeError("prompt is empty" if not any(m["content"] for m in messages) else _BLANK)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -298,12 +312,16 @@ class SpeculativeGenerator:
                 results[event.tag] = text.finish(outcome).result
         return results  # type: ignore[return-value]
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.target.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.target.tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
-    def _trim_to_stop(self, token_ids: list[int], stops: tuple[str, ...]) -> list[int]:
+    def _trim_to_stop(self, token_ids: list[int], stops: tuple[str, ...], skip_special_tokens: bool) -> list[int]:
         """The shortest prefix of ``token_ids`` whose text already contains a stop string."""
-        while len(token_ids) > 1 and _find_stop(self._decode(token_ids[:-1]), stops, 0) is not None:
+        while len(token_ids) > 1:
+            if _find_stop(self._decode(token_ids[:-1], skip_special_tokens), stops, 0) is None:
+                break
             token_ids = token_ids[:-1]
         return token_ids
 
@@ -332,6 +350,11 @@ class TextAssembler:
         self.generator = generator
         self.prompt_ids = prompt_ids
         self.stops = config.stop
+        self.skip_special_tokens = config.skip_special_tokens
+        self.include_stop = config.include_stop_str_in_output
+        # The token that ended the request (end-of-sequence, a stop token) is not text, as in vLLM, unless asked.
+        self.silent_stop_ids = frozenset() if self.include_stop else config.stop_ids(generator.eos_ids)
+        self.silent_tail = 0  # 1 once the last token is such a stop token
         self.holdback = max((len(s) for s in config.stop), default=1) - 1
         self.generated: list[int] = []
         self.text = ""
@@ -345,21 +368,24 @@ class TextAssembler:
     def _settle(self, final: bool = False) -> None:
         """Add the text of the tokens past ``settled`` to ``text``, unless it ends mid-character (``final``: even
         then)."""
-        window = self.generator._decode(self.generated[self.window_start :])
+        shown = len(self.generated) - self.silent_tail
+        window = self.generator._decode(self.generated[self.window_start : shown], self.skip_special_tokens)
         if window.endswith("\ufffd") and not final:
             return
-        known = self.generator._decode(self.generated[self.window_start : self.settled])
+        known = self.generator._decode(self.generated[self.window_start : self.settled], self.skip_special_tokens)
         self.text += window[len(known) :]
-        self.window_start, self.settled = self.settled, len(self.generated)
+        self.window_start, self.settled = self.settled, shown
 
     def add(self, new_tokens: list[int]) -> StreamEvent:
         self.generated.extend(new_tokens)
         self.last_step = len(new_tokens)
+        if new_tokens and new_tokens[-1] in self.silent_stop_ids:  # the engine ends a request at its stop token
+            self.silent_tail = 1
         self._settle()
-        cut = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
-        if cut is not None:
-            self.text = self.text[:cut]
-            kept = self.generator._trim_to_stop(self.generated, self.stops)
+        found = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
+        if found is not None:
+            self.text = self.text[: found[1] if self.include_stop else found[0]]
+            kept = self.generator._trim_to_stop(self.generated, self.stops, self.skip_special_tokens)
             self.dropped, self.generated = len(self.generated) - len(kept), kept
             self.stopped = True
             piece, self.released = self.text[self.released :], len(self.text)
@@ -385,6 +411,7 @@ class TextAssembler:
         return StreamEvent(text=self.text[self.released :], token_ids=[], result=result)
 
 
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, int] | None:
+    """Where the first stop string in ``text`` (from ``start``) begins and ends; None when there is none."""
+    found = [(i, i + len(s)) for i, s in ((text.find(s, start), s) for s in stops) if i >= 0]
     return min(found) if found else None

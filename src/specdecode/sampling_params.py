@@ -15,6 +15,9 @@ from specdecode.errors import SpecDecodeError
 LOGIT_BIAS_LIMIT = 100.0
 #: The bounds OpenAI gives presence and frequency penalties.
 PENALTY_LIMIT = 2.0
+#: The repetition penalties accepted: vLLM takes any positive one, but beyond these a float32 logit divided or
+#: multiplied by it overflows, and a distribution of infinities has no sample.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class SamplingParams:
 
     logit_bias: ``{token id: bias}`` added to the logits (OpenAI's, in [-100, 100]); given as a mapping or pairs.
     repetition_penalty: a logit of a token seen in the prompt or the output is divided by it when positive,
-        multiplied when not (HF and vLLM's definition; 1 disables it).
+        multiplied when not (HF and vLLM's definition; 1 disables it; from 0.01 to 100).
     presence_penalty, frequency_penalty: subtracted once from the logit of each token in the output, and once per
         occurrence (OpenAI's definitions; the prompt does not count).
     min_p: after the temperature, tokens less likely than ``min_p`` times the most likely one are cut (0 disables it).
@@ -59,8 +62,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise SpecDecodeError(f"{_flag(name)} must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
-            raise SpecDecodeError(f"repetition-penalty must be a number > 0, got {self.repetition_penalty!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise SpecDecodeError(f"repetition-penalty must be in [{low}, {high}], got {self.repetition_penalty!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise SpecDecodeError(f"min-p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.temperature, (int, float)) or self.temperature < 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -41,11 +42,16 @@ from specdecode.server.protocol import (
     _Common,
     error_body,
     finish_reason,
+    usage,
 )
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
 from specdecode.verify.registry import verifiers
 
 UNAUTHENTICATED = ("/health",)
+#: The response header naming the request's fields this server ignored (vLLM names them in its log only).
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"
+
+log = logging.getLogger("specdecode.server")
 
 
 class ApiError(Exception):
@@ -71,6 +77,8 @@ class ServerConfig:
     # False: the caller steps the engine with ``service.worker.drive()`` in the thread that loaded the model,
     # which is faster than a thread of its own (see specdecode.server.worker).
     engine_thread: bool = True
+    # True: a field the server does not know is a 400 (by default it is ignored, named in the log and a header).
+    strict_api: bool = False
 
 
 class Service:
@@ -123,21 +131,36 @@ class Service:
                 kind="not_found_error",
                 param="model",
             )
+        if self.config.strict_api and (ignored := body.ignored_fields()):
+            raise ApiError(400, f"{ignored[0]}: unsupported field", param=ignored[0])
         generator = self.generator
-        prompt = [m.model_dump(exclude_none=True) for m in body.messages] if chat else body.prompt
+        fields = {"role", "content", "name"}
+        prompt = [m.model_dump(include=fields, exclude_none=True) for m in body.messages] if chat else body.prompt
         try:
             prompt_ids = generator.encode_prompt(prompt, chat=chat)
             room = generator.target.backend.max_context - len(prompt_ids)
             asked = body.max_completion_tokens or body.max_tokens
+            max_new_tokens = min(asked, room) if asked else room
             config = generator.config_for(
-                max_new_tokens=min(asked, room) if asked else room,
+                max_new_tokens=max_new_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
                 top_k=max(body.top_k, 0) if body.top_k is not None else None,
+                min_p=body.min_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=body.logit_bias,
                 seed=body.seed,
                 coupled=body.coupled,
                 verifier=body.verifier,
                 stop=body.stop,
+                stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos,
+                # More than the request may generate cannot be asked for: all it may generate, then.
+                min_tokens=min(body.min_tokens, max_new_tokens) if body.min_tokens is not None else None,
+                skip_special_tokens=body.skip_special_tokens,
+                include_stop_str_in_output=body.include_stop_str_in_output,
                 num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
             )
         except SpecDecodeError as exc:
@@ -241,7 +264,7 @@ class Exchange:
     async def stream(self) -> AsyncIterator[str]:
         try:
             if self.shape.chat:
-                yield _sse(self.shape.chunk(None, first=True))
+                yield _sse(self._with_usage(self.shape.chunk(None, first=True)))
             while True:
                 update = await self.submission.updates.get()
                 try:
@@ -250,13 +273,13 @@ class Exchange:
                     yield _sse(error_body(exc.message, exc.kind))
                     return
                 if piece:
-                    yield _sse(self.shape.chunk(piece))
+                    yield _sse(self._with_usage(self.shape.chunk(piece)))
                 if update.finished:
                     break
             rest, reason, extra = self.ending(update)
             if rest:
-                yield _sse(self.shape.chunk(rest))
-            final = self.shape.chunk(None, reason)
+                yield _sse(self._with_usage(self.shape.chunk(rest)))
+            final = self._with_usage(self.shape.chunk(None, reason))
             if not self.body.include_usage:
                 final.update(extra)
             yield _sse(final)
@@ -265,6 +288,12 @@ class Exchange:
             yield _sse("[DONE]")
         finally:  # also when the client went away mid-stream (the task is cancelled)
             self.service.worker.cancel(self.submission)
+
+    def _with_usage(self, chunk: dict) -> dict:
+        """``chunk`` with the usage so far when the request asked for it in every chunk (``continuous_usage_stats``)."""
+        if self.body.continuous_usage:
+            chunk["usage"] = usage(len(self.submission.prompt_ids), len(self.text.generated))
+        return chunk
 
 
 class ApiKeyGuard:
@@ -342,9 +371,13 @@ def create_app(service: Service) -> FastAPI:
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}", kind="rate_limit_error", headers={"Retry-After": "1"}) from exc
         exchange = Exchange(service, submission, body, chat)
+        headers = {}
+        if ignored := body.ignored_fields():
+            log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
+            headers[IGNORED_FIELDS_HEADER] = ", ".join(json.dumps(name)[1:-1] for name in ignored)  # ASCII, one line
         if body.stream:
-            return StreamingResponse(exchange.stream(), media_type="text/event-stream")
-        return await exchange.complete(request)
+            return StreamingResponse(exchange.stream(), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await exchange.complete(request), headers=headers)
 
     @app.post("/v1/chat/completions", responses=completion_responses())
     async def chat_completions(request: Request, body: ChatCompletionRequest):
@@ -359,7 +392,8 @@ def create_app(service: Service) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if not document:
             backend = service.generator.target.backend
-            document.update(api_document(app, backend.vocab_size, sorted(service.drafters), service.verifiers()))
+            served = sorted(service.drafters), service.verifiers()
+            document.update(api_document(app, backend.vocab_size, *served, strict=service.config.strict_api))
         return document
 
     app.openapi = openapi

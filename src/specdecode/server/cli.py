@@ -26,6 +26,12 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more get 429")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECDECODE_API_KEY)")
     serve.add_argument(
+        "--strict-api",
+        action="store_true",
+        help="refuse (400) request fields the server does not know, instead of ignoring them with a warning "
+        "(the X-Ignored-Fields header and the log)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,

@@ -65,6 +65,7 @@ def build_service(args: argparse.Namespace):
         api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
         drain_s=args.drain_timeout,
         engine_thread=False,  # run_serve steps it in the main thread, where the model was loaded
+        strict_api=args.strict_api,
     )
     return Service(generator, drafters, config)
 

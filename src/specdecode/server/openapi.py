@@ -43,14 +43,42 @@ def completion_responses() -> dict[int | str, dict[str, Any]]:
     error statuses."""
     event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
     said = "The completion, or with `stream` its chunks as server-sent events."
-    answer = {200: {"description": said, "content": {"text/event-stream": {"schema": event}}}}
+    ignored = {
+        "description": "The request's fields this server does not know and ignored, comma-separated (not with "
+        "`--strict-api`, which refuses them)",
+        "schema": {"type": "string"},
+    }
+    answer = {
+        200: {
+            "description": said,
+            "content": {"text/event-stream": {"schema": event}},
+            "headers": {"X-Ignored-Fields": ignored},
+        }
+    }
     errors = {status: {"model": ErrorResponse, "description": text} for status, text in ERROR_STATUSES.items()}
     return answer | errors
 
 
-def api_document(app: FastAPI, vocab_size: int, drafters: list[str], verifiers: list[str]) -> dict[str, Any]:
+def below(limit: int) -> str:
+    """A pattern matching exactly the decimal integers from 0 to ``limit`` - 1 (leading zeros allowed): a token id
+    written as a JSON object's key, as ``logit_bias`` has them."""
+    top = str(limit - 1)
+    shorter = f"[0-9]{{1,{len(top) - 1}}}" if len(top) > 1 else None
+    same_length = [top]
+    for at, digit in enumerate(top):
+        lowest = "1" if at == 0 and len(top) > 1 else "0"
+        if digit > lowest:
+            rest = f"[0-9]{{{len(top) - at - 1}}}" if at < len(top) - 1 else ""
+            same_length.append(f"{top[:at]}[{lowest}-{chr(ord(digit) - 1)}]{rest}")
+    choices = [*([shorter] if shorter else []), *same_length]
+    return f"^0*({'|'.join(choices)})$"
+
+
+def api_document(
+    app: FastAPI, vocab_size: int, drafters: list[str], verifiers: list[str], strict: bool = False
+) -> dict[str, Any]:
     """The OpenAPI document of ``app``: FastAPI's, less its 422 answers, plus what the loaded model and the served
-    drafters and verifiers allow."""
+    drafters and verifiers allow; ``strict`` (``--strict-api``): unknown fields are refused, not ignored."""
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for operations in document["paths"].values():
         for operation in operations.values():
@@ -66,6 +94,16 @@ def api_document(app: FastAPI, vocab_size: int, drafters: list[str], verifiers: 
             for choice in fields["prompt"]["anyOf"]:
                 if choice.get("type") == "array":
                     choice["items"]["maximum"] = vocab_size - 1
+        if "stop_token_ids" in fields:
+            fields["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
+        if "logit_bias" in fields:
+            bias = {"type": "number", "minimum": -100, "maximum": 100}
+            token = {"pattern": below(vocab_size)}
+            by_token = {"type": "object", "propertyNames": token, "additionalProperties": bias}
+            fields["logit_bias"]["anyOf"][0] = by_token
+    for name in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ChatMessage"):
+        if name in schemas:
+            schemas[name]["additionalProperties"] = not strict
     options = schemas.get("SpeculativeOptions", {}).get("properties", {})
     if "drafter" in options:
         options["drafter"] = {"anyOf": [{"enum": drafters}, {"type": "null"}], "title": "Drafter"}

@@ -1,12 +1,15 @@
-"""Request bodies of the OpenAI-compatible endpoints (validated strictly) and the response objects.
+"""Request bodies of the OpenAI-compatible endpoints and the response objects.
 
 Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
-``top_k`` (a vLLM extension), ``seed``, ``stop``, ``n`` (1 only), ``stream`` and
-``stream_options.include_usage``, plus our ``speculative`` object choosing the drafter and draft length
-per request, ``coupled`` (false: a seeded request is verified by rejection sampling, not Gumbel-max
-coupling) and ``verifier`` (``exact``, the default, or a relaxed, lossy one: ``fly``, ``typical``, ``judge``).  A
-field of the wrong type, a value out of range or an unknown field is a 400 with an OpenAI-style error
-object, never a 500.
+``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``seed``,
+``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``,
+``n`` (1 only), ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), plus our
+``speculative`` object choosing the drafter and draft length per request, ``coupled`` (false: a seeded request is
+verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
+lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
+OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools``,
+``response_format``, ``logprobs``, ``best_of``, ``n`` > 1), with the reason.  A field we do not know is ignored and
+named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with ``--strict-api``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ from pydantic_core import PydanticCustomError
 
 from specdecode.config import MAX_FIXED_DRAFT_LENGTH, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
+from specdecode.sampling_params import REPETITION_PENALTY_RANGE
 from specdecode.stats import GenerationStats
 from specdecode.verify.registry import check_verifier
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
+#: What clients send: fields we do not know are kept aside (``model_extra``), to be named and ignored.
+_LENIENT = ConfigDict(extra="allow", strict=True)
 
 
 def _whole_number(value: object) -> object:
@@ -48,6 +54,13 @@ _SAYS_SOMETHING = {
             ]
         }
     },
+}
+
+_TEXT_FORMAT = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}},
+    "required": ["type"],
+    "additionalProperties": False,
 }
 
 _DRAFT_LENGTH_SCHEMA = {
@@ -79,25 +92,60 @@ class SpeculativeOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = _LENIENT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (with include_usage)
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Field(ge=0), WHOLE]  # below the vocabulary's size: written in by server/openapi.py
+#: A ``logit_bias`` key: a token id as text (JSON object keys are strings).
+BiasKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+_NO_TOOLS = "tool calling is not supported by this server"
+_NO_LOGPROBS = "log probabilities are not supported by this server"
+
+
+def _unless(asked: bool, why: str) -> None:
+    """Refuse a field set to a value this server cannot honour (a 400 naming the field, and ``why``)."""
+    if asked:
+        raise ValueError(why)
 
 
 class _Common(BaseModel):
-    model_config = _STRICT
+    model_config = _LENIENT
     model: str | None = None
     max_tokens: Count | None = None
     max_completion_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # -1 or 0: off (vLLM uses -1)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: (
+        Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] | None
+    ) = None
+    logit_bias: dict[BiasKey, Bias] | None = None
     seed: Annotated[int, WHOLE] | None = None
     coupled: bool | None = None  # with a seed: Gumbel-max coupled (default) or rejection sampling (false)
     stop: NonEmpty | list[NonEmpty] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     n: Literal[1] = 1
+    best_of: Literal[1] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    tools: Annotated[list[dict], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
+    tool_choice: Annotated[str | dict, WithJsonSchema({"enum": ["none"]})] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: Annotated[dict, WithJsonSchema(_TEXT_FORMAT)] | None = None
     speculative: SpeculativeOptions | None = None
     verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
 
@@ -109,9 +157,40 @@ class _Common(BaseModel):
         except SpecDecodeError as exc:  # as a ValueError, pydantic reports it as this field's 400
             raise ValueError(str(exc)) from exc
 
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[dict] | None) -> list[dict] | None:
+        _unless(bool(tools), _NO_TOOLS)
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, choice: str | dict | None) -> str | dict | None:
+        _unless(choice not in (None, "none"), _NO_TOOLS)
+        return choice
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_format(cls, form: dict | None) -> dict | None:
+        _unless(form not in (None, {"type": "text"}), "structured output is not supported by this server")
+        return form
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's ``continuous_usage_stats``, which it honours with ``include_usage`` only."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of the request this server does not know, by their path (``stream_options.x``,
+        ``messages.0.x``)."""
+        names = list(self.model_extra or {})
+        if self.stream_options is not None:
+            names += [f"stream_options.{name}" for name in self.stream_options.model_extra or {}]
+        return names
 
 
 class TextPart(BaseModel):
@@ -122,10 +201,11 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     """One message; its content a string or a list of text parts (``[{"type": "text", "text": ...}]``, as the
-    OpenAI clients send it), which are joined with newlines as vLLM joins them.  Other parts (images) are a 400."""
+    OpenAI clients send it), which are joined with newlines as vLLM joins them.  Other parts (images) are a 400.
+    ``developer`` (what OpenAI's clients now send for instructions) is given to the chat template as ``system``."""
 
-    model_config = _STRICT
-    role: Literal["system", "user", "assistant"]
+    model_config = _LENIENT
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
 
@@ -137,11 +217,31 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra={"contains": _SAYS_SOMETHING})]
+    logprobs: Annotated[bool, WithJsonSchema({"const": False})] | None = None
+    top_logprobs: Annotated[int, WithJsonSchema({"const": 0})] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        _unless(bool(logprobs), _NO_LOGPROBS)
+        return logprobs
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, top: int | None) -> int | None:
+        _unless(top not in (None, 0), _NO_LOGPROBS)
+        return top
+
+    def ignored_fields(self) -> list[str]:
+        extra = [f"messages.{i}.{name}" for i, m in enumerate(self.messages) for name in m.model_extra or {}]
+        return super().ignored_fields() + extra
 
 
 class CompletionRequest(_Common):
     prompt: NonBlank | Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
     echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
+    logprobs: Annotated[int, WithJsonSchema({"const": 0})] | None = None
+    suffix: Annotated[str, WithJsonSchema({"const": ""})] | None = None
 
     @field_validator("echo")
     @classmethod
@@ -149,6 +249,18 @@ class CompletionRequest(_Common):
         if echo:
             raise ValueError("Input should be False")
         return echo
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        _unless(logprobs not in (None, 0), _NO_LOGPROBS)
+        return logprobs
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        _unless(bool(suffix), "a suffix (fill in the middle) is not supported by this server")
+        return suffix
 
 
 def new_id(prefix: str) -> str:
