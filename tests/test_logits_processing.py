@@ -380,3 +380,39 @@ def test_batch_lines_take_the_settings_and_bad_ones_are_named(capsys, tiny_dirs,
 def test_bad_processing_flags_are_one_clean_error(capsys, flags, message):
     code = main(["generate", "w1 w2", *flags])
     assert code == 2 and message in capsys.readouterr().err
+
+
+# --- log-probabilities ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sampling", [PENALTIES, dataclasses.replace(BIAS, temperature=0.8, seed=2)], ids=["greedy", "seeded"]
+)
+def test_logprobs_are_the_same_with_and_without_drafting(tiny_target, tiny_draft, sampling):
+    prompt = PROMPTS[1]
+    config = dict(vars(sampling), max_new_tokens=24, ignore_eos=True, logprobs=3, logit_bias=dict(sampling.logit_bias))
+    plain_result = SpeculativeGenerator.build(tiny_target, "none").generate(prompt, **config)
+    assert len(plain_result.logprobs) == len(plain_result.token_ids) == 24
+    history = RowHistory(prompt, len(prompt), Draft(tokens=[]))
+    first = plain_result.logprobs[0]
+    with torch.no_grad():
+        logits = tiny_target.backend.model(torch.tensor([prompt])).logits[0, -1:].float()
+    expected = torch.log_softmax(process_rows(logits, sampling, history)[0], dim=-1)
+    assert first.token == plain_result.token_ids[0]
+    assert first.logprob == pytest.approx(float(expected[first.token]), abs=1e-4)
+    assert [token for token, _ in first.top] == torch.topk(expected, 3).indices.tolist()
+    results = {}
+    for name in ("pld", "suffix", "draft-model"):
+        options = {"draft_model": tiny_draft} if name == "draft-model" else {}
+        speculative = SpeculativeGenerator.build(tiny_target, name, **options).generate(
+            prompt, num_draft_tokens=4, **config
+        )
+        results[name] = speculative
+    oracle = WrongBranchTree(tiny_target, plain_result.token_ids, len(prompt))
+    results["tree"] = SpeculativeGenerator(tiny_target, oracle).generate(prompt, num_draft_tokens=4, **config)
+    assert results["tree"].stats.mean_accepted_tokens > 3  # rows deep in the tree were read
+    for name, speculative in results.items():
+        assert speculative.token_ids == plain_result.token_ids, name
+        for ours, theirs in zip(speculative.logprobs, plain_result.logprobs):
+            assert ours.token == theirs.token and ours.logprob == pytest.approx(theirs.logprob, abs=1e-4), name
+            assert [t for t, _ in ours.top] == [t for t, _ in theirs.top], name

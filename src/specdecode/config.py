@@ -12,6 +12,9 @@ from specdecode.verify.registry import VerifierChoice, parse_verifier
 #: this many token ids (most frequent first) instead of the target's whole vocabulary.
 DEFAULT_DRAFT_VOCAB = 8192
 
+#: The most alternatives a request's log-probabilities may list per token (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
+
 #: The deepest fixed draft a request may ask for.  A draft never runs past the tokens a request has left, so
 #: nothing breaks beyond it; but no drafter is accepted that far in a row (the adaptive policies never draft
 #: deeper than 16), so a larger K is a typo that would verify forwards of rejected tokens.
@@ -104,7 +107,10 @@ class GenerationConfig:
     min_tokens: the request cannot end (end-of-sequence or ``stop_token_ids``) before this many tokens: those tokens
         are given probability 0 until then, at each verified position by its own prefix.
     skip_special_tokens: the text leaves out special tokens (vLLM's default).
-    include_stop_str_in_output: the text keeps the stop string, or the stop token's text, that ended it (vLLM's)."""
+    include_stop_str_in_output: the text keeps the stop string, or the stop token's text, that ended it (vLLM's).
+    logprobs: None, or record each emitted token's log-probability and this many most likely alternatives'
+        (:class:`~specdecode.types.TokenLogprob`), from the target's logits after the bias and penalties, before the
+        temperature, min-p, top-k and top-p."""
 
     max_new_tokens: int = 128
     num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS  # given as an int, "auto" or "heuristic": parsed
@@ -116,6 +122,7 @@ class GenerationConfig:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.verifier, VerifierChoice):
@@ -134,6 +141,13 @@ class GenerationConfig:
             raise SpecDecodeError(
                 f"min-tokens ({self.min_tokens}) must be at most max-new-tokens ({self.max_new_tokens})"
             )
+
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise SpecDecodeError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
 
     def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
         """The tokens that end this request, given the model's end-of-sequence tokens."""

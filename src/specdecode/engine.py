@@ -43,7 +43,7 @@ from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.logits_processing import RowHistory
 from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
-from specdecode.types import Draft, StepFeedback, StepObservation, Verdict
+from specdecode.types import Draft, StepFeedback, StepObservation, TokenLogprob, Verdict
 from specdecode.verify.base import TargetRows
 
 Clock = Callable[[], float]
@@ -58,6 +58,7 @@ class DecodeOutcome:
 
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str = "length"  # "length" (max tokens or context full) or "eos"
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when the config asks
 
 
 def request_seed(seed: int | None) -> int:
@@ -108,6 +109,7 @@ class Checked:
     verdict: Verdict
     logits: torch.Tensor
     hidden: torch.Tensor | None = None  # the features the sequence's drafting session asked for
+    logprobs: list[TokenLogprob] | None = None  # the emitted tokens', when the request asks for them
 
 
 class Verifier(Protocol):
@@ -177,9 +179,11 @@ class TargetVerifier:
                 history=RowHistory(seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens),
             )
             verdict = verifier.verify(rows, draft)
+            top = seq.config.logprobs
+            logprobs = rows.logprobs(draft, verdict, top) if top is not None else None
             # Keep the last context token's entry and the accepted nodes' entries (rows 1 + node).
             seq.cache.keep(len(seq.context) - 1, [0, *(1 + node for node in verdict.path)])
-            checked.append(Checked(verdict, out.logits, hidden))
+            checked.append(Checked(verdict, out.logits, hidden, logprobs))
         return checked
 
     def _hidden_layers(self, seq: Sequence) -> tuple[int, ...]:
@@ -256,6 +260,8 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = now) -> l
         stats.verify_s += verify_s
         stats.forward_s += verify_s
         seq.context.extend(new_tokens)
+        if check.logprobs is not None:
+            seq.outcome.logprobs.extend(check.logprobs[: len(new_tokens)])
         stats.new_tokens += len(new_tokens)
         tock = clock()
         feedback = StepFeedback(draft, verdict.path, check.logits, check.hidden, asked=proposed)

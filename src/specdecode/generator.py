@@ -22,6 +22,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.stats import GenerationStats
+from specdecode.types import TokenLogprob
 from specdecode.verify.registry import VerifierChoice, parse_verifier
 
 Prompt = str | Sequence[int] | Sequence[dict]
@@ -34,15 +35,22 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "length", "eos" or "stop"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when asked for (``logprobs=N``)
 
     def to_json(self) -> dict:
-        return {
+        body = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "stats": self.stats.to_json(),
         }
+        if self.logprobs is not None:
+            body["logprobs"] = [
+                {"token": entry.token, "logprob": entry.logprob, "top": [list(pair) for pair in entry.top]}
+                for entry in self.logprobs
+            ]
+        return body
 
 
 @dataclass
@@ -62,6 +70,7 @@ _PARAM_NAMES = {
     "min_tokens",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "logprobs",
 }
 _SAMPLING_NAMES = {
     "temperature",
@@ -352,6 +361,7 @@ class TextAssembler:
         self.stops = config.stop
         self.skip_special_tokens = config.skip_special_tokens
         self.include_stop = config.include_stop_str_in_output
+        self.wants_logprobs = config.logprobs is not None
         # The token that ended the request (end-of-sequence, a stop token) is not text, as in vLLM, unless asked.
         self.silent_stop_ids = frozenset() if self.include_stop else config.stop_ids(generator.eos_ids)
         self.silent_tail = 0  # 1 once the last token is such a stop token
@@ -407,6 +417,7 @@ class TextAssembler:
             prompt_tokens=len(self.prompt_ids),
             finish_reason="stop" if self.stopped else outcome.finish_reason,
             stats=outcome.stats,
+            logprobs=outcome.logprobs[: len(self.generated)] if self.wants_logprobs else None,
         )
         return StreamEvent(text=self.text[self.released :], token_ids=[], result=result)
 

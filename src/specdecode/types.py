@@ -12,6 +12,16 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target, and the most likely tokens' at its position
+    (``top``: (token id, log-probability) pairs, most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Draft:
     """Proposed continuation of the context: a chain, or a tree of alternatives.

@@ -35,6 +35,7 @@ from specdecode.logits_processing import RowHistory, process_rows
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.sampling import coupled_sample, sample, sampling_probs
 from specdecode.sampling_params import SamplingParams
+from specdecode.types import TokenLogprob
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
@@ -75,6 +76,19 @@ class TargetRows:
         if self.sampling.is_coupled and self.seed is not None:
             return coupled_sample(logits, self.sampling, self.seed, position)
         return sample(sampling_probs(logits.float().cpu(), self.sampling), self.generator)
+
+    def logprobs(self, draft: Draft, verdict: Verdict, top: int) -> list[TokenLogprob]:
+        """The log-probabilities of the tokens ``verdict`` emits, each read from the row that predicts it and so with
+        its own prefix (the same numbers plain decoding reads), with the ``top`` most likely alternatives'."""
+        rows = [0, *(node + 1 for node in verdict.path)]
+        tokens = [*(draft.tokens[node] for node in verdict.path), verdict.next_token]
+        logprobs = torch.log_softmax(self.processed_logits[rows].float(), dim=-1).cpu()
+        chosen = logprobs[torch.arange(len(rows)), torch.tensor(tokens)].tolist()
+        best: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
+        if top:
+            values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+            best = [tuple(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
+        return [TokenLogprob(*entry) for entry in zip(tokens, chosen, best)]
 
     def raw_probs(self, row: int) -> torch.Tensor:
         """softmax of the raw logits (temperature 1, nothing cut): the model's own uncertainty at ``row``."""
