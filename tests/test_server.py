@@ -568,8 +568,7 @@ def test_unknown_fields_are_ignored_and_named(server, caplog):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
-        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"best_of": 2}, "best_of"),
         ({"logit_bias": {"100000": 1}}, "logit-bias"),
         ({"stop_token_ids": [100000]}, "stop token ids"),
@@ -584,7 +583,7 @@ def test_fields_known_but_not_honoured_for_a_value_are_a_400_naming_them(server,
         {"tools": []},
         {"tool_choice": "none"},
         {"response_format": {"type": "text"}},
-        {"logprobs": False},
+        {"top_logprobs": 2},
     ):
         answer = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **harmless})
         assert answer.status_code == 200, answer.text
@@ -598,3 +597,51 @@ def test_serve_strict_api_flag_reaches_the_service(tiny_dirs, monkeypatch):
     for flags, strict in (([], False), (["--strict-api"], True)):
         args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["target"]), "--drafter", "pld", *flags])
         assert launch.build_service(args).config.strict_api is strict
+
+
+def test_logprobs_are_the_targets_with_or_without_a_drafter_streamed_or_not(server, tiny_target):
+    client = server.client()
+    answers = {}
+    for drafter in ("none", "pld", "suffix"):
+        answers[drafter] = client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=12,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            presence_penalty=0.5,
+            extra_body={"speculative": {"drafter": drafter, "num_draft_tokens": 3}, "ignore_eos": True},
+        )
+    plain = answers["none"].choices[0].logprobs.content
+    want = solo(tiny_target, CHAT, True, 12, ignore_eos=True, presence_penalty=0.5, logprobs=2)
+    assert [entry.token for entry in plain] == [tiny_target.tokenizer.decode([t]) for t in want.token_ids]
+    assert [entry.logprob for entry in plain] == pytest.approx([e.logprob for e in want.logprobs], abs=1e-4)
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.logprob for entry in plain)
+    for drafter, answer in answers.items():
+        ours = answer.choices[0].logprobs.content
+        assert [e.token for e in ours] == [e.token for e in plain], drafter
+        assert [e.logprob for e in ours] == pytest.approx([e.logprob for e in plain], abs=1e-4), drafter
+    streamed = client.chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=12,
+        logprobs=True,
+        stream=True,
+        presence_penalty=0.5,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
+    entries = [entry for logprobs in chunks for entry in logprobs.content]
+    assert [e.logprob for e in entries] == pytest.approx([e.logprob for e in plain], abs=1e-4)
+    assert all(e.top_logprobs == [] for e in entries)
+
+    done = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=8, logprobs=3, extra_body={"ignore_eos": True}
+    )
+    shaped = done.choices[0].logprobs
+    text = solo(tiny_target, TEXT, False, 8, ignore_eos=True, logprobs=3)
+    assert shaped.token_logprobs == pytest.approx([e.logprob for e in text.logprobs], abs=1e-4)
+    assert len(shaped.tokens) == len(shaped.top_logprobs) == len(shaped.text_offset) == 8
+    assert shaped.text_offset[0] == 0 and all(len(top) >= 3 for top in shaped.top_logprobs)
+    assert client.completions.create(model="tiny", prompt=TEXT, max_tokens=8).choices[0].logprobs is None

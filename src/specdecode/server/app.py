@@ -45,6 +45,7 @@ from specdecode.server.protocol import (
     usage,
 )
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
+from specdecode.types import TokenLogprob
 from specdecode.verify.registry import verifiers
 
 UNAUTHENTICATED = ("/health",)
@@ -161,6 +162,7 @@ class Service:
                 min_tokens=min(body.min_tokens, max_new_tokens) if body.min_tokens is not None else None,
                 skip_special_tokens=body.skip_special_tokens,
                 include_stop_str_in_output=body.include_stop_str_in_output,
+                logprobs=body.logprobs_top,
                 num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
             )
         except SpecDecodeError as exc:
@@ -203,8 +205,12 @@ class Exchange:
         self.service = service
         self.submission = submission
         self.body = body
-        self.shape = ResponseShape(chat, service.config.model_name)
+        tokenizer = service.generator.target.tokenizer
+        self.shape = ResponseShape(chat, service.config.model_name, lambda token: tokenizer.decode([token]))
         self.text = TextAssembler(service.generator, submission.prompt_ids, submission.config)
+        self.wants_logprobs = submission.config.logprobs is not None
+        self.logprobs: list[TokenLogprob] = []  # every generated token's, as the updates bring them
+        self.logprobs_sent = 0
         self.last = submission.arrived
         self.first = True
         self.look_again_at = 0.0  # when a non-streamed request next checks that its client is still there
@@ -217,6 +223,7 @@ class Exchange:
         self.service.metrics.record_tokens(len(update.tokens), now - self.last, self.first)
         if update.tokens:
             self.last, self.first = now, False
+        self.logprobs.extend(update.logprobs)
         if not update.tokens or self.text.stopped:
             return ""
         piece = self.text.add(update.tokens).text
@@ -243,7 +250,17 @@ class Exchange:
                 break
         rest, reason, extra = self.ending(update)
         text = "".join(pieces) + rest
-        return self.shape.complete(text, reason, len(self.submission.prompt_ids), update.stats, extra)
+        prompt_tokens = len(self.submission.prompt_ids)
+        return self.shape.complete(text, reason, prompt_tokens, update.stats, extra, self._unsent_logprobs())
+
+    def _unsent_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probabilities of the kept tokens not yet sent (a stop string drops the tokens after it); None
+        when the request did not ask for them."""
+        if not self.wants_logprobs:
+            return None
+        kept = self.logprobs[self.logprobs_sent : len(self.text.generated)]
+        self.logprobs_sent += len(kept)
+        return kept
 
     async def _next(self, request: Request) -> Update | None:
         """The next update, or None once the client has disconnected.  The connection is looked at every
@@ -273,13 +290,13 @@ class Exchange:
                     yield _sse(error_body(exc.message, exc.kind))
                     return
                 if piece:
-                    yield _sse(self._with_usage(self.shape.chunk(piece)))
+                    yield _sse(self._with_usage(self.shape.chunk(piece, logprobs=self._unsent_logprobs())))
                 if update.finished:
                     break
             rest, reason, extra = self.ending(update)
             if rest:
-                yield _sse(self._with_usage(self.shape.chunk(rest)))
-            final = self._with_usage(self.shape.chunk(None, reason))
+                yield _sse(self._with_usage(self.shape.chunk(rest, logprobs=self._unsent_logprobs())))
+            final = self._with_usage(self.shape.chunk(None, reason, logprobs=self._unsent_logprobs()))
             if not self.body.include_usage:
                 final.update(extra)
             yield _sse(final)

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
-from specdecode.config import MAX_FIXED_DRAFT_LENGTH, DraftLength, parse_draft_length
+from specdecode.config import MAX_FIXED_DRAFT_LENGTH, MAX_TOP_LOGPROBS, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling_params import REPETITION_PENALTY_RANGE
 from specdecode.stats import GenerationStats
+from specdecode.types import TokenLogprob
 from specdecode.verify.registry import check_verifier
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -105,7 +107,7 @@ Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 _NO_TOOLS = "tool calling is not supported by this server"
-_NO_LOGPROBS = "log probabilities are not supported by this server"
+TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]
 
 
 def _unless(asked: bool, why: str) -> None:
@@ -176,6 +178,11 @@ class _Common(BaseModel):
         return form
 
     @property
+    def logprobs_top(self) -> int | None:
+        """None, or the log-probabilities asked for and how many alternatives each lists."""
+        return None
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -217,20 +224,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra={"contains": _SAYS_SOMETHING})]
-    logprobs: Annotated[bool, WithJsonSchema({"const": False})] | None = None
-    top_logprobs: Annotated[int, WithJsonSchema({"const": 0})] | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopCount | None = None  # with logprobs (without, nothing is returned)
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        _unless(bool(logprobs), _NO_LOGPROBS)
-        return logprobs
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, top: int | None) -> int | None:
-        _unless(top not in (None, 0), _NO_LOGPROBS)
-        return top
+    @property
+    def logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def ignored_fields(self) -> list[str]:
         extra = [f"messages.{i}.{name}" for i, m in enumerate(self.messages) for name in m.model_extra or {}]
@@ -240,7 +239,7 @@ class ChatCompletionRequest(_Common):
 class CompletionRequest(_Common):
     prompt: NonBlank | Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
     echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
-    logprobs: Annotated[int, WithJsonSchema({"const": 0})] | None = None
+    logprobs: TopCount | None = None
     suffix: Annotated[str, WithJsonSchema({"const": ""})] | None = None
 
     @field_validator("echo")
@@ -250,11 +249,9 @@ class CompletionRequest(_Common):
             raise ValueError("Input should be False")
         return echo
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        _unless(logprobs not in (None, 0), _NO_LOGPROBS)
-        return logprobs
+    @property
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -285,37 +282,87 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class ResponseShape:
-    """Builds one endpoint's response objects: ``chat`` for ``/v1/chat/completions``, else ``/v1/completions``."""
+    """Builds one endpoint's response objects: ``chat`` for ``/v1/chat/completions``, else ``/v1/completions``.
+    ``token_text``: a token id's text, as log-probabilities name tokens."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, token_text: Callable[[int], str] = str) -> None:
         self.chat = chat
         self.model = model
+        self.token_text = token_text
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.text_offset = 0  # where the next token's text starts (completions' text_offset, as vLLM counts it)
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's log-probabilities object for these tokens (None when not asked for): chat's ``content`` list, or
+        completions' parallel lists."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [dict(self._token(e.token, e.logprob), top_logprobs=self._top(e)) for e in entries]}
+        tokens = [self.token_text(e.token) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        tops = [{self.token_text(t): lp for t, lp in ((e.token, e.logprob), *e.top)} for e in entries]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _top(self, entry: TokenLogprob) -> list[dict]:
+        return [self._token(token, logprob) for token, logprob in entry.top]
 
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete(self, text: str, reason: str, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:
+    def complete(
+        self,
+        text: str,
+        reason: str,
+        prompt_tokens: int,
+        stats: GenerationStats,
+        extra: dict,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
+        shaped = self.logprobs(logprobs)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": reason}
             body = self._envelope("chat.completion", [choice])
         else:
             body = self._envelope(
-                "text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
+                "text_completion", [{"index": 0, "text": text, "logprobs": shaped, "finish_reason": reason}]
             )
         body["usage"] = usage(prompt_tokens, stats.new_tokens)
         body.update(extra)
         return body
 
-    def chunk(self, text: str | None, reason: str | None = None, first: bool = False) -> dict:
+    def chunk(
+        self,
+        text: str | None,
+        reason: str | None = None,
+        first: bool = False,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> dict:
+        shaped = self.logprobs(logprobs)
         if self.chat:
             delta: dict = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
-            return self._envelope("chat.completion.chunk", [{"index": 0, "delta": delta, "finish_reason": reason}])
+            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            if shaped is not None:
+                choice["logprobs"] = shaped
+            return self._envelope("chat.completion.chunk", [choice])
         return self._envelope(
-            "text_completion", [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]
+            "text_completion", [{"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": reason}]
         )
 
     def usage_chunk(self, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:

@@ -31,6 +31,7 @@ from specdecode.config import GenerationConfig
 from specdecode.drafters.base import Drafter
 from specdecode.generator import SpeculativeGenerator
 from specdecode.stats import GenerationStats
+from specdecode.types import TokenLogprob
 
 log = logging.getLogger("specdecode.server")
 
@@ -48,6 +49,7 @@ class Update:
     finish_reason: str | None = None  # "eos" or "length" when finished
     stats: GenerationStats | None = None  # complete when finished
     error: str | None = None  # set when the engine failed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the tokens', when the request asked for them
 
 
 @dataclass(eq=False)
@@ -186,12 +188,14 @@ class EngineWorker:
                 submission: Submission = event.tag
                 if submission.done:
                     continue
+                recorded = event.sequence.outcome.logprobs
+                logprobs = recorded[len(recorded) - len(event.new_tokens) :] if recorded else []
                 if event.finished:
                     stats = event.sequence.stats
                     reason = event.sequence.outcome.finish_reason
-                    self._end(submission, Update(event.new_tokens, True, reason, stats), stats)
+                    self._end(submission, Update(event.new_tokens, True, reason, stats, logprobs=logprobs), stats)
                 else:
-                    submission.deliver(Update(event.new_tokens))
+                    submission.deliver(Update(event.new_tokens, logprobs=logprobs))
             self.on_step(len(self.engine.running), self.waiting)
 
     def _end(self, submission: Submission, update: Update, stats: GenerationStats | None) -> None:
