@@ -416,3 +416,24 @@ def test_logprobs_are_the_same_with_and_without_drafting(tiny_target, tiny_draft
         for ours, theirs in zip(speculative.logprobs, plain_result.logprobs):
             assert ours.token == theirs.token and ours.logprob == pytest.approx(theirs.logprob, abs=1e-4), name
             assert [t for t, _ in ours.top] == [t for t, _ in theirs.top], name
+
+
+class ProposesStop(Drafter):
+    """Always drafts the given token."""
+
+    def __init__(self, target, token: int) -> None:
+        super().__init__(target)
+        self.token = token
+
+    def session(self, request):
+        return StatelessSession(lambda context, max_tokens: Draft(tokens=[self.token]))
+
+
+def test_a_lossy_verifier_keeping_a_drafted_stop_token_does_not_end_before_min_tokens(tiny_target):
+    stop = 5
+    keeps_anything = "fly:entropy=0:top_k=96:min_prob=0:window=0"
+    config = GenerationConfig(max_new_tokens=12, num_draft_tokens=1, stop_token_ids=(stop,), verifier=keeps_anything)
+    drafter = ProposesStop(tiny_target, stop)
+    assert decode(tiny_target, drafter, PROMPTS[0], config) == [stop]  # the control: kept, and it ends the request
+    held = decode(tiny_target, drafter, PROMPTS[0], dataclasses.replace(config, min_tokens=6))
+    assert len(held) >= 6 and held[5:].count(stop) <= 1 and held[-1] == stop

@@ -250,7 +250,16 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = now) -> l
         seq.length_policy.observe(observation)
         accepted = [draft.tokens[node] for node in verdict.path]
         new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
-        eos_at = next((i for i, token in enumerate(new_tokens) if token in seq.stop_ids), None)
+        # A stop token ends the request once min_tokens are out; exact verifiers never emit one sooner (the processing
+        # gives it probability 0), a lossy one might keep a drafted one, which then does not end it.
+        eos_at = next(
+            (
+                i
+                for i, token in enumerate(new_tokens)
+                if token in seq.stop_ids and stats.new_tokens + i + 1 > config.min_tokens
+            ),
+            None,
+        )
         if eos_at is not None:
             new_tokens = new_tokens[: eos_at + 1]
             seq.outcome.finish_reason = "eos"
