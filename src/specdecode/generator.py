@@ -364,7 +364,8 @@ class TextAssembler:
         self.wants_logprobs = config.logprobs is not None
         # The token that ended the request (end-of-sequence, a stop token) is not text, as in vLLM, unless asked.
         self.silent_stop_ids = frozenset() if self.include_stop else config.stop_ids(generator.eos_ids)
-        self.silent_tail = 0  # 1 once the last token is such a stop token
+        self.min_tokens = config.min_tokens  # before them a stop token does not end the request (engine.step)
+        self.silent_tail = 0  # 1 while the last token is a stop token that ended the request
         self.holdback = max((len(s) for s in config.stop), default=1) - 1
         self.generated: list[int] = []
         self.text = ""
@@ -389,8 +390,8 @@ class TextAssembler:
     def add(self, new_tokens: list[int]) -> StreamEvent:
         self.generated.extend(new_tokens)
         self.last_step = len(new_tokens)
-        if new_tokens and new_tokens[-1] in self.silent_stop_ids:  # the engine ends a request at its stop token
-            self.silent_tail = 1
+        ended = bool(new_tokens) and new_tokens[-1] in self.silent_stop_ids and len(self.generated) > self.min_tokens
+        self.silent_tail = int(ended)
         self._settle()
         found = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
         if found is not None:

@@ -8,8 +8,10 @@ Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temp
 verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
 lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
 OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools``,
-``response_format``, ``logprobs``, ``best_of``, ``n`` > 1), with the reason.  A field we do not know is ignored and
-named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with ``--strict-api``.
+``tool_choice``, ``response_format``, ``best_of`` or ``n`` > 1, ``echo``, ``suffix``), with the reason.  ``logprobs``
+(and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`).  A field we
+do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with
+``--strict-api``.
 """
 
 from __future__ import annotations
@@ -104,10 +106,9 @@ TokenId = Annotated[int, Field(ge=0), WHOLE]  # below the vocabulary's size: wri
 #: A ``logit_bias`` key: a token id as text (JSON object keys are strings).
 BiasKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-
+TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]  # log-probabilities' alternatives per token
 
 _NO_TOOLS = "tool calling is not supported by this server"
-TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]
 
 
 def _unless(asked: bool, why: str) -> None:
