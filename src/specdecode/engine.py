@@ -56,11 +56,12 @@ Clock = Callable[[], float]
 #: Cache positions beyond a request's last token that a final draft may occupy during verification.
 MAX_DRAFT_MARGIN = 64
 
-#: Prompt tokens read per forward.  Past a few dozen rows a forward costs about in proportion to its rows (its
-#: matrix products are then bound by arithmetic, not by reading the weights), so longer chunks save a prompt little;
-#: in a batch every running sequence's step carries a chunk's whole cost, so shorter ones keep its token gaps short.
-#: Batched and solo decoding read a prompt in the same chunks (what batch invariance needs), so the size belongs
-#: to the request's numerics: changing it may change near-tie greedy tokens, never the guarantee.
+#: Prompt tokens read per forward.  A forward's arithmetic grows with its rows while its reading of the weights does
+#: not, so a longer chunk saves a prompt only weight reads, a small part of a many-row forward; in a batch every
+#: running sequence's step carries a chunk's whole cost.  128 keeps a step that reads one about as wide as the
+#: widest verification forward of a batch of 8 (8 sequences x 16 drafted + 1 rows).  Batched and solo decoding
+#: read a prompt in the same chunks (what batch invariance needs), so the size belongs to the numerics: another
+#: size may break a near-tie differently, alone and in a batch alike.
 PREFILL_CHUNK = 128
 
 
