@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import random_eagle_head
+from helpers import hf_greedy, random_eagle_head, tiny_gemma3
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import FixedLength
@@ -76,6 +76,18 @@ def test_prompts_across_chunks_joining_a_running_batch_give_each_its_solo_output
         outputs = staggered(tiny_target, drafter, requests, CHUNK, arrivals)
         for index, want in enumerate(expected):
             assert outputs[index] == want, f"{name} (k={k}): request {index} differs from its solo output"
+
+
+@pytest.mark.parametrize("chunk", [3, 5, 16])
+def test_chunks_shorter_and_longer_than_a_sliding_window_read_the_prompt_exactly(chunk):
+    """A chunk after the first attends to the cache through its own mask, the window's included."""
+    from tiny_models import wrap
+
+    torch.manual_seed(0)
+    loaded = wrap(tiny_gemma3().eval(), tokenizer=None)  # a window of 8 tokens
+    prompt = prompt_of(41, 3)
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    assert solo(loaded, prompt, config, chunk) == hf_greedy(loaded, prompt, 20)
 
 
 QUANTIZED = [
