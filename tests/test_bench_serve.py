@@ -119,13 +119,13 @@ def test_rerun_resumes_without_measuring(finished, monkeypatch, tmp_path):
     cells, warmups = [], []
     real_run_cell, real_stream_one = serve_client.ClientProcess.run_cell, serve_client.ClientProcess.stream_one
 
-    def spy_cell(self, model, chat, texts, method, concurrency, max_tokens):
+    def spy_cell(self, url, model, chat, texts, method, concurrency, max_tokens):
         cells.append((method.spec, concurrency, len(texts)))
-        return real_run_cell(self, model, chat, texts, method, concurrency, max_tokens)
+        return real_run_cell(self, url, model, chat, texts, method, concurrency, max_tokens)
 
-    def spy_warmup(self, model, chat, text, method, max_tokens):
+    def spy_warmup(self, url, model, chat, text, method, max_tokens):
         warmups.append((method.spec, max_tokens))
-        return real_stream_one(self, model, chat, text, method, max_tokens)
+        return real_stream_one(self, url, model, chat, text, method, max_tokens)
 
     monkeypatch.setattr(serve_client.ClientProcess, "run_cell", spy_cell)
     monkeypatch.setattr(serve_client.ClientProcess, "stream_one", spy_warmup)
@@ -240,3 +240,53 @@ def test_cli_end_to_end_prints_the_report(finished, monkeypatch, capsys):
     assert main(["bench", "serve", *flags.split()]) == 0
     out = capsys.readouterr().out
     assert out.startswith("# specdecode server under load") and "## Tokens/s (all requests)" in out
+
+
+def test_another_server_is_measured_beside_ours_on_the_same_prompts(tiny_dirs, tiny_target, tmp_path):
+    """``--url LABEL=URL``: another OpenAI-compatible server (here a second specdecode server, drafting with
+    ``pld``, which the benchmark sends no ``speculative`` field) gets cells of its own, its texts compared with
+    our plain decoding's and its speculation read from its ``/metrics``."""
+    from test_server import RunningServer, make_service
+
+    with RunningServer(make_service(tiny_target, drafter="pld")) as other:
+        settings = _settings(
+            tiny_dirs, tmp_path, methods="none", concurrency="1", servers=f"other={other.url}/v1", served_model="tiny"
+        )
+        results = serve.run_serve_bench(settings, tasks=tiny_bench_tasks(), progress=False)
+        drafted = serve.speculation_counters(serve_client.metrics_text(other.url))
+    cells = _cells(results)
+    assert list(cells) == [("none", 1), ("other", 1)]
+    assert cells["other", 1]["equal_to_none_c1"] == 1.0 and cells["other", 1]["completion_tokens"] > 0
+    assert drafted["spec_decode_num_drafts_total"] > 0
+    assert cells["other", 1]["mean_acceptance_length"] >= 1.0
+    assert cells["none", 1]["mean_acceptance_length"] is None or cells["none", 1]["mean_acceptance_length"] == 1.0
+    assert results["servers"] == {"other": {"url": other.url, "model": "tiny"}}
+    assert "| `other` |" in (tmp_path / "results.md").read_text()
+
+
+def test_other_servers_are_named_once_each_with_a_url():
+    assert serve.parse_servers("vllm=http://127.0.0.1:8000/v1/, x=https://h:1, http://10.1.2.3:9/v1") == (
+        ("vllm", "http://127.0.0.1:8000"),
+        ("x", "https://h:1"),
+        ("10.1.2.3:9", "http://10.1.2.3:9"),
+    )
+    for bad in ("vllm", "=http://h", "vllm=h:8000", "http://"):
+        with pytest.raises(SpecDecodeError, match=r"--url takes \[LABEL=\]http"):
+            serve.parse_servers(bad)
+    with pytest.raises(SpecDecodeError, match="unique and differ from --methods: pld"):
+        serve.resolve_settings(methods="none,pld", servers="pld=http://127.0.0.1:1")
+
+
+def test_speculation_is_read_from_vllm_counters():
+    text = (
+        "# TYPE vllm:spec_decode_num_drafts counter\n"
+        'vllm:spec_decode_num_drafts_total{model_name="m",engine="0"} 10.0\n'
+        "# TYPE vllm:spec_decode_num_accepted_tokens counter\n"
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m",engine="0"} 25.0\n'
+    )
+    assert serve.speculation_counters(text) == {
+        "spec_decode_num_drafts_total": 10.0,
+        "spec_decode_num_accepted_tokens_total": 25.0,
+    }
+    assert serve.acceptance_over({}, serve.speculation_counters(text)) == 3.5
+    assert serve.acceptance_over({}, {}) is None

@@ -379,7 +379,10 @@ def test_drafts_are_w4a8_on_avx2_or_vnni_cpus_that_build_its_kernel(monkeypatch,
     ],
 )
 def test_bad_quantize_value_is_a_one_line_error_before_any_load(capsys, monkeypatch, argv):
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("nothing may be loaded"))
+    from specdecode.bench import forward_cost  # binds load_model when imported: replaced there as well
+
+    for module in (loading, forward_cost):
+        monkeypatch.setattr(module, "load_model", lambda *a, **k: pytest.fail("nothing may be loaded"))
     monkeypatch.setattr("sys.stdin", type("Stdin", (), {"read": lambda self: '{"prompt": "hi"}'})())
     flag = "--quantize-draft" if "--quantize-draft" in argv else "--quantize"
     assert_one_line_error(capsys, argv, f"{flag} must be one of none, int8, int4, bf16")

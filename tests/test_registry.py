@@ -417,11 +417,31 @@ def test_real_smollm2_converts_and_loads() -> None:
     assert (config.model_type, config.num_hidden_layers, config.vocab_size) == ("llama", 30, 49152)
     assert model.dtype == torch.float32
     assert tokenizer.chat_template and tokenizer.eos_token_id is not None
+    assert type(tokenizer).__name__ == "PreTrainedTokenizerFast"  # what tokenizer.json describes, in any version
+    text = "Hello world\n  def f(x): return x  # ünïcødé 🙂"
+    assert tokenizer.decode(tokenizer(text).input_ids) == text  # byte-level rules applied both ways
     assert model.generation_config.eos_token_id is not None
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+
+
+def test_a_converted_tokenizer_names_the_fast_class_and_keeps_its_ids(tmp_path) -> None:
+    from transformers import AutoTokenizer, LlamaTokenizerFast
+
+    from tiny_models import tiny_tokenizer, tiny_words
+
+    named = LlamaTokenizerFast(
+        tokenizer_object=tiny_tokenizer(tiny_words())._tokenizer, bos_token="<s>", eos_token="</s>"
+    )
+    named.save_pretrained(tmp_path, legacy_format=False)
+    text = "w1 w2 user : stop here w3"
+    before = AutoTokenizer.from_pretrained(tmp_path)
+    conversion.name_fast_tokenizer(tmp_path)
+    after = AutoTokenizer.from_pretrained(tmp_path)
+    assert (type(before).__name__, type(after).__name__) == ("LlamaTokenizerFast", "PreTrainedTokenizerFast")
+    assert after(text).input_ids == before(text).input_ids and after.eos_token == "</s>"
 
 
 def test_cache_from_an_older_converter_is_rebuilt(fake: Fake) -> None:

@@ -23,6 +23,12 @@ generator (:func:`speculative_decode`), the batched engine (:mod:`specdecode.bat
 keeps its own draft, depth, sampling, RNG, accepted length and cache slot; the forward is ragged (each
 sequence's own positions and mask, nothing padded), so what one sequence accepts never depends on
 what the others drafted — which is what makes batched greedy output equal solo greedy output.
+
+A prompt is read into the cache in chunks at fixed offsets (every ``prefill_chunk`` tokens from its start,
+:class:`PromptChunk`): alone, one forward per chunk; in a batch, chunks ride in the verification forward of the
+sequences already decoding (:func:`step`'s ``chunks``), so those keep stepping while a prompt is read.  A chunk's
+rows are computed by calls that depend on that chunk alone, so a prompt's cache, and so every later token, is the
+same whoever else shares its forwards.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.logits_processing import RowHistory
-from specdecode.models.base import CausalLM, KVCache, SequenceInput
+from specdecode.models.base import CausalLM, ForwardOutput, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, TokenLogprob, Verdict
 from specdecode.verify.base import TargetRows
@@ -50,6 +56,14 @@ Clock = Callable[[], float]
 
 #: Cache positions beyond a request's last token that a final draft may occupy during verification.
 MAX_DRAFT_MARGIN = 64
+
+#: Prompt tokens read per forward.  A forward's arithmetic grows with its rows while its reading of the weights does
+#: not, so a longer chunk saves a prompt only weight reads, a small part of a many-row forward; in a batch every
+#: running sequence's step carries a chunk's whole cost.  128 keeps a step that reads one about as wide as the
+#: widest verification forward of a batch of 8 (8 sequences x 16 drafted + 1 rows).  Batched and solo decoding
+#: read a prompt in the same chunks (what batch invariance needs), so the size belongs to the numerics: another
+#: size may break a near-tie differently, alone and in a batch alike.
+PREFILL_CHUNK = 128
 
 
 @dataclass
@@ -83,10 +97,22 @@ class Sequence:
     done: bool = False
     started: float = field(default_factory=now)
     step_end: float = 0.0
+    prefill_chunk: int = PREFILL_CHUNK
+    read: int = 0  # prompt tokens in the cache (all but the last, once read)
+    prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # the chunks' features, for the session
 
     def __post_init__(self) -> None:
         self.context = self.context or list(self.prompt_ids)
         self.step_end = self.started
+
+    @property
+    def reading(self) -> bool:
+        """Whether prompt tokens are still to be read into the cache before the first step."""
+        return self.read < len(self.prompt_ids) - 1
+
+    def next_chunk(self) -> PromptChunk:
+        """The prompt's next chunk to read: they start every ``prefill_chunk`` tokens from its start."""
+        return PromptChunk(self, self.read, min(self.read + self.prefill_chunk, len(self.prompt_ids) - 1))
 
     @property
     def stats(self) -> GenerationStats:
@@ -103,6 +129,40 @@ class Sequence:
 
 
 @dataclass
+class PromptChunk:
+    """Prompt tokens ``[start, stop)`` of a sequence, read into its cache by one forward."""
+
+    sequence: Sequence
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    def forward_input(self) -> SequenceInput:
+        """No logits (the prompt's last token is fed with the first draft), the features its session asks for,
+        and no row invariance (the chunk is read alike alone and in a batch: ``SequenceInput.invariant``)."""
+        seq = self.sequence
+        tokens = torch.tensor(seq.prompt_ids[self.start : self.stop], dtype=torch.long)
+        return SequenceInput(
+            tokens, seq.cache, logits_rows=_NO_ROWS, hidden_layers=seq.session.hidden_layers, invariant=False
+        )
+
+    def read(self, out: ForwardOutput) -> None:
+        """The chunk is in the cache; after the last one the sequence is ready for its first step."""
+        seq = self.sequence
+        seq.read = self.stop
+        if seq.session.hidden_layers:
+            seq.prompt_hidden.append(out.hidden)
+        if not seq.reading:
+            _prompt_read(seq)
+
+
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+@dataclass
 class Checked:
     """What verifying one sequence's draft decided, and the logits it read (for the drafter)."""
 
@@ -113,9 +173,9 @@ class Checked:
 
 
 class Verifier(Protocol):
-    def __call__(self, sequences: list[Sequence], drafts: list[Draft]) -> list[Checked]:
-        """Verify every sequence's draft (one target forward for all) and leave each cache holding the
-        context plus the accepted path."""
+    def __call__(self, sequences: list[Sequence], drafts: list[Draft], chunks: list[PromptChunk]) -> list[Checked]:
+        """Verify every sequence's draft (one target forward for all, reading ``chunks`` of other sequences'
+        prompts too) and leave each cache holding the context plus the accepted path."""
 
 
 def verification_input(
@@ -155,12 +215,14 @@ class TargetVerifier:
     def __init__(self, target: CausalLM) -> None:
         self.target = target
 
-    def __call__(self, sequences: list[Sequence], drafts: list[Draft]) -> list[Checked]:
+    def __call__(self, sequences: list[Sequence], drafts: list[Draft], chunks: list[PromptChunk]) -> list[Checked]:
         inputs = [
             verification_input(seq.context, draft, seq.cache, self._hidden_layers(seq))
             for seq, draft in zip(sequences, drafts)
         ]
-        outputs = self.target.forward_batch(inputs)
+        outputs = self.target.forward_batch(inputs + [chunk.forward_input() for chunk in chunks])
+        for chunk, out in zip(chunks, outputs[len(inputs) :]):
+            chunk.read(out)
         checked = []
         for seq, draft, out in zip(sequences, drafts, outputs):
             sampling, verifier = seq.config.sampling, seq.config.verifier
@@ -201,9 +263,13 @@ def _plan_confidences(early: Draft | None) -> list[float] | None:
     return early.confidence if early.tokens else []
 
 
-def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = now) -> list[list[int]]:
+def step(
+    sequences: list[Sequence], verifier: Verifier, clock: Clock = now, chunks: list[PromptChunk] | None = None
+) -> list[list[int]]:
     """One speculative step for every (unfinished) sequence: draft, verify all drafts in one forward,
-    accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done."""
+    accept.  Returns the tokens each sequence gained (never empty), in order; marks finished ones done.
+    ``chunks`` of prompts being read (other sequences') ride in the same forward."""
+    chunks = chunks or []
     limits = [max(seq.room, 0) for seq in sequences]
     count = len(sequences)
     early: list[Draft | None] = [None] * count
@@ -229,9 +295,9 @@ def step(sequences: list[Sequence], verifier: Verifier, clock: Clock = now) -> l
         drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
         draft_times[index] += clock() - tick
     tick = clock()
-    checked = verifier(sequences, drafts)
+    checked = verifier(sequences, drafts, chunks)
     verify_s = clock() - tick
-    width = sum(len(draft.tokens) + 1 for draft in drafts)
+    width = sum(len(draft.tokens) + 1 for draft in drafts) + sum(chunk.size for chunk in chunks)
     gained = []
     for seq, draft, check, draft_s, idle_s, proposed in zip(sequences, drafts, checked, draft_times, idle_times, asked):
         stats, config, verdict = seq.stats, seq.config, check.verdict
@@ -294,8 +360,12 @@ def start_sequence(
     policy: PolicySource,
     cache: KVCache,
     outcome: DecodeOutcome | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Sequence:
-    """Prefill ``cache`` with the prompt and open the request's drafting session."""
+    """Open the request's drafting session; its prompt is then read into ``cache`` chunk by chunk
+    (:meth:`Sequence.next_chunk`: by :func:`read_prompt` alone, or riding in a batch's steps)."""
+    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
     started = now()
     seed = request_seed(config.sampling.seed)
     generator = torch.Generator()
@@ -321,20 +391,31 @@ def start_sequence(
         cache=cache,
         outcome=outcome or DecodeOutcome(),
         started=started,
+        prefill_chunk=prefill_chunk,
     )
-    if len(prompt_ids) > 1:
-        prompt = torch.tensor(prompt_ids[:-1], dtype=torch.long)
-        out = target.forward(
-            prompt, cache, logits_rows=slice(-1, None), hidden_layers=session.hidden_layers, invariant=False
-        )
-        if session.hidden_layers:
-            session.observe_prompt(out.hidden)
     seq.stats.verifier = config.verifier.name
-    seq.step_end = now()
-    seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - started
-    length_policy.begin(seq.stats.prefill_s)
     seq.done = len(prompt_ids) >= target.max_context
+    if not seq.reading and not seq.done:
+        _prompt_read(seq)
     return seq
+
+
+def _prompt_read(seq: Sequence) -> None:
+    """The prompt but its last token is in the cache: hand the session its features and start the clock of
+    the first step."""
+    if seq.prompt_hidden:  # a session with hidden_layers, and a prompt of more than one token
+        seq.session.observe_prompt(torch.cat(seq.prompt_hidden))
+        seq.prompt_hidden = []
+    seq.step_end = now()
+    seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - seq.started
+    seq.length_policy.begin(seq.stats.prefill_s)
+
+
+def read_prompt(target: CausalLM, seq: Sequence) -> None:
+    """Read the rest of ``seq``'s prompt alone, one forward per chunk."""
+    while seq.reading:
+        chunk = seq.next_chunk()
+        chunk.read(target.forward_batch([chunk.forward_input()])[0])
 
 
 def finish_sequence(seq: Sequence) -> None:
@@ -354,16 +435,21 @@ def speculative_decode(
     eos_ids: frozenset[int] = frozenset(),
     outcome: DecodeOutcome | None = None,
     draft_length: PolicySource | None = None,
+    prefill_chunk: int = PREFILL_CHUNK,
 ) -> Iterator[list[int]]:
     """Decode one sequence: yield the tokens accepted at each step (never empty) until EOS, max tokens or a
     full context.
 
     ``draft_length`` decides the depth of each draft (default: from ``config.num_draft_tokens``); pass
-    one policy object across requests to let an adaptive policy keep what it learned."""
+    one policy object across requests to let an adaptive policy keep what it learned.  ``prefill_chunk``: the
+    prompt's tokens per forward (the batched engine's, for the same output as in a batch)."""
     policy = draft_length if draft_length is not None else make_policy(config.num_draft_tokens)
-    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, target.new_cache(), outcome)
+    cache = target.new_cache()
+    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, cache, outcome, prefill_chunk)
     verifier = TargetVerifier(target)
     try:
+        if not seq.done:
+            read_prompt(target, seq)
         while not seq.done:
             (new_tokens,) = step([seq], verifier)
             yield new_tokens

@@ -168,7 +168,7 @@ class StepObservation:
     verify_s: float  # the verification forward this sequence took part in (shared by a batch)
     overhead_s: float = 0.0  # the rest of the step: the drafter's observe, bookkeeping, the consumer
     confidence: tuple[float, ...] | None = None  # a chain drafter's confidence per token, if it gives one
-    width: int = 0  # inputs of the whole verification forward (all sequences of a batch); 0: nodes + 1
+    width: int = 0  # inputs of the whole verification forward (all sequences of a batch, prompt chunks); 0: nodes + 1
     batch: int = 1  # sequences that shared that forward
     setup_s: float = 0.0  # of draft_s, the drafter catching up with the context (Draft.setup_s)
 

@@ -17,7 +17,7 @@ import torch
 from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import DraftLengthPolicy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.engine import Checked, step
+from specdecode.engine import Checked, PromptChunk, step
 from specdecode.engine import Sequence as DecodeSequence
 from specdecode.models.cost import cost_at
 from specdecode.types import Draft, StepFeedback, Verdict, children_by_row
@@ -98,7 +98,10 @@ class ReplayVerifier:
         self.output_ids, self.costs, self.clock = list(output_ids), costs, clock
         self.no_logits = torch.empty(0)
 
-    def __call__(self, sequences: list[DecodeSequence], drafts: list[Draft]) -> list[Checked]:
+    def __call__(
+        self, sequences: list[DecodeSequence], drafts: list[Draft], chunks: list[PromptChunk]
+    ) -> list[Checked]:
+        """``chunks`` is empty: a replayed sequence has no cache to read its prompt into."""
         checked = []
         for seq, draft in zip(sequences, drafts):
             done = len(seq.context) - len(seq.prompt_ids)

@@ -24,6 +24,13 @@ adaptive draft-length policies are reset while the server is idle; each method g
 request first.  The reference for equality is method ``none`` at C=1 (always measured, first).
 ``results.json`` is written after every cell; a rerun with the same settings skips the cells it holds.
 
+Other servers (``--url LABEL=URL,...``: vLLM, SGLang, llama.cpp, another specdecode) are measured in the same
+run, by the same client process, on the same prompts, after ours: their cells are named by their labels.  Such a
+server is sent the request without our ``speculative`` field, is asked for ``--served-model`` (default: the
+model's name), cannot be reset between cells, and has its speculation read from its ``/metrics`` where it keeps
+vLLM's counters (``vllm:spec_decode_num_drafts_total``, ``..._num_accepted_tokens_total``; ours have the same
+names under ``specdecode:``): a cell's mean acceptance length is then 1 + accepted / drafts over the cell.
+
 Needs the ``server`` extra, as ``specdecode serve`` does.
 """
 
@@ -37,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from specdecode.bench import common
@@ -69,7 +77,25 @@ DEFAULTS: dict[str, Any] = {
     "out": "bench-out/serve",
     "quantize": "none",
     "quantize_draft": None,  # draft models, if any: as specdecode generate loads them (int4 on a CPU)
+    "servers": "",  # other OpenAI-compatible servers, LABEL=URL,...
+    "served_model": None,  # the model name those servers serve: default the model's
 }
+#: Prometheus counters of speculation as vLLM names them (and our server, under ``specdecode:``).
+SPECULATION_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_accepted_tokens_total")
+SPECULATION_PREFIXES = ("vllm:", "specdecode:")
+
+
+def parse_servers(text: str) -> tuple[tuple[str, str], ...]:
+    """``--url``: ``[LABEL=]URL,...`` → ((label, base URL without ``/v1``), ...); a URL without a label is
+    labelled by its host and port."""
+    servers = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        label, sep, url = part.partition("=") if "=" in part.split("://")[0] else ("", "", part)
+        label, url = label.strip(), url.strip().rstrip("/").removesuffix("/v1")
+        if (sep and not label) or not url.startswith(("http://", "https://")) or not url.split("://")[1]:
+            raise SpecDecodeError(f"--url takes [LABEL=]http://HOST:PORT (comma-separated), got {part!r}")
+        servers.append((label or url.split("://")[1], url))
+    return tuple(servers)
 
 
 @dataclass(frozen=True)
@@ -80,9 +106,15 @@ class ServeSettings(common.PromptSettings):
     threads: int
     quantize: str = "none"  # the target's weights (--quantize)
     quantize_draft: str | None = None  # the draft models' (--quantize-draft); None: no method has one
+    servers: tuple[tuple[str, str], ...] = ()  # other servers measured beside ours: (label, base URL)
+    served_model: str | None = None  # the model name they serve (None: ``model``)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        labels = [label for label, _ in self.servers]
+        clash = sorted({*labels} & {m.spec for m in self.methods} | {x for x in labels if labels.count(x) > 1})
+        if clash:
+            raise SpecDecodeError(f"--url labels must be unique and differ from --methods: {', '.join(clash)}")
         check_quantize(self.quantize)
         if self.quantize_draft is not None:
             check_quantize(self.quantize_draft, "--quantize-draft")
@@ -92,7 +124,7 @@ class ServeSettings(common.PromptSettings):
 
 def resolve_settings(**overrides: Any) -> ServeSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line."""
-    parsers = common.cell_parsers("concurrency", "--concurrency")
+    parsers = {**common.cell_parsers("concurrency", "--concurrency"), "servers": parse_servers}
     values = common.resolve_values(ServeSettings, DEFAULTS, overrides, "serve benchmark setting", parsers)
     concurrency = values["concurrency"]
     if all(common.is_positive_int(c) for c in concurrency):  # else ServeSettings reports them as given
@@ -111,9 +143,8 @@ def resolve_settings(**overrides: Any) -> ServeSettings:
 def cell_order(settings: ServeSettings) -> list[tuple[str, int]]:
     """Every (method, concurrency) to measure, in order: the reference (``none`` at C=1) first."""
     cells = [(REFERENCE, 1)]
-    return cells + [
-        (m.spec, c) for m in settings.methods for c in settings.concurrency if (m.spec, c) != (REFERENCE, 1)
-    ]
+    names = [*(m.spec for m in settings.methods), *(label for label, _ in settings.servers)]
+    return cells + [(name, c) for name in names for c in settings.concurrency if (name, c) != (REFERENCE, 1)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -172,7 +203,8 @@ def run_serve_bench(settings: ServeSettings, tasks: Sequence[Task] | None = None
     ``tasks`` replaces the real prompt sets (tests inject tiny ones).  Returns the results JSON."""
     tasks = list(tasks) if tasks is not None else load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     drafts = ("quantize_draft",) if settings.quantize_draft is not None else ()
-    fingerprint = run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts)
+    others = ("servers", "served_model") if settings.servers else ()
+    fingerprint = run_fingerprint(settings, tasks, "max_batch_size", "quantize", *drafts, *others)
     path = settings.out / RESULTS_FILE
 
     def same_benchmark(previous: dict[str, Any]) -> dict[str, Any]:
@@ -199,7 +231,9 @@ def _measure(
 ) -> None:
     methods = {m.spec: m for m in settings.methods}
     methods.setdefault(REFERENCE, MethodSpec("none", spec=REFERENCE))
-    needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending)]
+    remote = dict(settings.servers)
+    needed = [methods[name] for name in dict.fromkeys(name for name, _ in pending) if name not in remote]
+    needed = needed or [methods[REFERENCE]]  # our server runs for the tokenizer's sake at least
     target = load_model(settings.model, quantize=settings.quantize)
     drafts = {
         name: load_model(name, quantize=settings.quantize_draft or settings.quantize)
@@ -219,37 +253,47 @@ def _measure(
     results["chat_template"] = chat
     results["endpoint"] = "/v1/chat/completions" if chat else "/v1/completions"
     results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
+    if remote:
+        results["servers"] = {
+            label: {"url": url, "model": settings.served_model or settings.model} for label, url in remote.items()
+        }
     results["prompts"] = [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded]
     versions = common.package_versions(("openai", "uvicorn", "uvloop", "httptools", "fastapi"))
     results["environment"] = {**common.environment(settings.threads), **versions, "fast_path": fast_path_default()}
     started = time.perf_counter()
     with (
         InProcessServer(service) as server,
-        ClientProcess(server.port) as clients,
+        ClientProcess() as clients,
         tqdm(total=len(pending), unit="cell", desc="bench serve", disable=not progress, dynamic_ncols=True) as bar,
     ):
+        ours = f"http://127.0.0.1:{server.port}"
 
         def measure_cells() -> None:
             warm: set[str] = set()
             for name, concurrency in pending:
                 bar.set_postfix_str(f"{name} C={concurrency}", refresh=False)
-                method = methods[name]
+                url = remote.get(name, ours)
+                method = None if name in remote else methods[name]
+                model = settings.served_model or settings.model if name in remote else settings.model
                 if name not in warm:  # first-call allocations, the cost curve, the HTTP path: not measured
                     try:
-                        clients.stream_one(settings.model, chat, texts[0], method, WARMUP_TOKENS)
+                        clients.stream_one(url, model, chat, texts[0], method, WARMUP_TOKENS)
                     except Exception as exc:
-                        raise SpecDecodeError(f"warm-up request of method {name!r} failed: {one_line(exc)}") from exc
+                        raise SpecDecodeError(f"warm-up request of {name!r} failed: {one_line(exc)}") from exc
                     warm.add(name)
                 server.wait_idle()
                 for drafter in drafters.values():  # every cell starts cold
                     drafter.reset()
                 generator.reset_drafter()  # also forgets what the adaptive draft-length policies learned
+                before = speculation_counters(clients.metrics(url)) if name in remote else {}
                 replies, wall_s = clients.run_cell(
-                    settings.model, chat, texts, method, concurrency, settings.max_new_tokens
+                    url, model, chat, texts, method, concurrency, settings.max_new_tokens
                 )
                 server.wait_idle()
                 records = [request_record(key, reply, target.tokenizer) for key, reply in zip(keys, replies)]
                 cell = summarize_cell(name, concurrency, records, wall_s, _reference(results))
+                if name in remote:
+                    cell["mean_acceptance_length"] = acceptance_over(before, speculation_counters(clients.metrics(url)))
                 nonlocal started
                 started = common.add_cell(results, cell, settings.out / RESULTS_FILE, started)
                 bar.update()
@@ -277,6 +321,28 @@ def run_beside(work: Callable[[], None], drive: Callable[[Callable[[], bool]], N
     thread.join()
     if failure:
         raise failure[0]
+
+
+def speculation_counters(text: str) -> dict[str, float]:
+    """The speculation counters of a server's Prometheus text, summed over their labels, by name without prefix."""
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            prefix = next((p for p in SPECULATION_PREFIXES if sample.name.startswith(p)), None)
+            if prefix is not None and sample.name[len(prefix) :] in SPECULATION_COUNTERS:
+                name = sample.name[len(prefix) :]
+                found[name] = found.get(name, 0.0) + sample.value
+    return found
+
+
+def acceptance_over(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Mean acceptance length over a cell (1 + accepted / drafts, vLLM's definition), or None where the server
+    reported no drafts."""
+    drafts = after.get("spec_decode_num_drafts_total", 0.0) - before.get("spec_decode_num_drafts_total", 0.0)
+    accepted = after.get("spec_decode_num_accepted_tokens_total", 0.0) - before.get(
+        "spec_decode_num_accepted_tokens_total", 0.0
+    )
+    return 1 + accepted / drafts if drafts > 0 else None
 
 
 def _reference(results: dict[str, Any]) -> dict[str, str] | None:

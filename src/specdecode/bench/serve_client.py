@@ -21,19 +21,23 @@ from specdecode.errors import SpecDecodeError
 REQUEST_TIMEOUT_S = 900.0
 
 
-def stream_one(client: Any, model: str, chat: bool, text: str, method: MethodSpec, max_tokens: int) -> dict[str, Any]:
-    """One streamed request → its send/finish times, content chunks (arrival time, text), usage and metrics."""
-    speculative: dict[str, Any] = {"drafter": method.spec}
-    if method.k != DEFAULT_K:
-        speculative["num_draft_tokens"] = method.k
-    params = {
+def stream_one(
+    client: Any, model: str, chat: bool, text: str, method: MethodSpec | None, max_tokens: int
+) -> dict[str, Any]:
+    """One streamed request → its send/finish times, content chunks (arrival time, text), usage and metrics.
+    ``method``: the drafter our server is asked for (None: another server, sent no ``speculative`` field)."""
+    params: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "extra_body": {"speculative": speculative},
     }
+    if method is not None:
+        speculative: dict[str, Any] = {"drafter": method.spec}
+        if method.k != DEFAULT_K:
+            speculative["num_draft_tokens"] = method.k
+        params["extra_body"] = {"speculative": speculative}
     times: list[float] = []
     pieces: list[str] = []
     reply: dict[str, Any] = {"completion_tokens": None, "metrics": None, "finish_reason": None}
@@ -66,7 +70,13 @@ def one_line(exc: BaseException) -> str:
 
 
 def run_cell(
-    client: Any, model: str, chat: bool, texts: Sequence[str], method: MethodSpec, concurrency: int, max_tokens: int
+    client: Any,
+    model: str,
+    chat: bool,
+    texts: Sequence[str],
+    method: MethodSpec | None,
+    concurrency: int,
+    max_tokens: int,
 ) -> tuple[list[dict[str, Any]], float]:
     """All prompts through ``concurrency`` closed-loop client threads → (replies in input order, wall s)."""
     work: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -95,7 +105,8 @@ def run_cell(
     if failures:
         index, exc = failures[0]
         raise SpecDecodeError(
-            f"request {index} of method {method.spec!r} at concurrency {concurrency} failed: {one_line(exc)}"
+            f"request {index} of {method.spec if method else model!r} at concurrency {concurrency} failed: "
+            + one_line(exc)
         )
     done = [r for r in replies if r is not None]
     return done, max(r["finished"] for r in done) - min(r["sent"] for r in done)
@@ -106,10 +117,9 @@ class ClientProcess:
 
     Client threads in the server's process would take the interpreter lock from the engine's thread between
     its torch calls and lengthen its steps (``docs/results/serve-bf16-clientproc-smollm2-135m``); real clients
-    run elsewhere.  The child keeps one ``openai`` client (and its pooled connections) across cells."""
+    run elsewhere.  The child keeps one ``openai`` client (and its pooled connections) per server across cells."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self) -> None:
         self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
     def __enter__(self) -> ClientProcess:
@@ -118,26 +128,37 @@ class ClientProcess:
     def __exit__(self, *exc: Any) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def stream_one(self, *args: Any) -> dict[str, Any]:
-        return self.pool.submit(_in_child, self.port, stream_one, *args).result()
+    def stream_one(self, url: str, *args: Any) -> dict[str, Any]:
+        return self.pool.submit(_in_child, url, stream_one, *args).result()
 
-    def run_cell(self, *args: Any) -> tuple[list[dict[str, Any]], float]:
-        return self.pool.submit(_in_child, self.port, run_cell, *args).result()
+    def run_cell(self, url: str, *args: Any) -> tuple[list[dict[str, Any]], float]:
+        return self.pool.submit(_in_child, url, run_cell, *args).result()
 
-
-_CHILD_CLIENTS: dict[int, Any] = {}
-
-
-def _in_child(port: int, call: Callable[..., Any], *args: Any) -> Any:
-    """``call(client, *args)`` in the client process, with that process's client of the server on ``port``."""
-    if port not in _CHILD_CLIENTS:
-        _CHILD_CLIENTS[port] = client_for(port)
-    return call(_CHILD_CLIENTS[port], *args)
+    def metrics(self, url: str) -> str:
+        return self.pool.submit(metrics_text, url).result()
 
 
-def client_for(port: int) -> Any:
+_CHILD_CLIENTS: dict[str, Any] = {}
+
+
+def _in_child(url: str, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(client, *args)`` in the client process, with that process's client of the server at ``url``."""
+    if url not in _CHILD_CLIENTS:
+        _CHILD_CLIENTS[url] = client_for(url)
+    return call(_CHILD_CLIENTS[url], *args)
+
+
+def client_for(url: str) -> Any:
     import openai  # optional (not even the server extra needs it): imported in the client process only
 
     # trust_env=False: a proxy configured for the outside world must not see loopback requests.
     http = openai.DefaultHttpxClient(trust_env=False, timeout=REQUEST_TIMEOUT_S)
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, http_client=http)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=http)
+
+
+def metrics_text(url: str) -> str:
+    """The Prometheus text of the server at ``url`` (empty where it has no ``/metrics``)."""
+    import httpx  # comes with openai, as above
+
+    response = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False)
+    return response.text if response.status_code == 200 else ""

@@ -120,6 +120,14 @@ def markdown(results: Mapping[str, Any]) -> str:
         "re-encoded with the model's tokenizer), counted once per token. "
         f"{results.get('measure_s', 0) / 60:.1f} min of measuring.",
     ]
+    if servers := results.get("servers"):
+        named = ", ".join(f"`{label}` ({s['url']}, model `{s['model']}`)" for label, s in servers.items())
+        lines += [
+            "",
+            f"Other servers, measured by the same client on the same prompts after ours: {named}. They are sent no "
+            "`speculative` field and cannot be reset between cells; their acceptance is read from vLLM's "
+            "`/metrics` counters where they keep them.",
+        ]
     tables = [
         ("Tokens/s (all requests)", lambda n, c: fmt(get(n, c, "tokens_per_s"), ".1f")),
         ("Tokens/s over `none` at the same C", over_none("tokens_per_s")),

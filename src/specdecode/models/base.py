@@ -89,9 +89,10 @@ class SequenceInput:
     hidden_layers: also return these hidden states of every new token (a backend with :class:`HiddenStates`;
         see there for the numbering), concatenated in this order in ``ForwardOutput.hidden``.
     invariant: whether every row must get bitwise what it would get in any other call (a backend that makes
-        rows batch invariant does so at some cost).  False where nothing depends on it: a prompt, fed by
-        this same call whether decoding is plain or speculative, and a draft model's forwards, which never
-        change the output; the backend may then run the rows in the fastest kernel it has.
+        rows batch invariant does so at some cost).  False where nothing depends on it: a prompt's chunk, fed
+        alike whether decoding is plain or speculative, alone or in a batch, and a draft model's forwards, which
+        never change the output; the backend may then run the rows in the fastest kernel it has, as long as
+        they come out the same whatever else shares the forward.
     """
 
     tokens: torch.Tensor

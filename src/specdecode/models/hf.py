@@ -31,7 +31,7 @@ from specdecode.models.base import (
     SequenceInput,
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
-from specdecode.models.quantized_layers import QuantizedLinear, free_row_calls
+from specdecode.models.quantized_layers import QuantizedLinear, free_row_spans
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
 from specdecode.threads import GOVERNOR
@@ -203,11 +203,12 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         every_row = all(item.logits_rows is None for item in inputs)
         rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
         captured: dict[int, torch.Tensor] = {}
-        # No row needs invariance (prompts, which plain and speculative decoding prefill by this same call; drafts).
-        free_rows = not any(item.invariant for item in inputs)
+        # Rows that need no invariance (a prompt's chunks, read alike alone or in a batch; drafts) take the fast
+        # kernels, each sequence's in calls of its own, so that they never depend on what shares the forward.
+        free = [(seq.rows.start, seq.rows.stop) for seq in sequences if not seq.invariant]
         with (
             self._capture_layers({i for item in inputs for i in item.hidden_layers}, captured),
-            free_row_calls() if free_rows else nullcontext(),
+            free_row_spans(start, free) if free else nullcontext(),
         ):
             out = self.model(
                 input_ids=torch.cat(tokens).view(1, -1),

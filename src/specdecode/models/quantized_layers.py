@@ -144,14 +144,42 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        block = self.block_weight
-        if block is not None and rows.shape[0] >= _block_min_rows(block) and _FREE_ROWS.get():
-            out = _block_call(block, rows.to(COMPUTE_DTYPE).contiguous()).to(x.dtype)
-        else:
+        spans = _free_spans(rows.shape[0])
+        if spans == ((0, rows.shape[0]),):
+            out = self._free_call(rows).to(x.dtype)
+        elif not spans:
             out = self.matmul(rows.to(self.input_dtype).contiguous()).to(x.dtype)
+        else:
+            out = self._mixed_call(rows, spans).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _free_call(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows no output depends on bitwise, in one call: the block copy from enough rows on, else the kernel."""
+        block = self.block_weight
+        if block is not None and rows.shape[0] >= _block_min_rows(block):
+            return _block_call(block, rows.to(COMPUTE_DTYPE).contiguous())
+        return self.free_matmul(rows.to(self.input_dtype).contiguous())
+
+    def _mixed_call(self, rows: torch.Tensor, spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """Each free span in a call of its own, exactly as it would be multiplied alone, and the other rows
+        together through the batch invariant kernel."""
+        free = torch.zeros(rows.shape[0], dtype=torch.bool)
+        out = None
+        for start, stop in spans:
+            part = self._free_call(rows[start:stop]).float()
+            out = out if out is not None else part.new_empty(rows.shape[0], self.out_features)
+            out[start:stop] = part
+            free[start:stop] = True
+        fixed = torch.nonzero(~free).flatten()
+        if len(fixed):
+            out[fixed] = self.matmul(rows[fixed].to(self.input_dtype).contiguous()).float()
+        return out
+
+    def free_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`matmul` for rows that need no batch invariance: a kind whose invariant calls cost more says how."""
+        return self.matmul(rows)
 
     def extra_repr(self) -> str:
         return (
@@ -273,23 +301,50 @@ PROBE_MIN_ROWS, PROBE_MAX_ROWS = MAX_CHUNK, 1024
 
 #: The probed split per (in_features, out_features, threads).
 _SPLITS: dict[tuple[int, int, int], RowSplit] = {}
-#: Set while no row of a forward needs batch invariance (:func:`free_row_calls`).
-_FREE_ROWS: ContextVar[bool] = ContextVar("free_rows", default=False)
+#: Set while rows of a forward need no batch invariance: None for every row of every call
+#: (:func:`free_row_calls`), else the forward's row count and its free spans (:func:`free_row_spans`).
+_FREE_ROWS: ContextVar[tuple[int | None, tuple[tuple[int, int], ...]] | None] = ContextVar("free_rows", default=None)
 
 
 @contextmanager
 def free_row_calls() -> Iterator[None]:
     """Within, layers take their fastest kernel for the call's rows, whether or not it is batch invariant.
 
-    For forwards no output depends on bitwise: a prompt's prefill (plain and speculative decoding prefill it
-    by the same call) and a draft model's forwards.  bf16 layers then multiply all rows in one uncut call
-    (cut into 32-row calls, a 500-token prompt would read every weight 16 times), and int8 and int4 layers with a
-    :attr:`QuantizedLinear.block_weight` use it from :data:`BLOCK_MIN_ROWS` rows on."""
-    token = _FREE_ROWS.set(True)
+    For forwards no output depends on bitwise: a draft model's forwards.  bf16 layers then multiply all rows in
+    one uncut call (cut into 32-row calls, a 500-token prompt would read every weight 16 times), and int8 and int4
+    layers with a :attr:`QuantizedLinear.block_weight` use it from :data:`BLOCK_MIN_ROWS` rows on."""
+    token = _FREE_ROWS.set((None, ()))
     try:
         yield
     finally:
         _FREE_ROWS.reset(token)
+
+
+@contextmanager
+def free_row_spans(rows: int, spans: list[tuple[int, int]]) -> Iterator[None]:
+    """Within, a call over the forward's ``rows`` rows multiplies each of ``spans`` (start, stop) in a call of its
+    own, as :func:`free_row_calls` would multiply it alone, and the other rows through the batch invariant kernel;
+    a call over other rows (the LM head's kept rows) is batch invariant throughout.
+
+    For a forward where some sequences need no invariance: a prompt's chunk, whose rows must come out the same
+    whether it is read alone or beside other sequences' verification (a span's call depends on its own rows
+    only), and which takes the fast kernels all the same."""
+    token = _FREE_ROWS.set((rows, tuple(spans)))
+    try:
+        yield
+    finally:
+        _FREE_ROWS.reset(token)
+
+
+def _free_spans(rows: int) -> tuple[tuple[int, int], ...]:
+    """The spans of a call of ``rows`` rows that need no batch invariance (see :func:`free_row_spans`)."""
+    free = _FREE_ROWS.get()
+    if free is None:
+        return ()
+    forward_rows, spans = free
+    if forward_rows is None:
+        return ((0, rows),) if rows else ()
+    return spans if forward_rows == rows else ()
 
 
 def _packed_bf16_call(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -379,6 +434,7 @@ class Bf16Linear(QuantizedLinear):
         return self.packed.to_dense().float()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if _FREE_ROWS.get():
-            return _packed_bf16_call(self.packed, rows)
         return _split_call(self.packed, rows, self.split)
+
+    def free_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return _packed_bf16_call(self.packed, rows)

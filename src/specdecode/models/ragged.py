@@ -12,8 +12,9 @@ itself (``generate``), the function falls back to transformers' SDPA attention.
 For a model whose other layers are batch invariant (weight-only quantized, :mod:`specdecode.models.quantize`),
 ``RaggedBatch.row_invariant`` makes attention invariant too: every token that continues a sequence attends
 in its own SDPA call, the one a one-token forward makes, so speculative verification gives each row bitwise
-the logits plain decoding gives it.  A prompt keeps one call per sequence: plain and
-speculative decoding feed it alike (``SequenceInput.invariant`` false), as does a draft model's forward.
+the logits plain decoding gives it.  A prompt's chunk keeps one call per sequence: plain and speculative
+decoding, alone or in a batch, feed it alike (``SequenceInput.invariant`` false), as does a draft model's forward;
+that call depends on the chunk and its own slot only, whatever else shares the forward.
 
 The pool keeps, per layer, one tensor ``[slots, kv_heads, capacity, head_dim]`` for keys and one for
 values, grown by doubling; a sequence's cache is a slot and a length.  Cropping is setting the length;

@@ -16,7 +16,8 @@ class Serve(Benchmark):
     description = (
         "Loads the model once and starts one uvicorn server in this process on a free loopback port; "
         "per (method, concurrency C), C threads of the openai client replay every prompt, streamed. Results go to "
-        "--out (results.json, results.md, serve.png); a rerun skips the cells that directory holds."
+        "--out (results.json, results.md, serve.png); a rerun skips the cells that directory holds. --url adds "
+        "other OpenAI-compatible servers (vLLM, SGLang, llama.cpp) to the same run, on the same prompts and client."
     )
     files = "results.json, results.md, serve.png"
     module = "specdecode.bench.serve"
@@ -39,6 +40,13 @@ class Serve(Benchmark):
                 metavar=QUANTIZE_MODES,
                 help="of the served draft models (default int4, w4a8 on AVX2-only CPUs; none with adapt=true)",
             ),
+            "servers": Flag(
+                "--url",
+                metavar="[LABEL=]URL,...",
+                help="other OpenAI-compatible servers measured beside ours, e.g. vllm=http://127.0.0.1:8001 "
+                "(label default: HOST:PORT); sent no `speculative` field; speculation read from vLLM's /metrics",
+            ),
+            "served_model": Flag(metavar="NAME", help="the model name those servers serve (default: --model)"),
             "progress": "no progress bar",
         }
 
