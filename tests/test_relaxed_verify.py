@@ -207,7 +207,7 @@ def test_target_verifier_dispatches_per_sequence(tiny_target):
     """One batch, one forward: an exact and a fly sequence each get their own verdict."""
     from specdecode.draft_length.base import FixedLength
     from specdecode.drafters import create_drafter
-    from specdecode.engine import start_sequence
+    from specdecode.engine import read_prompt, start_sequence
 
     backend, drafter = tiny_target.backend, create_drafter("none", tiny_target)
     pool = backend.new_pool()
@@ -225,9 +225,11 @@ def test_target_verifier_dispatches_per_sequence(tiny_target):
         )
         for v in (VerifierChoice("exact"), VerifierChoice("fly", loose))
     ]
+    for seq in seqs:
+        read_prompt(backend, seq)
     logits = backend.forward(torch.tensor([5, 6, 7]), backend.new_cache()).logits[-1]
     wrong = int(logits.argsort()[-2])  # the target's second choice: exact rejects it, loose fly keeps it
-    checked = TargetVerifier(backend)(seqs, [Draft([wrong]), Draft([wrong])])
+    checked = TargetVerifier(backend)(seqs, [Draft([wrong]), Draft([wrong])], [])
     assert checked[0].verdict.path == () and checked[0].verdict.next_token == int(logits.argmax())
     assert checked[1].verdict.path == (0,)
 
