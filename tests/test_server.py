@@ -510,6 +510,10 @@ def test_stop_token_ids_min_tokens_and_the_stop_text(server, tiny_target):
         model="tiny", prompt=TEXT, max_tokens=30, extra_body={"stop_token_ids": [stop_id], "min_tokens": 12}
     )
     assert held.usage.completion_tokens >= 12
+    late = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=30, stop=[stop], extra_body={"min_tokens": 12}
+    )
+    assert late.usage.completion_tokens >= 12  # the stop string, earlier, was not looked for
 
 
 def test_special_tokens_are_shown_when_asked(server, tiny_target):

@@ -105,7 +105,8 @@ class GenerationConfig:
     ignore_eos: the model's end-of-sequence tokens do not end the request (``stop_token_ids`` still do).
     stop_token_ids: more tokens that end the request, kept in the output as an end-of-sequence token is.
     min_tokens: the request cannot end (end-of-sequence or ``stop_token_ids``) before this many tokens: those tokens
-        are given probability 0 until then, at each verified position by its own prefix.
+        are given probability 0 until then, at each verified position by its own prefix; stop strings are looked for
+        only after them (as vLLM).
     skip_special_tokens: the text leaves out special tokens (vLLM's default).
     include_stop_str_in_output: the text keeps the stop string, or the stop token's text, that ended it (vLLM's).
     logprobs: None, or record each emitted token's log-probability and this many most likely alternatives'

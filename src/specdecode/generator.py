@@ -393,7 +393,10 @@ class TextAssembler:
         ended = bool(new_tokens) and new_tokens[-1] in self.silent_stop_ids and len(self.generated) > self.min_tokens
         self.silent_tail = int(ended)
         self._settle()
-        found = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
+        # As vLLM, stop strings are looked for once the output has more than min_tokens tokens.
+        found = None
+        if len(self.generated) > self.min_tokens:
+            found = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
         if found is not None:
             self.text = self.text[: found[1] if self.include_stop else found[0]]
             kept = self.generator._trim_to_stop(self.generated, self.stops, self.skip_special_tokens)
