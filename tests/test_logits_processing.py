@@ -331,6 +331,15 @@ def test_generate_and_batch_flags_give_plain_decodings_output(capsys, tiny_dirs)
         assert code == 0, err
         outputs[drafter] = rows[0]["token_ids"]
     assert outputs["pld"] == outputs["none"] == outputs["suffix"]
+    logprobs = {}
+    for drafter in ("none", "pld"):
+        argv = ["generate", "w1 w2 w3 w1 w2", *model, "--drafter", drafter, *PROCESSING_FLAGS, "--logprobs", "2"]
+        code, rows, err = cli_json(capsys, *argv)
+        assert code == 0, err
+        logprobs[drafter] = rows[0]["logprobs"]
+        assert [entry["token"] for entry in logprobs[drafter]] == outputs["none"]
+        assert all(len(entry["top"]) == 2 for entry in logprobs[drafter])
+    assert [e["logprob"] for e in logprobs["pld"]] == pytest.approx([e["logprob"] for e in logprobs["none"]], abs=1e-4)
     code, rows, err = cli_json(capsys, "generate", "w1 w2 w3 w1 w2", *model, "--drafter", "none")
     assert rows[0]["token_ids"] != outputs["none"]  # the flags changed the output
     assert 11 not in outputs["none"] and (9 not in outputs["none"] or outputs["none"].index(9) >= 5)
@@ -375,6 +384,7 @@ def test_batch_lines_take_the_settings_and_bad_ones_are_named(capsys, tiny_dirs,
         (["--repetition-penalty", "1000"], "repetition-penalty"),
         (["--min-p", "1.5"], "min-p"),
         (["--min-tokens", "200"], "min-tokens"),
+        (["--logprobs", "21"], "logprobs"),
     ],
 )
 def test_bad_processing_flags_are_one_clean_error(capsys, flags, message):

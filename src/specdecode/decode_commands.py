@@ -53,6 +53,7 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         ignore_eos=args.ignore_eos,
         stop_token_ids=tuple(args.stop_token_id),
         min_tokens=args.min_tokens,
+        logprobs=args.logprobs,
     )
 
 
@@ -147,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 BATCH_LINE_PARAMS = frozenset(
     {"max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos", "verifier"}
     | {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"}
-    | {"stop_token_ids", "min_tokens"}
+    | {"stop_token_ids", "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "logprobs"}
 )
 
 

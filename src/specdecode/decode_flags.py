@@ -123,6 +123,12 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
         "--min-tokens", type=int, default=0, metavar="N", help="no end-of-sequence or stop token before N tokens"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="with --json, each token's log-probability and the N most likely alternatives' (0-20)",
+    )
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",
