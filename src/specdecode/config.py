@@ -153,3 +153,8 @@ class GenerationConfig:
     def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
         """The tokens that end this request, given the model's end-of-sequence tokens."""
         return (frozenset() if self.ignore_eos else eos_ids) | frozenset(self.stop_token_ids)
+
+    def ends_at(self, token: int, count: int, stop_ids: frozenset[int]) -> bool:
+        """Whether ``token``, the request's ``count``-th generated one, ends it: one of ``stop_ids`` (see
+        :meth:`stop_ids`), once ``min_tokens`` are out."""
+        return token in stop_ids and count > self.min_tokens

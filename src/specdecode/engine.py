@@ -318,14 +318,8 @@ def step(
         new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
         # A stop token ends the request once min_tokens are out; exact verifiers never emit one sooner (the processing
         # gives it probability 0), a lossy one might keep a drafted one, which then does not end it.
-        eos_at = next(
-            (
-                i
-                for i, token in enumerate(new_tokens)
-                if token in seq.stop_ids and stats.new_tokens + i + 1 > config.min_tokens
-            ),
-            None,
-        )
+        ends = [config.ends_at(token, stats.new_tokens + i + 1, seq.stop_ids) for i, token in enumerate(new_tokens)]
+        eos_at = ends.index(True) if any(ends) else None
         if eos_at is not None:
             new_tokens = new_tokens[: eos_at + 1]
             seq.outcome.finish_reason = "eos"

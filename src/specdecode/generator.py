@@ -364,7 +364,7 @@ class TextAssembler:
         self.wants_logprobs = config.logprobs is not None
         # The token that ended the request (end-of-sequence, a stop token) is not text, as in vLLM, unless asked.
         self.silent_stop_ids = frozenset() if self.include_stop else config.stop_ids(generator.eos_ids)
-        self.min_tokens = config.min_tokens  # before them a stop token does not end the request (engine.step)
+        self.config = config
         self.silent_tail = 0  # 1 while the last token is a stop token that ended the request
         self.holdback = max((len(s) for s in config.stop), default=1) - 1
         self.generated: list[int] = []
@@ -390,12 +390,12 @@ class TextAssembler:
     def add(self, new_tokens: list[int]) -> StreamEvent:
         self.generated.extend(new_tokens)
         self.last_step = len(new_tokens)
-        ended = bool(new_tokens) and new_tokens[-1] in self.silent_stop_ids and len(self.generated) > self.min_tokens
+        ended = bool(new_tokens) and self.config.ends_at(new_tokens[-1], len(self.generated), self.silent_stop_ids)
         self.silent_tail = int(ended)
         self._settle()
         # As vLLM, stop strings are looked for once the output has more than min_tokens tokens.
         found = None
-        if len(self.generated) > self.min_tokens:
+        if len(self.generated) > self.config.min_tokens:
             found = _find_stop(self.text, self.stops, max(0, self.released - self.holdback))
         if found is not None:
             self.text = self.text[: found[1] if self.include_stop else found[0]]

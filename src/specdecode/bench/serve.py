@@ -109,6 +109,11 @@ class ServeSettings(common.PromptSettings):
     servers: tuple[tuple[str, str], ...] = ()  # other servers measured beside ours: (label, base URL)
     served_model: str | None = None  # the model name they serve (None: ``model``)
 
+    @property
+    def remote_model(self) -> str:
+        """The model name other servers are asked for."""
+        return self.served_model or self.model
+
     def __post_init__(self) -> None:
         super().__post_init__()
         labels = [label for label, _ in self.servers]
@@ -254,9 +259,7 @@ def _measure(
     results["endpoint"] = "/v1/chat/completions" if chat else "/v1/completions"
     results["server"] = {"max_batch_size": settings.max_batch_size, "max_queue": max_queue, "host": "127.0.0.1"}
     if remote:
-        results["servers"] = {
-            label: {"url": url, "model": settings.served_model or settings.model} for label, url in remote.items()
-        }
+        results["servers"] = {label: {"url": url, "model": settings.remote_model} for label, url in remote.items()}
     results["prompts"] = [{"prompt": e.key, "prompt_tokens": len(e.ids)} for e in encoded]
     versions = common.package_versions(("openai", "uvicorn", "uvloop", "httptools", "fastapi"))
     results["environment"] = {**common.environment(settings.threads), **versions, "fast_path": fast_path_default()}
@@ -274,7 +277,7 @@ def _measure(
                 bar.set_postfix_str(f"{name} C={concurrency}", refresh=False)
                 url = remote.get(name, ours)
                 method = None if name in remote else methods[name]
-                model = settings.served_model or settings.model if name in remote else settings.model
+                model = settings.remote_model if name in remote else settings.model
                 if name not in warm:  # first-call allocations, the cost curve, the HTTP path: not measured
                     try:
                         clients.stream_one(url, model, chat, texts[0], method, WARMUP_TOKENS)
