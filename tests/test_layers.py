@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "base",
         frozenset(
             {"errors", "types", "clock", "machine", "verbosity", "estimators", "threads", "deferred"}
-            | {"sampling_params", "options"}
+            | {"sampling_params", "options", "declarations"}
         ),
     ),
     ("models", frozenset({"models"})),  # loading and running the target and draft models

@@ -7,7 +7,6 @@ User mistakes print one line ``specdecode: error: ...`` and exit 2; no traceback
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib.util
 import json
 import pkgutil
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from specdecode.bench.cli import add_bench_command
+from specdecode.declarations import declarations
 from specdecode.decode_flags import add_generation_flags
 from specdecode.deferred import Deferred
 from specdecode.errors import SpecDecodeError
@@ -38,30 +38,17 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def drafter_summaries() -> dict[str, str]:
     """Registered drafter name → first line of its docstring (else its module's), read from the source of the
-    drafters package without importing it: the drafters import torch and transformers, seconds spent for a
-    listing.  Finds what ``drafters._discover`` registers: classes decorated ``@register_drafter("name")`` in
-    every module but ``base``."""
+    drafters package without importing it (:mod:`specdecode.declarations`).  Finds what ``drafters._discover``
+    registers: classes decorated ``@register_drafter("name")`` in every module but ``base``."""
     spec = importlib.util.find_spec("specdecode.drafters")
-    summaries = {}
-    for module in pkgutil.iter_modules(spec.submodule_search_locations if spec else []):
-        path = Path(module.module_finder.path, f"{module.name}.py")
-        if module.name == "base" or not path.is_file():
-            continue
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        for node in tree.body:
-            names = [_registered_name(decorator) for decorator in getattr(node, "decorator_list", [])]
-            for name in filter(None, names):
-                doc = (ast.get_docstring(node) or ast.get_docstring(tree) or "").strip()
-                summaries[name] = doc.splitlines()[0] if doc else ""
+    modules = pkgutil.iter_modules(spec.submodule_search_locations if spec else [])
+    paths = [Path(m.module_finder.path, f"{m.name}.py") for m in modules if m.name != "base"]
+    summaries = {
+        declared.args[0]: declared.summary or declared.module_summary
+        for declared in declarations([path for path in paths if path.is_file()], "register_drafter")
+        if declared.args and isinstance(declared.args[0], str)
+    }
     return dict(sorted(summaries.items()))
-
-
-def _registered_name(decorator: ast.expr) -> str | None:
-    """``"name"`` for a ``@register_drafter("name")`` decorator, else None."""
-    if isinstance(decorator, ast.Call) and getattr(decorator.func, "id", None) == "register_drafter":
-        first = decorator.args[0] if decorator.args else None
-        return first.value if isinstance(first, ast.Constant) and isinstance(first.value, str) else None
-    return None
 
 
 def cmd_drafters(args: argparse.Namespace) -> int:

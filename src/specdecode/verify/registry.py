@@ -14,7 +14,6 @@ import it, so the listing reads their declarations from the source, as ``specdec
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
 import pkgutil
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from specdecode.declarations import declarations
 from specdecode.errors import SpecDecodeError
 from specdecode.options import option_value
 
@@ -173,28 +173,13 @@ def verifier_listing() -> list[VerifierInfo]:
     """Every verifier's declaration read from the source of this package, without importing it (the verifiers
     import torch): the classes decorated ``@register_verifier("name", lossless=...)``, described by the first
     line of their docstring."""
+    paths = [_PACKAGE_DIR / f"{module}.py" for module in _verifier_modules()]
     found = {}
-    for module in _verifier_modules():
-        tree = ast.parse((_PACKAGE_DIR / f"{module}.py").read_text(encoding="utf-8"))
-        for node in tree.body:
-            for decorator in getattr(node, "decorator_list", []):
-                declared = _declaration(decorator)
-                if declared is not None:
-                    doc = (ast.get_docstring(node) or "").strip()
-                    found[declared[0]] = VerifierInfo(*declared, doc.splitlines()[0] if doc else "")
+    for declared in declarations(paths, "register_verifier"):
+        name, lossless = (declared.args or (None,))[0], declared.keywords.get("lossless")
+        if isinstance(name, str) and isinstance(lossless, bool):
+            found[name] = VerifierInfo(name, lossless, declared.summary)
     return [found[name] for name in _ordered(list(found))]
-
-
-def _declaration(decorator: ast.expr) -> tuple[str, bool] | None:
-    """``("name", lossless)`` for a ``@register_verifier("name", lossless=...)`` decorator, else None."""
-    if not isinstance(decorator, ast.Call) or getattr(decorator.func, "id", None) != "register_verifier":
-        return None
-    values = [decorator.args[0] if decorator.args else None]
-    values += [keyword.value for keyword in decorator.keywords if keyword.arg == "lossless"]
-    if len(values) != 2 or not all(isinstance(value, ast.Constant) for value in values):
-        return None
-    name, lossless = (value.value for value in values)
-    return (name, lossless) if isinstance(name, str) and isinstance(lossless, bool) else None
 
 
 def format_verifiers() -> str:
