@@ -256,13 +256,24 @@ def report_training(
 def checked_tasks(args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
     """The training tasks of a head's ``specdecode train`` command (eagle, medusa, hydra), after refusing its flags
     out of range; ``positive`` names its own flags that must be positive."""
-    for flag in ("prompts", "new_tokens", "max_tokens", "epochs", *positive):
-        if getattr(args, flag) <= 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
+    check_positive(args, "prompts", "new_tokens", "max_tokens", "epochs", *positive)
     for flag in ("conversations", "draft_vocab"):
         if getattr(args, flag) < 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    return task_names(args.tasks)
+
+
+def check_positive(args: argparse.Namespace, *flags: str) -> None:
+    """Refuse any of the named flags given a value <= 0 (one not given, None, is left to its default)."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
+
+
+def task_names(text: str) -> list[str]:
+    """``--tasks``: the comma-separated names of the tasks the training prompts come from; none is an error."""
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
     if not tasks:
         raise SpecDecodeError("--tasks names no task")
     return tasks

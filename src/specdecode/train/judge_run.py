@@ -9,21 +9,18 @@ from pathlib import Path
 from specdecode.errors import SpecDecodeError
 from specdecode.models.artifacts import trained_artifact_path
 from specdecode.models.loading import load_model
+from specdecode.train.common import check_positive, task_names
 from specdecode.train.data import prompt_ids, self_distill
 from specdecode.train.judge import train_judge
 from specdecode.verify.judge import JUDGE_ARTIFACT, JudgeOptions
 
 
 def run_judge_training(args: argparse.Namespace) -> int:
-    for flag in ("prompts", "new_tokens", "max_prompt_tokens", "positions", "window"):
-        if getattr(args, flag) <= 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
+    check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "positions", "window")
     if not 0 < args.precision <= 1:
         raise SpecDecodeError(f"--precision must be in (0, 1], got {args.precision}")
     params = JudgeOptions(top_k=args.top_k, min_prob=args.min_prob)  # validates both
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise SpecDecodeError("--tasks names no task")
+    tasks = task_names(args.tasks)
     out = Path(args.out).expanduser() if args.out else trained_artifact_path(args.model, JUDGE_ARTIFACT)
     if out is None:
         raise SpecDecodeError(f"for a hub id like {args.model!r} pass --out DIR to say where the judge goes")

@@ -9,19 +9,14 @@ from pathlib import Path
 from specdecode.drafters.kangaroo import default_adapter_path
 from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import load_model
+from specdecode.train.common import check_positive, task_names
 from specdecode.train.data import prompt_ids
 from specdecode.train.kangaroo import TrainConfig, train_adapter
 
 
 def run_kangaroo_training(args: argparse.Namespace) -> int:
-    for flag in ("prompts", "new_tokens", "max_prompt_tokens", "epochs", "inner_size"):
-        if getattr(args, flag) is None:
-            continue
-        if getattr(args, flag) <= 0:
-            raise SpecDecodeError(f"--{flag.replace('_', '-')} must be positive")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise SpecDecodeError("--tasks names no task")
+    check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "epochs", "inner_size")
+    tasks = task_names(args.tasks)
     out = Path(args.out).expanduser() if args.out else default_adapter_path(args.model)
     if out is None:
         raise SpecDecodeError(
