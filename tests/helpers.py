@@ -18,10 +18,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specdecode.batch_engine import BatchEngine
 from specdecode.bench.cli import add_bench_command
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
 from specdecode.data.tasks import Prompt, Task
+from specdecode.draft_length.base import FixedLength
+from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
 from specdecode.models.base import (
@@ -455,3 +458,16 @@ def serving(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def fixed_depth_engine(target, drafter: str, k: int, **options) -> BatchEngine:
+    """A continuous-batching engine of at most 4 sequences on ``target`` (no end-of-sequence tokens) whose every
+    request drafts ``k`` tokens with ``drafter``; ``options`` go to :class:`BatchEngine` (prefill chunk, budget)."""
+    return BatchEngine(
+        target.backend,
+        create_drafter(drafter, target),
+        lambda config, drafter: FixedLength(k),
+        frozenset(),
+        max_batch_size=4,
+        **options,
+    )

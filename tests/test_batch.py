@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import random_eagle_head
+from helpers import fixed_depth_engine, random_eagle_head
 from specdecode import batch_plan
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.batch_plan import plan_batch
@@ -132,13 +132,7 @@ def test_requests_join_and_leave_between_steps(tiny_target):
 
 
 def test_cancel_frees_the_slot_and_the_rest_complete(tiny_target):
-    engine = BatchEngine(
-        tiny_target.backend,
-        create_drafter("pld", tiny_target),
-        lambda config, drafter: FixedLength(3),
-        frozenset(),
-        max_batch_size=4,
-    )
+    engine = fixed_depth_engine(tiny_target, "pld", 3)
     config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
     for index, prompt in enumerate(BATCH_PROMPTS[:4]):
         engine.submit(BatchRequest(prompt, config, tag=index))

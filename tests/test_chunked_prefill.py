@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_greedy, random_eagle_head, tiny_gemma3
+from helpers import fixed_depth_engine, hf_greedy, random_eagle_head, tiny_gemma3
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
-from specdecode.draft_length.base import FixedLength
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.engine import speculative_decode, verification_input
@@ -139,14 +138,7 @@ def test_long_prompts_joining_a_quantized_batch_give_each_its_solo_output(tiny_d
 
 
 def test_running_sequences_gain_tokens_in_every_step_while_a_long_prompt_is_read(tiny_target):
-    engine = BatchEngine(
-        tiny_target.backend,
-        create_drafter("pld", tiny_target),
-        lambda config, drafter: FixedLength(2),
-        frozenset(),
-        max_batch_size=4,
-        prefill_chunk=CHUNK,
-    )
+    engine = fixed_depth_engine(tiny_target, "pld", 2, prefill_chunk=CHUNK)
     config = GenerationConfig(max_new_tokens=200, ignore_eos=True)
     engine.submit(BatchRequest(prompt_of(5, 0), config, tag="running"))
     engine.submit(BatchRequest(prompt_of(6, 1), config, tag="also running"))
@@ -168,15 +160,7 @@ def test_running_sequences_gain_tokens_in_every_step_while_a_long_prompt_is_read
 
 
 def test_the_budget_reads_as_many_chunks_as_fit_oldest_first(tiny_target):
-    engine = BatchEngine(
-        tiny_target.backend,
-        create_drafter("none", tiny_target),
-        lambda config, drafter: FixedLength(1),
-        frozenset(),
-        max_batch_size=4,
-        prefill_chunk=CHUNK,
-        prefill_budget=2 * CHUNK + 3,
-    )
+    engine = fixed_depth_engine(tiny_target, "none", 1, prefill_chunk=CHUNK, prefill_budget=2 * CHUNK + 3)
     config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
     for tag, length in enumerate([3 * CHUNK + 1, 2 * CHUNK + 1, CHUNK + 4]):
         engine.submit(BatchRequest(prompt_of(length, tag), config, tag=tag))
