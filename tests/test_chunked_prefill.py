@@ -58,7 +58,7 @@ def staggered(target, drafter, requests, chunk, arrivals, batch_size=4, budget=N
             outputs[event.tag].extend(event.new_tokens)
             if event.finished:
                 done.add(event.tag)
-        assert engine.pool.active == len(engine.running)
+        assert engine.pool.active == len(engine.running) + len(engine.prefix_cache)  # kept prefixes hold the rest
         steps += 1
     return outputs
 

@@ -39,7 +39,10 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("data", frozenset({"data"})),  # prompt sets, data sets and corpora
     ("drafters", frozenset({"drafters"})),
     # The decoding loop, single and batched, its statistics and the Python API over it.
-    ("engine", frozenset({"engine", "batch_plan", "batch_engine", "stats", "generator", "api", PACKAGE})),
+    (
+        "engine",
+        frozenset({"engine", "batch_plan", "prefix_cache", "batch_engine", "stats", "generator", "api", PACKAGE}),
+    ),
     # The command line: each command's flags and what runs it.
     ("commands", frozenset({"decode_flags", "decode_commands", "train"})),
     ("server", frozenset({"server"})),  # `specdecode serve` loads models as `generate` does

@@ -73,6 +73,7 @@ def serve(model: str, port: int, ngram: int, threads: str) -> int:
         "VLLM_CPU_OMP_THREADS_BIND": threads,
         "VLLM_USE_AOT_COMPILE": "0",
         "HF_HUB_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, which `bench serve` calls before every cell
         **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
     }
     args = ["serve", str(checkpoint(model)), "--served-model-name", Path(model).name, "--host", "127.0.0.1"]

@@ -1,7 +1,8 @@
 """Continuous batching over :func:`specdecode.engine.step`: requests wait, join the running batch between
 steps while there is room, and leave it (their cache slot freed at once) when they finish or are cancelled.
 A request that joins has its prompt read in chunks that ride in the running sequences' steps, up to
-``prefill_budget`` prompt tokens a step, and decodes from the step after its last chunk.
+``prefill_budget`` prompt tokens a step, and decodes from the step after its last chunk.  A prompt that
+starts like one read before takes that one's whole chunks from the prefix cache (:mod:`specdecode.prefix_cache`).
 The server's worker (:mod:`specdecode.server.worker`) and ``generate_batch`` drive it."""
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ from specdecode.engine import (
     PromptChunk,
     Sequence,
     TargetVerifier,
+    adopt_prompt_prefix,
     finish_sequence,
     start_sequence,
     step,
 )
 from specdecode.models.base import CausalLM, KVPool
+from specdecode.prefix_cache import PrefixCache, PrefixSource, whole_chunks
 
 
 @dataclass
@@ -51,7 +54,11 @@ class BatchEngine:
     A joined sequence counts as running while its prompt is read: each step carries the next chunk
     (``prefill_chunk`` tokens, at the offsets solo decoding reads too) of as many of the sequences being read as
     ``prefill_budget`` prompt tokens allow, in order of arrival, and always at least one.  By default the budget
-    is one chunk: every running sequence's step then grows by at most one chunk's forward."""
+    is one chunk: every running sequence's step then grows by at most one chunk's forward.
+
+    ``prefix_cache_slots``: how many finished prompts' caches are kept for automatic prefix caching (default
+    ``max_batch_size``; 0 turns it off).  Each holds a cache slot beside the running sequences' until a newer
+    prompt needs the room."""
 
     def __init__(
         self,
@@ -62,6 +69,7 @@ class BatchEngine:
         max_batch_size: int = 8,
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_budget: int | None = None,
+        prefix_cache_slots: int | None = None,
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"batch size must be a positive integer, got {max_batch_size!r}")
@@ -78,6 +86,9 @@ class BatchEngine:
         self.max_batch_size = max_batch_size
         self.pool: KVPool = target.new_pool()
         self.verifier = TargetVerifier(target)
+        self.prefix_cache = PrefixCache(
+            prefill_chunk, max_batch_size if prefix_cache_slots is None else prefix_cache_slots
+        )
         self.waiting: list[BatchRequest] = []
         self.running: dict[int, tuple[object, Sequence]] = {}
 
@@ -89,7 +100,7 @@ class BatchEngine:
         for key, (owner, seq) in list(self.running.items()):
             if owner is tag:
                 del self.running[key]
-                finish_sequence(seq)
+                self._finish(seq)
                 return True
         before = len(self.waiting)
         self.waiting = [r for r in self.waiting if r.tag is not tag]
@@ -103,10 +114,12 @@ class BatchEngine:
         events = []
         while self.waiting and len(self.running) < self.max_batch_size:
             request = self.waiting.pop(0)
-            # Room for the whole request (and a deep last draft) now, rather than regrowing mid-batch.
+            # Room for the whole request (and a deep last draft) now, rather than regrowing mid-batch, beside the
+            # kept prefixes' slots.
             most = len(request.prompt_ids) + request.config.max_new_tokens + MAX_DRAFT_MARGIN
-            self.pool.reserve(self.max_batch_size, min(most, self.target.max_context))
+            self.pool.reserve(self.max_batch_size + self.prefix_cache.capacity, min(most, self.target.max_context))
             drafter = request.drafter or self.drafter
+            source, shared = self._cached_prefix(request.prompt_ids)
             seq = start_sequence(
                 self.target,
                 drafter,
@@ -117,12 +130,30 @@ class BatchEngine:
                 self.pool.allocate(),
                 prefill_chunk=self.prefill_chunk,
             )
+            if source is not None:
+                adopt_prompt_prefix(seq, source.cache, shared)
             if seq.done:  # nothing fits after the prompt
-                finish_sequence(seq)
+                self._finish(seq)
                 events.append(BatchEvent(request.tag, [], seq, True))
             else:
                 self.running[id(seq)] = (request.tag, seq)
         return events
+
+    def _cached_prefix(self, prompt_ids: list[int]) -> tuple[PrefixSource | None, int]:
+        """The running or kept prompt sharing the most whole chunks with ``prompt_ids``, and how many tokens."""
+        if not self.prefix_cache.enabled:
+            return None, 0
+        running = [self._source(seq) for _, seq in self.running.values() if seq.cache is not None]
+        return self.prefix_cache.best(prompt_ids, running)
+
+    def _source(self, seq: Sequence) -> PrefixSource:
+        return PrefixSource(seq.prompt_ids, seq.cache, whole_chunks(len(seq.prompt_ids), seq.read, self.prefill_chunk))
+
+    def _finish(self, seq: Sequence) -> None:
+        """End ``seq``: its cache goes to the prefix cache when that keeps it, else back to the pool."""
+        if seq.cache is not None and self.prefix_cache.keep(self._source(seq)):
+            seq.cache = None  # the prefix cache owns the slot now
+        finish_sequence(seq)
 
     def step(self) -> list[BatchEvent]:
         """Admit waiting requests, run one step over the running ones (reading the next chunks of the prompts
@@ -136,7 +167,7 @@ class BatchEngine:
         for (tag, seq), new_tokens in zip(decoding, gained):
             if seq.done:
                 del self.running[id(seq)]
-                finish_sequence(seq)
+                self._finish(seq)
             events.append(BatchEvent(tag, new_tokens, seq, seq.done))
         return events
 

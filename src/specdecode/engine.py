@@ -405,6 +405,21 @@ def _prompt_read(seq: Sequence) -> None:
     seq.length_policy.begin(seq.stats.prefill_s)
 
 
+def adopt_prompt_prefix(seq: Sequence, source: KVCache, length: int) -> bool:
+    """Start ``seq``'s prompt with the first ``length`` tokens' keys and values from ``source``, another prompt's
+    cache that read them in the same whole chunks (:mod:`specdecode.prefix_cache`), so that they are not read
+    again.  Only before any of the prompt is read, and not for a session that reads the prompt's features."""
+    if length <= 0 or seq.read or not seq.reading or seq.session.hidden_layers or seq.cache is None:
+        return False
+    if not seq.cache.adopt_prefix(source, length):
+        return False
+    seq.read = length
+    seq.stats.cached_tokens = length
+    if not seq.reading:
+        _prompt_read(seq)
+    return True
+
+
 def read_prompt(target: CausalLM, seq: Sequence) -> None:
     """Read the rest of ``seq``'s prompt alone, one forward per chunk."""
     while seq.reading:

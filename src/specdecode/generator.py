@@ -280,15 +280,17 @@ class SpeculativeGenerator:
         config = self.config_for(**params)
         return self.run_batch([(prompt, config) for prompt in prompts], chat=chat, batch_size=batch_size)
 
-    def batch_engine(self, max_batch_size: int) -> BatchEngine:
+    def batch_engine(self, max_batch_size: int, prefix_caching: bool = True) -> BatchEngine:
         """A continuous-batching engine over this generator's target, drafter and draft-length policies
-        (callers that need per-request events, like the server, drive it themselves)."""
+        (callers that need per-request events, like the server, drive it themselves); ``prefix_caching``: keep
+        as many finished prompts as the batch holds for reuse (:mod:`specdecode.prefix_cache`)."""
         return BatchEngine(
             self.target.backend,
             self.drafter,
             lambda config, drafter: self.draft_length_policy(config.num_draft_tokens, drafter),
             self.eos_ids,
             max_batch_size,
+            prefix_cache_slots=max_batch_size if prefix_caching else 0,
         )
 
     def run_batch(

@@ -24,6 +24,7 @@ class GenerationStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft depth: steps that drafted that deep
     accepted_at: list[int] = field(default_factory=list)  # per draft depth: steps that accepted that deep
     prefill_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache, not read (specdecode.prefix_cache)
     draft_s: float = 0.0
     verify_s: float = 0.0
     forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
@@ -108,6 +109,7 @@ class GenerationStats:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
             "prefill_s": round(self.prefill_s, 4),
+            "cached_tokens": self.cached_tokens,
             "draft_s": round(self.draft_s, 4),
             "verify_s": round(self.verify_s, 4),
             "other_s": round(self.other_s, 4),

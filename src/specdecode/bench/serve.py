@@ -20,8 +20,11 @@ tokens are counted by encoding its delta text with the served model's tokenizer 
 one) after the cell, outside the timed part; results.json keeps every request's chunk gaps and token counts.
 
 Every cell starts cold, like a fresh generator in ``bench throughput``: the served drafters and the
-adaptive draft-length policies are reset while the server is idle; each method gets one untimed warm-up
-request first.  The reference for equality is method ``none`` at C=1 (always measured, first).
+adaptive draft-length policies are reset while the server is idle, and so is the prefix cache of every server
+that has vLLM's ``POST /reset_prefix_cache`` (ours; vLLM's with ``VLLM_SERVER_DEV_MODE=1``, which
+``tools/vllm_cpu.py`` sets), so that no cell reads a prompt an earlier cell left cached (a cell's
+``prefix_cache_reset`` says whether that worked); each method gets one untimed warm-up request first.
+The reference for equality is method ``none`` at C=1 (always measured, first).
 ``results.json`` is written after every cell; a rerun with the same settings skips the cells it holds.
 
 Other servers (``--url LABEL=URL,...``: vLLM, SGLang, llama.cpp, another specdecode) are measured in the same
@@ -61,7 +64,7 @@ from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import check_quantize
 from specdecode.server.app import ServerConfig, Service, create_app, freeze_startup_heap, uvicorn_config
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: prefix caches reset before every cell
 RESULTS_FILE = "results.json"
 REFERENCE = "none"  # at concurrency 1: the outputs every cell is compared with
 WARMUP_TOKENS = 8
@@ -288,6 +291,7 @@ def _measure(
                 for drafter in drafters.values():  # every cell starts cold
                     drafter.reset()
                 generator.reset_drafter()  # also forgets what the adaptive draft-length policies learned
+                cold = clients.reset_prefix_cache(url)  # no prompt of an earlier cell is cached
                 before = speculation_counters(clients.metrics(url)) if name in remote else {}
                 replies, wall_s = clients.run_cell(
                     url, model, chat, texts, method, concurrency, settings.max_new_tokens
@@ -295,6 +299,7 @@ def _measure(
                 server.wait_idle()
                 records = [request_record(key, reply, target.tokenizer) for key, reply in zip(keys, replies)]
                 cell = summarize_cell(name, concurrency, records, wall_s, _reference(results))
+                cell["prefix_cache_reset"] = cold
                 if name in remote:
                     cell["mean_acceptance_length"] = acceptance_over(before, speculation_counters(clients.metrics(url)))
                 nonlocal started

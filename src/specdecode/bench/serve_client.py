@@ -137,6 +137,9 @@ class ClientProcess:
     def metrics(self, url: str) -> str:
         return self.pool.submit(metrics_text, url).result()
 
+    def reset_prefix_cache(self, url: str) -> bool:
+        return self.pool.submit(reset_prefix_cache, url).result()
+
 
 _CHILD_CLIENTS: dict[str, Any] = {}
 
@@ -162,3 +165,15 @@ def metrics_text(url: str) -> str:
 
     response = httpx.get(f"{url}/metrics", timeout=30.0, trust_env=False)
     return response.text if response.status_code == 200 else ""
+
+
+def reset_prefix_cache(url: str) -> bool:
+    """Empty the prefix cache of the server at ``url`` (``POST /reset_prefix_cache``: ours, and vLLM's when it runs
+    with ``VLLM_SERVER_DEV_MODE=1``); False where the server has no such endpoint or refused."""
+    import httpx
+
+    try:
+        response = httpx.post(f"{url}/reset_prefix_cache", timeout=30.0, trust_env=False)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200

@@ -59,6 +59,11 @@ class KVCache(ABC):
     def release(self) -> None:  # noqa: B027
         """The sequence is finished or cancelled: give its storage back at once."""
 
+    def adopt_prefix(self, source: KVCache, length: int) -> bool:
+        """Take ``source``'s first ``length`` positions as this empty cache's own (a prompt prefix another
+        sequence has read: the automatic prefix cache); False, nothing done, where the backend cannot."""
+        return False
+
 
 class KVPool(ABC):
     """Cache storage shared by the sequences of a batch; a sequence's cache is a slot in it."""

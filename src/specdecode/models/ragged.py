@@ -112,6 +112,14 @@ class SlotPool(KVPool):
         return stored_keys, stored_values
 
     @torch.inference_mode()
+    def copy_prefix(self, source: int, slot: int, length: int) -> None:
+        """Positions ``[0, length)`` of slot ``source`` become ``slot``'s (every layer's keys and values)."""
+        for stored in self.layers.values():
+            for tensor in stored:
+                tensor[slot, :, :length] = tensor[source, :, :length]
+        self.lengths[slot] = length
+
+    @torch.inference_mode()
     def move(self, slot: int, start: int, source_columns: torch.Tensor) -> None:
         """Columns ``source_columns`` of ``slot`` (ascending, all >= start) become ``start, start + 1, ...``."""
         target = slice(start, start + len(source_columns))
@@ -141,6 +149,12 @@ class SlotCache(KVCache):
 
     def release(self) -> None:
         self.pool.release(self.slot)
+
+    def adopt_prefix(self, source: KVCache, length: int) -> bool:
+        if not isinstance(source, SlotCache) or source.pool is not self.pool or self.length or length > source.length:
+            return False
+        self.pool.copy_prefix(source.slot, self.slot, length)
+        return True
 
 
 @dataclass

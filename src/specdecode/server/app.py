@@ -34,7 +34,7 @@ from specdecode.engine import DecodeOutcome
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator, TextAssembler
 from specdecode.server.metrics import ServerMetrics, speculative_summary
-from specdecode.server.openapi import api_document, completion_responses
+from specdecode.server.openapi import api_document, completion_responses, reset_responses
 from specdecode.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,6 +80,7 @@ class ServerConfig:
     engine_thread: bool = True
     # True: a field the server does not know is a 400 (by default it is ignored, named in the log and a header).
     strict_api: bool = False
+    prefix_caching: bool = True  # automatic prefix caching (specdecode.prefix_cache)
 
 
 class Service:
@@ -94,6 +95,7 @@ class Service:
             generator,
             config.max_batch_size,
             config.max_queue,
+            prefix_caching=config.prefix_caching,
             on_step=self.metrics.record_load,
             on_finish=lambda sub, stats, reason: self.metrics.record_finished(
                 len(sub.prompt_ids), stats, finish_reason(reason)
@@ -375,6 +377,14 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache", responses=reset_responses())
+    async def reset_prefix_cache():
+        """Forget every prompt kept for prefix caching (vLLM's endpoint of the same name): what a benchmark does
+        between runs so that each starts cold.  Refused (409) while requests are in the engine."""
+        if not service.worker.reset_prefix_cache():
+            raise ApiError(409, "requests are in the engine: reset the prefix cache when the server is idle")
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():

@@ -32,6 +32,13 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         "(the X-Ignored-Fields header and the log)",
     )
     serve.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep finished prompts' caches (as many as the batch) and read only what a new prompt does not share "
+        "with one read before, in whole 128-token chunks: output unchanged (default on)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,

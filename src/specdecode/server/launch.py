@@ -66,6 +66,7 @@ def build_service(args: argparse.Namespace):
         drain_s=args.drain_timeout,
         engine_thread=False,  # run_serve steps it in the main thread, where the model was loaded
         strict_api=args.strict_api,
+        prefix_caching=args.enable_prefix_caching,
     )
     return Service(generator, drafters, config)
 

@@ -59,6 +59,15 @@ class ServerMetrics:
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for a place in the batch", registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated", registry=r)
+        # vLLM's names: prompt tokens looked up in the prefix cache, and those found there.
+        self.prefix_cache_queries = Counter(
+            f"{PREFIX}prefix_cache_queries",
+            "Prompt tokens of finished requests looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            f"{PREFIX}prefix_cache_hits", "Prompt tokens taken from the prefix cache instead of read", registry=r
+        )
         self.requests = Counter(
             f"{PREFIX}request_success", "Finished requests by finish reason", ["finished_reason"], registry=r
         )
@@ -97,6 +106,8 @@ class ServerMetrics:
         for position, accepted in enumerate(stats.accepted_at):
             self.accepted_per_pos.labels(position=str(position)).inc(accepted)
         self.prompt_tokens.inc(prompt_tokens)
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(stats.cached_tokens)
         self.generation_tokens.inc(stats.new_tokens)
         self.requests.labels(finished_reason=finish_reason).inc()
         self.verified_requests.labels(verifier=stats.verifier, lossless=str(stats.lossless).lower()).inc()

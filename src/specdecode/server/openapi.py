@@ -38,6 +38,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+def reset_responses() -> dict[int | str, dict[str, Any]]:
+    """The error answers of ``POST /reset_prefix_cache``."""
+    busy = "Requests are in the engine: reset the prefix cache when the server is idle."
+    return {
+        401: {"model": ErrorResponse, "description": ERROR_STATUSES[401]},
+        409: {"model": ErrorResponse, "description": busy},
+    }
+
+
 def completion_responses() -> dict[int | str, dict[str, Any]]:
     """The ``responses=`` of a completion route: a JSON object, or with ``"stream": true`` server-sent events; and the
     error statuses."""

@@ -77,12 +77,14 @@ class EngineWorker:
         generator: SpeculativeGenerator,
         max_batch_size: int,
         max_queue: int,
+        prefix_caching: bool = True,
         on_step: Callable[[int, int], None] = lambda running, waiting: None,
         on_finish: Callable[[Submission, GenerationStats, str], None] = lambda submission, stats, reason: None,
     ) -> None:
         self.generator = generator
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
+        self.prefix_caching = prefix_caching
         self.on_step = on_step
         self.on_finish = on_finish
         self.engine = self._new_engine()
@@ -94,7 +96,7 @@ class EngineWorker:
         self._stopped = threading.Event()  # set when that loop has returned
 
     def _new_engine(self) -> BatchEngine:
-        return self.generator.batch_engine(self.max_batch_size)
+        return self.generator.batch_engine(self.max_batch_size, self.prefix_caching)
 
     # -- called from the event loop --------------------------------------------------------------------
     def start(self) -> None:
@@ -128,6 +130,15 @@ class EngineWorker:
                 raise QueueFull(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
             self._incoming.append(submission)
             self._changed.notify()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every kept prompt (what a benchmark does between runs, as vLLM's ``/reset_prefix_cache``);
+        False, nothing done, while requests are in the engine."""
+        with self._changed:  # the engine's thread takes this lock before it touches an idle engine
+            if self._incoming or not self.engine.idle:
+                return False
+            self.engine.prefix_cache.clear()
+            return True
 
     def cancel(self, submission: Submission, reason: str = "abort") -> None:
         """Drop a request that is still in the engine (no-op once it finished); it ends with ``reason``
