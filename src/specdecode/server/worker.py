@@ -36,6 +36,11 @@ from specdecode.types import TokenLogprob
 log = logging.getLogger("specdecode.server")
 
 
+#: Positions of cache allocated for every slot when the engine starts, as vLLM allocates its KV cache up front (a
+#: request longer than this grows the cache then, which stalls the batch once).
+RESERVED_CONTEXT = 2048
+
+
 class QueueFull(Exception):
     """More requests are waiting than the server accepts (``--max-queue``)."""
 
@@ -96,7 +101,9 @@ class EngineWorker:
         self._stopped = threading.Event()  # set when that loop has returned
 
     def _new_engine(self) -> BatchEngine:
-        return self.generator.batch_engine(self.max_batch_size, self.prefix_caching)
+        engine = self.generator.batch_engine(self.max_batch_size, self.prefix_caching)
+        engine.preallocate(RESERVED_CONTEXT)
+        return engine
 
     # -- called from the event loop --------------------------------------------------------------------
     def start(self) -> None:
