@@ -159,7 +159,7 @@ def test_running_sequences_gain_tokens_in_every_step_while_a_long_prompt_is_read
     assert joining.read == len(long_prompt) - 1
 
 
-def test_the_budget_reads_as_many_chunks_as_fit_oldest_first(tiny_target):
+def test_the_budget_reads_as_many_chunks_as_fit_fewest_tokens_left_first(tiny_target):
     engine = fixed_depth_engine(tiny_target, "none", 1, prefill_chunk=CHUNK, prefill_budget=2 * CHUNK + 3)
     config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
     for tag, length in enumerate([3 * CHUNK + 1, 2 * CHUNK + 1, CHUNK + 4]):
@@ -169,5 +169,31 @@ def test_the_budget_reads_as_many_chunks_as_fit_oldest_first(tiny_target):
         before = {tag: seq.read for tag, seq in engine.running.values()}
         engine.step()
         reads.append([seq.read - before.get(tag, 0) for tag, seq in engine.running.values()])
-    # Two chunks fit a step (a third would not), the oldest prompts' first.
-    assert reads == [[CHUNK, CHUNK, 0], [CHUNK, CHUNK, 0], [CHUNK, 0, CHUNK], [0, 0, 3]]
+    # 24, 16 and 11 tokens to read: two chunks fit a step (a third would not), the prompt with the fewest tokens left
+    # first; a last short chunk fits beside two whole ones.
+    assert reads == [[0, CHUNK, CHUNK], [CHUNK, CHUNK, 3], [CHUNK, 0, 0], [CHUNK, 0, 0]]
+
+
+def test_the_prompt_with_the_fewest_tokens_left_is_read_first(tiny_target):
+    """Many prompts arriving at once: a short one is not read after a long one that arrived before it."""
+    config = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    long_prompt, short_prompt = prompt_of(5 * CHUNK, 1), prompt_of(CHUNK - 2, 2)
+    expected = solo(tiny_target, short_prompt, config, CHUNK)
+    engine = BatchEngine(
+        tiny_target.backend,
+        create_drafter("none", tiny_target),
+        lambda config, drafter: make_policy(config.num_draft_tokens),
+        frozenset(),
+        4,
+        prefill_chunk=CHUNK,
+    )
+    engine.submit(BatchRequest(long_prompt, config, tag="long"))
+    engine.submit(BatchRequest(short_prompt, config, tag="short"))
+    engine.step()  # reads the short prompt whole, nothing of the long one
+    reading = {tag: seq.read for tag, seq in engine.running.values()}
+    assert reading == {"long": 0, "short": len(short_prompt) - 1}
+    outputs = {"long": [], "short": []}
+    for event in engine.run():
+        outputs[event.tag].extend(event.new_tokens)
+    assert outputs["short"] == expected
+    assert outputs["long"] == solo(tiny_target, long_prompt, config, CHUNK)
