@@ -184,7 +184,9 @@ BAD = [
     (json.dumps({"messages": CHAT, "temperature": "hot"}), 400),
     (json.dumps({"messages": CHAT, "temperature": 5}), 400),
     (json.dumps({"messages": CHAT, "max_tokens": 0}), 400),
-    (json.dumps({"messages": CHAT, "n": 2}), 400),
+    (json.dumps({"messages": CHAT, "n": 0}), 400),
+    (json.dumps({"messages": CHAT, "n": 129}), 400),  # more than OpenAI allows
+    (json.dumps({"messages": CHAT, "n": 100}), 400),  # more than the queue holds
     (json.dumps({"messages": []}), 400),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), 400),
     (json.dumps({"messages": CHAT, "speculative": {"drafter": "nope"}}), 400),
@@ -649,3 +651,59 @@ def test_logprobs_are_the_targets_with_or_without_a_drafter_streamed_or_not(serv
     assert len(shaped.tokens) == len(shaped.top_logprobs) == len(shaped.text_offset) == 8
     assert shaped.text_offset[0] == 0 and all(len(top) >= 3 for top in shaped.top_logprobs)
     assert client.completions.create(model="tiny", prompt=TEXT, max_tokens=8).choices[0].logprobs is None
+
+
+def test_n_choices_share_the_prompt_each_with_its_own_seed_streamed_or_not(server, tiny_target):
+    client = server.client()
+    want = solo(tiny_target, CHAT, True, 12, ignore_eos=True)
+    fixed = {"ignore_eos": True, "speculative": {"num_draft_tokens": 3}}  # auto drafts less in a batch
+    greedy = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, temperature=0, n=3, extra_body=fixed
+    )
+    assert [choice.index for choice in greedy.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in greedy.choices] == [want.text] * 3
+    assert greedy.usage.prompt_tokens == want.prompt_tokens and greedy.usage.completion_tokens == 3 * 12
+    one = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, extra_body=fixed)
+    spec, alone = (answer.model_extra["metrics"]["speculative_decoding"] for answer in (greedy, one))
+    assert [spec[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] == [
+        3 * alone[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    ]
+
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 10}
+    wants = [solo(tiny_target, TEXT, False, 10, temperature=1.0, seed=7 + i, ignore_eos=True).text for i in range(3)]
+    assert len(set(wants)) > 1  # the seeds give different texts
+    done = client.completions.create(model="tiny", prompt=TEXT, n=3, extra_body={"ignore_eos": True}, **sampled)
+    assert [choice.text for choice in sorted(done.choices, key=lambda c: c.index)] == wants
+    texts = ["", "", ""]
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=TEXT,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **sampled,
+        )
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == wants
+    assert chunks[-1].usage.completion_tokens == 30 and [c for c in chunks if c.choices][-1].choices[0].finish_reason
+
+    streamed = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, n=2, stream=True, extra_body={"ignore_eos": True}
+    )
+    said = ["", ""]
+    roles = []
+    for chunk in streamed:
+        for choice in chunk.choices:
+            said[choice.index] += choice.delta.content or ""
+            roles += [choice.index] if choice.delta.role else []
+    assert said == [want.text] * 2 and sorted(roles) == [0, 1]
+
+
+def test_best_of_is_refused_by_name(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": TEXT, "n": 2, "best_of": 3})
+    assert response.status_code == 400 and "best_of is not supported" in response.json()["error"]["message"]

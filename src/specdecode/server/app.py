@@ -11,6 +11,7 @@ slot before the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -45,6 +46,7 @@ from specdecode.server.protocol import (
     usage,
 )
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
+from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import verifiers
 
@@ -169,6 +171,23 @@ class Service:
             raise ApiError(400, str(exc)) from exc
         return Submission(prompt_ids, config, self.drafter_for(body), asyncio.get_running_loop())
 
+    def choices(self, body: _Common, chat: bool) -> list[Submission]:
+        """The request's ``n`` sequences: one prompt, read by each (the engine shares no cache between sequences),
+        and each its own random stream: choice i is seeded with seed + i when the request has a seed, as vLLM
+        seeds them; so greedy choices are all alike."""
+        room = self.config.max_queue + self.config.max_batch_size
+        if body.n > room:
+            why = f"n: {body.n} choices cannot all wait in this server's queue (at most {room})"
+            raise ApiError(400, why, param="n")
+        first = self.submission(body, chat)
+        submissions = [first]
+        for index in range(1, body.n):
+            config, seed = first.config, first.config.sampling.seed
+            if seed is not None:
+                config = dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, seed=seed + index))
+            submissions.append(Submission(first.prompt_ids, config, first.drafter, first.loop))
+        return submissions
+
 
 def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for the app: the fastest event loop and HTTP parser it finds (uvloop and httptools,
@@ -199,14 +218,13 @@ def _sse(data: dict | str) -> str:
 
 
 class Exchange:
-    """One request being answered: its submission, text assembly and response shape."""
+    """One choice of a request being answered: its submission, text assembly and response shape."""
 
-    def __init__(self, service: Service, submission: Submission, body: _Common, chat: bool) -> None:
+    def __init__(self, service: Service, submission: Submission, body: _Common, shape: ResponseShape) -> None:
         self.service = service
         self.submission = submission
         self.body = body
-        tokenizer = service.generator.target.tokenizer
-        self.shape = ResponseShape(chat, service.config.model_name, lambda token: tokenizer.decode([token]))
+        self.shape = shape
         self.text = TextAssembler(service.generator, submission.prompt_ids, submission.config)
         self.wants_logprobs = submission.config.logprobs is not None
         self.logprobs: list[TokenLogprob] = []  # every generated token's, as the updates bring them
@@ -214,6 +232,7 @@ class Exchange:
         self.last = submission.arrived
         self.first = True
         self.look_again_at = 0.0  # when a non-streamed request next checks that its client is still there
+        self.stats: GenerationStats | None = None  # once the choice has ended
 
     def take(self, update: Update) -> str:
         """The text an update releases (a stop string ends the request at once)."""
@@ -234,12 +253,12 @@ class Exchange:
     def ending(self, update: Update) -> tuple[str, str, dict]:
         """(the rest of the text, OpenAI's finish reason, the response's extra fields) of the last update."""
         reason = "stop" if self.text.stopped else (update.finish_reason or "abort")
-        stats = update.stats
-        rest = self.text.finish(DecodeOutcome(stats, reason)).text if stats is not None else ""
-        extra = {"metrics": {"speculative_decoding": speculative_summary(stats)}} if stats is not None else {}
-        return rest, finish_reason(reason), extra
+        self.stats = update.stats
+        rest = self.text.finish(DecodeOutcome(self.stats, reason)).text if self.stats is not None else ""
+        return rest, finish_reason(reason), _speculative_metrics([self.stats] if self.stats is not None else [])
 
     async def complete(self, request: Request) -> dict:
+        """This choice of the non-streamed response."""
         pieces = []
         while True:
             update = await self._next(request)
@@ -248,10 +267,8 @@ class Exchange:
             pieces.append(self.take(update))
             if update.finished:
                 break
-        rest, reason, extra = self.ending(update)
-        text = "".join(pieces) + rest
-        prompt_tokens = len(self.submission.prompt_ids)
-        return self.shape.complete(text, reason, prompt_tokens, update.stats, extra, self._unsent_logprobs())
+        rest, reason, _ = self.ending(update)
+        return self.shape.complete_choice("".join(pieces) + rest, reason, self._unsent_logprobs())
 
     def _unsent_logprobs(self) -> list[TokenLogprob] | None:
         """The log-probabilities of the kept tokens not yet sent (a stop string drops the tokens after it); None
@@ -278,31 +295,25 @@ class Exchange:
             if done:
                 return getter.result()
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def chunks(self) -> AsyncIterator[dict]:
+        """This choice's streamed chunks, up to the one with its finish reason (an engine failure raises)."""
         try:
             if self.shape.chat:
-                yield _sse(self._with_usage(self.shape.chunk(None, first=True)))
+                yield self._with_usage(self.shape.chunk(None, first=True))
             while True:
                 update = await self.submission.updates.get()
-                try:
-                    piece = self.take(update)
-                except ApiError as exc:
-                    yield _sse(error_body(exc.message, exc.kind))
-                    return
+                piece = self.take(update)
                 if piece:
-                    yield _sse(self._with_usage(self.shape.chunk(piece, logprobs=self._unsent_logprobs())))
+                    yield self._with_usage(self.shape.chunk(piece, logprobs=self._unsent_logprobs()))
                 if update.finished:
                     break
             rest, reason, extra = self.ending(update)
             if rest:
-                yield _sse(self._with_usage(self.shape.chunk(rest, logprobs=self._unsent_logprobs())))
+                yield self._with_usage(self.shape.chunk(rest, logprobs=self._unsent_logprobs()))
             final = self._with_usage(self.shape.chunk(None, reason, logprobs=self._unsent_logprobs()))
             if not self.body.include_usage:
                 final.update(extra)
-            yield _sse(final)
-            if self.body.include_usage and update.stats is not None:
-                yield _sse(self.shape.usage_chunk(len(self.submission.prompt_ids), update.stats, extra))
-            yield _sse("[DONE]")
+            yield final
         finally:  # also when the client went away mid-stream (the task is cancelled)
             self.service.worker.cancel(self.submission)
 
@@ -311,6 +322,62 @@ class Exchange:
         if self.body.continuous_usage:
             chunk["usage"] = usage(len(self.submission.prompt_ids), len(self.text.generated))
         return chunk
+
+
+def _speculative_metrics(stats: list[GenerationStats]) -> dict:
+    """A response's ``metrics`` field: what speculation did for its choices together (nothing when none ended)."""
+    return {"metrics": {"speculative_decoding": speculative_summary(GenerationStats.combined(stats))}} if stats else {}
+
+
+async def complete_choices(request: Request, exchanges: list[Exchange]) -> dict:
+    """The non-streamed response to a request: its choices decoded together, usage and metrics summed over them."""
+    tasks = [asyncio.ensure_future(exchange.complete(request)) for exchange in exchanges]
+    try:
+        choices = await asyncio.gather(*tasks)
+    except BaseException:  # one failed or the client left: the other choices decode for nobody
+        for task, exchange in zip(tasks, exchanges):
+            task.cancel()
+            exchange.service.worker.cancel(exchange.submission)
+        raise
+    ended = [exchange.stats for exchange in exchanges if exchange.stats is not None]
+    generated = sum(stats.new_tokens for stats in ended)
+    prompt_tokens = len(exchanges[0].submission.prompt_ids)
+    return exchanges[0].shape.complete(list(choices), prompt_tokens, generated, _speculative_metrics(ended))
+
+
+async def stream_choices(exchanges: list[Exchange], body: _Common) -> AsyncIterator[str]:
+    """The streamed response: every choice's chunks as they come, then the usage (when asked for) and ``[DONE]``."""
+    queue: asyncio.Queue[tuple[dict | None, ApiError | None]] = asyncio.Queue()
+
+    async def pump(exchange: Exchange) -> None:
+        try:
+            async for chunk in exchange.chunks():
+                queue.put_nowait((chunk, None))
+            queue.put_nowait((None, None))
+        except ApiError as exc:
+            queue.put_nowait((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(exchange)) for exchange in exchanges]
+    try:
+        running = len(tasks)
+        while running:
+            chunk, failure = await queue.get()
+            if failure is not None:
+                yield _sse(error_body(failure.message, failure.kind))
+                return
+            if chunk is None:
+                running -= 1
+            else:
+                yield _sse(chunk)
+        ended = [exchange.stats for exchange in exchanges]
+        if body.include_usage and all(stats is not None for stats in ended):
+            generated = sum(stats.new_tokens for stats in ended)
+            prompt_tokens = len(exchanges[0].submission.prompt_ids)
+            yield _sse(exchanges[0].shape.usage_chunk(prompt_tokens, generated, _speculative_metrics(ended)))
+        yield _sse("[DONE]")
+    finally:  # also when the client went away mid-stream: each choice's stream cancels its sequence
+        for task in tasks:
+            task.cancel()
 
 
 class ApiKeyGuard:
@@ -382,19 +449,21 @@ def create_app(service: Service) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     async def answer(request: Request, body: _Common, chat: bool):
-        submission = service.submission(body, chat)
+        submissions = service.choices(body, chat)
         try:
-            service.worker.submit(submission)
+            service.worker.submit(*submissions)
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}", kind="rate_limit_error", headers={"Retry-After": "1"}) from exc
-        exchange = Exchange(service, submission, body, chat)
+        tokenizer = service.generator.target.tokenizer
+        shape = ResponseShape(chat, service.config.model_name, lambda token: tokenizer.decode([token]))
+        exchanges = [Exchange(service, sub, body, shape.choice(i)) for i, sub in enumerate(submissions)]
         headers = {}
         if ignored := body.ignored_fields():
             log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
             headers[IGNORED_FIELDS_HEADER] = ", ".join(json.dumps(name)[1:-1] for name in ignored)  # ASCII, one line
         if body.stream:
-            return StreamingResponse(exchange.stream(), media_type="text/event-stream", headers=headers)
-        return JSONResponse(await exchange.complete(request), headers=headers)
+            return StreamingResponse(stream_choices(exchanges, body), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await complete_choices(request, exchanges), headers=headers)
 
     @app.post("/v1/chat/completions", responses=completion_responses())
     async def chat_completions(request: Request, body: ChatCompletionRequest):

@@ -16,6 +16,7 @@ do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does,
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import Callable
@@ -27,7 +28,6 @@ from pydantic_core import PydanticCustomError
 from specdecode.config import MAX_FIXED_DRAFT_LENGTH, MAX_TOP_LOGPROBS, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling_params import REPETITION_PENALTY_RANGE
-from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import check_verifier
 
@@ -108,6 +108,9 @@ BiasKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]  # log-probabilities' alternatives per token
 
+#: The most choices one request may ask for (``n``), as OpenAI's API allows.
+MAX_CHOICES = 128
+
 _NO_TOOLS = "tool calling is not supported by this server"
 
 
@@ -140,8 +143,8 @@ class _Common(BaseModel):
     min_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    n: Literal[1] = 1
-    best_of: Literal[1] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), WHOLE] = 1  # choices, each its own seed stream (seed + index)
+    best_of: Annotated[int, WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}]})] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -159,6 +162,12 @@ class _Common(BaseModel):
             return None if name is None else check_verifier(name)
         except SpecDecodeError as exc:  # as a ValueError, pydantic reports it as this field's 400
             raise ValueError(str(exc)) from exc
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        _unless(best_of not in (None, 1), "best_of is not supported by this server; n > 1 returns n choices, unranked")
+        return best_of
 
     @field_validator("tools")
     @classmethod
@@ -284,7 +293,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 class ResponseShape:
     """Builds one endpoint's response objects: ``chat`` for ``/v1/chat/completions``, else ``/v1/completions``.
-    ``token_text``: a token id's text, as log-probabilities name tokens."""
+    ``token_text``: a token id's text, as log-probabilities name tokens.  One shape per choice (:meth:`choice`): the
+    choices of a request share its id and time and each counts its own text offsets."""
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str] = str) -> None:
         self.chat = chat
@@ -292,7 +302,14 @@ class ResponseShape:
         self.token_text = token_text
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.index = 0
         self.text_offset = 0  # where the next token's text starts (completions' text_offset, as vLLM counts it)
+
+    def choice(self, index: int) -> ResponseShape:
+        """The shape of the request's choice ``index``."""
+        shape = copy.copy(self)
+        shape.index, shape.text_offset = index, 0
+        return shape
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         """OpenAI's log-probabilities object for these tokens (None when not asked for): chat's ``content`` list, or
@@ -324,25 +341,18 @@ class ResponseShape:
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete(
-        self,
-        text: str,
-        reason: str,
-        prompt_tokens: int,
-        stats: GenerationStats,
-        extra: dict,
-        logprobs: list[TokenLogprob] | None = None,
-    ) -> dict:
+    def complete_choice(self, text: str, reason: str, logprobs: list[TokenLogprob] | None = None) -> dict:
+        """This choice of a non-streamed response."""
         shaped = self.logprobs(logprobs)
         if self.chat:
             message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            body = self._envelope(
-                "text_completion", [{"index": 0, "text": text, "logprobs": shaped, "finish_reason": reason}]
-            )
-        body["usage"] = usage(prompt_tokens, stats.new_tokens)
+            return {"index": self.index, "message": message, "logprobs": shaped, "finish_reason": reason}
+        return {"index": self.index, "text": text, "logprobs": shaped, "finish_reason": reason}
+
+    def complete(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, extra: dict) -> dict:
+        """The non-streamed response: its choices, and usage (the prompt counted once, as OpenAI counts it)."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage(prompt_tokens, completion_tokens)
         body.update(extra)
         return body
 
@@ -358,16 +368,16 @@ class ResponseShape:
             delta: dict = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            choice = {"index": self.index, "delta": delta, "finish_reason": reason}
             if shaped is not None:
                 choice["logprobs"] = shaped
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope(
-            "text_completion", [{"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": reason}]
+            "text_completion", [{"index": self.index, "text": text or "", "logprobs": shaped, "finish_reason": reason}]
         )
 
-    def usage_chunk(self, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, extra: dict) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(prompt_tokens, stats.new_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens)
         body.update(extra)
         return body

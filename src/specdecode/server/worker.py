@@ -119,14 +119,15 @@ class EngineWorker:
     def waiting(self) -> int:
         return len(self.engine.waiting) + len(self._incoming)
 
-    def submit(self, submission: Submission) -> None:
+    def submit(self, *submissions: Submission) -> None:
+        """Queue the submissions (a request's choices): all of them, or none when the queue has no room for all."""
         with self._changed:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             free = self.max_batch_size - len(self.engine.running)
-            if self.waiting >= self.max_queue + max(free, 0):
+            if self.waiting + len(submissions) > self.max_queue + max(free, 0):
                 raise QueueFull(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
-            self._incoming.append(submission)
+            self._incoming.extend(submissions)
             self._changed.notify()
 
     def cancel(self, submission: Submission, reason: str = "abort") -> None:
