@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from specdecode.cli import main
@@ -707,3 +708,53 @@ def test_n_choices_share_the_prompt_each_with_its_own_seed_streamed_or_not(serve
 def test_best_of_is_refused_by_name(server):
     response = httpx.post(f"{server.url}/v1/completions", json={"prompt": TEXT, "n": 2, "best_of": 3})
     assert response.status_code == 400 and "best_of is not supported" in response.json()["error"]["message"]
+
+
+def test_echo_puts_the_prompt_and_its_raw_logprobs_first_with_or_without_a_drafter(server, tiny_target, tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    client = server.client()
+    plain = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=6, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    echoed = client.completions.create(model="tiny", prompt=TEXT, max_tokens=6, echo=True)
+    assert echoed.choices[0].text == TEXT + plain.choices[0].text and echoed.choices[0].logprobs is None
+
+    prompt_ids = tiny_target.tokenizer(TEXT)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    want = [raw[i, token].item() for i, token in enumerate(prompt_ids[1:])]
+    answers = {}
+    for drafter in ("none", "pld", "suffix"):
+        extra = {"ignore_eos": True, "speculative": {"drafter": drafter, "num_draft_tokens": 3}}
+        answers[drafter] = client.completions.create(
+            model="tiny", prompt=TEXT, max_tokens=6, logprobs=2, echo=True, extra_body=extra
+        ).choices[0]
+    for drafter, choice in answers.items():
+        shaped = choice.logprobs
+        assert choice.text == TEXT + plain.choices[0].text, drafter
+        assert shaped.tokens[0] == tiny_target.tokenizer.decode([prompt_ids[0]])
+        assert shaped.token_logprobs[0] is None and shaped.top_logprobs[0] is None
+        assert shaped.token_logprobs[1 : len(prompt_ids)] == pytest.approx(want, abs=1e-4), drafter
+        assert shaped.token_logprobs[len(prompt_ids) :] == pytest.approx(
+            plain.choices[0].logprobs.token_logprobs, abs=1e-4
+        )
+        assert shaped.tokens[len(prompt_ids) :] == plain.choices[0].logprobs.tokens
+        assert all(len(top) >= 2 for top in shaped.top_logprobs[1:])
+        assert shaped.text_offset == sorted(shaped.text_offset) and len(shaped.text_offset) == len(prompt_ids) + 6
+
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=TEXT, max_tokens=6, logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == answers["none"].text
+    streamed = [
+        lp
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for lp in chunk.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(answers["none"].logprobs.token_logprobs[1:], abs=1e-4)

@@ -11,16 +11,19 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import AUTO, DraftLength, GenerationConfig, parse_draft_length
 from specdecode.draft_length.base import PolicySource
 from specdecode.draft_length.factory import measured_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
-from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.engine import PREFILL_CHUNK, DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
+from specdecode.sampling import token_logprobs
 from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import VerifierChoice, parse_verifier
@@ -290,6 +293,24 @@ class SpeculativeGenerator:
             self.eos_ids,
             max_batch_size,
         )
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's log-probability after the tokens before it (the first has none, so ``len(prompt_ids)
+        - 1`` entries), with the ``top`` most likely tokens' there: the target's raw distribution, read in one forward
+        over the prompt (in the chunks decoding reads it in), with neither temperature nor penalties nor bias,
+        as vLLM's prompt log-probabilities are."""
+        backend = self.target.backend
+        cache = backend.new_cache()
+        entries: list[TokenLogprob] = []
+        try:
+            for start in range(0, len(prompt_ids) - 1, PREFILL_CHUNK):
+                chunk = prompt_ids[start : start + PREFILL_CHUNK]
+                logits = backend.forward(torch.tensor(chunk, device=backend.device), cache).logits
+                following = prompt_ids[start + 1 : start + 1 + len(chunk)]
+                entries += token_logprobs(logits[: len(following)], following, top)
+        finally:
+            cache.release()
+        return entries
 
     def run_batch(
         self,

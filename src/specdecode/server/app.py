@@ -217,14 +217,38 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+@dataclass
+class Echo:
+    """What completions' ``echo`` puts before each choice: the prompt's text and, when the request asked for
+    log-probabilities, its tokens' (``first``: the prompt's first token, which has none)."""
+
+    text: str
+    first: int
+    logprobs: list[TokenLogprob] | None
+
+
+async def echo_of(service: Service, body: CompletionRequest, prompt_ids: list[int]) -> Echo:
+    """The request's echo; the prompt's log-probabilities come from a forward of the target alone, in the engine's
+    thread, so they are the same whatever drafts."""
+    tokenizer = service.generator.target.tokenizer
+    text = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt_ids)
+    top = body.logprobs_top
+    read = service.generator.prompt_logprobs
+    logprobs = None if top is None else await service.worker.call(lambda: read(prompt_ids, top))
+    return Echo(text, prompt_ids[0], logprobs)
+
+
 class Exchange:
     """One choice of a request being answered: its submission, text assembly and response shape."""
 
-    def __init__(self, service: Service, submission: Submission, body: _Common, shape: ResponseShape) -> None:
+    def __init__(
+        self, service: Service, submission: Submission, body: _Common, shape: ResponseShape, echo: Echo | None = None
+    ) -> None:
         self.service = service
         self.submission = submission
         self.body = body
         self.shape = shape
+        self.echo = echo
         self.text = TextAssembler(service.generator, submission.prompt_ids, submission.config)
         self.wants_logprobs = submission.config.logprobs is not None
         self.logprobs: list[TokenLogprob] = []  # every generated token's, as the updates bring them
@@ -268,7 +292,11 @@ class Exchange:
             if update.finished:
                 break
         rest, reason, _ = self.ending(update)
-        return self.shape.complete_choice("".join(pieces) + rest, reason, self._unsent_logprobs())
+        text, logprobs = "".join(pieces) + rest, self._unsent_logprobs()
+        if self.echo is None:
+            return self.shape.complete_choice(text, reason, logprobs)
+        echoed = None if logprobs is None else (self.echo.logprobs or []) + logprobs
+        return self.shape.complete_choice(self.echo.text + text, reason, echoed, lead=self.echo.first)
 
     def _unsent_logprobs(self) -> list[TokenLogprob] | None:
         """The log-probabilities of the kept tokens not yet sent (a stop string drops the tokens after it); None
@@ -300,6 +328,9 @@ class Exchange:
         try:
             if self.shape.chat:
                 yield self._with_usage(self.shape.chunk(None, first=True))
+            if self.echo is not None:
+                lead = self.echo.first if self.wants_logprobs else None
+                yield self._with_usage(self.shape.chunk(self.echo.text, logprobs=self.echo.logprobs, lead=lead))
             while True:
                 update = await self.submission.updates.get()
                 piece = self.take(update)
@@ -450,13 +481,14 @@ def create_app(service: Service) -> FastAPI:
 
     async def answer(request: Request, body: _Common, chat: bool):
         submissions = service.choices(body, chat)
+        echo = await echo_of(service, body, submissions[0].prompt_ids) if not chat and body.echo else None
         try:
             service.worker.submit(*submissions)
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}", kind="rate_limit_error", headers={"Retry-After": "1"}) from exc
         tokenizer = service.generator.target.tokenizer
         shape = ResponseShape(chat, service.config.model_name, lambda token: tokenizer.decode([token]))
-        exchanges = [Exchange(service, sub, body, shape.choice(i)) for i, sub in enumerate(submissions)]
+        exchanges = [Exchange(service, sub, body, shape.choice(i), echo) for i, sub in enumerate(submissions)]
         headers = {}
         if ignored := body.ignored_fields():
             log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))

@@ -3,13 +3,14 @@
 Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``seed``,
 ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``n`` (1 only), ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), plus our
+``n``, ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), plus our
 ``speculative`` object choosing the drafter and draft length per request, ``coupled`` (false: a seeded request is
 verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
 lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
 OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools``,
-``tool_choice``, ``response_format``, ``best_of`` or ``n`` > 1, ``echo``, ``suffix``), with the reason.  ``logprobs``
-(and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`).  A field we
+``tool_choice``, ``response_format``, ``best_of`` > 1, ``suffix``), with the reason.  ``logprobs``
+(and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`);
+completions' ``echo`` puts the prompt first, its tokens' log-probabilities the target's raw ones.  A field we
 do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with
 ``--strict-api``.
 """
@@ -248,16 +249,9 @@ class ChatCompletionRequest(_Common):
 
 class CompletionRequest(_Common):
     prompt: NonBlank | Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
-    echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
+    echo: bool = False  # the prompt before the completion (and its tokens' log-probabilities, with logprobs)
     logprobs: TopCount | None = None
     suffix: Annotated[str, WithJsonSchema({"const": ""})] | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("Input should be False")
-        return echo
 
     @property
     def logprobs_top(self) -> int | None:
@@ -311,23 +305,26 @@ class ResponseShape:
         shape.index, shape.text_offset = index, 0
         return shape
 
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def logprobs(self, entries: list[TokenLogprob] | None, lead: int | None = None) -> dict | None:
         """OpenAI's log-probabilities object for these tokens (None when not asked for): chat's ``content`` list, or
-        completions' parallel lists."""
+        completions' parallel lists; there ``lead`` is a token before them that has none (an echoed prompt's first),
+        its log-probability and alternatives null as OpenAI gives them."""
         if entries is None:
             return None
         if self.chat:
             return {"content": [dict(self._token(e.token, e.logprob), top_logprobs=self._top(e)) for e in entries]}
-        tokens = [self.token_text(e.token) for e in entries]
+        tokens = [self.token_text(token) for token in ([] if lead is None else [lead])]
+        tokens += [self.token_text(e.token) for e in entries]
         offsets = []
         for token in tokens:
             offsets.append(self.text_offset)
             self.text_offset += len(token)
+        none: list[None] = [] if lead is None else [None]
         tops = [{self.token_text(t): lp for t, lp in ((e.token, e.logprob), *e.top)} for e in entries]
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": tops,
+            "token_logprobs": none + [e.logprob for e in entries],
+            "top_logprobs": none + tops,
             "text_offset": offsets,
         }
 
@@ -341,9 +338,11 @@ class ResponseShape:
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete_choice(self, text: str, reason: str, logprobs: list[TokenLogprob] | None = None) -> dict:
-        """This choice of a non-streamed response."""
-        shaped = self.logprobs(logprobs)
+    def complete_choice(
+        self, text: str, reason: str, logprobs: list[TokenLogprob] | None = None, lead: int | None = None
+    ) -> dict:
+        """This choice of a non-streamed response (``lead``: see :meth:`logprobs`)."""
+        shaped = self.logprobs(logprobs, lead)
         if self.chat:
             message = {"role": "assistant", "content": text}
             return {"index": self.index, "message": message, "logprobs": shaped, "finish_reason": reason}
@@ -362,8 +361,9 @@ class ResponseShape:
         reason: str | None = None,
         first: bool = False,
         logprobs: list[TokenLogprob] | None = None,
+        lead: int | None = None,
     ) -> dict:
-        shaped = self.logprobs(logprobs)
+        shaped = self.logprobs(logprobs, lead)
         if self.chat:
             delta: dict = {"role": "assistant"} if first else {}
             if text:

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
@@ -34,6 +35,19 @@ from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
 
 log = logging.getLogger("specdecode.server")
+
+
+T = TypeVar("T")
+
+
+def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:
+    """Give ``future`` its outcome unless its caller stopped waiting (the client left)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class QueueFull(Exception):
@@ -89,6 +103,7 @@ class EngineWorker:
         self._changed = threading.Condition()
         self._incoming: list[Submission] = []
         self._cancelled: list[Submission] = []
+        self._calls: list[tuple[Callable[[], object], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
         self._driving = threading.Event()  # set while a loop steps the engine
         self._stopped = threading.Event()  # set when that loop has returned
@@ -130,6 +145,17 @@ class EngineWorker:
             self._incoming.extend(submissions)
             self._changed.notify()
 
+    def call(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``work`` in the engine's thread between two steps (a forward of the target outside the batch, such as
+        a prompt's log-probabilities: the model runs in that thread only); its result, or its exception, comes back
+        on the returned future of the calling event loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._changed:
+            self._calls.append((work, loop, future))
+            self._changed.notify()
+        return future
+
     def cancel(self, submission: Submission, reason: str = "abort") -> None:
         """Drop a request that is still in the engine (no-op once it finished); it ends with ``reason``
         ("abort": the client left; "stop": a stop string ended it)."""
@@ -159,14 +185,22 @@ class EngineWorker:
     def _run(self, alive: Callable[[], bool]) -> None:
         while True:
             with self._changed:
-                while not (self._incoming or self._cancelled or not self.engine.idle or self._stopping):
+                while not (self._incoming or self._cancelled or self._calls or not self.engine.idle or self._stopping):
                     if not alive():
                         return
                     self._changed.wait(timeout=0.5)
-                if self._stopping and self.engine.idle and not self._incoming and not self._cancelled:
+                if self._stopping and self.engine.idle and not (self._incoming or self._cancelled or self._calls):
                     return
                 incoming, self._incoming = self._incoming, []
                 cancelled, self._cancelled = self._cancelled, []
+                calls, self._calls = self._calls, []
+            for work, loop, future in calls:
+                result, error = None, None
+                try:
+                    result = work()
+                except Exception as exc:  # the caller's to report
+                    error = exc
+                loop.call_soon_threadsafe(_settle, future, result, error)
             for submission in cancelled:
                 sequence = next((seq for tag, seq in self.engine.running.values() if tag is submission), None)
                 stats = sequence.stats if sequence is not None else None
