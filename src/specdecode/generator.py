@@ -144,13 +144,14 @@ class SpeculativeGenerator:
         return time.perf_counter() - started
 
     # -- prompt handling -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, chat: bool | None = False) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = False, tools: list[dict] | None = None) -> list[int]:
         """Text, chat messages or token ids → validated token ids.
 
         ``chat`` is for text: True wraps it in the model's chat template as one user message (an error if the
         model has none), False tokenizes it as it is, None uses the template when the model has one — what
         the CLI does by default, since an instruct model given a bare prompt often answers nothing at all.
-        Chat messages always go through the template; token ids are taken as they are."""
+        Chat messages always go through the template, with ``tools`` (OpenAI's function definitions) when given (an
+        error if the template renders none); token ids are taken as they are."""
         tokenizer = self.target.tokenizer
         if isinstance(prompt, str):
             check_prompt_text(prompt)
@@ -159,7 +160,7 @@ class SpeculativeGenerator:
             else:
                 ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         elif prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._apply_chat_template(list(prompt))
+            ids = self._apply_chat_template(list(prompt), tools)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) and 0 <= t < self.target.backend.vocab_size for t in ids):
@@ -178,21 +179,27 @@ class SpeculativeGenerator:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.target.tokenizer, "chat_template", None))
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def _apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         tokenizer = self.target.tokenizer
         if not self.has_chat_template:
             raise SpecDecodeError(f"model {self.target.name!r} has no chat template; use a plain prompt (no --chat)")
         for message in messages:
-            role_ok = message.get("role") in {"system", "developer", "user", "assistant"}
-            if not role_ok or not isinstance(message.get("content"), str):
+            role_ok = message.get("role") in {"system", "developer", "user", "assistant", "tool"}
+            content = message.get("content")
+            calls_only = content is None and message.get("role") == "assistant" and message.get("tool_calls")
+            if not role_ok or not (isinstance(content, str) or calls_only):
                 raise SpecDecodeError(
-                    "chat messages need a role (system, developer, user or assistant) and string content"
+                    "chat messages need a role (system, developer, user, assistant or tool) and string content "
+                    "(an assistant message may have tool_calls instead)"
                 )
         # OpenAI's "developer" messages are what "system" ones were; chat templates know only the latter.
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        if not any(m["content"].strip() for m in messages):
-            raise SpecDecodeError("prompt is empty" if not any(m["content"] for m in messages) else _BLANK)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        said = [m.get("content") or "" for m in messages]
+        if not any(text.strip() for text in said) and not any(m.get("tool_calls") for m in messages):
+            raise SpecDecodeError("prompt is empty" if not any(said) else _BLANK)
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+        if tools and ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True):
+            raise SpecDecodeError(f"model {self.target.name!r}: its chat template does not render tools")
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
     def config_for(self, **params) -> GenerationConfig:

@@ -45,6 +45,13 @@ from specdecode.server.protocol import (
     finish_reason,
     usage,
 )
+from specdecode.server.tools import (
+    ToolCallStream,
+    constrain_to_tool_calls,
+    forced_call_schema,
+    forced_calls,
+    template_tools,
+)
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
 from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
@@ -137,10 +144,10 @@ class Service:
         if self.config.strict_api and (ignored := body.ignored_fields()):
             raise ApiError(400, f"{ignored[0]}: unsupported field", param=ignored[0])
         generator = self.generator
-        fields = {"role", "content", "name"}
-        prompt = [m.model_dump(include=fields, exclude_none=True) for m in body.messages] if chat else body.prompt
+        prompt = [m.for_template() for m in body.messages] if chat else body.prompt
+        tools = template_tools(body.offered_tools) if chat else None
         try:
-            prompt_ids = generator.encode_prompt(prompt, chat=chat)
+            prompt_ids = generator.encode_prompt(prompt, chat=chat, tools=tools)
             room = generator.target.backend.max_context - len(prompt_ids)
             asked = body.max_completion_tokens or body.max_tokens
             max_new_tokens = min(asked, room) if asked else room
@@ -180,6 +187,12 @@ class Service:
             why = f"n: {body.n} choices cannot all wait in this server's queue (at most {room})"
             raise ApiError(400, why, param="n")
         first = self.submission(body, chat)
+        if chat and body.forced_tool_choice:
+            schema = forced_call_schema(body.offered_tools, body.tool_choice, body.parallel)
+            try:
+                first.config = constrain_to_tool_calls(first.config, schema, body.tool_choice)
+            except SpecDecodeError as exc:
+                raise ApiError(400, str(exc), param="tool_choice") from exc
         submissions = [first]
         for index in range(1, body.n):
             config, seed = first.config, first.config.sampling.seed
@@ -257,6 +270,13 @@ class Exchange:
         self.first = True
         self.look_again_at = 0.0  # when a non-streamed request next checks that its client is still there
         self.stats: GenerationStats | None = None  # once the choice has ended
+        # The model's calls are read from its <tool_call> blocks as they come, or, when a call is forced, from the
+        # whole output (held to the calls' JSON); not at all without tools.
+        chat_tools = isinstance(body, ChatCompletionRequest) and bool(body.offered_tools)
+        self.forced = chat_tools and body.forced_tool_choice
+        self.tool_stream = ToolCallStream(body.parallel) if chat_tools and not self.forced else None
+        self.forced_text = ""  # a forced call's output, read once it is complete
+        self.calls_sent = 0
 
     def take(self, update: Update) -> str:
         """The text an update releases (a stop string ends the request at once)."""
@@ -293,6 +313,11 @@ class Exchange:
                 break
         rest, reason, _ = self.ending(update)
         text, logprobs = "".join(pieces) + rest, self._unsent_logprobs()
+        if self.forced or self.tool_stream is not None:
+            said, calls = self._read_calls(text, final=True)
+            reason = "tool_calls" if calls and reason == "stop" else reason
+            content = None if calls and not (said or "").strip() else said  # OpenAI's null beside calls
+            return self.shape.complete_choice(content, reason, logprobs, tool_calls=self._numbered(calls))
         if self.echo is None:
             return self.shape.complete_choice(text, reason, logprobs)
         echoed = None if logprobs is None else (self.echo.logprobs or []) + logprobs
@@ -333,20 +358,50 @@ class Exchange:
                 yield self._with_usage(self.shape.chunk(self.echo.text, logprobs=self.echo.logprobs, lead=lead))
             while True:
                 update = await self.submission.updates.get()
-                piece = self.take(update)
-                if piece:
-                    yield self._with_usage(self.shape.chunk(piece, logprobs=self._unsent_logprobs()))
+                said, calls = self._read_calls(self.take(update))
+                if said or calls:
+                    yield self._with_usage(self._chunk(said, calls))
                 if update.finished:
                     break
             rest, reason, extra = self.ending(update)
-            if rest:
-                yield self._with_usage(self.shape.chunk(rest, logprobs=self._unsent_logprobs()))
+            said, calls = self._read_calls(rest, final=True)
+            if said or calls:
+                yield self._with_usage(self._chunk(said, calls))
+            reason = "tool_calls" if self.calls_sent and reason == "stop" else reason
             final = self._with_usage(self.shape.chunk(None, reason, logprobs=self._unsent_logprobs()))
             if not self.body.include_usage:
                 final.update(extra)
             yield final
         finally:  # also when the client went away mid-stream (the task is cancelled)
             self.service.worker.cancel(self.submission)
+
+    def _chunk(self, text: str | None, calls: list[dict]) -> dict:
+        return self.shape.chunk(text, logprobs=self._unsent_logprobs(), tool_calls=self._numbered(calls))
+
+    def _read_calls(self, text: str, final: bool = False) -> tuple[str | None, list[dict]]:
+        """(the text to send, the tool calls to send) of the next text, the last when ``final``: the text itself when
+        the request offered no tools."""
+        if self.forced:
+            self.forced_text += text
+            if not final:
+                return None, []
+            calls = forced_calls(self.forced_text, self.body.tool_choice)
+            return (None, calls) if calls else (self.forced_text, [])
+        if self.tool_stream is None:
+            return text, []
+        said, calls = self.tool_stream.feed(text)
+        if final:
+            rest, last = self.tool_stream.finish()
+            said, calls = said + rest, calls + last
+        return said, calls
+
+    def _numbered(self, calls: list[dict]) -> list[dict] | None:
+        """The calls with their place among the choice's calls (``index``, as OpenAI numbers them); None for none."""
+        if not calls:
+            return None
+        numbered = [dict(call, index=self.calls_sent + k) for k, call in enumerate(calls)]
+        self.calls_sent += len(calls)
+        return numbered
 
     def _with_usage(self, chunk: dict) -> dict:
         """``chunk`` with the usage so far when the request asked for it in every chunk (``continuous_usage_stats``)."""

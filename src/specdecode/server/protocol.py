@@ -23,12 +23,19 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from specdecode.config import MAX_FIXED_DRAFT_LENGTH, MAX_TOP_LOGPROBS, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling_params import REPETITION_PENALTY_RANGE
+from specdecode.server.tools import (
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+    check_tool_choice,
+    template_message,
+)
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import check_verifier
 
@@ -112,8 +119,6 @@ TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]  # log-probab
 #: The most choices one request may ask for (``n``), as OpenAI's API allows.
 MAX_CHOICES = 128
 
-_NO_TOOLS = "tool calling is not supported by this server"
-
 
 def _unless(asked: bool, why: str) -> None:
     """Refuse a field set to a value this server cannot honour (a 400 naming the field, and ``why``)."""
@@ -149,9 +154,6 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    tools: Annotated[list[dict], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
-    tool_choice: Annotated[str | dict, WithJsonSchema({"enum": ["none"]})] | None = None
-    parallel_tool_calls: bool | None = None
     response_format: Annotated[dict, WithJsonSchema(_TEXT_FORMAT)] | None = None
     speculative: SpeculativeOptions | None = None
     verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
@@ -169,18 +171,6 @@ class _Common(BaseModel):
     def _no_best_of(cls, best_of: int | None) -> int | None:
         _unless(best_of not in (None, 1), "best_of is not supported by this server; n > 1 returns n choices, unranked")
         return best_of
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[dict] | None) -> list[dict] | None:
-        _unless(bool(tools), _NO_TOOLS)
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, choice: str | dict | None) -> str | dict | None:
-        _unless(choice not in (None, "none"), _NO_TOOLS)
-        return choice
 
     @field_validator("response_format")
     @classmethod
@@ -220,23 +210,60 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message; its content a string or a list of text parts (``[{"type": "text", "text": ...}]``, as the
     OpenAI clients send it), which are joined with newlines as vLLM joins them.  Other parts (images) are a 400.
-    ``developer`` (what OpenAI's clients now send for instructions) is given to the chat template as ``system``."""
+    ``developer`` (what OpenAI's clients now send for instructions) is given to the chat template as ``system``.
+    An assistant message may carry the ``tool_calls`` it made instead of content, and a ``tool`` message answers
+    one (``tool_call_id``)."""
 
     model_config = _LENIENT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _joined(cls, content: str | list[TextPart]) -> str:
-        return content if isinstance(content, str) else "\n".join(part.text for part in content)
+    def _joined(cls, content: str | list[TextPart] | None) -> str | None:
+        return content if not isinstance(content, list) else "\n".join(part.text for part in content)
+
+    @model_validator(mode="after")
+    def _says_something(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        fields = {"role", "content", "name", "tool_calls", "tool_call_id"}
+        return template_message(self.model_dump(include=fields, exclude_none=True))
 
 
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra={"contains": _SAYS_SOMETHING})]
     logprobs: bool | None = None
     top_logprobs: TopCount | None = None  # with logprobs (without, nothing is returned)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_met(self) -> ChatCompletionRequest:
+        check_tool_choice(self.tools, self.tool_choice)
+        return self
+
+    @property
+    def offered_tools(self) -> list[ToolDefinition]:
+        """The tools the model is told of: none with ``tool_choice: "none"``."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        """Whether the model must call a tool (``required`` or a named function), not merely may."""
+        return bool(self.offered_tools) and self.tool_choice not in (None, "auto")
 
     @property
     def logprobs_top(self) -> int | None:
@@ -248,6 +275,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    tools: Annotated[list[dict], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
+    tool_choice: Annotated[str | dict, WithJsonSchema({"enum": ["none"]})] | None = None
     prompt: NonBlank | Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
     echo: bool = False  # the prompt before the completion (and its tokens' log-probabilities, with logprobs)
     logprobs: TopCount | None = None
@@ -256,6 +285,12 @@ class CompletionRequest(_Common):
     @property
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools(cls, asked: list[dict] | str | dict | None) -> list[dict] | str | dict | None:
+        _unless(asked not in (None, [], "none"), "tool calling is on /v1/chat/completions only")
+        return asked
 
     @field_validator("suffix")
     @classmethod
@@ -339,12 +374,20 @@ class ResponseShape:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
     def complete_choice(
-        self, text: str, reason: str, logprobs: list[TokenLogprob] | None = None, lead: int | None = None
+        self,
+        text: str | None,
+        reason: str,
+        logprobs: list[TokenLogprob] | None = None,
+        lead: int | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
-        """This choice of a non-streamed response (``lead``: see :meth:`logprobs`)."""
+        """This choice of a non-streamed response (``lead``: see :meth:`logprobs`; ``tool_calls``: the calls the
+        model made, each with its ``index``, which the message leaves out)."""
         shaped = self.logprobs(logprobs, lead)
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]
             return {"index": self.index, "message": message, "logprobs": shaped, "finish_reason": reason}
         return {"index": self.index, "text": text, "logprobs": shaped, "finish_reason": reason}
 
@@ -362,12 +405,15 @@ class ResponseShape:
         first: bool = False,
         logprobs: list[TokenLogprob] | None = None,
         lead: int | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
         shaped = self.logprobs(logprobs, lead)
         if self.chat:
             delta: dict = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": self.index, "delta": delta, "finish_reason": reason}
             if shaped is not None:
                 choice["logprobs"] = shaped
