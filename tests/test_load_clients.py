@@ -45,6 +45,11 @@ def client(name: str) -> str:
     return str(command)
 
 
+def ignored_fields(caplog) -> list[str]:
+    """What the server logged as fields it ignored: a client's field it does not know."""
+    return [record.getMessage() for record in caplog.records if "fields ignored" in record.getMessage()]
+
+
 def run(command: list[str], cwd: Path, offline: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"} if offline else dict(os.environ)
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -53,7 +58,7 @@ def run(command: list[str], cwd: Path, offline: bool = True) -> subprocess.Compl
 
 
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
-def test_guidellm_run_has_no_errored_request(server, tokenizer_dir, tmp_path, endpoint):
+def test_guidellm_run_has_no_errored_request(server, tokenizer_dir, tmp_path, endpoint, caplog):
     report = tmp_path / "report.json"
     backend = f"kind=openai_http,target={server.url},model=tiny,request_format={endpoint}"
     run(
@@ -79,10 +84,11 @@ def test_guidellm_run_has_no_errored_request(server, tokenizer_dir, tmp_path, en
     (benchmark,) = json.loads(report.read_text())["benchmarks"]
     made = benchmark["scheduler_metrics"]["requests_made"]
     assert made["errored"] == 0 and made["incomplete"] == 0 and made["successful"] == 3, made
+    assert not ignored_fields(caplog)
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_aiperf_profile_has_no_failed_request(server, tokenizer_dir, tmp_path, endpoint):
+def test_aiperf_profile_has_no_failed_request(server, tokenizer_dir, tmp_path, endpoint, caplog):
     out = tmp_path / "out"
     run(
         [
@@ -115,3 +121,4 @@ def test_aiperf_profile_has_no_failed_request(server, tokenizer_dir, tmp_path, e
     )
     summary = json.loads((out / "profile_export_aiperf.json").read_text())
     assert summary["request_count"]["avg"] == 3 and summary["error_summary"] == [], summary["error_summary"]
+    assert not ignored_fields(caplog)
