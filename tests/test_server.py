@@ -703,6 +703,8 @@ def test_n_choices_share_the_prompt_each_with_its_own_seed_streamed_or_not(serve
             said[choice.index] += choice.delta.content or ""
             roles += [choice.index] if choice.delta.role else []
     assert said == [want.text] * 2 and sorted(roles) == [0, 1]
+    huge = client.completions.create(model="tiny", prompt=TEXT, n=2, seed=2**64 - 1, temperature=1.0, max_tokens=4)
+    assert len(huge.choices) == 2  # seed + 1 is past 64 bits: seeds are taken modulo 2**64
 
 
 def test_best_of_is_refused_by_name(server):

@@ -178,7 +178,7 @@ def test_a_model_whose_template_renders_no_tools_is_a_400(tiny_target):
         body = {"messages": CHAT, "tools": [WEATHER]}
         response = httpx.post(f"{running.url}/v1/chat/completions", json=body)
         assert response.status_code == 400
-        assert "chat template does not render tools" in response.json()["error"]["message"]
+        assert "does not render tools" in response.json()["error"]["message"]
         completion = httpx.post(f"{running.url}/v1/completions", json={"prompt": "w1", "tools": [WEATHER]})
         assert completion.status_code == 400 and "chat/completions only" in completion.json()["error"]["message"]
 
@@ -235,3 +235,11 @@ def test_a_forced_choice_schema_admits_exactly_the_allowed_calls():
     calls = forced_calls('[{"name": "get_weather", "parameters": {"city": "Rome"}}]', "required")
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}]
     assert forced_calls('[{"name": "get_wea', "required") == []  # cut short by the token limit
+
+
+@pytest.mark.real_model
+def test_smollm2s_template_renders_no_tools(smollm2):
+    from specdecode.generator import SpeculativeGenerator
+
+    assert SpeculativeGenerator.build(smollm2, "none").renders_tools is False
+    assert SpeculativeGenerator.build(calling_model(), "none").renders_tools is True

@@ -7,6 +7,7 @@ detokenisation for streaming, and stop strings (held back while they might still
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -197,10 +198,22 @@ class SpeculativeGenerator:
         said = [m.get("content") or "" for m in messages]
         if not any(text.strip() for text in said) and not any(m.get("tool_calls") for m in messages):
             raise SpecDecodeError("prompt is empty" if not any(said) else _BLANK)
+        if tools and not self.renders_tools:
+            raise SpecDecodeError(f"tools: the chat template of model {self.target.name!r} does not render tools")
         ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
-        if tools and ids == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True):
-            raise SpecDecodeError(f"model {self.target.name!r}: its chat template does not render tools")
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template shows the model the tools it is given (the Qwen2.5 and Hermes templates
+        do; many ignore them, and a model never told of a tool cannot call it)."""
+        if not self.has_chat_template:
+            return False
+        probe = [{"role": "user", "content": "hello"}]
+        tool = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
+        render = self.target.tokenizer.apply_chat_template
+        told = render(probe, tools=[tool], add_generation_prompt=True, tokenize=False)
+        return told != render(probe, add_generation_prompt=True, tokenize=False)
 
     def config_for(self, **params) -> GenerationConfig:
         """Defaults overridden by the given (non-None) parameters, validated.  ``verifier``: a name, a spec

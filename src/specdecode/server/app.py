@@ -144,6 +144,9 @@ class Service:
         if self.config.strict_api and (ignored := body.ignored_fields()):
             raise ApiError(400, f"{ignored[0]}: unsupported field", param=ignored[0])
         generator = self.generator
+        if chat and body.tools and not generator.renders_tools:  # also with tool_choice "none", as the document says
+            why = f"tools: the chat template of model {generator.target.name!r} does not render tools"
+            raise ApiError(400, why, param="tools")
         prompt = [m.for_template() for m in body.messages] if chat else body.prompt
         tools = template_tools(body.offered_tools) if chat else None
         try:
@@ -182,7 +185,7 @@ class Service:
         """The request's ``n`` sequences: one prompt, read by each (the engine shares no cache between sequences),
         and each its own random stream: choice i is seeded with seed + i when the request has a seed, as vLLM
         seeds them; so greedy choices are all alike."""
-        room = self.config.max_queue + self.config.max_batch_size
+        room = self.config.max_queue + self.config.max_batch_size  # as the API document says (server/openapi.py)
         if body.n > room:
             why = f"n: {body.n} choices cannot all wait in this server's queue (at most {room})"
             raise ApiError(400, why, param="n")
@@ -566,7 +569,12 @@ def create_app(service: Service) -> FastAPI:
         if not document:
             backend = service.generator.target.backend
             served = sorted(service.drafters), service.verifiers()
-            document.update(api_document(app, backend.vocab_size, *served, strict=service.config.strict_api))
+            config = service.config
+            most = config.max_queue + config.max_batch_size
+            tools = service.generator.renders_tools
+            document.update(
+                api_document(app, backend.vocab_size, *served, strict=config.strict_api, most_choices=most, tools=tools)
+            )
         return document
 
     app.openapi = openapi

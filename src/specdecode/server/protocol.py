@@ -68,6 +68,15 @@ _SAYS_SOMETHING = {
     },
 }
 
+#: A message has content, unless it is an assistant's that made tool calls (:meth:`ChatMessage._says_something`).
+_CONTENT_OR_CALLS = [
+    {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    {
+        "required": ["role", "tool_calls"],
+        "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+    },
+]
+
 _TEXT_FORMAT = {
     "type": "object",
     "properties": {"type": {"const": "text"}},
@@ -214,7 +223,7 @@ class ChatMessage(BaseModel):
     An assistant message may carry the ``tool_calls`` it made instead of content, and a ``tool`` message answers
     one (``tool_call_id``)."""
 
-    model_config = _LENIENT
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"anyOf": _CONTENT_OR_CALLS})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
@@ -239,7 +248,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra={"contains": _SAYS_SOMETHING})]
+    messages: Annotated[
+        list[ChatMessage],
+        Field(min_length=1, json_schema_extra={"contains": {"anyOf": [_SAYS_SOMETHING, _CONTENT_OR_CALLS[1]]}}),
+    ]
     logprobs: bool | None = None
     top_logprobs: TopCount | None = None  # with logprobs (without, nothing is returned)
     tools: list[ToolDefinition] | None = None
