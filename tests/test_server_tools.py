@@ -235,6 +235,7 @@ def test_a_forced_choice_schema_admits_exactly_the_allowed_calls():
     calls = forced_calls('[{"name": "get_weather", "parameters": {"city": "Rome"}}]', "required")
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}]
     assert forced_calls('[{"name": "get_wea', "required") == []  # cut short by the token limit
+    assert forced_calls('{"name": "get_weather"}', "required") == forced_calls("[{}]", "required") == []
 
 
 @pytest.mark.real_model

@@ -445,6 +445,9 @@ async def stream_choices(exchanges: list[Exchange], body: _Common) -> AsyncItera
             queue.put_nowait((None, None))
         except ApiError as exc:
             queue.put_nowait((None, exc))
+        except Exception:  # a bug: the stream ends with an error rather than waiting for this choice forever
+            log.exception("answering a choice failed")
+            queue.put_nowait((None, ApiError(500, "internal error while answering", kind="server_error")))
 
     tasks = [asyncio.ensure_future(pump(exchange)) for exchange in exchanges]
     try:

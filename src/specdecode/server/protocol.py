@@ -3,12 +3,14 @@
 Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``seed``,
 ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``n``, ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), plus our
+``n``, ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (:mod:`specdecode.server.tools`), plus our
 ``speculative`` object choosing the drafter and draft length per request, ``coupled`` (false: a seeded request is
 verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
 lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
-OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools``,
-``tool_choice``, ``response_format``, ``best_of`` > 1, ``suffix``), with the reason.  ``logprobs``
+OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools`` where
+the chat template renders none or on completions, a ``tool_choice`` that forces a call, ``response_format``,
+``best_of`` > 1, ``suffix``), with the reason.  ``logprobs``
 (and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`);
 completions' ``echo`` puts the prompt first, its tokens' log-probabilities the target's raw ones.  A field we
 do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with

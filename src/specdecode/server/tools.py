@@ -216,7 +216,10 @@ def forced_calls(text: str, choice: ToolChoice) -> list[dict]:
         return []
     if isinstance(choice, NamedToolChoice):
         return [_openai_call(choice.function.name, value)]
-    return [_openai_call(call["name"], call["parameters"]) for call in value]
+    calls = value if isinstance(value, list) else []
+    if not all(isinstance(call, dict) and {"name", "parameters"} <= set(call) for call in calls):
+        return []
+    return [_openai_call(call["name"], call["parameters"]) for call in calls]
 
 
 def constrain_to_tool_calls(config: GenerationConfig, schema: dict, choice: ToolChoice) -> GenerationConfig:
