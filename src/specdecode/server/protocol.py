@@ -161,7 +161,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES), WHOLE] = 1  # choices, each its own seed stream (seed + index)
-    best_of: Annotated[int, WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}]})] | None = None
+    best_of: Annotated[int, WHOLE, WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}]})] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
