@@ -70,15 +70,6 @@ _SAYS_SOMETHING = {
     },
 }
 
-#: A message has content, unless it is an assistant's that made tool calls (:meth:`ChatMessage._says_something`).
-_CONTENT_OR_CALLS = [
-    {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-    {
-        "required": ["role", "tool_calls"],
-        "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
-    },
-]
-
 _TEXT_FORMAT = {
     "type": "object",
     "properties": {"type": {"const": "text"}},
@@ -216,6 +207,16 @@ class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
     text: str
+
+
+#: A message has content, unless it is an assistant's that made tool calls (:meth:`ChatMessage._says_something`).
+_CONTENT_OR_CALLS = [
+    {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    {
+        "required": ["role", "tool_calls"],
+        "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+    },
+]
 
 
 class ChatMessage(BaseModel):
