@@ -19,7 +19,8 @@ SCHEMATHESIS = shutil.which("schemathesis") or str(Path(sys.executable).parent /
 
 @pytest.fixture(scope="module", params=[False, True], ids=["unknown-fields-ignored", "strict-api"])
 def running(tiny_target, request):
-    with RunningServer(make_service(tiny_target, strict_api=request.param)) as server:
+    # A short queue bounds the choices a request may ask for (n <= 8 + 8), which keeps the fuzzer's requests short.
+    with RunningServer(make_service(tiny_target, strict_api=request.param, max_queue=8)) as server:
         yield server
 
 

@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from specdecode.cli import main
@@ -184,7 +185,9 @@ BAD = [
     (json.dumps({"messages": CHAT, "temperature": "hot"}), 400),
     (json.dumps({"messages": CHAT, "temperature": 5}), 400),
     (json.dumps({"messages": CHAT, "max_tokens": 0}), 400),
-    (json.dumps({"messages": CHAT, "n": 2}), 400),
+    (json.dumps({"messages": CHAT, "n": 0}), 400),
+    (json.dumps({"messages": CHAT, "n": 129}), 400),  # more than OpenAI allows
+    (json.dumps({"messages": CHAT, "n": 100}), 400),  # more than the queue holds
     (json.dumps({"messages": []}), 400),
     (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}), 400),
     (json.dumps({"messages": CHAT, "speculative": {"drafter": "nope"}}), 400),
@@ -649,3 +652,111 @@ def test_logprobs_are_the_targets_with_or_without_a_drafter_streamed_or_not(serv
     assert len(shaped.tokens) == len(shaped.top_logprobs) == len(shaped.text_offset) == 8
     assert shaped.text_offset[0] == 0 and all(len(top) >= 3 for top in shaped.top_logprobs)
     assert client.completions.create(model="tiny", prompt=TEXT, max_tokens=8).choices[0].logprobs is None
+
+
+def test_n_choices_share_the_prompt_each_with_its_own_seed_streamed_or_not(server, tiny_target):
+    client = server.client()
+    want = solo(tiny_target, CHAT, True, 12, ignore_eos=True)
+    fixed = {"ignore_eos": True, "speculative": {"num_draft_tokens": 3}}  # auto drafts less in a batch
+    greedy = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, temperature=0, n=3, extra_body=fixed
+    )
+    assert [choice.index for choice in greedy.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in greedy.choices] == [want.text] * 3
+    assert greedy.usage.prompt_tokens == want.prompt_tokens and greedy.usage.completion_tokens == 3 * 12
+    one = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, extra_body=fixed)
+    spec, alone = (answer.model_extra["metrics"]["speculative_decoding"] for answer in (greedy, one))
+    assert [spec[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] == [
+        3 * alone[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    ]
+
+    sampled = {"temperature": 1.0, "seed": 7, "max_tokens": 10}
+    wants = [solo(tiny_target, TEXT, False, 10, temperature=1.0, seed=7 + i, ignore_eos=True).text for i in range(3)]
+    assert len(set(wants)) > 1  # the seeds give different texts
+    done = client.completions.create(model="tiny", prompt=TEXT, n=3, extra_body={"ignore_eos": True}, **sampled)
+    assert [choice.text for choice in sorted(done.choices, key=lambda c: c.index)] == wants
+    texts = ["", "", ""]
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=TEXT,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **sampled,
+        )
+    )
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == wants
+    assert chunks[-1].usage.completion_tokens == 30 and [c for c in chunks if c.choices][-1].choices[0].finish_reason
+
+    streamed = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=12, n=2, stream=True, extra_body={"ignore_eos": True}
+    )
+    said = ["", ""]
+    roles = []
+    for chunk in streamed:
+        for choice in chunk.choices:
+            said[choice.index] += choice.delta.content or ""
+            roles += [choice.index] if choice.delta.role else []
+    assert said == [want.text] * 2 and sorted(roles) == [0, 1]
+    huge = client.completions.create(model="tiny", prompt=TEXT, n=2, seed=2**64 - 1, temperature=1.0, max_tokens=4)
+    assert len(huge.choices) == 2  # seed + 1 is past 64 bits: seeds are taken modulo 2**64
+
+
+def test_best_of_is_refused_by_name(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": TEXT, "n": 2, "best_of": 3})
+    assert response.status_code == 400 and "best_of is not supported" in response.json()["error"]["message"]
+
+
+def test_echo_puts_the_prompt_and_its_raw_logprobs_first_with_or_without_a_drafter(server, tiny_target, tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    client = server.client()
+    plain = client.completions.create(
+        model="tiny", prompt=TEXT, max_tokens=6, logprobs=2, extra_body={"ignore_eos": True}
+    )
+    echoed = client.completions.create(model="tiny", prompt=TEXT, max_tokens=6, echo=True)
+    assert echoed.choices[0].text == TEXT + plain.choices[0].text and echoed.choices[0].logprobs is None
+
+    prompt_ids = tiny_target.tokenizer(TEXT)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
+    with torch.no_grad():
+        raw = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    want = [raw[i, token].item() for i, token in enumerate(prompt_ids[1:])]
+    answers = {}
+    for drafter in ("none", "pld", "suffix"):
+        extra = {"ignore_eos": True, "speculative": {"drafter": drafter, "num_draft_tokens": 3}}
+        answers[drafter] = client.completions.create(
+            model="tiny", prompt=TEXT, max_tokens=6, logprobs=2, echo=True, extra_body=extra
+        ).choices[0]
+    for drafter, choice in answers.items():
+        shaped = choice.logprobs
+        assert choice.text == TEXT + plain.choices[0].text, drafter
+        assert shaped.tokens[0] == tiny_target.tokenizer.decode([prompt_ids[0]])
+        assert shaped.token_logprobs[0] is None and shaped.top_logprobs[0] is None
+        assert shaped.token_logprobs[1 : len(prompt_ids)] == pytest.approx(want, abs=1e-4), drafter
+        assert shaped.token_logprobs[len(prompt_ids) :] == pytest.approx(
+            plain.choices[0].logprobs.token_logprobs, abs=1e-4
+        )
+        assert shaped.tokens[len(prompt_ids) :] == plain.choices[0].logprobs.tokens
+        assert all(len(top) >= 2 for top in shaped.top_logprobs[1:])
+        assert shaped.text_offset == sorted(shaped.text_offset) and len(shaped.text_offset) == len(prompt_ids) + 6
+
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=TEXT, max_tokens=6, logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == answers["none"].text
+    streamed = [
+        lp
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for lp in chunk.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(answers["none"].logprobs.token_logprobs[1:], abs=1e-4)

@@ -363,7 +363,7 @@ def start_sequence(
     started = now()
     seed = request_seed(config.sampling.seed)
     generator = torch.Generator()
-    generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)  # any integer: torch takes [-2**63, 2**64), negatives wrapped the same way
     length_policy = policy.fork()
     session = drafter.session(
         DraftRequest(

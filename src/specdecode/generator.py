@@ -7,9 +7,12 @@ detokenisation for streaming, and stop strings (held back while they might still
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import AUTO, DraftLength, GenerationConfig, parse_draft_length
@@ -17,10 +20,11 @@ from specdecode.draft_length.base import PolicySource
 from specdecode.draft_length.factory import measured_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
-from specdecode.engine import DecodeOutcome, speculative_decode
+from specdecode.engine import PREFILL_CHUNK, DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
+from specdecode.sampling import token_logprobs
 from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import VerifierChoice, parse_verifier
@@ -141,13 +145,14 @@ class SpeculativeGenerator:
         return time.perf_counter() - started
 
     # -- prompt handling -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: Prompt, chat: bool | None = False) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = False, tools: list[dict] | None = None) -> list[int]:
         """Text, chat messages or token ids → validated token ids.
 
         ``chat`` is for text: True wraps it in the model's chat template as one user message (an error if the
         model has none), False tokenizes it as it is, None uses the template when the model has one — what
         the CLI does by default, since an instruct model given a bare prompt often answers nothing at all.
-        Chat messages always go through the template; token ids are taken as they are."""
+        Chat messages always go through the template, with ``tools`` (OpenAI's function definitions) when given (an
+        error if the template renders none); token ids are taken as they are."""
         tokenizer = self.target.tokenizer
         if isinstance(prompt, str):
             check_prompt_text(prompt)
@@ -156,7 +161,7 @@ class SpeculativeGenerator:
             else:
                 ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         elif prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._apply_chat_template(list(prompt))
+            ids = self._apply_chat_template(list(prompt), tools)
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) and 0 <= t < self.target.backend.vocab_size for t in ids):
@@ -175,22 +180,40 @@ class SpeculativeGenerator:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.target.tokenizer, "chat_template", None))
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def _apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         tokenizer = self.target.tokenizer
         if not self.has_chat_template:
             raise SpecDecodeError(f"model {self.target.name!r} has no chat template; use a plain prompt (no --chat)")
         for message in messages:
-            role_ok = message.get("role") in {"system", "developer", "user", "assistant"}
-            if not role_ok or not isinstance(message.get("content"), str):
+            role_ok = message.get("role") in {"system", "developer", "user", "assistant", "tool"}
+            content = message.get("content")
+            calls_only = content is None and message.get("role") == "assistant" and message.get("tool_calls")
+            if not role_ok or not (isinstance(content, str) or calls_only):
                 raise SpecDecodeError(
-                    "chat messages need a role (system, developer, user or assistant) and string content"
+                    "chat messages need a role (system, developer, user, assistant or tool) and string content "
+                    "(an assistant message may have tool_calls instead)"
                 )
         # OpenAI's "developer" messages are what "system" ones were; chat templates know only the latter.
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
-        if not any(m["content"].strip() for m in messages):
-            raise SpecDecodeError("prompt is empty" if not any(m["content"] for m in messages) else _BLANK)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        said = [m.get("content") or "" for m in messages]
+        if not any(text.strip() for text in said) and not any(m.get("tool_calls") for m in messages):
+            raise SpecDecodeError("prompt is empty" if not any(said) else _BLANK)
+        if tools and not self.renders_tools:
+            raise SpecDecodeError(f"tools: the chat template of model {self.target.name!r} does not render tools")
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template shows the model the tools it is given (the Qwen2.5 and Hermes templates
+        do; many ignore them, and a model never told of a tool cannot call it)."""
+        if not self.has_chat_template:
+            return False
+        probe = [{"role": "user", "content": "hello"}]
+        tool = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
+        render = self.target.tokenizer.apply_chat_template
+        told = render(probe, tools=[tool], add_generation_prompt=True, tokenize=False)
+        return told != render(probe, add_generation_prompt=True, tokenize=False)
 
     def config_for(self, **params) -> GenerationConfig:
         """Defaults overridden by the given (non-None) parameters, validated.  ``verifier``: a name, a spec
@@ -292,6 +315,24 @@ class SpeculativeGenerator:
             max_batch_size,
             prefix_cache_slots=max_batch_size if prefix_caching else 0,
         )
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's log-probability after the tokens before it (the first has none, so ``len(prompt_ids)
+        - 1`` entries), with the ``top`` most likely tokens' there: the target's raw distribution, read in one forward
+        over the prompt (in the chunks decoding reads it in), with neither temperature nor penalties nor bias,
+        as vLLM's prompt log-probabilities are."""
+        backend = self.target.backend
+        cache = backend.new_cache()
+        entries: list[TokenLogprob] = []
+        try:
+            for start in range(0, len(prompt_ids) - 1, PREFILL_CHUNK):
+                chunk = prompt_ids[start : start + PREFILL_CHUNK]
+                logits = backend.forward(torch.tensor(chunk, device=backend.device), cache).logits
+                following = prompt_ids[start + 1 : start + 1 + len(chunk)]
+                entries += token_logprobs(logits[: len(following)], following, top)
+        finally:
+            cache.release()
+        return entries
 
     def run_batch(
         self,

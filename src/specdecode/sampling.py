@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specdecode.sampling_params import SamplingParams
+from specdecode.types import TokenLogprob
 
 #: Noise vectors kept (one per (seed, position, vocabulary size)): a step needs depth + 1 positions per
 #: sequence, and a drafter's noise for a position is read again by the verifier in the same step.  At a
@@ -155,3 +156,15 @@ def coupled_argmax(log_weights: torch.Tensor, seed: int, position: int) -> int:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a [vocab] distribution."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its token (``logits``: [len(tokens), vocab]), with the row's ``top`` most likely
+    tokens' (most likely first)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+    chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    best: list[tuple[tuple[int, float], ...]] = [()] * len(tokens)
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+        best = [tuple(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
+    return [TokenLogprob(*entry) for entry in zip(tokens, chosen, best)]

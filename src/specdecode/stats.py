@@ -36,6 +36,23 @@ class GenerationStats:
         """Whether the output is the target's own (exact verification); false for a relaxed verifier."""
         return is_lossless(self.verifier)
 
+    @classmethod
+    def combined(cls, parts: list[GenerationStats]) -> GenerationStats:
+        """The statistics of several sequences decoded together for one request (its ``n`` choices): counts and
+        times summed, per-depth counts summed depth by depth, the first part's verifier (a request has one)."""
+        total = cls(verifier=parts[0].verifier)
+        depth = max(len(part.drafted_at) for part in parts)
+        total.drafted_at, total.accepted_at = [0] * depth, [0] * depth
+        for part in parts:
+            for name in ("new_tokens", "steps", "drafted_tokens", "accepted_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+            for name in ("prefill_s", "draft_s", "verify_s", "forward_s", "wall_s"):
+                setattr(total, name, getattr(total, name) + getattr(part, name))
+            for i, (drafted, accepted) in enumerate(zip(part.drafted_at, part.accepted_at)):
+                total.drafted_at[i] += drafted
+                total.accepted_at[i] += accepted
+        return total
+
     def record_step(self, step: StepObservation, kept: int | None = None) -> None:
         """Count a verification step; positions are depths, so a tree counts once per level it reaches.
 

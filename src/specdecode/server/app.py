@@ -11,6 +11,7 @@ slot before the next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -44,7 +45,15 @@ from specdecode.server.protocol import (
     finish_reason,
     usage,
 )
+from specdecode.server.tools import (
+    ToolCallStream,
+    constrain_to_tool_calls,
+    forced_call_schema,
+    forced_calls,
+    template_tools,
+)
 from specdecode.server.worker import EngineWorker, QueueFull, Submission, Update
+from specdecode.stats import GenerationStats
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import verifiers
 
@@ -137,10 +146,13 @@ class Service:
         if self.config.strict_api and (ignored := body.ignored_fields()):
             raise ApiError(400, f"{ignored[0]}: unsupported field", param=ignored[0])
         generator = self.generator
-        fields = {"role", "content", "name"}
-        prompt = [m.model_dump(include=fields, exclude_none=True) for m in body.messages] if chat else body.prompt
+        if chat and body.tools and not generator.renders_tools:  # also with tool_choice "none", as the document says
+            why = f"tools: the chat template of model {generator.target.name!r} does not render tools"
+            raise ApiError(400, why, param="tools")
+        prompt = [m.for_template() for m in body.messages] if chat else body.prompt
+        tools = template_tools(body.offered_tools) if chat else None
         try:
-            prompt_ids = generator.encode_prompt(prompt, chat=chat)
+            prompt_ids = generator.encode_prompt(prompt, chat=chat, tools=tools)
             room = generator.target.backend.max_context - len(prompt_ids)
             asked = body.max_completion_tokens or body.max_tokens
             max_new_tokens = min(asked, room) if asked else room
@@ -171,6 +183,29 @@ class Service:
             raise ApiError(400, str(exc)) from exc
         return Submission(prompt_ids, config, self.drafter_for(body), asyncio.get_running_loop())
 
+    def choices(self, body: _Common, chat: bool) -> list[Submission]:
+        """The request's ``n`` sequences: one prompt, read by each (the engine shares no cache between sequences),
+        and each its own random stream: choice i is seeded with seed + i when the request has a seed, as vLLM
+        seeds them; so greedy choices are all alike."""
+        room = self.config.max_queue + self.config.max_batch_size  # as the API document says (server/openapi.py)
+        if body.n > room:
+            why = f"n: {body.n} choices cannot all wait in this server's queue (at most {room})"
+            raise ApiError(400, why, param="n")
+        first = self.submission(body, chat)
+        if chat and body.forced_tool_choice:
+            schema = forced_call_schema(body.offered_tools, body.tool_choice, body.parallel)
+            try:
+                first.config = constrain_to_tool_calls(first.config, schema, body.tool_choice)
+            except SpecDecodeError as exc:
+                raise ApiError(400, str(exc), param="tool_choice") from exc
+        submissions = [first]
+        for index in range(1, body.n):
+            config, seed = first.config, first.config.sampling.seed
+            if seed is not None:
+                config = dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, seed=seed + index))
+            submissions.append(Submission(first.prompt_ids, config, first.drafter, first.loop))
+        return submissions
+
 
 def uvicorn_config(app: FastAPI, **options: Any) -> uvicorn.Config:
     """uvicorn's settings for the app: the fastest event loop and HTTP parser it finds (uvloop and httptools,
@@ -200,15 +235,38 @@ def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-class Exchange:
-    """One request being answered: its submission, text assembly and response shape."""
+@dataclass
+class Echo:
+    """What completions' ``echo`` puts before each choice: the prompt's text and, when the request asked for
+    log-probabilities, its tokens' (``first``: the prompt's first token, which has none)."""
 
-    def __init__(self, service: Service, submission: Submission, body: _Common, chat: bool) -> None:
+    text: str
+    first: int
+    logprobs: list[TokenLogprob] | None
+
+
+async def echo_of(service: Service, body: CompletionRequest, prompt_ids: list[int]) -> Echo:
+    """The request's echo; the prompt's log-probabilities come from a forward of the target alone, in the engine's
+    thread, so they are the same whatever drafts."""
+    tokenizer = service.generator.target.tokenizer
+    text = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(prompt_ids)
+    top = body.logprobs_top
+    read = service.generator.prompt_logprobs
+    logprobs = None if top is None else await service.worker.call(lambda: read(prompt_ids, top))
+    return Echo(text, prompt_ids[0], logprobs)
+
+
+class Exchange:
+    """One choice of a request being answered: its submission, text assembly and response shape."""
+
+    def __init__(
+        self, service: Service, submission: Submission, body: _Common, shape: ResponseShape, echo: Echo | None = None
+    ) -> None:
         self.service = service
         self.submission = submission
         self.body = body
-        tokenizer = service.generator.target.tokenizer
-        self.shape = ResponseShape(chat, service.config.model_name, lambda token: tokenizer.decode([token]))
+        self.shape = shape
+        self.echo = echo
         self.text = TextAssembler(service.generator, submission.prompt_ids, submission.config)
         self.wants_logprobs = submission.config.logprobs is not None
         self.logprobs: list[TokenLogprob] = []  # every generated token's, as the updates bring them
@@ -216,6 +274,14 @@ class Exchange:
         self.last = submission.arrived
         self.first = True
         self.look_again_at = 0.0  # when a non-streamed request next checks that its client is still there
+        self.stats: GenerationStats | None = None  # once the choice has ended
+        # The model's calls are read from its <tool_call> blocks as they come, or, when a call is forced, from the
+        # whole output (held to the calls' JSON); not at all without tools.
+        chat_tools = isinstance(body, ChatCompletionRequest) and bool(body.offered_tools)
+        self.forced = chat_tools and body.forced_tool_choice
+        self.tool_stream = ToolCallStream(body.parallel) if chat_tools and not self.forced else None
+        self.forced_text = ""  # a forced call's output, read once it is complete
+        self.calls_sent = 0
 
     def take(self, update: Update) -> str:
         """The text an update releases (a stop string ends the request at once)."""
@@ -236,12 +302,12 @@ class Exchange:
     def ending(self, update: Update) -> tuple[str, str, dict]:
         """(the rest of the text, OpenAI's finish reason, the response's extra fields) of the last update."""
         reason = "stop" if self.text.stopped else (update.finish_reason or "abort")
-        stats = update.stats
-        rest = self.text.finish(DecodeOutcome(stats, reason)).text if stats is not None else ""
-        extra = {"metrics": {"speculative_decoding": speculative_summary(stats)}} if stats is not None else {}
-        return rest, finish_reason(reason), extra
+        self.stats = update.stats
+        rest = self.text.finish(DecodeOutcome(self.stats, reason)).text if self.stats is not None else ""
+        return rest, finish_reason(reason), _speculative_metrics([self.stats] if self.stats is not None else [])
 
     async def complete(self, request: Request) -> dict:
+        """This choice of the non-streamed response."""
         pieces = []
         while True:
             update = await self._next(request)
@@ -250,10 +316,17 @@ class Exchange:
             pieces.append(self.take(update))
             if update.finished:
                 break
-        rest, reason, extra = self.ending(update)
-        text = "".join(pieces) + rest
-        prompt_tokens = len(self.submission.prompt_ids)
-        return self.shape.complete(text, reason, prompt_tokens, update.stats, extra, self._unsent_logprobs())
+        rest, reason, _ = self.ending(update)
+        text, logprobs = "".join(pieces) + rest, self._unsent_logprobs()
+        if self.forced or self.tool_stream is not None:
+            said, calls = self._read_calls(text, final=True)
+            reason = "tool_calls" if calls and reason == "stop" else reason
+            content = None if calls and not (said or "").strip() else said  # OpenAI's null beside calls
+            return self.shape.complete_choice(content, reason, logprobs, tool_calls=self._numbered(calls))
+        if self.echo is None:
+            return self.shape.complete_choice(text, reason, logprobs)
+        echoed = None if logprobs is None else (self.echo.logprobs or []) + logprobs
+        return self.shape.complete_choice(self.echo.text + text, reason, echoed, lead=self.echo.first)
 
     def _unsent_logprobs(self) -> list[TokenLogprob] | None:
         """The log-probabilities of the kept tokens not yet sent (a stop string drops the tokens after it); None
@@ -280,39 +353,125 @@ class Exchange:
             if done:
                 return getter.result()
 
-    async def stream(self) -> AsyncIterator[str]:
+    async def chunks(self) -> AsyncIterator[dict]:
+        """This choice's streamed chunks, up to the one with its finish reason (an engine failure raises)."""
         try:
             if self.shape.chat:
-                yield _sse(self._with_usage(self.shape.chunk(None, first=True)))
+                yield self._with_usage(self.shape.chunk(None, first=True))
+            if self.echo is not None:
+                lead = self.echo.first if self.wants_logprobs else None
+                yield self._with_usage(self.shape.chunk(self.echo.text, logprobs=self.echo.logprobs, lead=lead))
             while True:
                 update = await self.submission.updates.get()
-                try:
-                    piece = self.take(update)
-                except ApiError as exc:
-                    yield _sse(error_body(exc.message, exc.kind))
-                    return
-                if piece:
-                    yield _sse(self._with_usage(self.shape.chunk(piece, logprobs=self._unsent_logprobs())))
+                said, calls = self._read_calls(self.take(update))
+                if said or calls:
+                    yield self._with_usage(self._chunk(said, calls))
                 if update.finished:
                     break
             rest, reason, extra = self.ending(update)
-            if rest:
-                yield _sse(self._with_usage(self.shape.chunk(rest, logprobs=self._unsent_logprobs())))
+            said, calls = self._read_calls(rest, final=True)
+            if said or calls:
+                yield self._with_usage(self._chunk(said, calls))
+            reason = "tool_calls" if self.calls_sent and reason == "stop" else reason
             final = self._with_usage(self.shape.chunk(None, reason, logprobs=self._unsent_logprobs()))
             if not self.body.include_usage:
                 final.update(extra)
-            yield _sse(final)
-            if self.body.include_usage and update.stats is not None:
-                yield _sse(self.shape.usage_chunk(len(self.submission.prompt_ids), update.stats, extra))
-            yield _sse("[DONE]")
+            yield final
         finally:  # also when the client went away mid-stream (the task is cancelled)
             self.service.worker.cancel(self.submission)
+
+    def _chunk(self, text: str | None, calls: list[dict]) -> dict:
+        return self.shape.chunk(text, logprobs=self._unsent_logprobs(), tool_calls=self._numbered(calls))
+
+    def _read_calls(self, text: str, final: bool = False) -> tuple[str | None, list[dict]]:
+        """(the text to send, the tool calls to send) of the next text, the last when ``final``: the text itself when
+        the request offered no tools."""
+        if self.forced:
+            self.forced_text += text
+            if not final:
+                return None, []
+            calls = forced_calls(self.forced_text, self.body.tool_choice)
+            return (None, calls) if calls else (self.forced_text, [])
+        if self.tool_stream is None:
+            return text, []
+        said, calls = self.tool_stream.feed(text)
+        if final:
+            rest, last = self.tool_stream.finish()
+            said, calls = said + rest, calls + last
+        return said, calls
+
+    def _numbered(self, calls: list[dict]) -> list[dict] | None:
+        """The calls with their place among the choice's calls (``index``, as OpenAI numbers them); None for none."""
+        if not calls:
+            return None
+        numbered = [dict(call, index=self.calls_sent + k) for k, call in enumerate(calls)]
+        self.calls_sent += len(calls)
+        return numbered
 
     def _with_usage(self, chunk: dict) -> dict:
         """``chunk`` with the usage so far when the request asked for it in every chunk (``continuous_usage_stats``)."""
         if self.body.continuous_usage:
             chunk["usage"] = usage(len(self.submission.prompt_ids), len(self.text.generated))
         return chunk
+
+
+def _speculative_metrics(stats: list[GenerationStats]) -> dict:
+    """A response's ``metrics`` field: what speculation did for its choices together (nothing when none ended)."""
+    return {"metrics": {"speculative_decoding": speculative_summary(GenerationStats.combined(stats))}} if stats else {}
+
+
+async def complete_choices(request: Request, exchanges: list[Exchange]) -> dict:
+    """The non-streamed response to a request: its choices decoded together, usage and metrics summed over them."""
+    tasks = [asyncio.ensure_future(exchange.complete(request)) for exchange in exchanges]
+    try:
+        choices = await asyncio.gather(*tasks)
+    except BaseException:  # one failed or the client left: the other choices decode for nobody
+        for task, exchange in zip(tasks, exchanges):
+            task.cancel()
+            exchange.service.worker.cancel(exchange.submission)
+        raise
+    ended = [exchange.stats for exchange in exchanges if exchange.stats is not None]
+    generated = sum(stats.new_tokens for stats in ended)
+    prompt_tokens = len(exchanges[0].submission.prompt_ids)
+    return exchanges[0].shape.complete(list(choices), prompt_tokens, generated, _speculative_metrics(ended))
+
+
+async def stream_choices(exchanges: list[Exchange], body: _Common) -> AsyncIterator[str]:
+    """The streamed response: every choice's chunks as they come, then the usage (when asked for) and ``[DONE]``."""
+    queue: asyncio.Queue[tuple[dict | None, ApiError | None]] = asyncio.Queue()
+
+    async def pump(exchange: Exchange) -> None:
+        try:
+            async for chunk in exchange.chunks():
+                queue.put_nowait((chunk, None))
+            queue.put_nowait((None, None))
+        except ApiError as exc:
+            queue.put_nowait((None, exc))
+        except Exception:  # a bug: the stream ends with an error rather than waiting for this choice forever
+            log.exception("answering a choice failed")
+            queue.put_nowait((None, ApiError(500, "internal error while answering", kind="server_error")))
+
+    tasks = [asyncio.ensure_future(pump(exchange)) for exchange in exchanges]
+    try:
+        running = len(tasks)
+        while running:
+            chunk, failure = await queue.get()
+            if failure is not None:
+                yield _sse(error_body(failure.message, failure.kind))
+                return
+            if chunk is None:
+                running -= 1
+            else:
+                yield _sse(chunk)
+        ended = [exchange.stats for exchange in exchanges]
+        if body.include_usage and all(stats is not None for stats in ended):
+            generated = sum(stats.new_tokens for stats in ended)
+            prompt_tokens = len(exchanges[0].submission.prompt_ids)
+            yield _sse(exchanges[0].shape.usage_chunk(prompt_tokens, generated, _speculative_metrics(ended)))
+        yield _sse("[DONE]")
+    finally:  # also when the client went away mid-stream: each choice's stream cancels its sequence
+        for task in tasks:
+            task.cancel()
 
 
 class ApiKeyGuard:
@@ -392,19 +551,22 @@ def create_app(service: Service) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     async def answer(request: Request, body: _Common, chat: bool):
-        submission = service.submission(body, chat)
+        submissions = service.choices(body, chat)
+        echo = await echo_of(service, body, submissions[0].prompt_ids) if not chat and body.echo else None
         try:
-            service.worker.submit(submission)
+            service.worker.submit(*submissions)
         except QueueFull as exc:
             raise ApiError(429, f"server busy: {exc}", kind="rate_limit_error", headers={"Retry-After": "1"}) from exc
-        exchange = Exchange(service, submission, body, chat)
+        tokenizer = service.generator.target.tokenizer
+        shape = ResponseShape(chat, service.config.model_name, lambda token: tokenizer.decode([token]))
+        exchanges = [Exchange(service, sub, body, shape.choice(i), echo) for i, sub in enumerate(submissions)]
         headers = {}
         if ignored := body.ignored_fields():
             log.warning("request fields ignored (not known to this server): %s", ", ".join(ignored))
             headers[IGNORED_FIELDS_HEADER] = ", ".join(json.dumps(name)[1:-1] for name in ignored)  # ASCII, one line
         if body.stream:
-            return StreamingResponse(exchange.stream(), media_type="text/event-stream", headers=headers)
-        return JSONResponse(await exchange.complete(request), headers=headers)
+            return StreamingResponse(stream_choices(exchanges, body), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await complete_choices(request, exchanges), headers=headers)
 
     @app.post("/v1/chat/completions", responses=completion_responses())
     async def chat_completions(request: Request, body: ChatCompletionRequest):
@@ -420,7 +582,12 @@ def create_app(service: Service) -> FastAPI:
         if not document:
             backend = service.generator.target.backend
             served = sorted(service.drafters), service.verifiers()
-            document.update(api_document(app, backend.vocab_size, *served, strict=service.config.strict_api))
+            config = service.config
+            most = config.max_queue + config.max_batch_size
+            tools = service.generator.renders_tools
+            document.update(
+                api_document(app, backend.vocab_size, *served, strict=config.strict_api, most_choices=most, tools=tools)
+            )
         return document
 
     app.openapi = openapi

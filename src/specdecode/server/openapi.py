@@ -84,10 +84,18 @@ def below(limit: int) -> str:
 
 
 def api_document(
-    app: FastAPI, vocab_size: int, drafters: list[str], verifiers: list[str], strict: bool = False
+    app: FastAPI,
+    vocab_size: int,
+    drafters: list[str],
+    verifiers: list[str],
+    strict: bool = False,
+    most_choices: int | None = None,
+    tools: bool = True,
 ) -> dict[str, Any]:
     """The OpenAPI document of ``app``: FastAPI's, less its 422 answers, plus what the loaded model and the served
-    drafters and verifiers allow; ``strict`` (``--strict-api``): unknown fields are refused, not ignored."""
+    drafters and verifiers allow, and the most choices (``n``) the server's queue holds; ``strict``
+    (``--strict-api``): unknown fields are refused, not ignored; ``tools``: the model's chat template renders tools
+    (else a request with tools is refused)."""
     document = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for operations in document["paths"].values():
         for operation in operations.values():
@@ -103,6 +111,13 @@ def api_document(
             for choice in fields["prompt"]["anyOf"]:
                 if choice.get("type") == "array":
                     choice["items"]["maximum"] = vocab_size - 1
+        if name == "ChatCompletionRequest":
+            # required and a named function need structured outputs (server/tools.py: constrain_to_tool_calls)
+            fields["tool_choice"] = {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}], "title": "Tool Choice"}
+            if not tools:
+                fields["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "title": "Tools"}
+        if most_choices is not None and "n" in fields:
+            fields["n"]["maximum"] = min(fields["n"]["maximum"], most_choices)
         if "stop_token_ids" in fields:
             fields["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = vocab_size - 1
         if "logit_bias" in fields:

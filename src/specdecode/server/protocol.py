@@ -3,31 +3,41 @@
 Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temperature``, ``top_p``,
 ``top_k``, ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``, ``seed``,
 ``stop``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``n`` (1 only), ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), plus our
+``n``, ``stream`` and ``stream_options`` (``include_usage``, ``continuous_usage_stats``), chat's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (:mod:`specdecode.server.tools`), plus our
 ``speculative`` object choosing the drafter and draft length per request, ``coupled`` (false: a seeded request is
 verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
 lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
-OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools``,
-``tool_choice``, ``response_format``, ``best_of`` or ``n`` > 1, ``echo``, ``suffix``), with the reason.  ``logprobs``
-(and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`).  A field we
+OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools`` where
+the chat template renders none or on completions, a ``tool_choice`` that forces a call, ``response_format``,
+``best_of`` > 1, ``suffix``), with the reason.  ``logprobs``
+(and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`);
+completions' ``echo`` puts the prompt first, its tokens' log-probabilities the target's raw ones.  A field we
 do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with
 ``--strict-api``.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from specdecode.config import MAX_FIXED_DRAFT_LENGTH, MAX_TOP_LOGPROBS, DraftLength, parse_draft_length
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling_params import REPETITION_PENALTY_RANGE
-from specdecode.stats import GenerationStats
+from specdecode.server.tools import (
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+    check_tool_choice,
+    template_message,
+)
 from specdecode.types import TokenLogprob
 from specdecode.verify.registry import check_verifier
 
@@ -108,7 +118,8 @@ BiasKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]  # log-probabilities' alternatives per token
 
-_NO_TOOLS = "tool calling is not supported by this server"
+#: The most choices one request may ask for (``n``), as OpenAI's API allows.
+MAX_CHOICES = 128
 
 
 def _unless(asked: bool, why: str) -> None:
@@ -140,14 +151,11 @@ class _Common(BaseModel):
     min_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    n: Literal[1] = 1
-    best_of: Literal[1] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), WHOLE] = 1  # choices, each its own seed stream (seed + index)
+    best_of: Annotated[int, WHOLE, WithJsonSchema({"anyOf": [{"const": 1}, {"type": "null"}]})] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    tools: Annotated[list[dict], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
-    tool_choice: Annotated[str | dict, WithJsonSchema({"enum": ["none"]})] | None = None
-    parallel_tool_calls: bool | None = None
     response_format: Annotated[dict, WithJsonSchema(_TEXT_FORMAT)] | None = None
     speculative: SpeculativeOptions | None = None
     verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
@@ -160,17 +168,11 @@ class _Common(BaseModel):
         except SpecDecodeError as exc:  # as a ValueError, pydantic reports it as this field's 400
             raise ValueError(str(exc)) from exc
 
-    @field_validator("tools")
+    @field_validator("best_of")
     @classmethod
-    def _no_tools(cls, tools: list[dict] | None) -> list[dict] | None:
-        _unless(bool(tools), _NO_TOOLS)
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, choice: str | dict | None) -> str | dict | None:
-        _unless(choice not in (None, "none"), _NO_TOOLS)
-        return choice
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        _unless(best_of not in (None, 1), "best_of is not supported by this server; n > 1 returns n choices, unranked")
+        return best_of
 
     @field_validator("response_format")
     @classmethod
@@ -207,26 +209,76 @@ class TextPart(BaseModel):
     text: str
 
 
+#: A message has content, unless it is an assistant's that made tool calls (:meth:`ChatMessage._says_something`).
+_CONTENT_OR_CALLS = [
+    {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    {
+        "required": ["role", "tool_calls"],
+        "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+    },
+]
+
+
 class ChatMessage(BaseModel):
     """One message; its content a string or a list of text parts (``[{"type": "text", "text": ...}]``, as the
     OpenAI clients send it), which are joined with newlines as vLLM joins them.  Other parts (images) are a 400.
-    ``developer`` (what OpenAI's clients now send for instructions) is given to the chat template as ``system``."""
+    ``developer`` (what OpenAI's clients now send for instructions) is given to the chat template as ``system``.
+    An assistant message may carry the ``tool_calls`` it made instead of content, and a ``tool`` message answers
+    one (``tool_call_id``)."""
 
-    model_config = _LENIENT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"anyOf": _CONTENT_OR_CALLS})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _joined(cls, content: str | list[TextPart]) -> str:
-        return content if isinstance(content, str) else "\n".join(part.text for part in content)
+    def _joined(cls, content: str | list[TextPart] | None) -> str | None:
+        return content if not isinstance(content, list) else "\n".join(part.text for part in content)
+
+    @model_validator(mode="after")
+    def _says_something(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        fields = {"role", "content", "name", "tool_calls", "tool_call_id"}
+        return template_message(self.model_dump(include=fields, exclude_none=True))
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1, json_schema_extra={"contains": _SAYS_SOMETHING})]
+    messages: Annotated[
+        list[ChatMessage],
+        Field(min_length=1, json_schema_extra={"contains": {"anyOf": [_SAYS_SOMETHING, _CONTENT_OR_CALLS[1]]}}),
+    ]
     logprobs: bool | None = None
     top_logprobs: TopCount | None = None  # with logprobs (without, nothing is returned)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_met(self) -> ChatCompletionRequest:
+        check_tool_choice(self.tools, self.tool_choice)
+        return self
+
+    @property
+    def offered_tools(self) -> list[ToolDefinition]:
+        """The tools the model is told of: none with ``tool_choice: "none"``."""
+        return [] if self.tool_choice == "none" else list(self.tools or [])
+
+    @property
+    def parallel(self) -> bool:
+        return self.parallel_tool_calls is not False
+
+    @property
+    def forced_tool_choice(self) -> bool:
+        """Whether the model must call a tool (``required`` or a named function), not merely may."""
+        return bool(self.offered_tools) and self.tool_choice not in (None, "auto")
 
     @property
     def logprobs_top(self) -> int | None:
@@ -238,21 +290,22 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
+    tools: Annotated[list[dict], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
+    tool_choice: Annotated[str | dict, WithJsonSchema({"enum": ["none"]})] | None = None
     prompt: NonBlank | Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
-    echo: Annotated[bool, Field(json_schema_extra={"const": False})] = False
+    echo: bool = False  # the prompt before the completion (and its tokens' log-probabilities, with logprobs)
     logprobs: TopCount | None = None
     suffix: Annotated[str, WithJsonSchema({"const": ""})] | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("Input should be False")
-        return echo
 
     @property
     def logprobs_top(self) -> int | None:
         return self.logprobs
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools(cls, asked: list[dict] | str | dict | None) -> list[dict] | str | dict | None:
+        _unless(asked not in (None, [], "none"), "tool calling is on /v1/chat/completions only")
+        return asked
 
     @field_validator("suffix")
     @classmethod
@@ -284,7 +337,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 class ResponseShape:
     """Builds one endpoint's response objects: ``chat`` for ``/v1/chat/completions``, else ``/v1/completions``.
-    ``token_text``: a token id's text, as log-probabilities name tokens."""
+    ``token_text``: a token id's text, as log-probabilities name tokens.  One shape per choice (:meth:`choice`): the
+    choices of a request share its id and time and each counts its own text offsets."""
 
     def __init__(self, chat: bool, model: str, token_text: Callable[[int], str] = str) -> None:
         self.chat = chat
@@ -292,25 +346,35 @@ class ResponseShape:
         self.token_text = token_text
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
+        self.index = 0
         self.text_offset = 0  # where the next token's text starts (completions' text_offset, as vLLM counts it)
 
-    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def choice(self, index: int) -> ResponseShape:
+        """The shape of the request's choice ``index``."""
+        shape = copy.copy(self)
+        shape.index, shape.text_offset = index, 0
+        return shape
+
+    def logprobs(self, entries: list[TokenLogprob] | None, lead: int | None = None) -> dict | None:
         """OpenAI's log-probabilities object for these tokens (None when not asked for): chat's ``content`` list, or
-        completions' parallel lists."""
+        completions' parallel lists; there ``lead`` is a token before them that has none (an echoed prompt's first),
+        its log-probability and alternatives null as OpenAI gives them."""
         if entries is None:
             return None
         if self.chat:
             return {"content": [dict(self._token(e.token, e.logprob), top_logprobs=self._top(e)) for e in entries]}
-        tokens = [self.token_text(e.token) for e in entries]
+        tokens = [self.token_text(token) for token in ([] if lead is None else [lead])]
+        tokens += [self.token_text(e.token) for e in entries]
         offsets = []
         for token in tokens:
             offsets.append(self.text_offset)
             self.text_offset += len(token)
+        none: list[None] = [] if lead is None else [None]
         tops = [{self.token_text(t): lp for t, lp in ((e.token, e.logprob), *e.top)} for e in entries]
         return {
             "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": tops,
+            "token_logprobs": none + [e.logprob for e in entries],
+            "top_logprobs": none + tops,
             "text_offset": offsets,
         }
 
@@ -324,25 +388,28 @@ class ResponseShape:
     def _envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
 
-    def complete(
+    def complete_choice(
         self,
-        text: str,
+        text: str | None,
         reason: str,
-        prompt_tokens: int,
-        stats: GenerationStats,
-        extra: dict,
         logprobs: list[TokenLogprob] | None = None,
+        lead: int | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
-        shaped = self.logprobs(logprobs)
+        """This choice of a non-streamed response (``lead``: see :meth:`logprobs`; ``tool_calls``: the calls the
+        model made, each with its ``index``, which the message leaves out)."""
+        shaped = self.logprobs(logprobs, lead)
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": shaped, "finish_reason": reason}
-            body = self._envelope("chat.completion", [choice])
-        else:
-            body = self._envelope(
-                "text_completion", [{"index": 0, "text": text, "logprobs": shaped, "finish_reason": reason}]
-            )
-        body["usage"] = usage(prompt_tokens, stats.new_tokens)
+            message: dict = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in tool_calls]
+            return {"index": self.index, "message": message, "logprobs": shaped, "finish_reason": reason}
+        return {"index": self.index, "text": text, "logprobs": shaped, "finish_reason": reason}
+
+    def complete(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, extra: dict) -> dict:
+        """The non-streamed response: its choices, and usage (the prompt counted once, as OpenAI counts it)."""
+        body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        body["usage"] = usage(prompt_tokens, completion_tokens)
         body.update(extra)
         return body
 
@@ -352,22 +419,26 @@ class ResponseShape:
         reason: str | None = None,
         first: bool = False,
         logprobs: list[TokenLogprob] | None = None,
+        lead: int | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
-        shaped = self.logprobs(logprobs)
+        shaped = self.logprobs(logprobs, lead)
         if self.chat:
             delta: dict = {"role": "assistant"} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": reason}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice = {"index": self.index, "delta": delta, "finish_reason": reason}
             if shaped is not None:
                 choice["logprobs"] = shaped
             return self._envelope("chat.completion.chunk", [choice])
         return self._envelope(
-            "text_completion", [{"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": reason}]
+            "text_completion", [{"index": self.index, "text": text or "", "logprobs": shaped, "finish_reason": reason}]
         )
 
-    def usage_chunk(self, prompt_tokens: int, stats: GenerationStats, extra: dict) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, extra: dict) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(prompt_tokens, stats.new_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens)
         body.update(extra)
         return body

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
@@ -39,6 +40,18 @@ log = logging.getLogger("specdecode.server")
 #: Positions of cache allocated for every slot when the engine starts, as vLLM allocates its KV cache up front (a
 #: request longer than this grows the cache then, which stalls the batch once).
 RESERVED_CONTEXT = 2048
+
+T = TypeVar("T")
+
+
+def _settle(future: asyncio.Future, result: object, error: Exception | None) -> None:
+    """Give ``future`` its outcome unless its caller stopped waiting (the client left)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class QueueFull(Exception):
@@ -96,6 +109,7 @@ class EngineWorker:
         self._changed = threading.Condition()
         self._incoming: list[Submission] = []
         self._cancelled: list[Submission] = []
+        self._calls: list[tuple[Callable[[], object], asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
         self._driving = threading.Event()  # set while a loop steps the engine
         self._stopped = threading.Event()  # set when that loop has returned
@@ -128,14 +142,15 @@ class EngineWorker:
     def waiting(self) -> int:
         return len(self.engine.waiting) + len(self._incoming)
 
-    def submit(self, submission: Submission) -> None:
+    def submit(self, *submissions: Submission) -> None:
+        """Queue the submissions (a request's choices): all of them, or none when the queue has no room for all."""
         with self._changed:
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             free = self.max_batch_size - len(self.engine.running)
-            if self.waiting >= self.max_queue + max(free, 0):
+            if self.waiting + len(submissions) > self.max_queue + max(free, 0):
                 raise QueueFull(f"{self.waiting} requests are already waiting (--max-queue {self.max_queue})")
-            self._incoming.append(submission)
+            self._incoming.extend(submissions)
             self._changed.notify()
 
     def reset_prefix_cache(self) -> bool:
@@ -146,6 +161,17 @@ class EngineWorker:
                 return False
             self.engine.prefix_cache.clear()
             return True
+
+    def call(self, work: Callable[[], T]) -> asyncio.Future[T]:
+        """Run ``work`` in the engine's thread between two steps (a forward of the target outside the batch, such as
+        a prompt's log-probabilities: the model runs in that thread only); its result, or its exception, comes back
+        on the returned future of the calling event loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        with self._changed:
+            self._calls.append((work, loop, future))
+            self._changed.notify()
+        return future
 
     def cancel(self, submission: Submission, reason: str = "abort") -> None:
         """Drop a request that is still in the engine (no-op once it finished); it ends with ``reason``
@@ -176,14 +202,22 @@ class EngineWorker:
     def _run(self, alive: Callable[[], bool]) -> None:
         while True:
             with self._changed:
-                while not (self._incoming or self._cancelled or not self.engine.idle or self._stopping):
+                while not (self._incoming or self._cancelled or self._calls or not self.engine.idle or self._stopping):
                     if not alive():
                         return
                     self._changed.wait(timeout=0.5)
-                if self._stopping and self.engine.idle and not self._incoming and not self._cancelled:
+                if self._stopping and self.engine.idle and not (self._incoming or self._cancelled or self._calls):
                     return
                 incoming, self._incoming = self._incoming, []
                 cancelled, self._cancelled = self._cancelled, []
+                calls, self._calls = self._calls, []
+            for work, loop, future in calls:
+                result, error = None, None
+                try:
+                    result = work()
+                except Exception as exc:  # the caller's to report
+                    error = exc
+                loop.call_soon_threadsafe(_settle, future, result, error)
             for submission in cancelled:
                 sequence = next((seq for tag, seq in self.engine.running.values() if tag is submission), None)
                 stats = sequence.stats if sequence is not None else None

@@ -33,7 +33,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.logits_processing import RowHistory, process_rows
 from specdecode.models.base import HiddenStates, require_capability
-from specdecode.sampling import coupled_sample, sample, sampling_probs
+from specdecode.sampling import coupled_sample, sample, sampling_probs, token_logprobs
 from specdecode.sampling_params import SamplingParams
 from specdecode.types import TokenLogprob
 
@@ -82,13 +82,7 @@ class TargetRows:
         its own prefix (the same numbers plain decoding reads), with the ``top`` most likely alternatives'."""
         rows = [0, *(node + 1 for node in verdict.path)]
         tokens = [*(draft.tokens[node] for node in verdict.path), verdict.next_token]
-        logprobs = torch.log_softmax(self.processed_logits[rows].float(), dim=-1).cpu()
-        chosen = logprobs[torch.arange(len(rows)), torch.tensor(tokens)].tolist()
-        best: list[tuple[tuple[int, float], ...]] = [()] * len(rows)
-        if top:
-            values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
-            best = [tuple(zip(i.tolist(), v.tolist())) for i, v in zip(ids, values)]
-        return [TokenLogprob(*entry) for entry in zip(tokens, chosen, best)]
+        return token_logprobs(self.processed_logits[rows], tokens, top)
 
     def raw_probs(self, row: int) -> torch.Tensor:
         """softmax of the raw logits (temperature 1, nothing cut): the model's own uncertainty at ``row``."""
