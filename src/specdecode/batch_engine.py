@@ -98,7 +98,7 @@ class BatchEngine:
     def preallocate(self, length: int) -> None:
         """Allocate the cache for every slot (the batch's and the kept prefixes') up to ``length`` positions now.
         Growing it later copies every slot while the running sequences wait: a request of 900 positions arriving
-        at a pool of 512 stalled a step of the batch by 0.8 s (``docs/results/serve-prefix-cache-smollm2-135m``).
+        at a pool of 512 stalled a step of the batch by 0.8 s (``docs/results/serve-vllm-cpu-cold-smollm2-135m``).
         A one-token forward creates the storage (the pool makes each layer's at its first write)."""
         self.pool.reserve(self.max_batch_size + self.prefix_cache.capacity, min(length, self.target.max_context))
         cache = self.pool.allocate()
