@@ -22,6 +22,7 @@ from specdecode.engine import (
     start_sequence,
     step,
 )
+from specdecode.grammar import SequenceGrammar
 from specdecode.models.base import CausalLM, KVPool
 
 
@@ -62,6 +63,7 @@ class BatchEngine:
         max_batch_size: int = 8,
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_budget: int | None = None,
+        grammar_for: Callable[[GenerationConfig], SequenceGrammar] | None = None,
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"batch size must be a positive integer, got {max_batch_size!r}")
@@ -74,6 +76,7 @@ class BatchEngine:
         self.target = target
         self.drafter = drafter
         self.policy_for = policy_for
+        self.grammar_for = grammar_for  # a constrained request's matcher (SpeculativeGenerator.grammar_for)
         self.eos_ids = eos_ids
         self.max_batch_size = max_batch_size
         self.pool: KVPool = target.new_pool()
@@ -116,6 +119,7 @@ class BatchEngine:
                 self.policy_for(request.config, drafter),
                 self.pool.allocate(),
                 prefill_chunk=self.prefill_chunk,
+                grammar=self._grammar(request.config),
             )
             if seq.done:  # nothing fits after the prompt
                 finish_sequence(seq)
@@ -123,6 +127,13 @@ class BatchEngine:
             else:
                 self.running[id(seq)] = (request.tag, seq)
         return events
+
+    def _grammar(self, config: GenerationConfig) -> SequenceGrammar | None:
+        if config.constraint is None:
+            return None
+        if self.grammar_for is None:
+            raise ValueError("a constrained request needs an engine built with grammar_for")
+        return self.grammar_for(config)
 
     def step(self) -> list[BatchEvent]:
         """Admit waiting requests, run one step over the running ones (reading the next chunks of the prompts

@@ -33,6 +33,7 @@ same whoever else shares its forwards.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.grammar import SequenceGrammar
 from specdecode.logits_processing import RowHistory
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
@@ -71,7 +73,8 @@ class DecodeOutcome:
     """Filled in while :func:`speculative_decode` runs; complete once the iterator is exhausted."""
 
     stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str = "length"  # "length" (max tokens or context full) or "eos"
+    # "length" (max tokens or context full), "eos", or "stop": the request's grammar admits nothing more
+    finish_reason: str = "length"
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when the config asks
 
 
@@ -100,6 +103,8 @@ class Sequence:
     prefill_chunk: int = PREFILL_CHUNK
     read: int = 0  # prompt tokens in the cache (all but the last, once read)
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # the chunks' features, for the session
+    grammar: SequenceGrammar | None = None  # the request's constraint: its matcher over the accepted tokens
+    grammar_masks: torch.Tensor | None = None  # the grammar's mask at each row of this step's verification
 
     def __post_init__(self) -> None:
         self.context = self.context or list(self.prompt_ids)
@@ -238,7 +243,9 @@ class TargetVerifier:
                 generator=seq.generator,
                 final_hidden=final,
                 target_name=self.target.name,
-                history=RowHistory(seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens),
+                history=RowHistory(
+                    seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens, seq.grammar_masks
+                ),
             )
             verdict = verifier.verify(rows, draft)
             top = seq.config.logprobs
@@ -253,6 +260,29 @@ class TargetVerifier:
         verifier reads it (last, so that it can be split off again)."""
         layers = seq.session.hidden_layers
         return (*layers, self.target.num_layers) if seq.config.verifier.method.reads_final_hidden else layers
+
+
+def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: int) -> Draft:
+    """The draft a constrained sequence verifies, with its rows' masks left in ``seq.grammar_masks``.
+
+    Nodes the grammar refuses are cut (a chain at its first such token, a tree's branches below one): the target
+    gives them probability 0, so verifying them would spend forward width on tokens never kept.  Where the grammar
+    admits one continuation only, its tokens are drafted for free (confidence 1) before anything else; the drafter's
+    own chain is kept after them when it is a point-mass chain that begins with them (a decision on what the
+    context alone determines, so it biases nothing).  A sampled draft's distributions are renormalised over the
+    tokens the grammar admits: the kept nodes were drawn from exactly that, which keeps rejection sampling exact."""
+    draft = draft.keep(grammar.valid_nodes(draft))
+    forced = grammar.forced()
+    if forced and not (draft.is_chain and draft.probs is None and draft.tokens[: len(forced)] == forced):
+        draft = Draft(tokens=forced, confidence=[1.0] * len(forced))
+    draft = draft.limited(seq.max_context - len(seq.context), room)
+    seq.grammar_masks = grammar.row_masks(draft)
+    if draft.probs is not None:
+        parents = [parent + 1 for parent in draft.parent_list]
+        admitted = seq.grammar_masks[parents, : draft.probs.shape[1]].to(draft.probs.device)
+        probs = draft.probs * admitted
+        draft = dataclasses.replace(draft, probs=probs / probs.sum(dim=-1, keepdim=True))
+    return draft
 
 
 def _plan_confidences(early: Draft | None) -> list[float] | None:
@@ -292,7 +322,10 @@ def step(
             draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
             if draft.confidence is not None and draft.is_chain:
                 max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
-        drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
+        draft = draft.limited(seq.max_context - len(seq.context), max_depth)
+        if seq.grammar is not None:
+            draft = _grammar_draft(seq, seq.grammar, draft, limits[index])
+        drafts.append(draft)
         draft_times[index] += clock() - tick
     tick = clock()
     checked = verifier(sequences, drafts, chunks)
@@ -323,6 +356,13 @@ def step(
         if eos_at is not None:
             new_tokens = new_tokens[: eos_at + 1]
             seq.outcome.finish_reason = "eos"
+        grammar_done = False
+        if seq.grammar is not None:
+            new_tokens = new_tokens[: seq.grammar.advance(new_tokens)]
+            grammar_done = eos_at is None and seq.grammar.complete
+            if grammar_done:
+                seq.outcome.finish_reason = "stop"
+            stats.grammar_s = seq.grammar.mask_s
         # Stats count what was kept: draft tokens cut by EOS or the token limit are not "accepted".
         stats.record_step(observation, kept=len(new_tokens) - 1 if len(new_tokens) <= len(accepted) else None)
         stats.draft_s += draft_s
@@ -339,7 +379,10 @@ def step(
         stats.draft_s += seq.step_end - tock
         stats.wall_s = seq.step_end - seq.started
         seq.done = (
-            eos_at is not None or stats.new_tokens >= config.max_new_tokens or len(seq.context) >= seq.max_context
+            eos_at is not None
+            or grammar_done
+            or stats.new_tokens >= config.max_new_tokens
+            or len(seq.context) >= seq.max_context
         )
         gained.append(new_tokens)
     return gained
@@ -355,9 +398,13 @@ def start_sequence(
     cache: KVCache,
     outcome: DecodeOutcome | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    grammar: SequenceGrammar | None = None,
 ) -> Sequence:
     """Open the request's drafting session; its prompt is then read into ``cache`` chunk by chunk
-    (:meth:`Sequence.next_chunk`: by :func:`read_prompt` alone, or riding in a batch's steps)."""
+    (:meth:`Sequence.next_chunk`: by :func:`read_prompt` alone, or riding in a batch's steps).  ``grammar``: the
+    matcher of ``config.constraint`` (:meth:`specdecode.grammar.GrammarCompiler.start`), required with one."""
+    if (grammar is None) != (config.constraint is None):
+        raise ValueError("a constrained request needs its grammar's matcher, and only a constrained one has one")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
     started = now()
@@ -386,9 +433,12 @@ def start_sequence(
         outcome=outcome or DecodeOutcome(),
         started=started,
         prefill_chunk=prefill_chunk,
+        grammar=grammar,
     )
     seq.stats.verifier = config.verifier.name
     seq.done = len(prompt_ids) >= target.max_context
+    if grammar is not None and grammar.complete:  # a grammar of the empty string alone: nothing to generate
+        seq.done, seq.outcome.finish_reason = True, "stop"
     if not seq.reading and not seq.done:
         _prompt_read(seq)
     return seq
@@ -430,16 +480,18 @@ def speculative_decode(
     outcome: DecodeOutcome | None = None,
     draft_length: PolicySource | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    grammar: SequenceGrammar | None = None,
 ) -> Iterator[list[int]]:
     """Decode one sequence: yield the tokens accepted at each step (never empty) until EOS, max tokens or a
     full context.
 
     ``draft_length`` decides the depth of each draft (default: from ``config.num_draft_tokens``); pass
     one policy object across requests to let an adaptive policy keep what it learned.  ``prefill_chunk``: the
-    prompt's tokens per forward (the batched engine's, for the same output as in a batch)."""
+    prompt's tokens per forward (the batched engine's, for the same output as in a batch); ``grammar``: the matcher
+    of ``config.constraint``."""
     policy = draft_length if draft_length is not None else make_policy(config.num_draft_tokens)
     cache = target.new_cache()
-    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, cache, outcome, prefill_chunk)
+    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, cache, outcome, prefill_chunk, grammar)
     verifier = TargetVerifier(target)
     try:
         if not seq.done:

@@ -13,8 +13,15 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
+from collections import OrderedDict
 
+import torch
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+from specdecode.constraints import Constraint
+from specdecode.errors import SpecDecodeError
+from specdecode.types import Draft
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _UNICODE_TO_BYTE = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -43,3 +50,135 @@ def token_bytes(tokenizer, vocab: int) -> list[bytes]:
         else:
             result.append(piece.replace("\u2581", " ").encode())
     return result
+
+
+class _TokenizerView:
+    """What llguidance's ``TokenizerWrapper`` reads of a tokenizer: its tokens' bytes, its specials, its encoder."""
+
+    def __init__(self, tokenizer, vocab: int) -> None:
+        known = min(vocab, len(tokenizer))
+        self.tokens = token_bytes(tokenizer, known) + [b""] * (vocab - known)  # a model's padding rows: no bytes
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = [token for token in tokenizer.all_special_ids if token < vocab]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+class GrammarCompiler:
+    """Constraints compiled for one tokenizer and a model's vocabulary (its logits' width), each distinct constraint
+    once: a sequence's matcher is a copy of the compiled one (:meth:`start`).
+
+    eos_ids: the tokens the grammar lets end the output once it is complete (the model's end-of-sequence tokens)."""
+
+    #: Distinct constraints kept compiled; the least recently used one is dropped beyond.
+    CACHE_SIZE = 256
+
+    def __init__(self, tokenizer, vocab: int, eos_ids: frozenset[int]) -> None:
+        import llguidance
+
+        self.vocab = vocab
+        view = _TokenizerView(tokenizer, vocab)
+        ends = sorted(token for token in eos_ids if token < vocab) or None
+        self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=vocab, eos_token=ends)
+        self._compiled: OrderedDict[Constraint, object] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def start(self, constraint: Constraint) -> SequenceGrammar:
+        """A fresh matcher of ``constraint`` for one sequence."""
+        return SequenceGrammar(self.compile(constraint).deep_copy(), self.vocab)
+
+    def compile(self, constraint: Constraint):
+        """``constraint``'s compiled matcher, at its start (an ``llguidance.LLMatcher``; copy it to use it).  What
+        only this tokenizer can tell is wrong with it is a :class:`SpecDecodeError`."""
+        import llguidance
+
+        with self._lock:
+            compiled = self._compiled.pop(constraint, None)
+            if compiled is None:
+                compiled = llguidance.LLMatcher(self.tokenizer, constraint.engine_grammar, log_level=0)
+                if compiled.is_error():
+                    raise SpecDecodeError(f"invalid {constraint.kind}: {compiled.get_error()}")
+            self._compiled[constraint] = compiled
+            while len(self._compiled) > self.CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return compiled
+
+
+class SequenceGrammar:
+    """One sequence's grammar state: a matcher advanced over its accepted tokens (:meth:`advance`), the mask of each
+    verified row (:meth:`row_masks`), and what the grammar says of a draft before it is verified (:meth:`shape`)."""
+
+    def __init__(self, matcher, vocab: int) -> None:
+        self.matcher = matcher
+        self.vocab = vocab
+        self.mask_s = 0.0  # seconds spent computing masks and checking drafts
+
+    @property
+    def complete(self) -> bool:
+        """The grammar admits nothing more (it is complete, or at a dead end): the output ends here."""
+        return self.matcher.is_stopped() or not bool(self._mask().any())
+
+    def advance(self, tokens: list[int]) -> int:
+        """Consume accepted ``tokens`` up to the grammar's completion; how many it took (the rest are not output)."""
+        for taken, token in enumerate(tokens):
+            if self.matcher.is_stopped():
+                return taken
+            if not self.matcher.consume_token(token):
+                raise AssertionError(f"an accepted token the grammar refuses: {self.matcher.get_error()}")
+        return len(tokens)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar admits as the only continuation here (keys, quotes, brackets, the rest of a choice),
+        as the tokenizer writes that text; llguidance holds back a last token that a longer one might extend."""
+        return self.matcher.compute_ff_tokens()
+
+    def row_masks(self, draft: Draft) -> torch.Tensor:
+        """[nodes + 1, vocab] bool: the tokens the grammar admits at each verification row, after the accepted tokens
+        and the row's draft path.  Two kinds of row admit everything, as what they choose is never output: a row
+        behind a token the grammar refuses (that token has probability 0, so the row is never reached), and a row
+        past the grammar's completion (the output ends before it, :meth:`advance`)."""
+        tick = time.perf_counter()
+        words = (self.vocab + 31) // 32
+        bitmask = torch.full((len(draft.tokens) + 1, words), -1, dtype=torch.int32)
+        for row, path in enumerate(draft.row_paths()):
+            taken = self.matcher.try_consume_tokens(path) if path else 0
+            if taken == len(path) and not self.matcher.is_stopped():
+                self.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * words)
+            if taken:
+                self.matcher.rollback(taken)
+        masks = _unpack(bitmask, self.vocab)
+        self.mask_s += time.perf_counter() - tick
+        return masks
+
+    def valid_nodes(self, draft: Draft) -> list[int]:
+        """The draft's nodes whose path the grammar accepts (closed under ancestors, in order)."""
+        tick = time.perf_counter()
+        if draft.is_chain:
+            kept = list(range(self.matcher.validate_tokens(draft.tokens))) if draft.tokens else []
+        else:
+            paths = draft.row_paths()[1:]
+            valid: list[bool] = []
+            for node, parent in enumerate(draft.parent_list):
+                ok = (parent < 0 or valid[parent]) and self.matcher.validate_tokens(paths[node]) == len(paths[node])
+                valid.append(ok)
+            kept = [node for node, ok in enumerate(valid) if ok]
+        self.mask_s += time.perf_counter() - tick
+        return kept
+
+    def _mask(self) -> torch.Tensor:
+        words = (self.vocab + 31) // 32
+        bitmask = torch.empty((1, words), dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), 4 * words)
+        return _unpack(bitmask, self.vocab)[0]
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 bitmask (bit b of word w: token 32 w + b) → [rows, vocab] bool."""
+    return ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab]
+
