@@ -262,8 +262,9 @@ class TargetVerifier:
         return (*layers, self.target.num_layers) if seq.config.verifier.method.reads_final_hidden else layers
 
 
-def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: int) -> Draft:
-    """The draft a constrained sequence verifies, with its rows' masks left in ``seq.grammar_masks``.
+def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: int) -> tuple[Draft, bool]:
+    """The draft a constrained sequence verifies, with its rows' masks left in ``seq.grammar_masks``, and whether it
+    is still the drafter's own (cut at its end at most: what :attr:`StepFeedback.asked` tells the session).
 
     Nodes the grammar refuses are cut (a chain at its first such token, a tree's branches below one): the target
     gives them probability 0, so verifying them would spend forward width on tokens never kept.  Where the grammar
@@ -271,18 +272,26 @@ def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: 
     own chain is kept after them when it is a point-mass chain that begins with them (a decision on what the
     context alone determines, so it biases nothing).  A sampled draft's distributions are renormalised over the
     tokens the grammar admits: the kept nodes were drawn from exactly that, which keeps rejection sampling exact."""
-    draft = draft.keep(grammar.valid_nodes(draft))
+    kept = grammar.valid_nodes(draft)
+    own = kept == list(range(len(kept)))
+    draft = draft.keep(kept)
     forced = grammar.forced()
     if forced and not (draft.is_chain and draft.probs is None and draft.tokens[: len(forced)] == forced):
-        draft = Draft(tokens=forced, confidence=[1.0] * len(forced))
+        draft, own = Draft(tokens=forced, confidence=[1.0] * len(forced)), False
     draft = draft.limited(seq.max_context - len(seq.context), room)
     seq.grammar_masks = grammar.row_masks(draft)
     if draft.probs is not None:
         parents = [parent + 1 for parent in draft.parent_list]
         admitted = seq.grammar_masks[parents, : draft.probs.shape[1]].to(draft.probs.device)
-        probs = draft.probs * admitted
-        draft = dataclasses.replace(draft, probs=probs / probs.sum(dim=-1, keepdim=True))
-    return draft
+        draft = dataclasses.replace(draft, probs=_admitted(draft.probs, admitted))
+    return draft, own
+
+
+def _admitted(probs: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """Each row of a draft's distributions restricted to the tokens the grammar admits at its node's parent: given
+    that the node was kept, what it was drawn from."""
+    kept = probs * admitted
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _plan_confidences(early: Draft | None) -> list[float] | None:
@@ -324,7 +333,8 @@ def step(
                 max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
         draft = draft.limited(seq.max_context - len(seq.context), max_depth)
         if seq.grammar is not None:
-            draft = _grammar_draft(seq, seq.grammar, draft, limits[index])
+            draft, own = _grammar_draft(seq, seq.grammar, draft, limits[index])
+            asked[index] = asked[index] and own
         drafts.append(draft)
         draft_times[index] += clock() - tick
     tick = clock()

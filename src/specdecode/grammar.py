@@ -181,4 +181,3 @@ _BITS = torch.arange(32, dtype=torch.int32)
 def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[rows, words] int32 bitmask (bit b of word w: token 32 w + b) → [rows, vocab] bool."""
     return ((bitmask.unsqueeze(-1) >> _BITS) & 1).bool().flatten(1)[:, :vocab]
-

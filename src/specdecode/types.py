@@ -147,8 +147,10 @@ class StepFeedback:
         ran (policy replay).
     target_hidden: [nodes + 1, features] the target's hidden states of the same rows, for a session that
         asked for them (``DraftSession.hidden_layers``); None otherwise.
-    asked: whether the session's ``propose`` ran this step.  False where the draft-length policy chose plain
-        decoding: the empty draft then says nothing of what the drafter would have found (STAND learns less).
+    asked: whether the session's ``propose`` ran this step and ``draft`` is what it proposed (perhaps cut at its
+        end).  False where the draft-length policy chose plain decoding, or where a constraint's grammar cut branches
+        out of the draft or replaced it with forced tokens: the draft then says nothing of what the drafter found
+        (STAND learns less; calibrations and self-drafters' exits learn nothing).
     """
 
     draft: Draft
