@@ -17,6 +17,7 @@ from tokenizers import decoders
 import specdecode.engine
 from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chi2_pvalue
 from specdecode.batch_engine import BatchEngine, BatchRequest
+from specdecode.cli import main
 from specdecode.config import GenerationConfig
 from specdecode.constraints import Constraint, parse_constraint
 from specdecode.draft_length.factory import make_policy
@@ -354,3 +355,90 @@ def test_the_python_api_takes_a_constraint_on_every_call(json_target):
     assert [item.text in ("yes", "no") for item in batch] == [True, True]
     with pytest.raises(SpecDecodeError, match="invalid regex"):
         generator.generate("ab", constraint={"regex": "("})
+
+
+# --- the command line --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def json_model_dir(json_target, tmp_path_factory):
+    path = tmp_path_factory.mktemp("json-model")
+    json_target.backend.model.save_pretrained(path)
+    json_target.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "kind"),
+    [
+        (["--json-schema", json.dumps(RECORD)], "json-schema"),
+        (["--json-object"], "json-object"),
+        (["--regex", r"[a-j]{2,5}(, [0-9]{1,3}){1,3}"], "regex"),
+        (["--choice", "alpha,beta,gamma"], "choice"),
+    ],
+)
+def test_generate_takes_each_constraint_flag(capsys, json_model_dir, flags, kind):
+    args = ["generate", "ab cd", "--model", json_model_dir, "--no-chat", "--max-new-tokens", "60", "--json"]
+    args += ["--num-draft-tokens", "3"]
+    code, out, err = cli(capsys, *args, "--drafter", "pld", *flags)
+    assert code == 0, err
+    result = json.loads(out)
+    plain_code, plain_out, _ = cli(capsys, *args, "--drafter", "none", *flags)
+    assert plain_code == 0 and json.loads(plain_out)["token_ids"] == result["token_ids"]
+    if result["finish_reason"] == "stop":
+        assert_matches(CONSTRAINTS[kind], result["text"])
+
+
+def test_generate_reads_a_schema_or_grammar_from_a_file(capsys, json_model_dir, tmp_path):
+    schema, grammar = tmp_path / "schema.json", tmp_path / "list.gbnf"
+    schema.write_text(json.dumps(RECORD))
+    grammar.write_text(CONSTRAINTS["gbnf"].text)
+    args = ["generate", "ab", "--model", json_model_dir, "--no-chat", "--max-new-tokens", "80", "--json"]
+    code, out, err = cli(capsys, *args, "--json-schema", str(schema))
+    assert code == 0, err
+    assert_matches(CONSTRAINTS["json-schema"], json.loads(out)["text"])
+    code, out, err = cli(capsys, *args, "--grammar", str(grammar))
+    assert code == 0, err
+    assert json.loads(out)["text"].startswith("[")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--json-schema", '{"type": "foo"}'], "invalid JSON schema: Invalid type: foo"),
+        (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
+        (["--regex", "[0-9"], 'invalid regex: at 1(8): invalid regex "[0-9" (in regex): regex parse error:'),
+        (["--grammar", "/no/such.gbnf"], "--grammar: cannot read /no/such.gbnf"),
+    ],
+)
+def test_a_bad_constraint_flag_is_one_line_and_exit_2(capsys, json_model_dir, flags, message):
+    code, out, err = cli(capsys, "generate", "ab", "--model", json_model_dir, *flags)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_batch_lines_take_their_own_constraint(capsys, json_model_dir, tmp_path):
+    lines = [
+        {"prompt": "ab cd", "choice": ["yes", "no"]},
+        {"prompt": "ab cd", "json_schema": RECORD},
+        {"prompt": "ab cd"},  # the flags' constraint
+        {"prompt": "ab", "regex": "("},
+    ]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in lines))
+    code, out, err = cli(
+        capsys, "batch", str(prompts), "--model", json_model_dir, "--no-chat", "--json", "--regex", "[a-c]{3}"
+    )
+    assert code == 2  # the bad line
+    rows = [json.loads(row) for row in out.splitlines()]
+    assert rows[0]["text"] in ("yes", "no")
+    assert_matches(CONSTRAINTS["json-schema"], rows[1]["text"])
+    assert len(rows[2]["text"]) == 3 and set(rows[2]["text"]) <= set("abc")
+    assert "line 4: invalid regex" in rows[3]["error"]

@@ -126,5 +126,13 @@ def _compile(what: str, kind: str, text: str) -> str:
         raise SpecDecodeError(f"invalid {what}: {exc}") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise SpecDecodeError(f"invalid {what}: {messages[0].strip()}")
+        raise SpecDecodeError(f"invalid {what}: {_one_line(messages[0])}")
     return grammar
+
+
+def _one_line(message: str) -> str:
+    """The engine's message on one line: its first line, and the line that names the error when it draws the source
+    with a caret below (a regex's "error: unclosed group")."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    named = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), None)
+    return f"{lines[0]} {named}" if named else lines[0]
