@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Annotated, Literal
 
+import httpx
 import jsonschema
 import numpy as np
 import pytest
 import torch
+from pydantic import BaseModel
+from pydantic import Field as PydanticField
 from tokenizers import decoders
 
 import specdecode.engine
@@ -32,6 +36,7 @@ from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from test_batch import batch_drafters
 from test_sampling_lossless import BigramDrafter
+from test_server import RunningServer, make_service
 from tiny_models import bpe_tokenizer, tiny_model
 
 CHARACTERS = list('{}[]":, ') + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
@@ -442,3 +447,101 @@ def test_batch_lines_take_their_own_constraint(capsys, json_model_dir, tmp_path)
     assert_matches(CONSTRAINTS["json-schema"], rows[1]["text"])
     assert len(rows[2]["text"]) == 3 and set(rows[2]["text"]) <= set("abc")
     assert "line 4: invalid regex" in rows[3]["error"]
+
+
+# --- the server ------------------------------------------------------------------------------------------
+
+
+class Item(BaseModel):
+    cd: Literal["xy", "zzz"]
+    ab: Annotated[int, PydanticField(ge=0, le=999)]
+    ef: Annotated[list[Annotated[str, PydanticField(max_length=3)]], PydanticField(max_length=2)]
+
+
+@pytest.fixture(scope="module")
+def served(json_target):
+    json_target.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    with RunningServer(make_service(json_target)) as server:
+        yield server
+
+
+def test_response_format_json_object_and_json_schema_on_both_endpoints(served):
+    client = served.client()
+    messages = [{"role": "user", "content": "ab cd"}]
+    answer = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=80, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(answer.choices[0].message.content), dict)
+    form = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD, "strict": True}}
+    answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=80, response_format=form)
+    assert answer.choices[0].finish_reason == "stop"
+    assert_matches(CONSTRAINTS["json-schema"], answer.choices[0].message.content)
+    text = client.completions.create(model="tiny", prompt="ab cd", max_tokens=80, extra_body={"response_format": form})
+    assert_matches(CONSTRAINTS["json-schema"], text.choices[0].text)
+
+
+def test_the_openai_clients_parse_fills_a_pydantic_model(served):
+    parsed = served.client().beta.chat.completions.parse(
+        model="tiny", messages=[{"role": "user", "content": "ab cd"}], max_tokens=80, response_format=Item
+    )
+    item = parsed.choices[0].message.parsed
+    assert isinstance(item, Item) and item.cd in ("xy", "zzz")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"structured_outputs": {"choice": ["alpha", "beta"]}},
+        {"structured_outputs": {"regex": "[a-c]{4}"}},
+        {"structured_outputs": {"grammar": CONSTRAINTS["gbnf"].text}},
+        {"structured_outputs": {"json": RECORD}},
+        {"guided_choice": ["alpha", "beta"]},
+        {"guided_regex": "[a-c]{4}"},
+        {"guided_json": json.dumps(RECORD)},
+        {"guided_grammar": CONSTRAINTS["gbnf"].text},
+    ],
+    ids=lambda extra: json.dumps(extra)[:40],
+)
+def test_vllms_fields_old_and_new(served, extra):
+    client = served.client()
+    answer = client.completions.create(model="tiny", prompt="ab cd", max_tokens=60, extra_body=extra)
+    text = answer.choices[0].text
+    if "choice" in json.dumps(extra):
+        assert text in ("alpha", "beta")
+    elif "regex" in json.dumps(extra):
+        assert len(text) == 4 and set(text) <= set("abc")
+    elif "grammar" in json.dumps(extra):
+        assert text.startswith("[")
+    else:
+        assert_matches(CONSTRAINTS["json-schema"], text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+            "response_format.json_schema",
+            "invalid JSON schema: Invalid type: foo",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "response_format.json_schema",
+            "invalid JSON schema",
+        ),
+        ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "unclosed character class"),
+        ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),
+        ({"guided_choice": []}, "guided_choice", "choices must be a non-empty list"),
+        ({"guided_grammar": "root ::= nothing_here"}, "guided_grammar", "invalid grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one constraint, got 2"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", 'needs a "json_schema"'),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "Input should be"),
+    ],
+)
+def test_each_bad_structured_output_is_a_400_naming_the_field(served, extra, param, message):
+    answer = httpx.post(f"{served.url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, **extra})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+    assert httpx.post(f"{served.url}/v1/completions", json={"prompt": "ab", "max_tokens": 4}).status_code == 200

@@ -8,7 +8,10 @@ Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temp
 verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
 lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
 OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools``,
-``tool_choice``, ``response_format``, ``best_of`` or ``n`` > 1, ``echo``, ``suffix``), with the reason.  ``logprobs``
+``tool_choice``, ``best_of`` or ``n`` > 1, ``echo``, ``suffix``), with the reason.  Structured output: OpenAI's
+``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``grammar``, ``json_object``) or its older ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar``, one per request (:meth:`_Common.constraint_fields`).  ``logprobs``
 (and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`).  A field we
 do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with
 ``--strict-api``.
@@ -21,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from specdecode.config import MAX_FIXED_DRAFT_LENGTH, MAX_TOP_LOGPROBS, DraftLength, parse_draft_length
@@ -58,13 +61,6 @@ _SAYS_SOMETHING = {
             ]
         }
     },
-}
-
-_TEXT_FORMAT = {
-    "type": "object",
-    "properties": {"type": {"const": "text"}},
-    "required": ["type"],
-    "additionalProperties": False,
 }
 
 _DRAFT_LENGTH_SCHEMA = {
@@ -111,6 +107,51 @@ TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]  # log-probab
 _NO_TOOLS = "tool calling is not supported by this server"
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not, the output is held to it)."""
+
+    model_config = _LENIENT
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` or ``{"type":
+    "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        _unless(self.type == "json_schema" and self.json_schema is None, 'type "json_schema" needs a "json_schema"')
+        return self
+
+
+#: vLLM's fields before ``structured_outputs``, and the constraint each asks for.
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (Lark or GBNF),
+    ``json_object``."""
+
+    model_config = _LENIENT
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 def _unless(asked: bool, why: str) -> None:
     """Refuse a field set to a value this server cannot honour (a 400 naming the field, and ``why``)."""
     if asked:
@@ -148,7 +189,12 @@ class _Common(BaseModel):
     tools: Annotated[list[dict], WithJsonSchema({"type": "array", "maxItems": 0})] | None = None
     tool_choice: Annotated[str | dict, WithJsonSchema({"enum": ["none"]})] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: Annotated[dict, WithJsonSchema(_TEXT_FORMAT)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None  # vLLM's names before structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     speculative: SpeculativeOptions | None = None
     verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
 
@@ -172,11 +218,27 @@ class _Common(BaseModel):
         _unless(choice not in (None, "none"), _NO_TOOLS)
         return choice
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, form: dict | None) -> dict | None:
-        _unless(form not in (None, {"type": "text"}), "structured output is not supported by this server")
-        return form
+    def constraint_fields(self) -> dict[str, dict]:
+        """Each field of the request that asks for a structured output, by its path, with what it asks for as
+        :func:`specdecode.constraints.parse_constraint` reads it (the server refuses more than one)."""
+        found: dict[str, dict] = {}
+        form = self.response_format
+        if form is not None and form.type == "json_object":
+            found["response_format"] = {"json_object": True}
+        elif form is not None and form.type == "json_schema":
+            schema = form.json_schema.schema_ if form.json_schema is not None else None
+            found["response_format.json_schema"] = {"json_object": True} if schema is None else {"json_schema": schema}
+        if self.structured_outputs is not None:
+            given = self.structured_outputs
+            asked = given.model_dump(by_alias=True, exclude_none=True, exclude=set(given.model_extra or {}))
+            if asked.get("json_object") is False:
+                del asked["json_object"]
+            if asked:
+                found["structured_outputs"] = asked
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                found[name] = {kind: getattr(self, name)}
+        return found
 
     @property
     def logprobs_top(self) -> int | None:
@@ -196,8 +258,10 @@ class _Common(BaseModel):
         """The fields of the request this server does not know, by their path (``stream_options.x``,
         ``messages.0.x``)."""
         names = list(self.model_extra or {})
-        if self.stream_options is not None:
-            names += [f"stream_options.{name}" for name in self.stream_options.model_extra or {}]
+        for name in ("stream_options", "structured_outputs"):
+            part = getattr(self, name)
+            if part is not None:
+                names += [f"{name}.{extra}" for extra in part.model_extra or {}]
         return names
 
 
