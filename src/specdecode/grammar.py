@@ -64,7 +64,10 @@ class _TokenizerView:
         self._tokenizer = tokenizer
 
     def __call__(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        """``text``'s tokens as the tokenizer writes them, or none where they do not spell it (an unknown-token id
+        for a character the vocabulary lacks): llguidance then tokenizes it greedily from the tokens' bytes."""
+        tokens = self._tokenizer.encode(text, add_special_tokens=False)
+        return tokens if b"".join(self.tokens[token] for token in tokens) == text.encode() else []
 
 
 class GrammarCompiler:
@@ -99,8 +102,11 @@ class GrammarCompiler:
             compiled = self._compiled.pop(constraint, None)
             if compiled is None:
                 compiled = llguidance.LLMatcher(self.tokenizer, constraint.engine_grammar, log_level=0)
-                if compiled.is_error():
-                    raise SpecDecodeError(f"invalid {constraint.kind}: {compiled.get_error()}")
+                first = compiled.deep_copy()
+                first.compute_bitmask()  # a first token the vocabulary cannot spell shows only here
+                if first.is_error():
+                    message = first.get_error().strip().splitlines()[0]
+                    raise SpecDecodeError(f"this model's tokens cannot write the {constraint.kind}: {message}")
             self._compiled[constraint] = compiled
             while len(self._compiled) > self.CACHE_SIZE:
                 self._compiled.popitem(last=False)

@@ -131,6 +131,7 @@ class ResponseFormat(BaseModel):
         return self
 
 
+Choices = Annotated[list[NonEmpty], Field(min_length=1)]
 #: vLLM's fields before ``structured_outputs``, and the constraint each asks for.
 _GUIDED = {
     "guided_json": "json_schema",
@@ -146,9 +147,9 @@ class StructuredOutputs(BaseModel):
 
     model_config = _LENIENT
     json_: dict | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: NonEmpty | None = None
+    choice: Choices | None = None
+    grammar: NonBlank | None = None
     json_object: bool | None = None
 
 
@@ -192,9 +193,9 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict | str | None = None  # vLLM's names before structured_outputs
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmpty | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonBlank | None = None
     speculative: SpeculativeOptions | None = None
     verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
 
