@@ -531,12 +531,13 @@ def test_vllms_fields_old_and_new(served, extra):
         ),
         ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs", "unclosed character class"),
         ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),
-        ({"guided_choice": []}, "guided_choice", "choices must be a non-empty list"),
+        ({"guided_choice": []}, "guided_choice", "List should have at least 1 item"),
         ({"guided_grammar": "root ::= nothing_here"}, "guided_grammar", "invalid grammar"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one constraint, got 2"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "one structured output"),
-        ({"response_format": {"type": "json_schema"}}, "response_format", 'needs a "json_schema"'),
-        ({"response_format": {"type": "xml"}}, "response_format.type", "Input should be"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.json_schema", "Field required"),
+        ({"response_format": {"type": "xml"}}, "response_format", "Input tag 'xml' found using 'type'"),
+        ({"structured_outputs": {"choice": ["a"], "json_object": True}}, "structured_outputs", "one constraint"),
     ],
 )
 def test_each_bad_structured_output_is_a_400_naming_the_field(served, extra, param, message):

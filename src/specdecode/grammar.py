@@ -102,11 +102,8 @@ class GrammarCompiler:
             compiled = self._compiled.pop(constraint, None)
             if compiled is None:
                 compiled = llguidance.LLMatcher(self.tokenizer, constraint.engine_grammar, log_level=0)
-                first = compiled.deep_copy()
-                first.compute_bitmask()  # a first token the vocabulary cannot spell shows only here
-                if first.is_error():
-                    message = first.get_error().strip().splitlines()[0]
-                    raise SpecDecodeError(f"this model's tokens cannot write the {constraint.kind}: {message}")
+                if compiled.is_error():
+                    raise SpecDecodeError(f"invalid {constraint.kind}: {compiled.get_error()}")
             self._compiled[constraint] = compiled
             while len(self._compiled) > self.CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -125,7 +122,8 @@ class SequenceGrammar:
     @property
     def complete(self) -> bool:
         """The grammar admits nothing more (it is complete, or at a dead end): the output ends here."""
-        return self.matcher.is_stopped() or not bool(self._mask().any())
+        admitted = self._mask()  # first: a dead end (no token spells what must come) shows only once asked
+        return self.matcher.is_stopped() or not bool(admitted.any())
 
     def advance(self, tokens: list[int]) -> int:
         """Consume accepted ``tokens`` up to the grammar's completion; how many it took (the rest are not output)."""

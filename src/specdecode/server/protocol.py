@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
 
 from specdecode.config import MAX_FIXED_DRAFT_LENGTH, MAX_TOP_LOGPROBS, DraftLength, parse_draft_length
@@ -117,20 +117,29 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
-    """``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` or ``{"type":
-    "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+class TextFormat(BaseModel):
+    """``response_format: {"type": "text"}``: no constraint."""
 
     model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        _unless(self.type == "json_schema" and self.json_schema is None, 'type "json_schema" needs a "json_schema"')
-        return self
+    type: Literal["text"]
 
 
+class JsonObjectFormat(BaseModel):
+    """``response_format: {"type": "json_object"}``: one JSON object, any keys."""
+
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    """``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 Choices = Annotated[list[NonEmpty], Field(min_length=1)]
 #: vLLM's fields before ``structured_outputs``, and the constraint each asks for.
 _GUIDED = {
@@ -224,10 +233,10 @@ class _Common(BaseModel):
         :func:`specdecode.constraints.parse_constraint` reads it (the server refuses more than one)."""
         found: dict[str, dict] = {}
         form = self.response_format
-        if form is not None and form.type == "json_object":
+        if isinstance(form, JsonObjectFormat):
             found["response_format"] = {"json_object": True}
-        elif form is not None and form.type == "json_schema":
-            schema = form.json_schema.schema_ if form.json_schema is not None else None
+        elif isinstance(form, JsonSchemaResponseFormat):
+            schema = form.json_schema.schema_
             found["response_format.json_schema"] = {"json_object": True} if schema is None else {"json_schema": schema}
         if self.structured_outputs is not None:
             given = self.structured_outputs
