@@ -546,3 +546,37 @@ def test_each_bad_structured_output_is_a_400_naming_the_field(served, extra, par
     error = answer.json()["error"]
     assert error["param"] == param and message in error["message"], error
     assert httpx.post(f"{served.url}/v1/completions", json={"prompt": "ab", "max_tokens": 4}).status_code == 200
+
+
+# --- bench structured ------------------------------------------------------------------------------------
+
+
+def test_bench_structured_measures_every_contestant_and_each_constrained_one_equals_plain(json_model_dir, tmp_path):
+    from specdecode.bench import structured
+    from specdecode.data.structured import StructuredPrompt
+
+    settings = structured.resolve_settings(
+        model=json_model_dir, methods="none,pld,suffix", max_new_tokens=60, threads=1, out=str(tmp_path)
+    )
+    prompts = [
+        StructuredPrompt("one", "extraction", "ab cd", RECORD),
+        StructuredPrompt("two", "extraction", "x y", RECORD),
+    ]
+    results = structured.measure_structured(settings, prompts, progress=False)
+    rows = {(r["method"], r["constrained"], r["forced_drafts"]) for r in results["rows"]}
+    assert rows == {("none", False, False), ("none", True, False), ("none", True, True)} | {
+        (method, True, forced) for method in ("pld", "suffix") for forced in (False, True)
+    }
+    for row in results["rows"]:
+        if row["constrained"]:
+            assert row["equal_to_plain_constrained"] == 1.0 and row["valid"] == 1.0, row["method"]
+            assert 0 < row["grammar_share"] < 1
+    report = (tmp_path / "results.md").read_text()
+    assert "`pld` constrained, forced drafts on" in report and "valid JSON under the schema" in report
+
+
+def test_bench_structured_refuses_an_unknown_suite():
+    from specdecode.bench import structured
+
+    with pytest.raises(SpecDecodeError, match="--suites takes some of extraction, classification"):
+        structured.resolve_settings(suites="poetry")

@@ -74,7 +74,8 @@ class GrammarCompiler:
     """Constraints compiled for one tokenizer and a model's vocabulary (its logits' width), each distinct constraint
     once: a sequence's matcher is a copy of the compiled one (:meth:`start`).
 
-    eos_ids: the tokens the grammar lets end the output once it is complete (the model's end-of-sequence tokens)."""
+    eos_ids: the tokens the grammar lets end the output once it is complete (the model's end-of-sequence tokens).
+    forced_drafts: the sequences draft the grammar's forced tokens (``bench structured`` measures without)."""
 
     #: Distinct constraints kept compiled; the least recently used one is dropped beyond.
     CACHE_SIZE = 256
@@ -83,6 +84,7 @@ class GrammarCompiler:
         import llguidance
 
         self.vocab = vocab
+        self.forced_drafts = True
         view = _TokenizerView(tokenizer, vocab)
         ends = sorted(token for token in eos_ids if token < vocab) or None
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=vocab, eos_token=ends)
@@ -91,7 +93,7 @@ class GrammarCompiler:
 
     def start(self, constraint: Constraint) -> SequenceGrammar:
         """A fresh matcher of ``constraint`` for one sequence."""
-        return SequenceGrammar(self.compile(constraint).deep_copy(), self.vocab)
+        return SequenceGrammar(self.compile(constraint).deep_copy(), self.vocab, self.forced_drafts)
 
     def compile(self, constraint: Constraint):
         """``constraint``'s compiled matcher, at its start (an ``llguidance.LLMatcher``; copy it to use it).  What
@@ -114,9 +116,10 @@ class SequenceGrammar:
     """One sequence's grammar state: a matcher advanced over its accepted tokens (:meth:`advance`), the mask of each
     verified row (:meth:`row_masks`), and what the grammar says of a draft before it is verified (:meth:`shape`)."""
 
-    def __init__(self, matcher, vocab: int) -> None:
+    def __init__(self, matcher, vocab: int, forced_drafts: bool = True) -> None:
         self.matcher = matcher
         self.vocab = vocab
+        self.forced_drafts = forced_drafts
         self.mask_s = 0.0  # seconds spent computing masks and checking drafts
 
     @property
@@ -136,8 +139,9 @@ class SequenceGrammar:
 
     def forced(self) -> list[int]:
         """The tokens the grammar admits as the only continuation here (keys, quotes, brackets, the rest of a choice),
-        as the tokenizer writes that text; llguidance holds back a last token that a longer one might extend."""
-        return self.matcher.compute_ff_tokens()
+        as the tokenizer writes that text; llguidance holds back a last token that a longer one might extend.  None
+        (an empty list) when this sequence does not draft them."""
+        return self.matcher.compute_ff_tokens() if self.forced_drafts else []
 
     def row_masks(self, draft: Draft) -> torch.Tensor:
         """[nodes + 1, vocab] bool: the tokens the grammar admits at each verification row, after the accepted tokens
