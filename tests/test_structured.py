@@ -98,6 +98,12 @@ def plain(target, prompt, config, compiler) -> list[int]:
     return decode(target, create_drafter("none", target), prompt, config, compiler)
 
 
+def ending(target, drafter, prompt, config, compiler) -> tuple[list[int], str]:
+    """The output and why it ended."""
+    outcome = specdecode.engine.DecodeOutcome()
+    return decode(target, drafter, prompt, config, compiler, outcome), outcome.finish_reason
+
+
 def assert_matches(constraint: Constraint, text: str) -> None:
     """A finished output is in the constraint's language (JSON ones parse, and validate under their schema)."""
     if constraint.kind in ("json_schema", "json_object"):
@@ -132,11 +138,13 @@ def test_every_drafter_gives_plain_constrained_greedy_output(json_target, json_d
     expected = {}
     for name, prompt in cases:
         config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k, constraint=CONSTRAINTS[name])
-        expected[name, tuple(prompt)] = plain(json_target, prompt, config, compiler)
+        expected[name, tuple(prompt)] = ending(
+            json_target, create_drafter("none", json_target), prompt, config, compiler
+        )
     for drafter_name, drafter in batch_drafters(json_target, json_draft).items():
         for name, prompt in cases:
             config = GenerationConfig(max_new_tokens=40, num_draft_tokens=k, constraint=CONSTRAINTS[name])
-            got = decode(json_target, drafter, prompt, config, compiler)
+            got = ending(json_target, drafter, prompt, config, compiler)
             assert got == expected[name, tuple(prompt)], f"{drafter_name} (k={k}) under {name}, prompt {prompt}"
 
 
@@ -580,3 +588,14 @@ def test_bench_structured_refuses_an_unknown_suite():
 
     with pytest.raises(SpecDecodeError, match="--suites takes some of extraction, classification"):
         structured.resolve_settings(suites="poetry")
+
+
+def test_a_completed_grammar_ends_with_stop_whatever_the_step_verified_after_it(json_target, compiler):
+    """Forced tokens finish the choice within one step, and the row after it would choose end-of-sequence: the
+    output still ends at the grammar's completion, with ``stop``, as plain decoding one token at a time ends it."""
+    eos = json_target.tokenizer.eos_token_id
+    sampling = SamplingParams(logit_bias={eos: 100.0})
+    config = GenerationConfig(max_new_tokens=20, sampling=sampling, constraint=CONSTRAINTS["choice"])
+    tokens, reason = ending(json_target, create_drafter("none", json_target), PROMPTS[0], config, compiler)
+    assert reason == "stop" and eos not in tokens
+    assert json_target.tokenizer.decode(tokens) in ("alpha", "beta", "gamma")

@@ -359,6 +359,13 @@ def step(
         seq.length_policy.observe(observation)
         accepted = [draft.tokens[node] for node in verdict.path]
         new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
+        grammar_done = False
+        if seq.grammar is not None:
+            # The output ends where the grammar completes, however many tokens the step verified past it: so a
+            # request ends at the same token, for the same reason, whatever was drafted.
+            new_tokens = new_tokens[: seq.grammar.advance(new_tokens)]
+            grammar_done = seq.grammar.complete
+            stats.grammar_s = seq.grammar.mask_s
         # A stop token ends the request once min_tokens are out; exact verifiers never emit one sooner (the processing
         # gives it probability 0), a lossy one might keep a drafted one, which then does not end it.
         ends = [config.ends_at(token, stats.new_tokens + i + 1, seq.stop_ids) for i, token in enumerate(new_tokens)]
@@ -366,13 +373,8 @@ def step(
         if eos_at is not None:
             new_tokens = new_tokens[: eos_at + 1]
             seq.outcome.finish_reason = "eos"
-        grammar_done = False
-        if seq.grammar is not None:
-            new_tokens = new_tokens[: seq.grammar.advance(new_tokens)]
-            grammar_done = eos_at is None and seq.grammar.complete
-            if grammar_done:
-                seq.outcome.finish_reason = "stop"
-            stats.grammar_s = seq.grammar.mask_s
+        elif grammar_done:
+            seq.outcome.finish_reason = "stop"
         # Stats count what was kept: draft tokens cut by EOS or the token limit are not "accepted".
         stats.record_step(observation, kept=len(new_tokens) - 1 if len(new_tokens) <= len(accepted) else None)
         stats.draft_s += draft_s
