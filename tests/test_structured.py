@@ -578,7 +578,7 @@ def test_bench_structured_measures_every_contestant_and_each_constrained_one_equ
     for row in results["rows"]:
         if row["constrained"]:
             assert row["equal_to_plain_constrained"] == 1.0 and row["valid"] == 1.0, row["method"]
-            assert 0 < row["grammar_share"] < 1
+            assert 0 < row["grammar_share"] < 1 and row["decode_ms_per_token"] > 0
     report = (tmp_path / "results.md").read_text()
     assert "`pld` constrained, forced drafts on" in report and "valid JSON under the schema" in report
 
