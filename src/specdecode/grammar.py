@@ -4,8 +4,8 @@ compiled once for a tokenizer, and each sequence's matcher.
 A constraint is one more step of the per-row processing (:mod:`specdecode.logits_processing`): the mask at a verified
 row is the grammar's after the sequence's accepted tokens *and* that row's draft path, so the row is the masked
 distribution plain constrained decoding reads at that position.  The sequence's matcher itself only ever advances over
-accepted tokens; a row's path is consumed and rolled back (llguidance's ``rollback``), so a rejected draft leaves no
-trace in it.
+accepted tokens; a row's path is consumed by a copy of it and rolled back (llguidance's ``deep_copy`` and
+``rollback``), so a rejected draft leaves no trace in it.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class GrammarCompiler:
             if compiled is None:
                 compiled = llguidance.LLMatcher(self.tokenizer, constraint.engine_grammar, log_level=0)
                 if compiled.is_error():
-                    raise SpecDecodeError(f"invalid {constraint.kind}: {compiled.get_error()}")
+                    raise SpecDecodeError(f"invalid {constraint.kind}: {compiled.get_error().strip().splitlines()[0]}")
             self._compiled[constraint] = compiled
             while len(self._compiled) > self.CACHE_SIZE:
                 self._compiled.popitem(last=False)
@@ -113,8 +113,9 @@ class GrammarCompiler:
 
 
 class SequenceGrammar:
-    """One sequence's grammar state: a matcher advanced over its accepted tokens (:meth:`advance`), the mask of each
-    verified row (:meth:`row_masks`), and what the grammar says of a draft before it is verified (:meth:`shape`)."""
+    """One sequence's grammar state: a matcher advanced over its accepted tokens only (:meth:`advance`), the mask of
+    each verified row (:meth:`row_masks`, on a copy of it), and what the grammar says of a draft before it is verified
+    (:meth:`valid_nodes`, :meth:`forced`)."""
 
     def __init__(self, matcher, vocab: int, forced_drafts: bool = True) -> None:
         self.matcher = matcher
@@ -125,7 +126,9 @@ class SequenceGrammar:
     @property
     def complete(self) -> bool:
         """The grammar admits nothing more (it is complete, or at a dead end): the output ends here."""
+        tick = time.perf_counter()
         admitted = self._mask()  # first: a dead end (no token spells what must come) shows only once asked
+        self.mask_s += time.perf_counter() - tick
         return self.matcher.is_stopped() or not bool(admitted.any())
 
     def advance(self, tokens: list[int]) -> int:
@@ -139,24 +142,30 @@ class SequenceGrammar:
 
     def forced(self) -> list[int]:
         """The tokens the grammar admits as the only continuation here (keys, quotes, brackets, the rest of a choice),
-        as the tokenizer writes that text; llguidance holds back a last token that a longer one might extend.  None
-        (an empty list) when this sequence does not draft them."""
+        as the tokenizer writes that text; llguidance holds back a last token that a longer one might extend.  Empty
+        when this sequence does not draft them."""
         return self.matcher.compute_ff_tokens() if self.forced_drafts else []
 
     def row_masks(self, draft: Draft) -> torch.Tensor:
         """[nodes + 1, vocab] bool: the tokens the grammar admits at each verification row, after the accepted tokens
         and the row's draft path.  Two kinds of row admit everything, as what they choose is never output: a row
         behind a token the grammar refuses (that token has probability 0, so the row is never reached), and a row
-        past the grammar's completion (the output ends before it, :meth:`advance`)."""
+        past the grammar's completion (the output ends before it, :meth:`advance`).
+
+        Each path is consumed by a copy of the sequence's matcher and rolled back; a copy that meets a dead end (a
+        matcher in error stays so) is replaced by a fresh one."""
         tick = time.perf_counter()
         words = (self.vocab + 31) // 32
         bitmask = torch.full((len(draft.tokens) + 1, words), -1, dtype=torch.int32)
+        fork = self.matcher.deep_copy()
         for row, path in enumerate(draft.row_paths()):
-            taken = self.matcher.try_consume_tokens(path) if path else 0
-            if taken == len(path) and not self.matcher.is_stopped():
-                self.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * words)
-            if taken:
-                self.matcher.rollback(taken)
+            taken = fork.try_consume_tokens(path) if path else 0
+            if taken == len(path) and not fork.is_stopped():
+                fork.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * words)
+            if fork.is_error():
+                fork = self.matcher.deep_copy()
+            elif taken:
+                fork.rollback(taken)
         masks = _unpack(bitmask, self.vocab)
         self.mask_s += time.perf_counter() - tick
         return masks
