@@ -1,7 +1,8 @@
 """Compile time per schema, mask time per token and memory of xgrammar and llguidance on cached tokenizers.
 
 Usage: python tools/measure_grammar_engines.py [MODEL ...]   (default: every model cached under
-~/.cache/specdecode/models).  Prints one JSON object per (engine, model)."""
+~/.cache/specdecode/models).  Prints one JSON object per (engine, model).  Needs ``pip install xgrammar`` besides
+specdecode (xgrammar is not one of its dependencies: docs/structured-outputs.md says why)."""
 
 from __future__ import annotations
 
@@ -72,35 +73,20 @@ def measure_xgrammar(tokenizer, vocab: int) -> dict:
     return result
 
 
-class _Wrapped:
-    """What llguidance's TokenizerWrapper reads: every token's bytes (its own detection misreads a decoder that
-    chains ByteFallback before ByteLevel, as converted GGUF tokenizers do)."""
-
-    def __init__(self, tokenizer, vocab: int) -> None:
-        from specdecode.grammar import token_bytes
-
-        self.tokenizer = tokenizer
-        self.eos_token_id = tokenizer.eos_token_id
-        self.bos_token_id = tokenizer.bos_token_id
-        self.tokens = token_bytes(tokenizer, vocab)
-        self.special_token_ids = list(tokenizer.all_special_ids)
-
-    def __call__(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-
 def measure_llguidance(tokenizer, vocab: int) -> dict:
     import llguidance
     import llguidance.torch
 
     from specdecode.constraints import JSON_LAYOUT
+    from specdecode.grammar import GrammarCompiler
 
     tick = time.perf_counter()
-    lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped(tokenizer, vocab)), n_vocab=vocab)
+    lltok = GrammarCompiler(tokenizer, vocab, frozenset({tokenizer.eos_token_id})).tokenizer  # what specdecode reads
     result = {"tokenizer_s": time.perf_counter() - tick}
     for name, schema in SCHEMAS.items():
         tick = time.perf_counter()
-        matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        matcher = llguidance.LLMatcher(lltok, grammar)
         result[f"compile_{name}_s"] = time.perf_counter() - tick
         assert not matcher.is_error(), matcher.get_error()
         bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
