@@ -599,3 +599,17 @@ def test_a_completed_grammar_ends_with_stop_whatever_the_step_verified_after_it(
     tokens, reason = ending(json_target, create_drafter("none", json_target), PROMPTS[0], config, compiler)
     assert reason == "stop" and eos not in tokens
     assert json_target.tokenizer.decode(tokens) in ("alpha", "beta", "gamma")
+
+
+def test_a_streamed_answer_is_held_to_its_schema(served):
+    form = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD}}
+    chunks = served.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "ab cd"}], max_tokens=80, response_format=form, stream=True
+    )
+    pieces, reasons = [], []
+    for chunk in chunks:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "stop"
+    assert_matches(CONSTRAINTS["json-schema"], "".join(pieces))

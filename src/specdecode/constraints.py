@@ -92,18 +92,22 @@ class Constraint:
 
 
 def parse_constraint(value: Constraint | Mapping | None) -> Constraint | None:
-    """A constraint, or a mapping of exactly one kind to its value: ``{"json_schema": {...}}``, ``{"json_object":
-    True}``, ``{"regex": "..."}``, ``{"choice": [...]}``, ``{"grammar": "..."}`` (``"json"`` is read as
-    ``"json_schema"``, as vLLM's ``structured_outputs`` names it)."""
+    """A constraint, or a mapping of one kind to its value: ``{"json_schema": {...}}``, ``{"json_object": True}``,
+    ``{"regex": "..."}``, ``{"choice": [...]}``, ``{"grammar": "..."}`` (``"json"`` is read as ``"json_schema"``, as
+    vLLM's ``structured_outputs`` names it); None when it asks for none."""
     if value is None or isinstance(value, Constraint):
         return value
     if not isinstance(value, Mapping):
         raise SpecDecodeError(f"a constraint must be a Constraint or a mapping of one kind to its value, got {value!r}")
-    given = {("json_schema" if key == "json" else key): item for key, item in value.items() if item is not None}
+    # A kind given as null (json_object as false) is not asked for, as vLLM's structured_outputs reads it.
+    asked = {key: item for key, item in value.items() if item is not None and item is not False}
+    given = {("json_schema" if key == "json" else key): item for key, item in asked.items()}
     unknown = sorted(set(given) - set(KINDS))
     if unknown:
         raise SpecDecodeError(f"unknown constraint kind(s) {', '.join(unknown)}; the kinds: {', '.join(KINDS)}")
-    if len(given) != 1:
+    if not given:
+        return None
+    if len(given) > 1:
         raise SpecDecodeError(f"a request takes one constraint, got {len(given)}: {', '.join(sorted(given)) or '-'}")
     ((kind, item),) = given.items()
     if kind == "json_object":

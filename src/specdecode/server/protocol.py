@@ -240,9 +240,8 @@ class _Common(BaseModel):
             found["response_format.json_schema"] = {"json_object": True} if schema is None else {"json_schema": schema}
         if self.structured_outputs is not None:
             given = self.structured_outputs
-            asked = given.model_dump(by_alias=True, exclude_none=True, exclude=set(given.model_extra or {}))
-            if asked.get("json_object") is False:
-                del asked["json_object"]
+            dump = given.model_dump(by_alias=True, exclude_none=True, exclude=set(given.model_extra or {}))
+            asked = {key: item for key, item in dump.items() if item is not False}  # json_object: false asks nothing
             if asked:
                 found["structured_outputs"] = asked
         for name, kind in _GUIDED.items():
