@@ -121,7 +121,7 @@ class SequenceGrammar:
         self.matcher = matcher
         self.vocab = vocab
         self.forced_drafts = forced_drafts
-        self.mask_s = 0.0  # seconds spent computing masks and checking drafts
+        self.mask_s = 0.0  # seconds spent on masks, draft checks and forced tokens
 
     @property
     def complete(self) -> bool:
@@ -144,7 +144,12 @@ class SequenceGrammar:
         """The tokens the grammar admits as the only continuation here (keys, quotes, brackets, the rest of a choice),
         as the tokenizer writes that text; llguidance holds back a last token that a longer one might extend.  Empty
         when this sequence does not draft them."""
-        return self.matcher.compute_ff_tokens() if self.forced_drafts else []
+        if not self.forced_drafts:
+            return []
+        tick = time.perf_counter()
+        tokens = self.matcher.compute_ff_tokens()
+        self.mask_s += time.perf_counter() - tick
+        return tokens
 
     def row_masks(self, draft: Draft) -> torch.Tensor:
         """[nodes + 1, vocab] bool: the tokens the grammar admits at each verification row, after the accepted tokens

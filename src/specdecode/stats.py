@@ -28,7 +28,7 @@ class GenerationStats:
     verify_s: float = 0.0
     forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
     wall_s: float = 0.0
-    grammar_s: float = 0.0  # a constrained request's grammar: masks of verified rows, drafts checked (in draft_s)
+    grammar_s: float = 0.0  # a constrained request's grammar: masks, drafts checked, forced tokens (part of wall_s)
     verifier: str = DEFAULT_VERIFIER  # the request's verifier; the registry says whether it is lossless
 
     @property
