@@ -47,7 +47,7 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.grammar import SequenceGrammar
+from specdecode.grammar import SequenceGrammar, row_masks
 from specdecode.logits_processing import RowHistory
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
@@ -263,28 +263,37 @@ class TargetVerifier:
 
 
 def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: int) -> tuple[Draft, bool]:
-    """The draft a constrained sequence verifies, with its rows' masks left in ``seq.grammar_masks``, and whether it
-    is still the drafter's own (cut at its end at most: what :attr:`StepFeedback.asked` tells the session).
+    """The draft a constrained sequence verifies, and whether it is still the drafter's own (cut at its end at most:
+    what :attr:`StepFeedback.asked` tells the session).
 
     Nodes the grammar refuses are cut (a chain at its first such token, a tree's branches below one): the target
     gives them probability 0, so verifying them would spend forward width on tokens never kept.  Where the grammar
     admits one continuation only, its tokens are drafted for free (confidence 1) before anything else; the drafter's
     own chain is kept after them when it is a point-mass chain that begins with them (a decision on what the
-    context alone determines, so it biases nothing).  A sampled draft's distributions are renormalised over the
-    tokens the grammar admits: the kept nodes were drawn from exactly that, which keeps rejection sampling exact."""
+    context alone determines, so it biases nothing)."""
     kept = grammar.valid_nodes(draft)
     own = kept == list(range(len(kept)))
     draft = draft.keep(kept)
     forced = grammar.forced()
     if forced and not (draft.is_chain and draft.probs is None and draft.tokens[: len(forced)] == forced):
         draft, own = Draft(tokens=forced, confidence=[1.0] * len(forced)), False
-    draft = draft.limited(seq.max_context - len(seq.context), room)
-    seq.grammar_masks = grammar.row_masks(draft)
-    if draft.probs is not None:
-        parents = [parent + 1 for parent in draft.parent_list]
-        admitted = seq.grammar_masks[parents, : draft.probs.shape[1]].to(draft.probs.device)
-        draft = dataclasses.replace(draft, probs=_admitted(draft.probs, admitted))
-    return draft, own
+    return draft.limited(seq.max_context - len(seq.context), room), own
+
+
+def _mask_rows(constrained: list[tuple[Sequence, Draft]]) -> list[Draft]:
+    """Leave in each constrained sequence's ``grammar_masks`` its rows' masks, computed for the batch together; return
+    its draft with a sampled draft's distributions renormalised over the tokens the grammar admits at each node's
+    parent: the kept nodes were drawn from exactly that, which keeps rejection sampling exact."""
+    masks = row_masks([(seq.grammar, draft) for seq, draft in constrained])  # type: ignore[misc]
+    drafts = []
+    for (seq, draft), rows in zip(constrained, masks):
+        seq.grammar_masks = rows
+        if draft.probs is not None:
+            parents = [parent + 1 for parent in draft.parent_list]
+            admitted = rows[parents, : draft.probs.shape[1]].to(draft.probs.device)
+            draft = dataclasses.replace(draft, probs=_admitted(draft.probs, admitted))
+        drafts.append(draft)
+    return drafts
 
 
 def _admitted(probs: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
@@ -337,6 +346,14 @@ def step(
             asked[index] = asked[index] and own
         drafts.append(draft)
         draft_times[index] += clock() - tick
+    constrained = [index for index, seq in enumerate(sequences) if seq.grammar is not None]
+    if constrained:
+        tick = clock()
+        masked = _mask_rows([(sequences[index], drafts[index]) for index in constrained])
+        share = (clock() - tick) / len(constrained)
+        for index, draft in zip(constrained, masked):
+            drafts[index] = draft
+            draft_times[index] += share
     tick = clock()
     checked = verifier(sequences, drafts, chunks)
     verify_s = clock() - tick

@@ -10,11 +10,13 @@ accepted tokens; a row's path is consumed by a copy of it and rolled back (llgui
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
@@ -114,7 +116,7 @@ class GrammarCompiler:
 
 class SequenceGrammar:
     """One sequence's grammar state: a matcher advanced over its accepted tokens only (:meth:`advance`), the mask of
-    each verified row (:meth:`row_masks`, on a copy of it), and what the grammar says of a draft before it is verified
+    each verified row (:meth:`row_masks`, on copies of it), and what the grammar says of a draft before it is verified
     (:meth:`valid_nodes`, :meth:`forced`)."""
 
     def __init__(self, matcher, vocab: int, forced_drafts: bool = True) -> None:
@@ -152,28 +154,8 @@ class SequenceGrammar:
         return tokens
 
     def row_masks(self, draft: Draft) -> torch.Tensor:
-        """[nodes + 1, vocab] bool: the tokens the grammar admits at each verification row, after the accepted tokens
-        and the row's draft path.  Two kinds of row admit everything, as what they choose is never output: a row
-        behind a token the grammar refuses (that token has probability 0, so the row is never reached), and a row
-        past the grammar's completion (the output ends before it, :meth:`advance`).
-
-        Each path is consumed by a copy of the sequence's matcher and rolled back; a copy that meets a dead end (a
-        matcher in error stays so) is replaced by a fresh one."""
-        tick = time.perf_counter()
-        words = (self.vocab + 31) // 32
-        bitmask = torch.full((len(draft.tokens) + 1, words), -1, dtype=torch.int32)
-        fork = self.matcher.deep_copy()
-        for row, path in enumerate(draft.row_paths()):
-            taken = fork.try_consume_tokens(path) if path else 0
-            if taken == len(path) and not fork.is_stopped():
-                fork.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), 4 * words)
-            if fork.is_error():
-                fork = self.matcher.deep_copy()
-            elif taken:
-                fork.rollback(taken)
-        masks = _unpack(bitmask, self.vocab)
-        self.mask_s += time.perf_counter() - tick
-        return masks
+        """[nodes + 1, vocab] bool: the tokens the grammar admits at each verification row (:func:`row_masks`)."""
+        return row_masks([(self, draft)])[0]
 
     def valid_nodes(self, draft: Draft) -> list[int]:
         """The draft's nodes whose path the grammar accepts (closed under ancestors, in order)."""
@@ -195,6 +177,50 @@ class SequenceGrammar:
         bitmask = torch.empty((1, words), dtype=torch.int32)
         self.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), 4 * words)
         return _unpack(bitmask, self.vocab)[0]
+
+
+def row_masks(drafts: Sequence[tuple[SequenceGrammar, Draft]]) -> list[torch.Tensor]:
+    """Each sequence's [nodes + 1, vocab] bool masks: the tokens its grammar admits at each verification row, after its
+    accepted tokens and the row's draft path; the rows of every sequence of a batch computed together, by one
+    llguidance executor call (its threads work on several rows at once where the CPU has room).
+
+    A copy of each sequence's matcher walks its draft's paths (consuming, and rolling back to the shared prefix of
+    the next path: a chain is walked once) and leaves a copy of itself at each row; the sequence's own matcher never
+    moves.  Two kinds of row admit everything, as what they choose is never output: a row behind a token the grammar
+    refuses (that token has probability 0, so the row is never reached), and a row past the grammar's completion (the
+    output ends before it, :meth:`SequenceGrammar.advance`)."""
+    tick = time.perf_counter()
+    vocab = drafts[0][0].vocab
+    words = (vocab + 31) // 32
+    sizes = [len(draft.tokens) + 1 for _, draft in drafts]
+    bitmask = torch.full((sum(sizes), words), -1, dtype=torch.int32)
+    jobs = []
+    first = 0
+    for (grammar, draft), size in zip(drafts, sizes):
+        walker, walked = grammar.matcher.deep_copy(), []
+        for row, path in enumerate(draft.row_paths()):
+            shared = next((i for i, (a, b) in enumerate(zip(walked, path)) if a != b), min(len(walked), len(path)))
+            if len(walked) > shared:
+                walker.rollback(len(walked) - shared)
+            taken = walker.try_consume_tokens(path[shared:])
+            walked = path[: shared + taken]
+            if len(walked) == len(path) and not walker.is_stopped():
+                jobs.append((walker.deep_copy(), first + row))
+        first += size
+    if jobs:
+        _executor().unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), 4 * words, len(bitmask))
+    masks = list(_unpack(bitmask, vocab).split(sizes))
+    spent = (time.perf_counter() - tick) / len(drafts)
+    for grammar, _ in drafts:
+        grammar.mask_s += spent
+    return masks
+
+
+@functools.cache
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 _BITS = torch.arange(32, dtype=torch.int32)
