@@ -45,7 +45,9 @@ def nothing_loads(monkeypatch):
 
 
 def test_every_sub_command_is_registered():
-    assert set(benchmarks()) == {"adapt", "contention", "coupling", "forward-cost", "quality", "serve", "throughput"}
+    assert set(benchmarks()) == {
+        *("adapt", "contention", "coupling", "forward-cost", "quality", "serve", "structured", "throughput")
+    }
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c.label)

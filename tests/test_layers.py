@@ -27,12 +27,13 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "base",
         frozenset(
             {"errors", "types", "clock", "machine", "verbosity", "estimators", "threads", "deferred"}
-            | {"sampling_params", "options", "declarations"}
+            | {"sampling_params", "options", "declarations", "constraints"}
         ),
     ),
     ("models", frozenset({"models"})),  # loading and running the target and draft models
     ("heads", frozenset({"heads"})),  # trained draft heads' networks and files
-    ("sampling", frozenset({"sampling", "logits_processing"})),  # logits to the distribution a token is drawn from
+    # Logits to the distribution a token is drawn from, a constraint's grammar masking them.
+    ("sampling", frozenset({"sampling", "logits_processing", "grammar"})),
     ("verification", frozenset({"verify"})),  # which drafted tokens to accept
     ("settings", frozenset({"config"})),  # what a generation asks for, its verifier parsed by the registry
     ("draft length", frozenset({"draft_length"})),  # how many tokens to draft: the policies for config's value

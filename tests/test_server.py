@@ -574,7 +574,10 @@ def test_unknown_fields_are_ignored_and_named(server, caplog):
     [
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+            "response_format",
+        ),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"best_of": 2}, "best_of"),
         ({"logit_bias": {"100000": 1}}, "logit-bias"),

@@ -26,6 +26,7 @@ from specdecode.engine import (
     start_sequence,
     step,
 )
+from specdecode.grammar import SequenceGrammar
 from specdecode.models.base import CausalLM, KVPool
 from specdecode.prefix_cache import PrefixCache, PrefixSource, whole_chunks
 
@@ -72,6 +73,7 @@ class BatchEngine:
         prefill_chunk: int = PREFILL_CHUNK,
         prefill_budget: int | None = None,
         prefix_cache_slots: int | None = None,
+        grammar_for: Callable[[GenerationConfig], SequenceGrammar] | None = None,
     ) -> None:
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"batch size must be a positive integer, got {max_batch_size!r}")
@@ -84,6 +86,7 @@ class BatchEngine:
         self.target = target
         self.drafter = drafter
         self.policy_for = policy_for
+        self.grammar_for = grammar_for  # a constrained request's matcher (SpeculativeGenerator.grammar_for)
         self.eos_ids = eos_ids
         self.max_batch_size = max_batch_size
         self.pool: KVPool = target.new_pool()
@@ -144,6 +147,7 @@ class BatchEngine:
                 self.policy_for(request.config, drafter),
                 self.pool.allocate(),
                 prefill_chunk=self.prefill_chunk,
+                grammar=self._grammar(request.config),
             )
             if source is not None:
                 adopt_prompt_prefix(seq, source.cache, shared)
@@ -169,6 +173,12 @@ class BatchEngine:
         if seq.cache is not None and self.prefix_cache.keep(self._source(seq)):
             seq.cache = None  # the prefix cache owns the slot now
         finish_sequence(seq)
+    def _grammar(self, config: GenerationConfig) -> SequenceGrammar | None:
+        if config.constraint is None:
+            return None
+        if self.grammar_for is None:
+            raise ValueError("a constrained request needs an engine built with grammar_for")
+        return self.grammar_for(config)
 
     def step(self) -> list[BatchEvent]:
         """Admit waiting requests, run one step over the running ones (reading the next chunks of the prompts

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdecode.constraints import Constraint, parse_constraint
 from specdecode.errors import SpecDecodeError
 from specdecode.sampling_params import SamplingParams
 from specdecode.verify.registry import VerifierChoice, parse_verifier
@@ -124,8 +125,10 @@ class GenerationConfig:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "constraint", parse_constraint(self.constraint))
         if not isinstance(self.verifier, VerifierChoice):
             object.__setattr__(self, "verifier", parse_verifier(self.verifier))
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

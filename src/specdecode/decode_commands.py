@@ -13,6 +13,7 @@ import re
 import sys
 
 from specdecode.config import GenerationConfig
+from specdecode.constraints import KINDS, Constraint
 from specdecode.drafters import check_drafter_options
 from specdecode.drafters.adapt import asks_to_adapt
 from specdecode.errors import SpecDecodeError, VocabularyMismatchError
@@ -54,7 +55,32 @@ def _generation_config(args: argparse.Namespace) -> GenerationConfig:
         stop_token_ids=tuple(args.stop_token_id),
         min_tokens=args.min_tokens,
         logprobs=args.logprobs,
+        constraint=_constraint_flags(args),
     )
+
+
+def _constraint_flags(args: argparse.Namespace) -> Constraint | None:
+    """``--json-schema``, ``--json-object``, ``--regex``, ``--choice`` or ``--grammar`` (at most one: argparse)."""
+    if args.json_schema is not None:
+        text = args.json_schema
+        return Constraint.json_schema(text if text.lstrip().startswith("{") else _read_text(text, "--json-schema"))
+    if args.json_object:
+        return Constraint.json_object()
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.choice is not None:
+        return Constraint.choice(args.choice.split(","))
+    if args.grammar is not None:
+        return Constraint.grammar(_read_text(args.grammar, "--grammar"))
+    return None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecDecodeError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _logit_bias_flag(text: str) -> tuple[int, float]:
@@ -150,6 +176,10 @@ BATCH_LINE_PARAMS = frozenset(
     | {"presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias"}
     | {"stop_token_ids", "min_tokens", "skip_special_tokens", "include_stop_str_in_output", "logprobs"}
 )
+#: A line's own constraint (one of them; it replaces the flags'), as :func:`specdecode.constraints.parse_constraint`
+#: reads it: ``{"prompt": "...", "json_schema": {...}}``, ``"json_object": true``, ``"regex"``, ``"choice"`` (a list),
+#: ``"grammar"`` (the grammar's text).
+BATCH_LINE_CONSTRAINTS = frozenset(KINDS)
 
 
 def _read_batch_lines(path: str) -> list[str]:
@@ -170,7 +200,7 @@ def _batch_request(generator, line: str, chat: bool | None):
         raise SpecDecodeError(f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
     if not isinstance(item, dict):
         raise SpecDecodeError('expected an object like {"prompt": "..."} or {"messages": [...]}')
-    unknown = set(item) - {"prompt", "messages"} - BATCH_LINE_PARAMS
+    unknown = set(item) - {"prompt", "messages"} - BATCH_LINE_PARAMS - BATCH_LINE_CONSTRAINTS
     if unknown:
         raise SpecDecodeError(f"unknown field(s): {', '.join(sorted(unknown))}")
     if ("prompt" in item) == ("messages" in item):
@@ -180,7 +210,10 @@ def _batch_request(generator, line: str, chat: bool | None):
     messages = item.get("messages")
     if messages is not None and (not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages)):
         raise SpecDecodeError('"messages" must be a list of {"role": ..., "content": ...} objects')
-    config = generator.config_for(**{key: item[key] for key in BATCH_LINE_PARAMS & set(item)})
+    constraint = {key: item[key] for key in BATCH_LINE_CONSTRAINTS & set(item)}
+    config = generator.config_for(
+        **{key: item[key] for key in BATCH_LINE_PARAMS & set(item)}, constraint=constraint or None
+    )
     prompt = item.get("prompt", messages)
     generator.encode_prompt(prompt, chat=chat)  # validates now, so the error names the line
     return prompt, config

@@ -129,6 +129,14 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --json, each token's log-probability and the N most likely alternatives' (0-20)",
     )
+    constraint = parser.add_argument_group(
+        "structured output", "what the output must match (one of these; docs/structured-outputs.md)"
+    ).add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE|JSON", help="JSON valid under this schema (file or inline)")
+    constraint.add_argument("--json-object", action="store_true", help="one JSON object, any keys")
+    constraint.add_argument("--regex", metavar="REGEX", help="text that matches this regular expression whole")
+    constraint.add_argument("--choice", metavar="A,B,...", help="exactly one of these comma-separated strings")
+    constraint.add_argument("--grammar", metavar="FILE", help="a context-free grammar's file: Lark or GBNF")
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument(
         "--chat",

@@ -33,6 +33,7 @@ same whoever else shares its forwards.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.grammar import SequenceGrammar, row_masks
 from specdecode.logits_processing import RowHistory
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
@@ -71,7 +73,8 @@ class DecodeOutcome:
     """Filled in while :func:`speculative_decode` runs; complete once the iterator is exhausted."""
 
     stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str = "length"  # "length" (max tokens or context full) or "eos"
+    # "length" (max tokens or context full), "eos", or "stop": the request's grammar admits nothing more
+    finish_reason: str = "length"
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when the config asks
 
 
@@ -100,6 +103,8 @@ class Sequence:
     prefill_chunk: int = PREFILL_CHUNK
     read: int = 0  # prompt tokens in the cache (all but the last, once read)
     prompt_hidden: list[torch.Tensor] = field(default_factory=list)  # the chunks' features, for the session
+    grammar: SequenceGrammar | None = None  # the request's constraint: its matcher over the accepted tokens
+    grammar_masks: torch.Tensor | None = None  # the grammar's mask at each row of this step's verification
 
     def __post_init__(self) -> None:
         self.context = self.context or list(self.prompt_ids)
@@ -238,7 +243,9 @@ class TargetVerifier:
                 generator=seq.generator,
                 final_hidden=final,
                 target_name=self.target.name,
-                history=RowHistory(seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens),
+                history=RowHistory(
+                    seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens, seq.grammar_masks
+                ),
             )
             verdict = verifier.verify(rows, draft)
             top = seq.config.logprobs
@@ -253,6 +260,47 @@ class TargetVerifier:
         verifier reads it (last, so that it can be split off again)."""
         layers = seq.session.hidden_layers
         return (*layers, self.target.num_layers) if seq.config.verifier.method.reads_final_hidden else layers
+
+
+def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: int) -> tuple[Draft, bool]:
+    """The draft a constrained sequence verifies, and whether it is still the drafter's own (cut at its end at most:
+    what :attr:`StepFeedback.asked` tells the session).
+
+    Nodes the grammar refuses are cut (a chain at its first such token, a tree's branches below one): the target
+    gives them probability 0, so verifying them would spend forward width on tokens never kept.  Where the grammar
+    admits one continuation only, its tokens are drafted for free (confidence 1) before anything else; the drafter's
+    own chain is kept after them when it is a point-mass chain that begins with them (a decision on what the
+    context alone determines, so it biases nothing)."""
+    kept = grammar.valid_nodes(draft)
+    own = kept == list(range(len(kept)))
+    draft = draft.keep(kept)
+    forced = grammar.forced()
+    if forced and not (draft.is_chain and draft.probs is None and draft.tokens[: len(forced)] == forced):
+        draft, own = Draft(tokens=forced, confidence=[1.0] * len(forced)), False
+    return draft.limited(seq.max_context - len(seq.context), room), own
+
+
+def _mask_rows(constrained: list[tuple[Sequence, Draft]]) -> list[Draft]:
+    """Leave in each constrained sequence's ``grammar_masks`` its rows' masks, computed for the batch together; return
+    its draft with a sampled draft's distributions renormalised over the tokens the grammar admits at each node's
+    parent: the kept nodes were drawn from exactly that, which keeps rejection sampling exact."""
+    masks = row_masks([(seq.grammar, draft) for seq, draft in constrained])  # type: ignore[misc]
+    drafts = []
+    for (seq, draft), rows in zip(constrained, masks):
+        seq.grammar_masks = rows
+        if draft.probs is not None:
+            parents = [parent + 1 for parent in draft.parent_list]
+            admitted = rows[parents, : draft.probs.shape[1]].to(draft.probs.device)
+            draft = dataclasses.replace(draft, probs=_admitted(draft.probs, admitted))
+        drafts.append(draft)
+    return drafts
+
+
+def _admitted(probs: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
+    """Each row of a draft's distributions restricted to the tokens the grammar admits at its node's parent: given
+    that the node was kept, what it was drawn from."""
+    kept = probs * admitted
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _plan_confidences(early: Draft | None) -> list[float] | None:
@@ -292,8 +340,20 @@ def step(
             draft = seq.session.propose(seq.context, max_depth) if max_depth > 0 else Draft(tokens=[])
             if draft.confidence is not None and draft.is_chain:
                 max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
-        drafts.append(draft.limited(seq.max_context - len(seq.context), max_depth))
+        draft = draft.limited(seq.max_context - len(seq.context), max_depth)
+        if seq.grammar is not None:
+            draft, own = _grammar_draft(seq, seq.grammar, draft, limits[index])
+            asked[index] = asked[index] and own
+        drafts.append(draft)
         draft_times[index] += clock() - tick
+    constrained = [index for index, seq in enumerate(sequences) if seq.grammar is not None]
+    if constrained:
+        tick = clock()
+        masked = _mask_rows([(sequences[index], drafts[index]) for index in constrained])
+        share = (clock() - tick) / len(constrained)
+        for index, draft in zip(constrained, masked):
+            drafts[index] = draft
+            draft_times[index] += share
     tick = clock()
     checked = verifier(sequences, drafts, chunks)
     verify_s = clock() - tick
@@ -316,6 +376,13 @@ def step(
         seq.length_policy.observe(observation)
         accepted = [draft.tokens[node] for node in verdict.path]
         new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
+        grammar_done = False
+        if seq.grammar is not None:
+            # The output ends where the grammar completes, however many tokens the step verified past it: so a
+            # request ends at the same token, for the same reason, whatever was drafted.
+            new_tokens = new_tokens[: seq.grammar.advance(new_tokens)]
+            grammar_done = seq.grammar.complete
+            stats.grammar_s = seq.grammar.mask_s
         # A stop token ends the request once min_tokens are out; exact verifiers never emit one sooner (the processing
         # gives it probability 0), a lossy one might keep a drafted one, which then does not end it.
         ends = [config.ends_at(token, stats.new_tokens + i + 1, seq.stop_ids) for i, token in enumerate(new_tokens)]
@@ -323,6 +390,8 @@ def step(
         if eos_at is not None:
             new_tokens = new_tokens[: eos_at + 1]
             seq.outcome.finish_reason = "eos"
+        elif grammar_done:
+            seq.outcome.finish_reason = "stop"
         # Stats count what was kept: draft tokens cut by EOS or the token limit are not "accepted".
         stats.record_step(observation, kept=len(new_tokens) - 1 if len(new_tokens) <= len(accepted) else None)
         stats.draft_s += draft_s
@@ -339,7 +408,10 @@ def step(
         stats.draft_s += seq.step_end - tock
         stats.wall_s = seq.step_end - seq.started
         seq.done = (
-            eos_at is not None or stats.new_tokens >= config.max_new_tokens or len(seq.context) >= seq.max_context
+            eos_at is not None
+            or grammar_done
+            or stats.new_tokens >= config.max_new_tokens
+            or len(seq.context) >= seq.max_context
         )
         gained.append(new_tokens)
     return gained
@@ -355,9 +427,13 @@ def start_sequence(
     cache: KVCache,
     outcome: DecodeOutcome | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    grammar: SequenceGrammar | None = None,
 ) -> Sequence:
     """Open the request's drafting session; its prompt is then read into ``cache`` chunk by chunk
-    (:meth:`Sequence.next_chunk`: by :func:`read_prompt` alone, or riding in a batch's steps)."""
+    (:meth:`Sequence.next_chunk`: by :func:`read_prompt` alone, or riding in a batch's steps).  ``grammar``: the
+    matcher of ``config.constraint`` (:meth:`specdecode.grammar.GrammarCompiler.start`), required with one."""
+    if (grammar is None) != (config.constraint is None):
+        raise ValueError("a constrained request needs its grammar's matcher, and only a constrained one has one")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise ValueError(f"prefill chunk must be a positive integer, got {prefill_chunk!r}")
     started = now()
@@ -386,9 +462,12 @@ def start_sequence(
         outcome=outcome or DecodeOutcome(),
         started=started,
         prefill_chunk=prefill_chunk,
+        grammar=grammar,
     )
     seq.stats.verifier = config.verifier.name
     seq.done = len(prompt_ids) >= target.max_context
+    if grammar is not None and grammar.complete:  # a grammar of the empty string alone: nothing to generate
+        seq.done, seq.outcome.finish_reason = True, "stop"
     if not seq.reading and not seq.done:
         _prompt_read(seq)
     return seq
@@ -445,16 +524,18 @@ def speculative_decode(
     outcome: DecodeOutcome | None = None,
     draft_length: PolicySource | None = None,
     prefill_chunk: int = PREFILL_CHUNK,
+    grammar: SequenceGrammar | None = None,
 ) -> Iterator[list[int]]:
     """Decode one sequence: yield the tokens accepted at each step (never empty) until EOS, max tokens or a
     full context.
 
     ``draft_length`` decides the depth of each draft (default: from ``config.num_draft_tokens``); pass
     one policy object across requests to let an adaptive policy keep what it learned.  ``prefill_chunk``: the
-    prompt's tokens per forward (the batched engine's, for the same output as in a batch)."""
+    prompt's tokens per forward (the batched engine's, for the same output as in a batch); ``grammar``: the matcher
+    of ``config.constraint``."""
     policy = draft_length if draft_length is not None else make_policy(config.num_draft_tokens)
     cache = target.new_cache()
-    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, cache, outcome, prefill_chunk)
+    seq = start_sequence(target, drafter, prompt_ids, config, eos_ids, policy, cache, outcome, prefill_chunk, grammar)
     verifier = TargetVerifier(target)
     try:
         if not seq.done:

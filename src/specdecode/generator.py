@@ -22,6 +22,7 @@ from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter
 from specdecode.engine import PREFILL_CHUNK, DecodeOutcome, speculative_decode
 from specdecode.errors import SpecDecodeError
+from specdecode.grammar import GrammarCompiler, SequenceGrammar
 from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import token_logprobs
@@ -75,6 +76,7 @@ _PARAM_NAMES = {
     "skip_special_tokens",
     "include_stop_str_in_output",
     "logprobs",
+    "constraint",
 }
 _SAMPLING_NAMES = {
     "temperature",
@@ -100,6 +102,7 @@ class SpeculativeGenerator:
         self.defaults = defaults or GenerationConfig()
         # One policy per draft length and drafter, kept across requests: an adaptive one keeps what it learned.
         self._policies: dict[tuple[DraftLength, Drafter], PolicySource] = {}
+        self._grammars: GrammarCompiler | None = None
 
     @classmethod
     def build(
@@ -143,6 +146,18 @@ class SpeculativeGenerator:
             drafter.reading_cost()
             drafter.acceptance_prior()
         return time.perf_counter() - started
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The constraints compiled for this model's tokenizer (built on first use: reading the tokenizer's every
+        token takes 0.3 s for a 49k vocabulary, 2 s for 262k)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.target.tokenizer, self.target.backend.vocab_size, self.eos_ids)
+        return self._grammars
+
+    def grammar_for(self, config: GenerationConfig) -> SequenceGrammar | None:
+        """A fresh matcher of the request's constraint (None without one)."""
+        return self.grammars.start(config.constraint) if config.constraint is not None else None
 
     # -- prompt handling -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, chat: bool | None = False, tools: list[dict] | None = None) -> list[int]:
@@ -234,6 +249,8 @@ class SpeculativeGenerator:
             self.defaults, sampling=sampling, **{k: v for k, v in given.items() if k in _PARAM_NAMES}
         )
         config.verifier.prepare(self.target.backend)  # e.g. judge's trained files: refused now (CLI exit 2, HTTP 400)
+        if config.constraint is not None:
+            self.grammars.compile(config.constraint)  # compiled once, and refused now if this tokenizer cannot
         self._check_token_ids(config)
         return config
 
@@ -272,8 +289,9 @@ class SpeculativeGenerator:
         outcome = DecodeOutcome()
         text = TextAssembler(self, prompt_ids, config)
         policy = self.draft_length_policy(config.num_draft_tokens)
+        grammar = self.grammar_for(config)
         for new_tokens in speculative_decode(
-            self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome, policy
+            self.target.backend, self.drafter, prompt_ids, config, self.eos_ids, outcome, policy, grammar=grammar
         ):
             event = text.add(new_tokens)
             yield event
@@ -314,6 +332,7 @@ class SpeculativeGenerator:
             self.eos_ids,
             max_batch_size,
             prefix_cache_slots=max_batch_size if prefix_caching else 0,
+            grammar_for=self.grammar_for,
         )
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:

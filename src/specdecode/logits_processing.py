@@ -1,6 +1,6 @@
-"""The target's logits processed with the tokens before each position: ``min_tokens``, ``logit_bias`` and the
-repetition, presence and frequency penalties, in vLLM's order (then :mod:`specdecode.sampling` applies the
-temperature, min-p, top-k and top-p).
+"""The target's logits processed with the tokens before each position: a constraint's grammar mask, ``min_tokens``,
+``logit_bias`` and the repetition, presence and frequency penalties, in vLLM's order (then :mod:`specdecode.sampling`
+applies the temperature, min-p, top-k and top-p).
 
 A verification forward gives one row per draft node, and each row's prefix is its own: the context, then the draft
 tokens on the path from the context to that node (:class:`RowHistory`).  Each row is processed with exactly that
@@ -27,27 +27,28 @@ class RowHistory:
 
     context: prompt + every accepted token (row 0 follows it); ``prompt_length`` of them are the prompt.
     draft: the nodes verified after it (row i + 1 follows node i and its ancestors).
-    stop_ids, min_tokens: the tokens that end the request, refused while fewer than ``min_tokens`` are generated."""
+    stop_ids, min_tokens: the tokens that end the request, refused while fewer than ``min_tokens`` are generated.
+    grammar_masks: [rows, vocab] bool, the tokens a constraint admits at each row, after that row's own prefix
+        (:meth:`specdecode.grammar.SequenceGrammar.row_masks`); None without a constraint."""
 
     context: Sequence[int]
     prompt_length: int
     draft: Draft
     stop_ids: frozenset[int] = frozenset()
     min_tokens: int = 0
+    grammar_masks: torch.Tensor | None = None
 
     def row_paths(self) -> list[list[int]]:
         """The draft tokens between the context and each row (row 0: none)."""
-        paths: list[list[int]] = [[]]
-        for node, parent in enumerate(self.draft.parent_list):
-            paths.append([*paths[parent + 1], self.draft.tokens[node]])
-        return paths
+        return self.draft.row_paths()
 
 
 def processes(sampling: SamplingParams, history: RowHistory | None) -> bool:
     """Whether :func:`process_rows` changes anything for this request."""
     if history is None:
         return False
-    return sampling.reads_history or (history.min_tokens > 0 and bool(history.stop_ids))
+    constrained = history.grammar_masks is not None
+    return sampling.reads_history or constrained or (history.min_tokens > 0 and bool(history.stop_ids))
 
 
 def process_rows(logits: torch.Tensor, sampling: SamplingParams, history: RowHistory | None) -> torch.Tensor:
@@ -61,6 +62,9 @@ def process_rows(logits: torch.Tensor, sampling: SamplingParams, history: RowHis
     paths = history.row_paths()
     generated = len(history.context) - history.prompt_length
     processed = logits.float().clone()
+    if history.grammar_masks is not None:
+        # The grammar first, as vLLM applies its bitmask before the sampler; -inf stays -inf under what follows.
+        processed.masked_fill_(~history.grammar_masks.to(device), float("-inf"))
     stop_ids = [token for token in history.stop_ids if token < vocab]
     if history.min_tokens > 0 and stop_ids:
         # vLLM's min_tokens: the request cannot end before it has that many tokens, at rows whose prefix is short.

@@ -29,6 +29,7 @@ class GenerationStats:
     verify_s: float = 0.0
     forward_s: float = 0.0  # inside the target's forward passes (prefill and verification); part of the above
     wall_s: float = 0.0
+    grammar_s: float = 0.0  # a constrained request's grammar: masks, drafts checked, forced tokens (part of wall_s)
     verifier: str = DEFAULT_VERIFIER  # the request's verifier; the registry says whether it is lossless
 
     @property
@@ -133,6 +134,7 @@ class GenerationStats:
             "forward_s": round(self.forward_s, 4),
             "overhead_s": round(self.overhead_s, 4),
             "overhead_fraction": round(self.overhead_fraction, 4),
+            "grammar_s": round(self.grammar_s, 4),
             "verifier": self.verifier,
             "lossless": self.lossless,
         }

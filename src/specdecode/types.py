@@ -83,7 +83,10 @@ class Draft:
     def limited(self, max_nodes: int, max_depth: int) -> Draft:
         """At most ``max_nodes`` nodes, none deeper than ``max_depth``; earlier nodes win."""
         depths = self.depths()
-        kept = [i for i in range(len(self.tokens)) if depths[i] <= max_depth][: max(0, max_nodes)]
+        return self.keep([i for i in range(len(self.tokens)) if depths[i] <= max_depth][: max(0, max_nodes)])
+
+    def keep(self, kept: list[int]) -> Draft:
+        """The draft of the nodes ``kept`` only (in order, each with its parent kept)."""
         if len(kept) == len(self.tokens):
             return self
         confidence = [self.confidence[i] for i in kept] if self.confidence is not None else None
@@ -98,6 +101,13 @@ class Draft:
             confidence=confidence,
             setup_s=self.setup_s,
         )
+
+    def row_paths(self) -> list[list[int]]:
+        """The draft tokens between the context and each verification row (row 0: none; row i + 1: node i's path)."""
+        paths: list[list[int]] = [[]]
+        for node, parent in enumerate(self.parent_list):
+            paths.append([*paths[parent + 1], self.tokens[node]])
+        return paths
 
 
 def children_by_row(draft: Draft) -> list[list[int]]:
@@ -137,8 +147,10 @@ class StepFeedback:
         ran (policy replay).
     target_hidden: [nodes + 1, features] the target's hidden states of the same rows, for a session that
         asked for them (``DraftSession.hidden_layers``); None otherwise.
-    asked: whether the session's ``propose`` ran this step.  False where the draft-length policy chose plain
-        decoding: the empty draft then says nothing of what the drafter would have found (STAND learns less).
+    asked: whether the session's ``propose`` ran this step and ``draft`` is what it proposed (perhaps cut at its
+        end).  False where the draft-length policy chose plain decoding, or where a constraint's grammar cut branches
+        out of the draft or replaced it with forced tokens: the draft then says nothing of what the drafter found
+        (STAND learns less; calibrations and self-drafters' exits learn nothing).
     """
 
     draft: Draft

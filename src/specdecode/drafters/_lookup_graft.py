@@ -102,7 +102,7 @@ class NodeSources:
 
     def learn(self, feedback: StepFeedback, head: Calibration, lookup: Calibration) -> None:
         nodes = len(feedback.draft.tokens)  # the engine may have cut the draft's last nodes
-        if self.head:
+        if self.head and feedback.asked:
             head.learn(feedback.draft, feedback.path, self.head[:nodes])
             lookup.learn(feedback.draft, feedback.path, self.lookup[:nodes])
 

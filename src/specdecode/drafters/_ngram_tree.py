@@ -100,7 +100,8 @@ class PayingTrees:
 
     def learn(self, feedback: StepFeedback) -> None:
         """What verification accepted of a tree (chains carry no chances and teach nothing here)."""
-        self.calibration.learn(feedback.draft, feedback.path)
+        if feedback.asked:
+            self.calibration.learn(feedback.draft, feedback.path)
 
 
 class Transcript:

@@ -156,7 +156,7 @@ class EarlyExitSession(DraftSession):
         return self.state.draft(context, k, self.state.skipping(drafter.skips[layer]), drafter.threshold)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        if self.used is not None:
+        if self.used is not None and feedback.asked:
             self.drafter.record(self.used, feedback)
 
     def finish(self, context: list[int]) -> None:

@@ -166,7 +166,7 @@ class LayerSkipSession(DraftSession):
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         # Only steps that ran the skip set score it: while the draft-length policy holds drafting off,
         # windows must not elapse, or a candidate would be judged on the rare probes alone.
-        if self.used is not None:
+        if self.used is not None and feedback.asked:
             self.drafter.score(self.used, feedback)
         self.used = None
 

@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from specdecode.constraints import Constraint, parse_constraint
 from specdecode.drafters.base import Drafter
 from specdecode.engine import DecodeOutcome
 from specdecode.errors import SpecDecodeError
@@ -135,6 +136,19 @@ class Service:
             )
         return self.drafters[name]
 
+    @staticmethod
+    def constraint(body: _Common) -> Constraint | None:
+        """The request's structured output (one field at most), each field's problem a 400 that names it."""
+        fields = body.constraint_fields()
+        if len(fields) > 1:
+            raise ApiError(400, f"ask for one structured output, got {', '.join(fields)}", param=list(fields)[1])
+        for param, asked in fields.items():
+            try:
+                return parse_constraint(asked)
+            except SpecDecodeError as exc:
+                raise ApiError(400, f"{param}: {exc}", param=param) from exc
+        return None
+
     def submission(self, body: _Common, chat: bool) -> Submission:
         if body.model is not None and body.model != self.config.model_name:
             raise ApiError(
@@ -178,6 +192,7 @@ class Service:
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 logprobs=body.logprobs_top,
                 num_draft_tokens=body.speculative.num_draft_tokens if body.speculative else None,
+                constraint=self.constraint(body),
             )
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc)) from exc

@@ -9,6 +9,7 @@ request models check by hand (to keep their error messages) are declared on the 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from fastapi import FastAPI
@@ -83,6 +84,43 @@ def below(limit: int) -> str:
     return f"^0*({'|'.join(choices)})$"
 
 
+def _given(field: str, value: dict | None = None) -> dict:
+    """An object whose ``field`` is there and not null (and matches ``value``, if given)."""
+    return {"required": [field], "properties": {field: value or {"not": {"type": "null"}}}}
+
+
+def _two_of(asks: dict[str, dict]) -> dict:
+    """Any two of ``asks`` at once (what a request may not do)."""
+    return {"anyOf": [{"allOf": [asks[a], asks[b]]} for a, b in itertools.combinations(asks, 2)]}
+
+
+#: vLLM's ``structured_outputs`` keys in the document (``json_object`` asks only when true; ``grammar`` is left out).
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "json_object")
+#: The fields that ask for a structured output: a request may use one (``_Common.constraint_fields``).
+_STRUCTURED_OUTPUTS = {
+    "response_format": _given("response_format", {"properties": {"type": {"enum": ["json_object", "json_schema"]}}}),
+    "structured_outputs": _given(
+        "structured_outputs",
+        {"anyOf": [_given(key, {"const": True} if key == "json_object" else None) for key in _CONSTRAINT_KINDS]},
+    ),
+    **{field: _given(field) for field in ("guided_json", "guided_regex", "guided_choice")},
+}
+
+
+#: What the server takes that the document leaves out, and why.
+_TEXT_UNDOCUMENTED = (
+    "Also taken, and left out of the properties: `guided_grammar` and `structured_outputs.grammar`, a Lark or GBNF "
+    "grammar's text, and `guided_json` and `structured_outputs.json` given as a schema's JSON text rather than an "
+    "object (docs/structured-outputs.md). No JSON Schema tells a text that parses from one that does not, and one that "
+    "does not is a 400 naming the field."
+)
+
+
+def _objects_only(field: dict) -> None:
+    """A schema field as an object (or null): its JSON-text form left to the description."""
+    field["anyOf"] = [choice for choice in field["anyOf"] if choice.get("type") != "string"]
+
+
 def api_document(
     app: FastAPI,
     vocab_size: int,
@@ -125,7 +163,19 @@ def api_document(
             token = {"pattern": below(vocab_size)}
             by_token = {"type": "object", "propertyNames": token, "additionalProperties": bias}
             fields["logit_bias"]["anyOf"][0] = by_token
-    for name in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ChatMessage"):
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        if name in schemas:
+            schemas[name]["not"] = _two_of(_STRUCTURED_OUTPUTS)
+            schemas[name]["properties"].pop("guided_grammar", None)
+            _objects_only(schemas[name]["properties"]["guided_json"])
+            schemas[name]["description"] = _TEXT_UNDOCUMENTED
+    if "StructuredOutputs" in schemas:
+        schemas["StructuredOutputs"]["properties"].pop("grammar", None)
+        _objects_only(schemas["StructuredOutputs"]["properties"]["json"])
+        schemas["StructuredOutputs"]["not"] = _two_of(
+            {key: _given(key, {"const": True} if key == "json_object" else None) for key in _CONSTRAINT_KINDS}
+        )
+    for name in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ChatMessage", "StructuredOutputs"):
         if name in schemas:
             schemas[name]["additionalProperties"] = not strict
     options = schemas.get("SpeculativeOptions", {}).get("properties", {})

@@ -9,10 +9,13 @@ Following OpenAI and vLLM: ``max_tokens`` (or ``max_completion_tokens``), ``temp
 verified by rejection sampling, not Gumbel-max coupling) and ``verifier`` (``exact``, the default, or a relaxed,
 lossy one: ``fly``, ``typical``, ``judge``).  A field of the wrong type or a value out of range is a 400 with an
 OpenAI-style error object, never a 500; so is a field we know but cannot honour for its value (``tools`` where
-the chat template renders none or on completions, a ``tool_choice`` that forces a call, ``response_format``,
-``best_of`` > 1, ``suffix``), with the reason.  ``logprobs``
-(and chat's ``top_logprobs``) are the target's, after bias and penalties (:meth:`ResponseShape.logprobs`);
-completions' ``echo`` puts the prompt first, its tokens' log-probabilities the target's raw ones.  A field we
+the chat template renders none or on completions, a ``tool_choice`` that forces a call, ``best_of`` > 1,
+``suffix``), with the reason.  Structured output: OpenAI's ``response_format`` (``json_object``, ``json_schema``)
+and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) or its older
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``, one per request
+(:meth:`_Common.constraint_fields`).  ``logprobs`` (and chat's ``top_logprobs``) are the target's, after bias and
+penalties (:meth:`ResponseShape.logprobs`); completions' ``echo`` puts the prompt first, its tokens'
+log-probabilities the target's raw ones.  A field we
 do not know is ignored and named (:meth:`_Common.ignored_fields`), as vLLM does, unless the server runs with
 ``--strict-api``.
 """
@@ -70,13 +73,6 @@ _SAYS_SOMETHING = {
     },
 }
 
-_TEXT_FORMAT = {
-    "type": "object",
-    "properties": {"type": {"const": "text"}},
-    "required": ["type"],
-    "additionalProperties": False,
-}
-
 _DRAFT_LENGTH_SCHEMA = {
     "anyOf": [
         {"type": "integer", "minimum": 0, "maximum": MAX_FIXED_DRAFT_LENGTH},
@@ -122,6 +118,61 @@ TopCount = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), WHOLE]  # log-probab
 MAX_CHOICES = 128
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` or not, the output is held to it)."""
+
+    model_config = _LENIENT
+    name: str
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(BaseModel):
+    """``response_format: {"type": "text"}``: no constraint."""
+
+    model_config = _STRICT
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    """``response_format: {"type": "json_object"}``: one JSON object, any keys."""
+
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    """``response_format: {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``."""
+
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+Choices = Annotated[list[NonEmpty], Field(min_length=1)]
+#: vLLM's fields before ``structured_outputs``, and the constraint each asks for.
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (Lark or GBNF),
+    ``json_object``."""
+
+    model_config = _LENIENT
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: NonEmpty | None = None
+    choice: Choices | None = None
+    grammar: NonBlank | None = None
+    json_object: bool | None = None
+
+
 def _unless(asked: bool, why: str) -> None:
     """Refuse a field set to a value this server cannot honour (a 400 naming the field, and ``why``)."""
     if asked:
@@ -156,7 +207,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    response_format: Annotated[dict, WithJsonSchema(_TEXT_FORMAT)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None  # vLLM's names before structured_outputs
+    guided_regex: NonEmpty | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonBlank | None = None
     speculative: SpeculativeOptions | None = None
     verifier: str | None = None  # exact (default, lossless) or a relaxed, lossy one (verify/registry.py)
 
@@ -174,11 +230,26 @@ class _Common(BaseModel):
         _unless(best_of not in (None, 1), "best_of is not supported by this server; n > 1 returns n choices, unranked")
         return best_of
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, form: dict | None) -> dict | None:
-        _unless(form not in (None, {"type": "text"}), "structured output is not supported by this server")
-        return form
+    def constraint_fields(self) -> dict[str, dict]:
+        """Each field of the request that asks for a structured output, by its path, with what it asks for as
+        :func:`specdecode.constraints.parse_constraint` reads it (the server refuses more than one)."""
+        found: dict[str, dict] = {}
+        form = self.response_format
+        if isinstance(form, JsonObjectFormat):
+            found["response_format"] = {"json_object": True}
+        elif isinstance(form, JsonSchemaResponseFormat):
+            schema = form.json_schema.schema_
+            found["response_format.json_schema"] = {"json_object": True} if schema is None else {"json_schema": schema}
+        if self.structured_outputs is not None:
+            given = self.structured_outputs
+            dump = given.model_dump(by_alias=True, exclude_none=True, exclude=set(given.model_extra or {}))
+            asked = {key: item for key, item in dump.items() if item is not False}  # json_object: false asks nothing
+            if asked:
+                found["structured_outputs"] = asked
+        for name, kind in _GUIDED.items():
+            if getattr(self, name) is not None:
+                found[name] = {kind: getattr(self, name)}
+        return found
 
     @property
     def logprobs_top(self) -> int | None:
@@ -198,8 +269,10 @@ class _Common(BaseModel):
         """The fields of the request this server does not know, by their path (``stream_options.x``,
         ``messages.0.x``)."""
         names = list(self.model_extra or {})
-        if self.stream_options is not None:
-            names += [f"stream_options.{name}" for name in self.stream_options.model_extra or {}]
+        for name in ("stream_options", "structured_outputs"):
+            part = getattr(self, name)
+            if part is not None:
+                names += [f"{name}.{extra}" for extra in part.model_extra or {}]
         return names
 
 

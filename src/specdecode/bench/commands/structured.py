@@ -1,0 +1,34 @@
+"""``specdecode bench structured``: structured outputs with speculation (:mod:`specdecode.bench.structured`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specdecode.bench.arguments import THREADS_HELP, Arguments, Flag
+from specdecode.bench.benchmark import Benchmark, register_benchmark
+
+
+@register_benchmark
+class Structured(Benchmark):
+    name = "structured"
+    help = "JSON extraction and classification under their schemas: plain vs each drafter, forced drafts on and off"
+    description = (
+        "Every prompt of the structured suites is decoded greedily, unconstrained and under its JSON schema, by plain "
+        "decoding and by every method with the grammar's forced tokens drafted and not; results go to --out "
+        "(results.json, results.md)."
+    )
+    module = "specdecode.bench.structured"
+
+    def arguments(self) -> Arguments:
+        return {
+            "model": "target model (default smollm2-135m)",
+            "methods": "comma-separated drafter specs (default pld,suffix,recycling)",
+            "suites": Flag(metavar="SUITES", help="comma-separated: extraction, classification (default both)"),
+            "max_new_tokens": "default 128",
+            "out": "output directory (default bench-out/structured)",
+            "threads": THREADS_HELP,
+            "progress": "no progress bar",
+        }
+
+    def measure(self, settings: Any, progress: bool) -> Any:
+        return self.implementation.measure_structured(settings, progress=progress)
