@@ -173,6 +173,7 @@ class BatchEngine:
         if seq.cache is not None and self.prefix_cache.keep(self._source(seq)):
             seq.cache = None  # the prefix cache owns the slot now
         finish_sequence(seq)
+
     def _grammar(self, config: GenerationConfig) -> SequenceGrammar | None:
         if config.constraint is None:
             return None
