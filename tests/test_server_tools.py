@@ -13,11 +13,15 @@ import pytest
 import torch
 
 from helpers import BigramLM
+from specdecode.config import GenerationConfig
+from specdecode.constraints import Constraint
+from specdecode.errors import SpecDecodeError
 from specdecode.models.loading import LoadedModel
 from specdecode.server.tools import (
     NamedToolChoice,
     ToolCallStream,
     ToolDefinition,
+    constrain_to_tool_calls,
     forced_call_schema,
     forced_calls,
 )
@@ -156,10 +160,9 @@ def test_a_history_of_calls_and_results_is_rendered(tool_server):
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"tool_choice": "required"}, "tool_choice 'required' needs structured outputs"),
         (
-            {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-            "tool_choice naming a function needs structured outputs",
+            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice 'required' holds the output to the calls' JSON",
         ),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not among the tools"),
         ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
@@ -244,3 +247,17 @@ def test_smollm2s_template_renders_no_tools(smollm2):
 
     assert SpeculativeGenerator.build(smollm2, "none").renders_tools is False
     assert SpeculativeGenerator.build(calling_model(), "none").renders_tools is True
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_choice_holds_the_output_to_the_calls_json_schema(choice):
+    """``required`` and a named function are kept by the structured-outputs grammar: the request's constraint is the
+    JSON schema of the calls it allows, which the engine holds every verified row to."""
+    tools = [ToolDefinition.model_validate(WEATHER)]
+    if isinstance(choice, dict):
+        choice = NamedToolChoice.model_validate(choice)
+    schema = forced_call_schema(tools, choice, parallel=True)
+    config = constrain_to_tool_calls(GenerationConfig(), schema, choice)
+    assert config.constraint == Constraint.json_schema(schema)
+    with pytest.raises(SpecDecodeError, match="drop the other structured output"):
+        constrain_to_tool_calls(GenerationConfig(constraint=Constraint.json_object()), schema, choice)

@@ -149,11 +149,9 @@ def api_document(
             for choice in fields["prompt"]["anyOf"]:
                 if choice.get("type") == "array":
                     choice["items"]["maximum"] = vocab_size - 1
-        if name == "ChatCompletionRequest":
-            # required and a named function need structured outputs (server/tools.py: constrain_to_tool_calls)
+        if name == "ChatCompletionRequest" and not tools:  # no tool to call: no choice may force one
+            fields["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "title": "Tools"}
             fields["tool_choice"] = {"anyOf": [{"enum": ["none", "auto"]}, {"type": "null"}], "title": "Tool Choice"}
-            if not tools:
-                fields["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "title": "Tools"}
         if most_choices is not None and "n" in fields:
             fields["n"]["maximum"] = min(fields["n"]["maximum"], most_choices)
         if "stop_token_ids" in fields:

@@ -15,6 +15,7 @@ calls (:func:`forced_call_schema`), as vLLM constrains them — which :func:`con
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import uuid
 from typing import Annotated, Literal
@@ -22,6 +23,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdecode.config import GenerationConfig
+from specdecode.constraints import Constraint
 from specdecode.errors import SpecDecodeError
 
 #: Tool definitions and calls carry what clients put in them (a ``strict`` flag, a title): kept, not refused.
@@ -223,7 +225,13 @@ def forced_calls(text: str, choice: ToolChoice) -> list[dict]:
 
 
 def constrain_to_tool_calls(config: GenerationConfig, schema: dict, choice: ToolChoice) -> GenerationConfig:
-    """``config`` with its output held to ``schema``: where a ``required`` or named tool choice is given the
-    structured-outputs grammar engine's JSON-schema constraint.  Refused until that engine is served."""
-    wanted = "'required'" if choice == "required" else "naming a function"
-    raise SpecDecodeError(f"tool_choice {wanted} needs structured outputs, which this server does not run yet")
+    """``config`` with its output held to ``schema`` by the structured-outputs grammar engine (a JSON-schema
+    :class:`~specdecode.constraints.Constraint`), so that a ``required`` or named tool choice always gives calls that
+    parse; speculation stays lossless under it as under any constraint.  A request that asks for another structured
+    output too is refused: its output cannot be held to both."""
+    if config.constraint is not None:
+        wanted = "'required'" if choice == "required" else "naming a function"
+        raise SpecDecodeError(
+            f"tool_choice {wanted} holds the output to the calls' JSON: drop the other structured output"
+        )
+    return dataclasses.replace(config, constraint=Constraint.json_schema(schema))
