@@ -39,3 +39,19 @@ def test_bind_tools_gets_the_call_parsed():
         for piece in model.stream(CHAT[0]["content"]):
             streamed = piece if streamed is None else streamed + piece
         assert [(call["name"], call["args"]) for call in streamed.tool_calls] == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.real_model
+def test_with_structured_output_gets_an_object_of_the_schema(smollm2):
+    """`with_structured_output(PydanticModel)` sends `response_format` with the model's JSON schema (langchain-openai's
+    default method); the grammar holds the answer to it, so it parses into the model whatever the weights say."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    with RunningServer(make_service(smollm2)) as running:
+        model = chat_model(running.url, temperature=0, max_tokens=60).with_structured_output(Person)
+        person = model.invoke("Ada Lovelace was 36. Give her name and age.")
+        assert isinstance(person, Person)
