@@ -84,6 +84,7 @@ class TransportPlan:
     keep: np.ndarray  # [M, k] probability of keeping the draft at each sorted position (its first copy only)
     kept: np.ndarray  # [V] probability of emitting each token by keeping a draft of it: the flow into it
     residual_cdf: np.ndarray  # [V] what a rejection emits
+    complete: bool  # every token both distributions reach may be kept: the plan is the optimum
 
     @property
     def acceptance(self) -> float:
@@ -128,7 +129,8 @@ class TransportPlan:
         into = np.zeros(len(p))
         np.add.at(into, kept[multisets[rows, positions]], keep[rows, positions] * chance[rows])
         codes = multisets @ (blank + 1) ** np.arange(k - 1, -1, -1)
-        return cls(classes, blank + 1, codes, keep, into, residual_cdf(p, into))
+        complete = blank == int(np.count_nonzero((p > 0) & (q > 0)))
+        return cls(classes, blank + 1, codes, keep, into, residual_cdf(p, into), complete)
 
     def choose(self, tokens: np.ndarray, uniforms: np.ndarray, residual_uniforms: np.ndarray) -> tuple:
         """For N independent verifications at once: tokens [N, k] the drafts, uniforms and residual_uniforms [N] in
@@ -181,8 +183,7 @@ class OptimalMultiDraft(VerifierMethod):
     def verify(rows: TargetRows, draft: Draft, options: OptimalOptions) -> Verdict:
         def level(p: np.ndarray, q: np.ndarray, tokens: np.ndarray, generator: torch.Generator):
             plan = TransportPlan.solve(p, q, len(tokens), options.max_multisets)
-            sequential = KSequential.solve(p, q, len(tokens))
-            if sequential.acceptance > plan.acceptance:  # the programme left out too much of the drafts' support
+            if not plan.complete and KSequential.solve(p, q, len(tokens)).acceptance > plan.acceptance:
                 return spectr_level(p, q, tokens, generator)
             uniforms = torch.rand(2, generator=generator, dtype=torch.float64).numpy()
             index, token = plan.choose(tokens[None], uniforms[:1], uniforms[1:])
