@@ -6,6 +6,8 @@ temperature 0."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -16,12 +18,13 @@ from helpers import FAIL_P, PASS_P, BigramLM, V, chain_pvalues, chi2_pvalue
 from specdecode.config import GenerationConfig
 from specdecode.drafters.base import DraftSession
 from specdecode.engine import speculative_decode
+from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.sampling import sampling_probs
 from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from specdecode.verify.optimal_md import TransportPlan, optimal_acceptance
-from specdecode.verify.registry import is_lossless, verifier_listing
+from specdecode.verify.registry import is_lossless, parse_verifier, verifier_listing
 from specdecode.verify.spectr import KSequential
 from test_sampling_lossless import BigramDrafter, draw
 
@@ -200,3 +203,9 @@ def test_a_sampled_request_with_a_draft_model_runs(tiny_target, tiny_draft, veri
     generator = SpeculativeGenerator.build(tiny_target, "draft-model", draft_model=tiny_draft)
     result = generator.generate(PROMPT, max_new_tokens=16, temperature=0.8, seed=1, verifier=verifier)
     assert len(result.token_ids) > 0 and result.stats.to_json()["verifier"] == verifier
+
+
+def test_optimal_md_without_scipy_is_refused_in_one_line(tiny_target, monkeypatch):
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # what an install without scipy gives: ImportError
+    with pytest.raises(SpecDecodeError, match=r"pip install 'specdecode\[multidraft\]'"):
+        parse_verifier("optimal-md").prepare(tiny_target.backend)
