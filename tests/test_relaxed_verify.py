@@ -172,7 +172,7 @@ def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, options, 
 
 
 def test_registry_says_which_verifiers_are_lossless():
-    assert [n for n, info in verifiers().items() if info.lossless] == ["exact"]
+    assert [n for n, info in verifiers().items() if info.lossless] == ["exact", "optimal-md", "spectr"]
     assert not is_lossless("fly") and not is_lossless("typical") and not is_lossless("judge")
     assert "lossy" in format_verifiers() and "lossless" in format_verifiers()
     with pytest.raises(SpecDecodeError, match="unknown verifier 'jugde'"):

@@ -40,7 +40,7 @@ def test_parser_reads_a_name_and_its_options():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("jugde", "unknown verifier 'jugde'; choose from exact, fly, judge, typical"),
+        ("jugde", "unknown verifier 'jugde'; choose from exact, fly, judge, optimal-md, spectr, typical"),
         ("exact:window=2", "verifier 'exact:window=2': exact takes no options"),
         ("fly:window", "verifier 'fly:window': expected OPTION=VALUE after ':', got 'window'"),
         ("fly:=2", "verifier 'fly:=2': expected OPTION=VALUE after ':', got '=2'"),

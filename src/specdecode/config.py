@@ -101,8 +101,9 @@ DEFAULT_NUM_DRAFT_TOKENS: DraftLength = AUTO
 class GenerationConfig:
     """One request: how many tokens, when to stop, how to sample, how far to draft, how to verify.
 
-    verifier: ``exact`` (lossless, the default) or a relaxed, lossy one (``specdecode verifiers``), with its
-        options; given as text (``"fly"``, ``"fly:window=2"``) it is parsed here, once.
+    verifier: ``exact`` (lossless, the default), the lossless multi-draft ``spectr`` or ``optimal-md``, or a relaxed,
+        lossy one (``specdecode verifiers``), with its options; given as text (``"fly"``, ``"fly:window=2"``) it is
+        parsed here, once.
     ignore_eos: the model's end-of-sequence tokens do not end the request (``stop_token_ids`` still do).
     stop_token_ids: more tokens that end the request, kept in the output as an end-of-sequence token is.
     min_tokens: the request cannot end (end-of-sequence or ``stop_token_ids``) before this many tokens: those tokens

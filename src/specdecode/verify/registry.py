@@ -2,11 +2,11 @@
 
 Every module of this package that defines a class decorated ``@register_verifier("name", lossless=...)`` is one
 verifier: a new verifier is one new file (see :class:`specdecode.verify.base.VerifierMethod`).  ``exact`` is the
-default and the only lossless one: greedy matching, coupled verification or rejection sampling as the sampling
-settings ask.  The others are *relaxed*: they keep some draft tokens the target would not have produced, trading
-the guarantee of the target's exact output for fewer verification forwards.  That trade is never silent — every
-relaxed verifier is marked ``lossless: false`` in ``--json`` stats, in the server's metrics and in
-``specdecode verifiers``.
+default, lossless: greedy matching, coupled verification or rejection sampling as the sampling settings ask;
+``spectr`` and ``optimal-md`` are lossless too, for several i.i.d. drafts per node.  The others are *relaxed*: they
+keep some draft tokens the target would not have produced, trading the guarantee of the target's exact output for
+fewer verification forwards.  That trade is never silent — every relaxed verifier is marked ``lossless: false`` in
+``--json`` stats, in the server's metrics and in ``specdecode verifiers``.
 
 Pure Python on purpose: the CLI imports it to parse and list without importing torch (the verifiers themselves
 import it, so the listing reads their declarations from the source, as ``specdecode drafters`` does).

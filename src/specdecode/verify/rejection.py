@@ -34,6 +34,23 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tens
     return residual / total if total > 0.0 else p
 
 
+def rejection_level(
+    p: torch.Tensor, candidates: list[int], draft: Draft, draft_probs: torch.Tensor | None, generator
+) -> tuple[int | None, int]:
+    """Recursive rejection sampling at one node whose target distribution is ``p``: the first of the child nodes
+    ``candidates`` kept and its token, or None and the token drawn from the last residual (the bonus token when
+    there are no candidates)."""
+    for child in candidates:
+        token = draft.tokens[child]
+        q = draft_probs[child] if draft_probs is not None else None
+        q_token = float(q[token]) if q is not None else 1.0
+        u = float(torch.rand((), generator=generator))
+        if q_token > 0 and u * q_token < float(p[token]):  # u < p/q without dividing by zero
+            return child, token
+        p = _residual(p, q, token)
+    return None, sample(p, generator)
+
+
 def verify_speculative_sampling(target_probs: torch.Tensor, draft: Draft, generator: torch.Generator | None) -> Verdict:
     """target_probs: [nodes + 1, vocab] processed target distributions in the verification row layout.
 
@@ -45,18 +62,8 @@ def verify_speculative_sampling(target_probs: torch.Tensor, draft: Draft, genera
     path: list[int] = []
     row = 0
     while True:
-        p = target_probs[row]
-        accepted = None
-        for child in children[row]:
-            token = draft.tokens[child]
-            q = draft_probs[child] if draft_probs is not None else None
-            q_token = float(q[token]) if q is not None else 1.0
-            u = float(torch.rand((), generator=generator))
-            if q_token > 0 and u * q_token < float(p[token]):  # u < p/q without dividing by zero
-                accepted = child
-                break
-            p = _residual(p, q, token)
+        accepted, token = rejection_level(target_probs[row], children[row], draft, draft_probs, generator)
         if accepted is None:
-            return Verdict(path=tuple(path), next_token=sample(p, generator))
+            return Verdict(path=tuple(path), next_token=token)
         path.append(accepted)
         row = accepted + 1
