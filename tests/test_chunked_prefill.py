@@ -35,8 +35,9 @@ def solo(target, prompt, config, chunk):
     return [token for tokens in decoded for token in tokens]
 
 
-def staggered(target, drafter, requests, chunk, arrivals, batch_size=4, budget=None):
-    """Run ``requests`` through one engine, request i submitted before step ``arrivals[i]``."""
+def staggered(target, drafter, requests, chunk, arrivals, batch_size=4, budget=None, slots=None, cached=None):
+    """Run ``requests`` through one engine, request i submitted before step ``arrivals[i]``; ``slots``: the prefix
+    cache's (default the batch size); ``cached``, when given, gets each request's prompt tokens taken from it."""
     policies = {}
     engine = BatchEngine(
         target.backend,
@@ -46,6 +47,7 @@ def staggered(target, drafter, requests, chunk, arrivals, batch_size=4, budget=N
         batch_size,
         prefill_chunk=chunk,
         prefill_budget=budget,
+        prefix_cache_slots=slots,
     )
     outputs: dict[int, list[int]] = {index: [] for index in range(len(requests))}
     done: set[int] = set()
@@ -58,7 +60,10 @@ def staggered(target, drafter, requests, chunk, arrivals, batch_size=4, budget=N
             outputs[event.tag].extend(event.new_tokens)
             if event.finished:
                 done.add(event.tag)
+                if cached is not None:
+                    cached[event.tag] = event.sequence.stats.cached_tokens
         assert engine.pool.active == len(engine.running) + len(engine.prefix_cache)  # kept prefixes hold the rest
+        assert len(engine.prefix_cache) <= engine.prefix_cache.capacity
         steps += 1
     return outputs
 

@@ -8,15 +8,13 @@ import httpx
 import pytest
 
 from specdecode import prefix_cache
-from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
-from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.engine import PREFILL_CHUNK
 from specdecode.models.loading import load_model
 from specdecode.prefix_cache import PrefixCache, PrefixSource, shared_length, whole_chunks
 from test_batch import batch_drafters
-from test_chunked_prefill import QUANTIZED, prompt_of, solo
+from test_chunked_prefill import QUANTIZED, prompt_of, solo, staggered
 from test_server import RunningServer, _scrape, make_service
 
 CHUNK = 8
@@ -39,32 +37,10 @@ def requests() -> list[tuple[list[int], GenerationConfig]]:
     ]
 
 
-def run(target, drafter, reqs, arrivals, slots=None, batch_size=3):
-    policies = {}
-    engine = BatchEngine(
-        target.backend,
-        drafter,
-        lambda config, drafter: policies.setdefault(config.num_draft_tokens, make_policy(config.num_draft_tokens)),
-        frozenset(),
-        batch_size,
-        prefill_chunk=CHUNK,
-        prefix_cache_slots=slots,
-    )
-    outputs = {i: [] for i in range(len(reqs))}
+def run(target, drafter, reqs, arrivals, slots=None):
+    """Each request's output and the prompt tokens it took from the prefix cache, in a batch of three."""
     cached: dict[int, int] = {}
-    done, steps = set(), 0
-    while len(done) < len(reqs):
-        for index, when in enumerate(arrivals):
-            if when == steps:
-                engine.submit(BatchRequest(*reqs[index], tag=index))
-        for event in engine.step():
-            outputs[event.tag].extend(event.new_tokens)
-            if event.finished:
-                done.add(event.tag)
-                cached[event.tag] = event.sequence.stats.cached_tokens
-        assert engine.pool.active == len(engine.running) + len(engine.prefix_cache)
-        assert len(engine.prefix_cache) <= engine.prefix_cache.capacity
-        steps += 1
+    outputs = staggered(target, drafter, reqs, CHUNK, arrivals, batch_size=3, slots=slots, cached=cached)
     return outputs, cached
 
 
