@@ -404,6 +404,23 @@ def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
     return head
 
 
+def untrained_drafter_options(target, draft, draft_vocab: int, exit_layer: int) -> dict[str, dict]:
+    """What each drafter that needs trained parts is created with, untrained (greedy output is exact whatever they
+    draft): ``draft`` as the draft model, a Kangaroo adapter at ``exit_layer``, heads drafting ``draft_vocab`` ids."""
+    from specdecode.drafters.kangaroo import KangarooAdapter
+    from specdecode.heads.medusa import heads_for_target
+
+    backend = target.backend
+    return {
+        "draft-model": {"draft_model": draft},
+        "hsd": {"draft_model": draft},
+        "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=exit_layer)},
+        "eagle": {"head": random_eagle_head(backend, draft_vocab)},
+        "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(draft_vocab))},
+        "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(draft_vocab))},
+    }
+
+
 def random_heads(backend, kind: str, draft_vocab: int, seed: int = 0, num_heads: int = 4):
     """Untrained Medusa or Hydra heads for ``backend`` drafting ``draft_vocab`` random token ids."""
     from specdecode.heads.medusa import heads_for_target

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import fixed_depth_engine, random_eagle_head
+from helpers import fixed_depth_engine, random_eagle_head, untrained_drafter_options
 from specdecode import batch_plan
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.batch_plan import plan_batch
@@ -18,7 +18,6 @@ from specdecode.draft_length.base import FixedLength
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.draft_length.sequence import CostModelLength
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
-from specdecode.drafters.kangaroo import KangarooAdapter
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -44,15 +43,7 @@ MAX_NEW = [24, 40, 33, 17, 40, 8, 29, 40]
 def batch_drafters(target, draft):
     """Every registered drafter; the trained ones with untrained weights (greedy output is exact whatever
     they draft)."""
-    backend = target.backend
-    options = {
-        "draft-model": {"draft_model": draft},
-        "hsd": {"draft_model": draft},
-        "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=1)},
-        "eagle": {"head": random_eagle_head(backend, 48)},
-        "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(48))},
-        "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(48))},
-    }
+    options = untrained_drafter_options(target, draft, draft_vocab=48, exit_layer=1)
     return {name: create_drafter(name, target, **options.get(name, {})) for name in available_drafters()}
 
 

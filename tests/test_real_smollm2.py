@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_tree_nodes_get_their_branch_fed_alone, random_eagle_head
+from helpers import assert_tree_nodes_get_their_branch_fed_alone, untrained_drafter_options
 from specdecode.drafters import available_drafters, drafter_class
 from specdecode.generator import SpeculativeGenerator
 
@@ -105,21 +105,10 @@ BATCH_PROMPTS = [  # long, grounded, short chat; the short one ends (EOS) well b
 
 
 def test_every_drafter_gives_each_sequence_of_a_batch_its_solo_greedy_output(smollm2):
-    from specdecode.drafters.kangaroo import KangarooAdapter
-    from specdecode.heads.medusa import heads_for_target
-
     plain = SpeculativeGenerator.build(smollm2, "none")
     solo = [plain.generate(p, chat=True, max_new_tokens=n) for p, n in BATCH_PROMPTS]
     assert any(r.finish_reason == "eos" for r in solo) and any(r.finish_reason == "length" for r in solo)
-    backend = smollm2.backend
-    options = {  # trained drafters with untrained weights: greedy output is exact whatever they draft
-        "draft-model": {"draft_model": smollm2},
-        "hsd": {"draft_model": smollm2},
-        "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=20)},
-        "eagle": {"head": random_eagle_head(backend, 4096)},
-        "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(4096))},
-        "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(4096))},
-    }
+    options = untrained_drafter_options(smollm2, smollm2, draft_vocab=4096, exit_layer=20)
     for name in available_drafters():
         generator = SpeculativeGenerator.build(smollm2, name, **options.get(name, {}))
         requests = [(p, generator.config_for(max_new_tokens=n)) for p, n in BATCH_PROMPTS]

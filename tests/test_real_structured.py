@@ -8,9 +8,8 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
-from helpers import random_eagle_head
+from helpers import untrained_drafter_options
 from specdecode.data.structured import STRUCTURED_PROMPTS
 from specdecode.drafters import available_drafters
 from specdecode.generator import SpeculativeGenerator
@@ -24,18 +23,7 @@ NEW_TOKENS = 48
 
 def drafter_options(smollm2) -> dict[str, dict]:
     """Trained drafters with untrained weights: greedy output is exact whatever they draft."""
-    from specdecode.drafters.kangaroo import KangarooAdapter
-    from specdecode.heads.medusa import heads_for_target
-
-    backend = smollm2.backend
-    return {
-        "draft-model": {"draft_model": smollm2},
-        "hsd": {"draft_model": smollm2},
-        "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=20)},
-        "eagle": {"head": random_eagle_head(backend, 4096)},
-        "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(4096))},
-        "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(4096))},
-    }
+    return untrained_drafter_options(smollm2, smollm2, draft_vocab=4096, exit_layer=20)
 
 
 def assert_valid(result, schema) -> None:
