@@ -39,6 +39,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("draft length", frozenset({"draft_length"})),  # how many tokens to draft: the policies for config's value
     ("data", frozenset({"data"})),  # prompt sets, data sets and corpora
     ("drafters", frozenset({"drafters"})),
+    # Our drafters inside other serving engines (vLLM's custom proposer): only those engines import it.
+    ("integrations", frozenset({"integrations"})),
     # The decoding loop, single and batched, its statistics and the Python API over it.
     (
         "engine",
@@ -56,7 +58,7 @@ BENCH_ENTRY = ("specdecode.cli", "specdecode.bench.cli")
 
 #: Parts that the library below the command line must never import.
 COMMAND_PARTS = frozenset({"server", "bench", "train", "cli", "decode_commands", "decode_flags"})
-LIBRARY_PARTS = frozenset({"models", "verify", "drafters", "data"})
+LIBRARY_PARTS = frozenset({"models", "verify", "drafters", "data", "integrations"})
 
 
 def module_name(path: Path, source: Path = SOURCE) -> str:
@@ -191,6 +193,11 @@ def test_only_the_command_line_reaches_into_the_benchmark(arrows):
         if part_of(imported) == "bench" and part_of(importer) != "bench"
     }
     assert outside == set()
+
+
+def test_nothing_of_ours_imports_the_integrations(arrows):
+    """They run inside another engine's process, and what they import must load there (no transformers)."""
+    assert {(a, b) for a, b in arrows if part_of(b) == "integrations" and part_of(a) != "integrations"} == set()
 
 
 def test_the_library_imports_no_command(arrows):

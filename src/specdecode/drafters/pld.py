@@ -7,6 +7,7 @@ prompt; matching the last n tokens against everything seen so far finds them for
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -14,8 +15,10 @@ from numpy.lib.stride_tricks import sliding_window_view
 from specdecode.drafters import register_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
 
 #: How far back a match is followed when choosing among occurrences and judging it.
 MAX_MATCH = 16

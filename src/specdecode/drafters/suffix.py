@@ -12,6 +12,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from specdecode.drafters import register_drafter
 from specdecode.drafters._ngram_tree import (
@@ -24,8 +25,10 @@ from specdecode.drafters._ngram_tree import (
 )
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
-from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
+
+if TYPE_CHECKING:
+    from specdecode.models.loading import LoadedModel
 
 ROOT = 0
 
