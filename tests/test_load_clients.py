@@ -51,7 +51,9 @@ def ignored_fields(caplog) -> list[str]:
 
 
 def run(command: list[str], cwd: Path, offline: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"} if offline else dict(os.environ)
+    # Not offline: drop the offline switches another test or the caller's shell may have set, not only leave them out.
+    online = {key: value for key, value in os.environ.items() if key not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"} if offline else online
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return done
