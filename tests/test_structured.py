@@ -5,6 +5,7 @@ that ignore the mask, or forget to renormalise a sampled draft over what the gra
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 from typing import Annotated, Literal
@@ -12,6 +13,7 @@ from typing import Annotated, Literal
 import httpx
 import jsonschema
 import numpy as np
+import openai
 import pytest
 import torch
 from pydantic import BaseModel
@@ -30,13 +32,14 @@ from specdecode.drafters.base import Drafter, StatelessSession
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
-from specdecode.grammar import GrammarCompiler, SequenceGrammar
+from specdecode.grammar import GrammarCompiler, GrammarFailure, SequenceGrammar
 from specdecode.sampling import sampling_probs
 from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft
 from test_batch import batch_drafters
 from test_sampling_lossless import BigramDrafter
-from test_server import RunningServer, make_service
+from test_server import RunningServer, make_service, solo
+from test_server_tools import calling_model
 from tiny_models import bpe_tokenizer, tiny_model
 
 CHARACTERS = list('{}[]":, ') + [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
@@ -613,3 +616,179 @@ def test_a_streamed_answer_is_held_to_its_schema(served):
             reasons.append(chunk.choices[0].finish_reason)
     assert reasons[-1] == "stop"
     assert_matches(CONSTRAINTS["json-schema"], "".join(pieces))
+
+
+# --- what the vocabulary cannot write; a grammar that fails ends its request alone --------------------------------
+
+#: calling_model's vocabulary is whole words: nothing writes "[" or "{", which these JSON outputs must begin with.
+ARRAY_OF_OBJECTS = Constraint.json_schema({"type": "array", "items": {"type": "object"}, "minItems": 1})
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+#: "Paris" and "w7" can be written, the "[" the grammar forces after them cannot: a dead end after the first token.
+DEAD_END = Constraint.regex(r"(Paris|w7)\[")
+WORDS = Constraint.regex(r"(w7|Paris|tool)+")
+
+
+@pytest.fixture(scope="module")
+def words_model():
+    return calling_model()
+
+
+@pytest.fixture(scope="module")
+def words_compiler(words_model):
+    return GrammarCompiler(words_model.tokenizer, words_model.backend.vocab_size, frozenset({2}))
+
+
+@pytest.mark.parametrize(
+    "constraint", [ARRAY_OF_OBJECTS, Constraint.json_schema(PERSON), Constraint.json_object(), DEAD_END, WORDS]
+)
+def test_on_a_word_vocabulary_the_mask_admits_only_what_the_matcher_accepts(words_compiler, constraint):
+    """llguidance reads bytes the grammar forces as written by some token; where none writes them, its own mask is the
+    one after those bytes (``"arguments":`` where ``[`` is forced), whose tokens the matcher refuses."""
+    grammar = words_compiler.start(constraint)
+    vocab = words_compiler.vocab
+    for _ in range(6):
+        admitted = grammar.admitted().nonzero().flatten().tolist()
+        assert all(grammar.matcher.validate_tokens([token]) == 1 for token in admitted), admitted
+        assert grammar.row_masks(Draft(tokens=[]))[0].tolist() == (
+            [True] * vocab if not admitted else grammar.admitted().tolist()
+        )  # a dead end's row admits everything: the output ends before it
+        if grammar.complete:
+            break
+        assert grammar.advance(admitted[-1:]) == 1
+
+
+def test_a_constraint_no_token_can_begin_is_refused_before_decoding(words_model, tiny_target):
+    with pytest.raises(SpecDecodeError, match=r"no token of this model's vocabulary can begin .* '\[\{'"):
+        SpeculativeGenerator.build(words_model, "none").generate(
+            "w1 w2", max_new_tokens=10, constraint=ARRAY_OF_OBJECTS
+        )
+    form = {"type": "json_schema", "json_schema": {"name": "Person", "schema": PERSON}}  # with_structured_output's
+    refused = pytest.raises(openai.BadRequestError, match="no token of this model's vocabulary can begin")
+    with RunningServer(make_service(tiny_target)) as running, refused:
+        running.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w1 w2"}], max_tokens=10, response_format=form
+        )
+
+
+def test_a_dead_end_after_the_start_ends_the_output_with_stop_for_every_drafter(words_model, words_compiler):
+    config = GenerationConfig(max_new_tokens=10, num_draft_tokens=3, constraint=DEAD_END)
+    want = ending(words_model, create_drafter("none", words_model), [5, 6], config, words_compiler)
+    assert want == ([words_model.tokenizer.convert_tokens_to_ids("w7")], "stop")
+    for name in ("pld", "suffix"):
+        assert ending(words_model, create_drafter(name, words_model), [5, 6], config, words_compiler) == want, name
+
+
+class RefusingGrammar(SequenceGrammar):
+    """A grammar whose matcher refuses what its mask admitted (the bug an unchecked llguidance mask had)."""
+
+    def advance(self, tokens: list[int]) -> int:
+        raise GrammarFailure("the grammar refuses a token its mask admits")
+
+
+class UncopyableMatcher:
+    """A matcher that fails where the batch's row masks are computed (it cannot be copied)."""
+
+    def __init__(self, matcher) -> None:
+        self._matcher = matcher
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+    def deep_copy(self):
+        raise RuntimeError("the matcher cannot be copied")
+
+
+REFUSED = Constraint.regex(r"(w7)+")
+UNCOPYABLE = Constraint.regex(r"(w7)*")
+
+
+def breaking(start):
+    """``start`` (:meth:`GrammarCompiler.start`), with a failing grammar for REFUSED and for UNCOPYABLE."""
+
+    def broken(compiler: GrammarCompiler, constraint: Constraint) -> SequenceGrammar:
+        grammar = start(compiler, constraint)
+        if constraint == REFUSED:
+            return RefusingGrammar(grammar.matcher, grammar.vocab, grammar.forced_drafts, grammar.rules)
+        if constraint == UNCOPYABLE:
+            grammar.matcher = UncopyableMatcher(grammar.matcher)
+        return grammar
+
+    return broken
+
+
+def test_a_failing_grammar_ends_its_request_alone_and_the_batch_goes_on(words_model, words_compiler):
+    constraints = [None, REFUSED, DEAD_END, None, UNCOPYABLE, WORDS]
+    requests = [
+        ([5 + index, 6, 7], GenerationConfig(max_new_tokens=12, constraint=c)) for index, c in enumerate(constraints)
+    ]
+    broken = {1, 4}
+    eos = frozenset({2})
+    expected = {
+        index: ending(words_model, create_drafter("none", words_model), prompt, config, words_compiler)
+        for index, (prompt, config) in enumerate(requests)
+        if index not in broken
+    }
+    assert expected[2][1] == "stop" and expected[0][0] and expected[5][0]
+    with pytest.raises(GrammarFailure):  # alone, the failure is raised
+        list(
+            speculative_decode(
+                words_model.backend,
+                create_drafter("none", words_model),
+                *requests[1],
+                eos,
+                grammar=breaking(GrammarCompiler.start)(words_compiler, REFUSED),
+            )
+        )
+    for name in ("none", "pld"):
+        engine = BatchEngine(
+            words_model.backend,
+            create_drafter(name, words_model),
+            lambda config, drafter: make_policy(config.num_draft_tokens),
+            eos,
+            8,
+            grammar_for=lambda config: breaking(GrammarCompiler.start)(words_compiler, config.constraint),
+        )
+        for index, (prompt, config) in enumerate(requests):
+            engine.submit(BatchRequest(prompt, config, tag=index))
+        outputs: dict[int, list[int]] = {index: [] for index in range(len(requests))}
+        ends = {}
+        for event in engine.run():
+            outputs[event.tag].extend(event.new_tokens)
+            if event.finished:
+                ends[event.tag] = event.sequence.outcome
+        for index, (tokens, reason) in expected.items():
+            assert (outputs[index], ends[index].finish_reason) == (tokens, reason), f"{name}: request {index}"
+            assert ends[index].error is None
+        for index in broken:
+            assert outputs[index] == [] and ends[index].finish_reason == "error", f"{name}: request {index}"
+            assert "grammar failed" in ends[index].error
+
+
+def test_through_the_server_a_failing_grammar_is_a_500_for_its_request_alone(words_model, monkeypatch):
+    monkeypatch.setattr(GrammarCompiler, "start", breaking(GrammarCompiler.start))
+    free = solo(words_model, "w1 w2 w3", False, 16, ignore_eos=False)
+    dead_end = solo(words_model, "w1 w2 w3", False, 16, ignore_eos=False, constraint=DEAD_END)
+    assert dead_end.text == "w7" and dead_end.finish_reason == "stop"
+    with RunningServer(make_service(words_model)) as running:
+        client = running.client()
+
+        def ask(constraint):
+            extra = {"structured_outputs": constraint.to_json()} if constraint is not None else {}
+            try:
+                done = client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=16, extra_body=extra)
+            except openai.InternalServerError as exc:
+                return exc
+            return done.choices[0].text, done.choices[0].finish_reason
+
+        asked = [None, REFUSED, DEAD_END, None, UNCOPYABLE, None]
+        with concurrent.futures.ThreadPoolExecutor(len(asked)) as pool:
+            answers = list(pool.map(ask, asked))
+        assert isinstance(answers[1], openai.InternalServerError) and isinstance(answers[4], openai.InternalServerError)
+        assert answers[2] == ("w7", "stop")
+        for index in (0, 3, 5):
+            assert answers[index] == (free.text, free.finish_reason), index
+        assert ask(None) == (free.text, free.finish_reason)  # still serving

@@ -34,6 +34,7 @@ same whoever else shares its forwards.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from specdecode.config import GenerationConfig
 from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
-from specdecode.grammar import SequenceGrammar, row_masks
+from specdecode.grammar import GrammarFailure, SequenceGrammar, row_masks
 from specdecode.logits_processing import RowHistory
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
@@ -55,6 +56,8 @@ from specdecode.types import Draft, StepFeedback, StepObservation, TokenLogprob,
 from specdecode.verify.base import TargetRows
 
 Clock = Callable[[], float]
+
+log = logging.getLogger(__name__)
 
 #: Cache positions beyond a request's last token that a final draft may occupy during verification.
 MAX_DRAFT_MARGIN = 64
@@ -73,9 +76,10 @@ class DecodeOutcome:
     """Filled in while :func:`speculative_decode` runs; complete once the iterator is exhausted."""
 
     stats: GenerationStats = field(default_factory=GenerationStats)
-    # "length" (max tokens or context full), "eos", or "stop": the request's grammar admits nothing more
+    # "length" (max tokens or context full), "eos", "stop": the request's grammar admits nothing more, or "error"
     finish_reason: str = "length"
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when the config asks
+    error: str | None = None  # what failed, when the request's grammar failed (a bug): it ended, the batch went on
 
 
 def request_seed(seed: int | None) -> int:
@@ -283,10 +287,26 @@ def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: 
 def _mask_rows(constrained: list[tuple[Sequence, Draft]]) -> list[Draft]:
     """Leave in each constrained sequence's ``grammar_masks`` its rows' masks, computed for the batch together; return
     its draft with a sampled draft's distributions renormalised over the tokens the grammar admits at each node's
-    parent: the kept nodes were drawn from exactly that, which keeps rejection sampling exact."""
-    masks = row_masks([(seq.grammar, draft) for seq, draft in constrained])  # type: ignore[misc]
+    parent: the kept nodes were drawn from exactly that, which keeps rejection sampling exact.
+
+    Where the batch's masks fail, each sequence's are computed alone, and a sequence whose grammar fails then ends
+    (its draft emptied): the others' masks are the same either way."""
+    try:
+        masks = row_masks([(seq.grammar, draft) for seq, draft in constrained])  # type: ignore[misc]
+    except Exception:  # whose grammar failed is found alone, below
+        masks = []
+        for seq, draft in constrained:
+            try:
+                (rows,) = row_masks([(seq.grammar, draft)])  # type: ignore[list-item]
+            except Exception as exc:  # a bug in one request's grammar ends that request alone
+                _grammar_failed(seq, exc)
+                rows = None
+            masks.append(rows)
     drafts = []
     for (seq, draft), rows in zip(constrained, masks):
+        if rows is None:
+            drafts.append(Draft(tokens=[]))
+            continue
         seq.grammar_masks = rows
         if draft.probs is not None:
             parents = [parent + 1 for parent in draft.parent_list]
@@ -294,6 +314,19 @@ def _mask_rows(constrained: list[tuple[Sequence, Draft]]) -> list[Draft]:
             draft = dataclasses.replace(draft, probs=_admitted(draft.probs, admitted))
         drafts.append(draft)
     return drafts
+
+
+def _grammar_failed(seq: Sequence, error: Exception) -> None:
+    """End ``seq`` for a failure of its grammar (a bug): its step still rides in the batch's forward, unmasked, and
+    nothing of it is output; the other sequences go on."""
+    log.error("a request's grammar failed; ending that request", exc_info=error)
+    seq.outcome.finish_reason = "error"
+    seq.outcome.error = f"the request's grammar failed: {error}"
+    seq.grammar_masks = None
+
+
+def _failed(seq: Sequence) -> bool:
+    return seq.outcome.error is not None
 
 
 def _admitted(probs: torch.Tensor, admitted: torch.Tensor) -> torch.Tensor:
@@ -342,11 +375,15 @@ def step(
                 max_depth = min(max_depth, seq.length_policy.keep_length(draft.confidence))
         draft = draft.limited(seq.max_context - len(seq.context), max_depth)
         if seq.grammar is not None:
-            draft, own = _grammar_draft(seq, seq.grammar, draft, limits[index])
+            try:
+                draft, own = _grammar_draft(seq, seq.grammar, draft, limits[index])
+            except Exception as exc:  # a bug in one request's grammar ends that request alone
+                _grammar_failed(seq, exc)
+                draft, own = Draft(tokens=[]), False
             asked[index] = asked[index] and own
         drafts.append(draft)
         draft_times[index] += clock() - tick
-    constrained = [index for index, seq in enumerate(sequences) if seq.grammar is not None]
+    constrained = [index for index, seq in enumerate(sequences) if seq.grammar is not None and not _failed(seq)]
     if constrained:
         tick = clock()
         masked = _mask_rows([(sequences[index], drafts[index]) for index in constrained])
@@ -361,6 +398,22 @@ def step(
     gained = []
     for seq, draft, check, draft_s, idle_s, proposed in zip(sequences, drafts, checked, draft_times, idle_times, asked):
         stats, config, verdict = seq.stats, seq.config, check.verdict
+        accepted = [draft.tokens[node] for node in verdict.path]
+        new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
+        grammar_done = False
+        if seq.grammar is not None and not _failed(seq):
+            # The output ends where the grammar completes or reaches a dead end, however many tokens the step
+            # verified past it: so a request ends at the same token, for the same reason, whatever was drafted.
+            try:
+                new_tokens = new_tokens[: seq.grammar.advance(new_tokens)]
+                grammar_done = seq.grammar.complete
+            except Exception as exc:  # a bug in one request's grammar ends that request alone
+                _grammar_failed(seq, exc)
+            stats.grammar_s = seq.grammar.mask_s
+        if _failed(seq):  # nothing of its step is output (a failure before verifying left it unmasked)
+            seq.done = True
+            gained.append([])
+            continue
         observation = StepObservation(
             depth=draft.depth,
             nodes=len(draft.tokens),
@@ -374,15 +427,6 @@ def step(
             setup_s=min(draft.setup_s, draft_s),
         )
         seq.length_policy.observe(observation)
-        accepted = [draft.tokens[node] for node in verdict.path]
-        new_tokens = [*accepted, verdict.next_token][: config.max_new_tokens - stats.new_tokens]
-        grammar_done = False
-        if seq.grammar is not None:
-            # The output ends where the grammar completes, however many tokens the step verified past it: so a
-            # request ends at the same token, for the same reason, whatever was drafted.
-            new_tokens = new_tokens[: seq.grammar.advance(new_tokens)]
-            grammar_done = seq.grammar.complete
-            stats.grammar_s = seq.grammar.mask_s
         # A stop token ends the request once min_tokens are out; exact verifiers never emit one sooner (the processing
         # gives it probability 0), a lossy one might keep a drafted one, which then does not end it.
         ends = [config.ends_at(token, stats.new_tokens + i + 1, seq.stop_ids) for i, token in enumerate(new_tokens)]
@@ -542,6 +586,8 @@ def speculative_decode(
             read_prompt(target, seq)
         while not seq.done:
             (new_tokens,) = step([seq], verifier)
+            if seq.outcome.error is not None:
+                raise GrammarFailure(seq.outcome.error)
             yield new_tokens
     finally:
         finish_sequence(seq)

@@ -250,7 +250,7 @@ class SpeculativeGenerator:
         )
         config.verifier.prepare(self.target.backend)  # e.g. judge's trained files: refused now (CLI exit 2, HTTP 400)
         if config.constraint is not None:
-            self.grammars.compile(config.constraint)  # compiled once, and refused now if this tokenizer cannot
+            self.grammars.check(config.constraint)  # compiled once, and refused now if this vocabulary cannot
         self._check_token_ids(config)
         return config
 
@@ -378,7 +378,9 @@ class SpeculativeGenerator:
                 text.add(event.new_tokens)
                 if text.stopped and not event.finished:
                     engine.cancel(event.tag)
-            if event.finished or text.stopped:
+            if event.finished and event.sequence.outcome.error is not None:
+                results[event.tag] = SpecDecodeError(event.sequence.outcome.error)
+            elif event.finished or text.stopped:
                 outcome = event.sequence.outcome
                 results[event.tag] = text.finish(outcome).result
         return results  # type: ignore[return-value]

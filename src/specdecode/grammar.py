@@ -6,6 +6,12 @@ row is the grammar's after the sequence's accepted tokens *and* that row's draft
 distribution plain constrained decoding reads at that position.  The sequence's matcher itself only ever advances over
 accepted tokens; a row's path is consumed by a copy of it and rolled back (llguidance's ``deep_copy`` and
 ``rollback``), so a rejected draft leaves no trace in it.
+
+A mask admits exactly the tokens the matcher then accepts (:func:`_admitted`), and nothing at a dead end, where the
+grammar admits no token the vocabulary has: the output ends there (:meth:`SequenceGrammar.advance`).  llguidance's own
+mask departs from that in two places: at a dead end it admits the end-of-sequence token, which it then takes as a stop;
+and it reads bytes the grammar forces (a JSON schema's ``{"``) as written by some token, so a vocabulary that cannot
+write one of them (a word-level one without ``{``) gets the mask after those bytes, whose tokens the matcher refuses.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
@@ -52,6 +59,10 @@ def token_bytes(tokenizer, vocab: int) -> list[bytes]:
         else:
             result.append(piece.replace("\u2581", " ").encode())
     return result
+
+
+class GrammarFailure(RuntimeError):
+    """The grammar engine refused a token its own mask admitted: a bug, which ends that sequence alone."""
 
 
 class _TokenizerView:
@@ -90,12 +101,28 @@ class GrammarCompiler:
         view = _TokenizerView(tokenizer, vocab)
         ends = sorted(token for token in eos_ids if token < vocab) or None
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view), n_vocab=vocab, eos_token=ends)
+        self.rules = _MaskRules(
+            ends=torch.tensor([token for token in self.tokenizer.eos_tokens if token < vocab], dtype=torch.long),
+            writes_every_byte=set(range(256)) <= {token[0] for token in view.tokens if len(token) == 1},
+        )
         self._compiled: OrderedDict[Constraint, object] = OrderedDict()
         self._lock = threading.Lock()
 
     def start(self, constraint: Constraint) -> SequenceGrammar:
         """A fresh matcher of ``constraint`` for one sequence."""
-        return SequenceGrammar(self.compile(constraint).deep_copy(), self.vocab, self.forced_drafts)
+        return SequenceGrammar(self.compile(constraint).deep_copy(), self.vocab, self.forced_drafts, self.rules)
+
+    def check(self, constraint: Constraint) -> None:
+        """Compile ``constraint`` (:meth:`compile`) and refuse it where this vocabulary cannot begin any output it
+        allows: known before decoding, unlike a dead end reached after the model's own choices."""
+        grammar = self.start(constraint)
+        if grammar.admitted().any() or grammar.matcher.is_accepting() or grammar.matcher.is_stopped():
+            return
+        forced = grammar.matcher.compute_ff_bytes().decode(errors="replace")
+        begins = f" (it begins with {forced!r})" if forced else ""
+        raise SpecDecodeError(
+            f"no token of this model's vocabulary can begin the output the {constraint.kind} allows{begins}"
+        )
 
     def compile(self, constraint: Constraint):
         """``constraint``'s compiled matcher, at its start (an ``llguidance.LLMatcher``; copy it to use it).  What
@@ -114,32 +141,56 @@ class GrammarCompiler:
         return compiled
 
 
+@dataclass(frozen=True)
+class _MaskRules:
+    """What a mask needs to know of the vocabulary besides llguidance's mask (:func:`_admitted`)."""
+
+    ends: torch.Tensor  # the end-of-sequence tokens llguidance admits at a dead end
+    writes_every_byte: bool  # every byte is some token's whole text: llguidance's mask after forced bytes holds
+
+
 class SequenceGrammar:
     """One sequence's grammar state: a matcher advanced over its accepted tokens only (:meth:`advance`), the mask of
     each verified row (:meth:`row_masks`, on copies of it), and what the grammar says of a draft before it is verified
     (:meth:`valid_nodes`, :meth:`forced`)."""
 
-    def __init__(self, matcher, vocab: int, forced_drafts: bool = True) -> None:
+    def __init__(self, matcher, vocab: int, forced_drafts: bool, rules: _MaskRules) -> None:
         self.matcher = matcher
         self.vocab = vocab
         self.forced_drafts = forced_drafts
+        self.rules = rules
         self.mask_s = 0.0  # seconds spent on masks, draft checks and forced tokens
+        self._here: torch.Tensor | None = None  # the mask where the matcher stands, once computed
 
     @property
     def complete(self) -> bool:
         """The grammar admits nothing more (it is complete, or at a dead end): the output ends here."""
-        tick = time.perf_counter()
-        admitted = self._mask()  # first: a dead end (no token spells what must come) shows only once asked
-        self.mask_s += time.perf_counter() - tick
+        admitted = self.admitted()  # first: llguidance finds a completion only as it computes the mask
         return self.matcher.is_stopped() or not bool(admitted.any())
 
+    def admitted(self) -> torch.Tensor:
+        """[vocab] bool: the tokens the grammar admits where the matcher stands (none at a dead end)."""
+        if self._here is None:
+            tick = time.perf_counter()
+            words = (self.vocab + 31) // 32
+            bitmask = torch.empty((1, words), dtype=torch.int32)
+            self.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), 4 * words)
+            self._here = _admitted(self.matcher, _unpack(bitmask, self.vocab)[0], self.rules)
+            self.mask_s += time.perf_counter() - tick
+        return self._here
+
     def advance(self, tokens: list[int]) -> int:
-        """Consume accepted ``tokens`` up to the grammar's completion; how many it took (the rest are not output)."""
+        """Consume accepted ``tokens`` up to the grammar's completion or a dead end; how many it took (the rest are
+        not output).  Each token is checked against the mask where it was chosen, the one its row was verified with:
+        a token it refuses, or one the matcher refuses although the mask admits it, is a :class:`GrammarFailure`."""
         for taken, token in enumerate(tokens):
-            if self.matcher.is_stopped():
+            if self.complete:
                 return taken
+            if not self.admitted()[token]:
+                raise GrammarFailure(f"a token the grammar's mask refuses was chosen: {token}")
+            self._here = None
             if not self.matcher.consume_token(token):
-                raise AssertionError(f"an accepted token the grammar refuses: {self.matcher.get_error()}")
+                raise GrammarFailure(f"the grammar refuses a token its mask admits: {self.matcher.get_error()}")
         return len(tokens)
 
     def forced(self) -> list[int]:
@@ -172,11 +223,17 @@ class SequenceGrammar:
         self.mask_s += time.perf_counter() - tick
         return kept
 
-    def _mask(self) -> torch.Tensor:
-        words = (self.vocab + 31) // 32
-        bitmask = torch.empty((1, words), dtype=torch.int32)
-        self.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), 4 * words)
-        return _unpack(bitmask, self.vocab)[0]
+
+def _admitted(matcher, mask: torch.Tensor, rules: _MaskRules) -> torch.Tensor:
+    """llguidance's ``mask`` where ``matcher`` stands (changed in place), made exactly what the matcher accepts: less
+    the end-of-sequence token where the grammar cannot end (llguidance's answer to a dead end), and, where the grammar
+    forces bytes that the vocabulary may have no token for, less each token the matcher refuses."""
+    if not matcher.is_accepting():
+        mask[rules.ends] = False
+    if not rules.writes_every_byte and matcher.compute_ff_bytes():
+        for token in mask.nonzero().flatten().tolist():
+            mask[token] = matcher.validate_tokens([token]) == 1
+    return mask
 
 
 def row_masks(drafts: Sequence[tuple[SequenceGrammar, Draft]]) -> list[torch.Tensor]:
@@ -186,15 +243,15 @@ def row_masks(drafts: Sequence[tuple[SequenceGrammar, Draft]]) -> list[torch.Ten
 
     A copy of each sequence's matcher walks its draft's paths (consuming, and rolling back to the shared prefix of
     the next path: a chain is walked once) and leaves a copy of itself at each row; the sequence's own matcher never
-    moves.  Two kinds of row admit everything, as what they choose is never output: a row behind a token the grammar
-    refuses (that token has probability 0, so the row is never reached), and a row past the grammar's completion (the
-    output ends before it, :meth:`SequenceGrammar.advance`)."""
+    moves.  Three kinds of row admit everything, as what they choose is never output: a row behind a token the grammar
+    refuses (that token has probability 0, so the row is never reached), a row past the grammar's completion, and a
+    row at a dead end (the output ends before these two, :meth:`SequenceGrammar.advance`)."""
     tick = time.perf_counter()
     vocab = drafts[0][0].vocab
     words = (vocab + 31) // 32
     sizes = [len(draft.tokens) + 1 for _, draft in drafts]
     bitmask = torch.full((sum(sizes), words), -1, dtype=torch.int32)
-    jobs = []
+    jobs, job_rules = [], []
     first = 0
     for (grammar, draft), size in zip(drafts, sizes):
         walker, walked = grammar.matcher.deep_copy(), []
@@ -206,10 +263,15 @@ def row_masks(drafts: Sequence[tuple[SequenceGrammar, Draft]]) -> list[torch.Ten
             walked = path[: shared + taken]
             if len(walked) == len(path) and not walker.is_stopped():
                 jobs.append((walker.deep_copy(), first + row))
+                job_rules.append(grammar.rules)
         first += size
     if jobs:
         _executor().unsafe_compute_mask_ptr(jobs, bitmask.data_ptr(), 4 * words, len(bitmask))
-    masks = list(_unpack(bitmask, vocab).split(sizes))
+    unpacked = _unpack(bitmask, vocab)
+    for (matcher, row), rules in zip(jobs, job_rules):
+        if not _admitted(matcher, unpacked[row], rules).any():
+            unpacked[row] = True
+    masks = list(unpacked.split(sizes))
     spent = (time.perf_counter() - tick) / len(drafts)
     for grammar, _ in drafts:
         grammar.mask_s += spent

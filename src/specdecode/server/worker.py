@@ -242,7 +242,9 @@ class EngineWorker:
                     continue
                 recorded = event.sequence.outcome.logprobs
                 logprobs = recorded[len(recorded) - len(event.new_tokens) :] if recorded else []
-                if event.finished:
+                if event.finished and event.sequence.outcome.error is not None:  # this request alone failed
+                    self._end(submission, Update([], finished=True, error="internal error while decoding"), None)
+                elif event.finished:
                     stats = event.sequence.stats
                     reason = event.sequence.outcome.finish_reason
                     self._end(submission, Update(event.new_tokens, True, reason, stats, logprobs=logprobs), stats)
