@@ -161,7 +161,7 @@ def test_a_history_of_calls_and_results_is_rendered(tool_server):
     "fields, message",
     [
         (
-            {"tool_choice": "required", "response_format": {"type": "json_object"}},
+            {"tool_choice": "required", "structured_outputs": {"choice": ["w1"]}},
             "tool_choice 'required' holds the output to the calls' JSON",
         ),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not among the tools"),
