@@ -11,7 +11,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -402,6 +402,28 @@ def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
     head = EagleHead(config)
     head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
     return head
+
+
+class WrongBranchTree(Drafter):
+    """Knows the expected continuation and hides it in a tree behind a wrong sibling subtree (each true token mapped
+    by ``wrong_of``): the wrong branch is verified and rejected, and a row on the right branch must not count its
+    tokens as its prefix (processing, a grammar's matcher)."""
+
+    def __init__(self, target, truth: list[int], prompt_len: int, wrong_of: Callable[[int], int]) -> None:
+        super().__init__(target)
+        self.truth, self.prompt_len, self.wrong_of = truth, prompt_len, wrong_of
+
+    def session(self, request):
+        return StatelessSession(self.propose)
+
+    def propose(self, context, max_tokens) -> Draft:
+        done = len(context) - self.prompt_len
+        right = self.truth[done : done + max_tokens]
+        if not right:
+            return Draft(tokens=[])
+        wrong = [self.wrong_of(token) for token in right]
+        parents = [*range(-1, len(wrong) - 1), -1, *range(len(wrong), len(wrong) + len(right) - 1)]
+        return Draft(tokens=wrong + right, parents=parents)  # the wrong chain first, the right one a second root
 
 
 def untrained_drafter_options(target, draft, draft_vocab: int, exit_layer: int) -> dict[str, dict]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chi2_pvalue
+from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, WrongBranchTree, chi2_pvalue
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
@@ -42,26 +42,8 @@ def plain(target, prompt, config, eos=frozenset()) -> list[int]:
     return decode(target, create_drafter("none", target), prompt, config, eos)
 
 
-class WrongBranchTree(Drafter):
-    """Knows the expected continuation and hides it in a tree behind a wrong sibling subtree, whose tokens a row on
-    the right branch must not count as its prefix."""
-
-    def __init__(self, target, truth: list[int], prompt_len: int) -> None:
-        super().__init__(target)
-        self.truth, self.prompt_len = truth, prompt_len
-
-    def session(self, request):
-        return StatelessSession(self.propose)
-
-    def propose(self, context, max_tokens) -> Draft:
-        done = len(context) - self.prompt_len
-        right = self.truth[done : done + max_tokens]
-        if not right:
-            return Draft(tokens=[])
-        wrong = [(t + 1) % TINY_VOCAB for t in right]
-        tokens = wrong + right  # the wrong chain first, then the right one as a second root
-        parents = [*range(-1, len(wrong) - 1), -1, *range(len(wrong), len(wrong) + len(right) - 1)]
-        return Draft(tokens=tokens, parents=parents)
+def wrong_branch_tree(target, truth: list[int], prompt_len: int) -> WrongBranchTree:
+    return WrongBranchTree(target, truth, prompt_len, lambda token: (token + 1) % TINY_VOCAB)
 
 
 def drafters(target, draft):
@@ -88,7 +70,7 @@ def test_greedy_output_with_processing_equals_plain_decoding(tiny_target, tiny_d
         assert expected != plain(tiny_target, prompt, GenerationConfig(max_new_tokens=40)), "processing changed nothing"
         for name, drafter in drafters(tiny_target, tiny_draft).items():
             assert decode(tiny_target, drafter, prompt, config) == expected, f"{name} (k={k}, {case})"
-        tree = WrongBranchTree(tiny_target, expected, len(prompt))
+        tree = wrong_branch_tree(tiny_target, expected, len(prompt))
         assert decode(tiny_target, tree, prompt, config) == expected, f"tree (k={k}, {case})"
 
 
@@ -106,7 +88,7 @@ def test_min_tokens_holds_back_the_stop_tokens_until_then(tiny_target, tiny_draf
     for name, drafter in drafters(tiny_target, tiny_draft).items():
         assert decode(tiny_target, drafter, prompt, config) == expected, name
         assert decode(tiny_target, drafter, prompt, eos_config, frozenset({stop})) == eos_expected, name
-    tree = WrongBranchTree(tiny_target, expected, len(prompt))
+    tree = wrong_branch_tree(tiny_target, expected, len(prompt))
     assert decode(tiny_target, tree, prompt, config) == expected
 
 
@@ -418,7 +400,7 @@ def test_logprobs_are_the_same_with_and_without_drafting(tiny_target, tiny_draft
             prompt, num_draft_tokens=4, **config
         )
         results[name] = speculative
-    oracle = WrongBranchTree(tiny_target, plain_result.token_ids, len(prompt))
+    oracle = wrong_branch_tree(tiny_target, plain_result.token_ids, len(prompt))
     results["tree"] = SpeculativeGenerator(tiny_target, oracle).generate(prompt, num_draft_tokens=4, **config)
     assert results["tree"].stats.mean_accepted_tokens > 3  # rows deep in the tree were read
     for name, speculative in results.items():

@@ -21,14 +21,13 @@ from pydantic import Field as PydanticField
 from tokenizers import decoders
 
 import specdecode.engine
-from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, chi2_pvalue
+from helpers import DRAWS, FAIL_P, PASS_P, BigramLM, V, WrongBranchTree, chi2_pvalue
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
 from specdecode.constraints import Constraint, parse_constraint
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
-from specdecode.drafters.base import Drafter, StatelessSession
 from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -179,28 +178,6 @@ def test_a_batch_of_eight_mixed_constrained_and_free_sequences_gets_each_its_sol
             assert outputs[index] == want, f"{drafter_name}: sequence {index} ({kinds[index]}) differs from solo"
 
 
-class GrammarBlindTree(Drafter):
-    """Drafts a tree whose first branch is grammar-valid but wrong (the target's tokens shifted within the
-    characters the grammar allows) and whose second is the truth: the wrong branch is verified and rejected, and the
-    matcher must come out of it exactly where the accepted tokens leave it."""
-
-    def __init__(self, target, truth: list[int], prompt_len: int, swap: dict[int, int]) -> None:
-        super().__init__(target)
-        self.truth, self.prompt_len, self.swap = truth, prompt_len, swap
-
-    def session(self, request):
-        return StatelessSession(self.propose)
-
-    def propose(self, context, max_tokens) -> Draft:
-        done = len(context) - self.prompt_len
-        right = self.truth[done : done + max_tokens]
-        if not right:
-            return Draft(tokens=[])
-        wrong = [self.swap.get(token, token) for token in right]
-        parents = [*range(-1, len(wrong) - 1), -1, *range(len(wrong), len(wrong) + len(right) - 1)]
-        return Draft(tokens=wrong + right, parents=parents)
-
-
 def test_rejected_grammar_valid_branches_leave_the_matcher_where_the_accepted_tokens_do(json_target, compiler):
     tokenizer = json_target.tokenizer
     constraint = CONSTRAINTS["regex"]
@@ -211,7 +188,8 @@ def test_rejected_grammar_valid_branches_leave_the_matcher_where_the_accepted_to
     digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
     swap = {a: b for group in (letters, digits) for a, b in zip(group, group[1:] + group[:1])}
     outcome = specdecode.engine.DecodeOutcome()
-    drafter = GrammarBlindTree(json_target, truth, len(prompt), swap)
+    # the wrong branch is grammar-valid (the true tokens shifted within what the grammar allows)
+    drafter = WrongBranchTree(json_target, truth, len(prompt), lambda token: swap.get(token, token))
     assert decode(json_target, drafter, prompt, config, compiler, outcome) == truth
     assert outcome.stats.drafted_tokens > outcome.stats.accepted_tokens  # wrong branches were verified
 
