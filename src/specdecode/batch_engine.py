@@ -97,13 +97,18 @@ class BatchEngine:
         self.waiting: list[BatchRequest] = []
         self.running: dict[int, tuple[object, Sequence]] = {}
 
+    @property
+    def slots(self) -> int:
+        """Cache slots the pool holds: the batch's and the kept prefixes'."""
+        return self.max_batch_size + self.prefix_cache.capacity
+
     @torch.inference_mode()
     def preallocate(self, length: int) -> None:
         """Allocate the cache for every slot (the batch's and the kept prefixes') up to ``length`` positions now.
         Growing it later copies every slot while the running sequences wait: a request of 900 positions arriving
         at a pool of 512 stalled a step of the batch by 0.8 s (``docs/results/serve-vllm-cpu-cold-smollm2-135m``).
         A one-token forward creates the storage (the pool makes each layer's at its first write)."""
-        self.pool.reserve(self.max_batch_size + self.prefix_cache.capacity, min(length, self.target.max_context))
+        self.pool.reserve(self.slots, min(length, self.target.max_context))
         cache = self.pool.allocate()
         try:
             self.target.forward(torch.zeros(1, dtype=torch.long), cache, invariant=False)
@@ -135,7 +140,7 @@ class BatchEngine:
             # Room for the whole request (and a deep last draft) now, rather than regrowing mid-batch, beside the
             # kept prefixes' slots.
             most = len(request.prompt_ids) + request.config.max_new_tokens + MAX_DRAFT_MARGIN
-            self.pool.reserve(self.max_batch_size + self.prefix_cache.capacity, min(most, self.target.max_context))
+            self.pool.reserve(self.slots, min(most, self.target.max_context))
             drafter = request.drafter or self.drafter
             source, shared = self._cached_prefix(request.prompt_ids)
             seq = start_sequence(
