@@ -1,9 +1,11 @@
 """The files of a trained head directory, shared by every kind of head (EAGLE, Medusa, Hydra).
 
 Each kind writes the same three files — ``config.json``, ``model.safetensors`` and a ``manifest.json``
-holding the SHA-256 of both — and a drafter finds its head the same way: next to the target model unless
-an option names a directory.  Keeping that here means one layout, one integrity check and one error
-message pattern for all of them; what differs (the config's contents, how it is read) stays with each kind.
+holding the SHA-256 of both — and a drafter finds its head the same way: the directory an option names,
+else one trained next to the target model, else one shipped with the package for that registry model
+(``shipped/<model>/<artifact>``, so the default model drafts with a trained head on a fresh machine).
+Keeping that here means one layout, one integrity check and one error message pattern for all of them;
+what differs (the config's contents, how it is read) stays with each kind.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ import torch
 from safetensors.torch import save_file
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models import registry
 from specdecode.models.artifacts import trained_artifact_path
 
+#: Heads trained by the project for registry models, installed with the package (see docs/training.md).
+SHIPPED_DIR = Path(__file__).parent / "shipped"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
@@ -59,15 +64,24 @@ def check_manifest(directory: Path) -> None:
             raise SpecDecodeError(f"{name} does not match its SHA-256 in {MANIFEST_FILE}")
 
 
+def shipped_head(model_name: str, artifact: str) -> Path | None:
+    """The ``artifact`` the package ships for the registry model ``model_name``, or None."""
+    path = SHIPPED_DIR / model_name / artifact
+    return path if registry.is_registered(model_name) and (path / CONFIG_FILE).is_file() else None
+
+
 def head_directory(
     option: str | None, model_name: str, artifact: str, drafter: str, what: str, flag: str, user: str = "drafter"
 ) -> Path:
-    """Where a trained head is: the directory ``option`` names, or ``artifact`` next to the model.
+    """Where a trained head is: the directory ``option`` names, else ``artifact`` next to the model (trained
+    here: it wins over a shipped one), else the one the package ships for that model.
 
     Without one the ``user`` (a drafter, or a verifier: the judge) named ``drafter`` cannot run, so the error
     says how to make it: the ``specdecode train {drafter}`` command, or the ``--{user}-option {flag}=DIR`` that
     points at an existing one.  ``what`` names the thing wanted ("a head", "heads", "a judge")."""
     path = Path(option).expanduser() if option else trained_artifact_path(model_name, artifact)
+    if not option and (path is None or not (path / CONFIG_FILE).is_file()):
+        path = shipped_head(model_name, artifact) or path
     if path is None or not (path / CONFIG_FILE).is_file():
         where = f" (looked in {path})" if path else ""
         raise SpecDecodeError(

@@ -11,10 +11,15 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.files import shipped_head
 from specdecode.heads.storage import HEAD_DIR, Verifier, load_eagle, save_eagle
 from specdecode.models import registry
 from specdecode.models.artifacts import trained_artifact_path
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _target_config(model: str) -> dict:
@@ -34,13 +39,15 @@ def _target_config(model: str) -> dict:
 
 
 def _default_head(model: str) -> Path:
-    """Where ``specdecode train eagle --model M`` saved the head (and ``--drafter eagle`` finds it)."""
+    """Where ``--drafter eagle`` finds the head: saved by ``specdecode train eagle --model M``, else shipped."""
     hint = f"train one with `specdecode train eagle --model {model}`, or pass --head DIR"
     if registry.is_registered(model) and not next(s for s in registry.list_models() if s.name == model).cached:
         raise SpecDecodeError(f"no EAGLE head for {model!r}: the model is not even downloaded; {hint}")
     path = trained_artifact_path(model, HEAD_DIR)
     if path is None:
         raise SpecDecodeError(f"no default head location for {model!r} (a hub id): pass --head DIR")
+    if not (path / "config.json").is_file():
+        path = shipped_head(model, HEAD_DIR) or path
     if not (path / "config.json").is_file():
         raise SpecDecodeError(f"no EAGLE head for {model!r} in {path}: {hint}")
     return path
@@ -69,7 +76,7 @@ def export_eagle(args: argparse.Namespace) -> int:
         architectures=tuple(target.get("architectures") or ()),
         max_position_embeddings=target.get("max_position_embeddings"),
     )
-    save_eagle(head, out, verifier)
+    save_eagle(head.to(WEIGHT_DTYPES[args.dtype]), out, verifier)
     print(
         f"exported the EAGLE-3 head for {args.model} ({config.draft_vocab_size} draft tokens, target layers "
         f"{', '.join(map(str, config.aux_layers))}) to {out}"
