@@ -249,6 +249,21 @@ def test_export_then_import_drafts_identically(tiny_target, trained_head, traine
     assert drafts(tiny_target, loaded) == drafts(tiny_target, trained_head)
 
 
+def test_a_bf16_export_holds_the_weights_rounded_to_bf16_and_drafts_losslessly(
+    tiny_target, trained_head, trained_for_target, tmp_path
+):
+    out = tmp_path / "exported-bf16"
+    assert main(["export", "eagle", "--model", str(trained_for_target), "--out", str(out), "--dtype", "bf16"]) == 0
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["fc.weight"].dtype == torch.bfloat16
+    assert (tensors["d2t"].dtype, tensors["t2d"].dtype) == (torch.int64, torch.bool)
+    loaded = load_eagle(out)
+    rounded = trained_head.fc.weight.to(torch.bfloat16).float()
+    assert torch.equal(loaded.fc.weight, rounded) and not torch.equal(loaded.fc.weight, trained_head.fc.weight)
+    tokens, *_ = drafts(tiny_target, loaded)
+    assert tokens == run(tiny_target, create_drafter("none", tiny_target), PROMPTS[0], max_new_tokens=16)[0]
+
+
 def test_speculators_reads_the_export_as_we_do(
     tiny_target, trained_head, trained_for_target, speculators_path, tmp_path
 ):

@@ -139,4 +139,10 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> None:
         "--verifier",
         help="verifier name_or_path written to config.json, e.g. the model's Hugging Face id (default: --model)",
     )
+    eagle.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="precision of the written weights (bf16: half the file; the drafter runs in the target's precision)",
+    )
     eagle.set_defaults(run=Deferred("specdecode.train.export:export_eagle"))
