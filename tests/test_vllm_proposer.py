@@ -8,18 +8,16 @@ to three minutes."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from types import SimpleNamespace
 
-import httpx
 import numpy as np
 import pytest
 
 from specdecode.integrations.vllm_proposer import PROPOSERS, CacheBackProposer, SuffixProposer, main_path
 from specdecode.types import Draft
-from vllm_server import ROOT, assert_greedy_texts_equal_ours, vllm_serving
+from vllm_server import ROOT, accepted_tokens, assert_greedy_texts_equal_ours, vllm_serving
 
 MAX_MODEL_LEN = 64
 
@@ -134,13 +132,6 @@ NEW_TOKENS = 48
 def vllm_suffix_url():
     with vllm_serving("--proposer", "suffix") as url:
         yield url
-
-
-def accepted_tokens(url: str) -> float:
-    metrics = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    found = re.search(r"^vllm:spec_decode_num_accepted_tokens_total(?:\{[^}]*\})? (\S+)$", metrics, re.MULTILINE)
-    assert found, "vLLM exposes no spec_decode_num_accepted_tokens_total: is speculation on?"
-    return float(found.group(1))
 
 
 @pytest.mark.real_model

