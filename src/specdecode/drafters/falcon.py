@@ -234,6 +234,7 @@ class FalconSession(DraftSession):
             expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
             if not expand:
                 break  # no node the budget would verify: its children would not be verified either
+            # The nodes of one depth share their row in their pass.
             if nodes[expand[0]].row + 1 < self.block:  # within a pass: the next row's guesses, no head call
                 growing = [(index, nodes[index].source, nodes[index].row + 1) for index in expand]
             else:  # a complete block: fed back, all together

@@ -213,7 +213,7 @@ def glance(
         return batch.features, batch.tokens, torch.zeros_like(batch.valid)
     blocks = length // block
     # A block can be glanced when its first rows' answers exist; those all do when its row block - 2 does.
-    can = batch.glanceable.view(windows, blocks, block)[:, :, max(block - 2, 0)]
+    can = batch.glanceable.view(windows, blocks, block)[:, :, block - 2]
     counts = (share * wrong.sum(1).float()).floor().long()
     order = torch.rand(windows, blocks, generator=generator).masked_fill(~can, 2.0).argsort(dim=1)
     ranks = torch.empty_like(order)
@@ -324,7 +324,12 @@ def train_falcon(
         epoch_batches=epoch_batches,
         batch_loss=batch_loss,
         loss_scale=config.passes,
-        identity={**head_config.to_dict(), "passes": config.passes, "glance": [config.glance_start, config.glance_end]},
+        identity={
+            **head_config.to_dict(),
+            "passes": config.passes,
+            "feature_weight": config.feature_weight,
+            "glance": [config.glance_start, config.glance_end],
+        },
         model_key="head",
         checkpoint=checkpoint,
         checkpoint_seconds=config.checkpoint_seconds,
