@@ -91,6 +91,30 @@ def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained)
         assert accepted(trained.head, tree_nodes) > accepted(untrained, tree_nodes)
 
 
+def test_an_interrupted_training_resumes_to_the_same_head(tiny_target, features, tmp_path, monkeypatch):
+    """Checkpointed after every batch and stopped in its second epoch, a run started again with the same settings
+    ends with the weights of a run never stopped (the batches' order and glances are seeded by the step)."""
+    import specdecode.train.falcon as falcon_training
+
+    config = FalconTrainConfig(epochs=2, window=32, batch_windows=4, lr=3e-3, draft_vocab=64, checkpoint_seconds=0)
+    whole = train_falcon(tiny_target.backend, features, config).head
+    glance, calls = falcon_training.glance, []
+
+    def stops_at_the_eighth_batch(*args):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return glance(*args)
+
+    monkeypatch.setattr(falcon_training, "glance", stops_at_the_eighth_batch)
+    with pytest.raises(KeyboardInterrupt):
+        train_falcon(tiny_target.backend, features, config, checkpoint=tmp_path / "checkpoint.pt")
+    monkeypatch.setattr(falcon_training, "glance", glance)
+    resumed = train_falcon(tiny_target.backend, features, config, checkpoint=tmp_path / "checkpoint.pt").head
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_training_unroll_matches_drafting(tiny_target, trained):
     """Each unrolled training pass sees exactly what drafting sees: the logits of pass p at the rows of a block
     equal those of the drafter's session at that block after p - 1 blocks of true tokens fed back — whether the

@@ -278,7 +278,9 @@ def train_falcon(
     head_config = FalconConfig.for_target(
         backend.decoder_shape(), backend.num_layers, vocab_size, ids.numel(), config.block
     )
-    head = FalconHead(head_config)
+    with torch.random.fork_rng():  # the same initial weights in every run of these settings, the caller's RNG untouched
+        torch.manual_seed(config.seed)
+        head = FalconHead(head_config)
     head.set_draft_vocabulary(ids)
     start_from_target(head, backend, layerwise)
     teacher = Teacher(layerwise, ids)
