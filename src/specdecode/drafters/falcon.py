@@ -111,7 +111,8 @@ class _Node:
 
 
 class FalconSession(DraftSession):
-    """One request: the head's cache of it, the target features not yet fed, and the last block's own."""
+    """One request: the head's cache of it, the target features not yet fed, and the last committed block's
+    features and outputs (fed again when new rows join that block; the outputs start every draft)."""
 
     def __init__(self, drafter: FalconDrafter, request: DraftRequest) -> None:
         self.drafter = drafter
