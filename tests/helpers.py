@@ -404,6 +404,18 @@ def random_eagle_head(backend, draft_vocab: int, seed: int = 0):
     return head
 
 
+def random_falcon_head(backend, draft_vocab: int, seed: int = 0, block: int = 2):
+    """An untrained Falcon head for ``backend`` drafting ``draft_vocab`` random token ids, ``block`` per pass."""
+    from specdecode.heads.falcon import FalconConfig, FalconHead
+
+    shape = backend.decoder_shape()
+    config = FalconConfig.for_target(shape, backend.num_layers, backend.vocab_size, draft_vocab, block)
+    torch.manual_seed(seed)
+    head = FalconHead(config)
+    head.set_draft_vocabulary(torch.randperm(backend.vocab_size)[:draft_vocab])
+    return head
+
+
 class WrongBranchTree(Drafter):
     """Knows the expected continuation and hides it in a tree behind a wrong sibling subtree (each true token mapped
     by ``wrong_of``): the wrong branch is verified and rejected, and a row on the right branch must not count its
@@ -440,6 +452,7 @@ def untrained_drafter_options(target, draft, draft_vocab: int, exit_layer: int) 
         "eagle": {"head": random_eagle_head(backend, draft_vocab)},
         "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(draft_vocab))},
         "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(draft_vocab))},
+        "falcon": {"head": random_falcon_head(backend, draft_vocab)},
     }
 
 
@@ -456,6 +469,14 @@ def assert_head_drafter_samples_exactly(
 ) -> None:
     """Rejection sampling with a head-based ``drafter`` on the bigram toy: every (position in step, previous
     token) stratum of ``draws`` tokens fits the target's processed distribution, and drafts were accepted."""
+    pvalues = head_drafter_pvalues(model, table, drafter, draws)
+    assert len(pvalues) >= 8
+    assert min(pvalues) > PASS_P / len(pvalues), pvalues
+
+
+def head_drafter_pvalues(model: BigramFeatures, table: torch.Tensor, drafter, draws: int) -> list[float]:
+    """The chi-square p-values of :func:`assert_head_drafter_samples_exactly`'s strata (drafts must be accepted):
+    what a broken drafter's control shows failing."""
     from specdecode.sampling import sampling_probs
 
     sampling = SamplingParams(temperature=0.9, top_k=4)
@@ -471,10 +492,8 @@ def assert_head_drafter_samples_exactly(
                 previous = token
             produced += len(chunk)
         seed += 1
-    pvalues = chain_pvalues(counts, sampling_probs(table, sampling).numpy())
-    assert len(pvalues) >= 8
-    assert min(pvalues) > PASS_P / len(pvalues), pvalues
     assert counts[1:].sum() > 0  # drafts were accepted
+    return chain_pvalues(counts, sampling_probs(table, sampling).numpy())
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""``specdecode train {kangaroo,eagle,medusa,hydra,judge} --model M`` (fit drafter or judge weights, saved where
+"""``specdecode train {kangaroo,eagle,medusa,hydra,falcon,judge} --model M`` (fit drafter or judge weights, saved where
 the drafter or verifier looks) and ``specdecode export eagle`` (hand a trained head to vLLM): their flags, declared
 without importing what runs them (``train/*_run.py``, :mod:`specdecode.train.export`), which imports torch."""
 
@@ -37,6 +37,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     kangaroo.set_defaults(run=Deferred("specdecode.train.kangaroo_run:run_kangaroo_training"))
     add_eagle_command(methods)
     add_heads_commands(methods)
+    add_falcon_command(methods)
     add_judge_command(methods)
 
 
@@ -101,6 +102,17 @@ def add_heads_commands(methods: argparse._SubParsersAction) -> None:
         _add_head_training_flags(sub, "heads'")
         sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
         sub.set_defaults(run=Deferred("specdecode.train.medusa_run:run_heads_training"))
+
+
+def add_falcon_command(methods: argparse._SubParsersAction) -> None:
+    falcon = methods.add_parser(
+        "falcon", help="the semi-autoregressive head of the falcon drafter (k tokens per pass, glancing distillation)"
+    )
+    _add_head_training_flags(falcon, "head's")
+    falcon.add_argument("--block", type=int, default=2, help="tokens the head drafts per pass (the paper's k)")
+    falcon.add_argument("--passes", type=int, default=2, help="head passes unrolled in training")
+    # 3 epochs as for eagle: two passes of two rows cost about what eagle's three unrolled steps do.
+    falcon.set_defaults(run=Deferred("specdecode.train.falcon_run:run_falcon_training"), epochs=3)
 
 
 def add_judge_command(methods: argparse._SubParsersAction) -> None:
