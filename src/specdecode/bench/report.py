@@ -15,6 +15,7 @@ from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_
 from specdecode.bench.metrics import ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
 from specdecode.bench.reporting import fmt, table
+from specdecode.data.long_context import context_tokens_of
 from specdecode.data.tasks import GROUNDED_TASKS
 
 # --------------------------------------------------------------------------------------------------------
@@ -95,6 +96,7 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
     )
 
     lines += ["", *_interval_lines(cells, tasks[-1])]
+    lines += _context_length_lines(results, cells, main)
 
     lines += [
         "",
@@ -199,6 +201,35 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
 
     lines += ["", "## Goals", "", *_goal_lines(cells), *_never_slower_lines(prompt_speedups(results)), ""]
     return "\n".join(lines)
+
+
+def _context_length_lines(results: Mapping[str, Any], cells: Sequence[CellResult], methods: list[str]) -> list[str]:
+    """Speed-up per method against the long-context tasks' prompt lengths (``longctx-N``), each column headed by
+    the mean length its prompts had in the target's tokens (cut to the model's context where it is shorter)."""
+    lengths = sorted(
+        (tokens, task)
+        for task, prompts in results["prompts"].items()
+        if prompts and (tokens := context_tokens_of(task)) is not None
+    )
+    if not lengths:
+        return []
+    by_key = {(c.method, c.task): c for c in cells}
+    header = ["method"]
+    for tokens, task in lengths:
+        measured = [p["prompt_tokens"] for p in results["prompts"][task]]
+        header.append(f"{tokens} ({sum(measured) / len(measured):.0f} tokens)")
+    rows = (
+        [f"`{name}`", *(fmt(by_key[name, t].speedup if (name, t) in by_key else None, ".2f", "x") for _, t in lengths)]
+        for name in methods
+    )
+    return [
+        "",
+        "## Speed-up against context length",
+        "",
+        "The `longctx` task at each requested length; the mean prompt length in the target's tokens in parentheses.",
+        "",
+        *table(header, rows),
+    ]
 
 
 def _interval_lines(cells: Sequence[CellResult], pooled_task: str) -> list[str]:
