@@ -206,6 +206,10 @@ def test_bench_runs_longctx_and_reports_speedup_against_context_length(tmp_path)
     text = (settings.out / "results.md").read_text()
     section = text.split("## Speed-up against context length")[1]
     assert "| method | 2048 (" in section and " 3000 (" in section and "| `pld:k=3` |" in section
+    assert sorted(results["cost_curves"]) == ["longctx-2048", "longctx-3000"]  # measured after that many tokens
+    assert all(len(curve) == 16 and curve[0] == 1.0 for curve in results["cost_curves"].values())
+    verifying = next(line for line in section.splitlines() if line.startswith("| *verifying 5 inputs"))
+    assert verifying.count("x |") == 2
     assert report.markdown(results, build_cells(results, settings.load_tasks())) == text
 
 

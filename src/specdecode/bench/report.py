@@ -17,6 +17,10 @@ from specdecode.bench.plots import plot_draft_length, plot_speedup
 from specdecode.bench.reporting import fmt, table
 from specdecode.data.long_context import context_tokens_of
 from specdecode.data.tasks import GROUNDED_TASKS
+from specdecode.models.cost import cost_at
+
+#: The verification widths the long-context section prices (a chain of 1, 4 and 8 drafted tokens, plus one).
+VERIFY_WIDTHS = (2, 5, 9)
 
 # --------------------------------------------------------------------------------------------------------
 # Markdown
@@ -218,15 +222,25 @@ def _context_length_lines(results: Mapping[str, Any], cells: Sequence[CellResult
     for tokens, task in lengths:
         measured = [p["prompt_tokens"] for p in results["prompts"][task]]
         header.append(f"{tokens} ({sum(measured) / len(measured):.0f} tokens)")
-    rows = (
+    rows = [
         [f"`{name}`", *(fmt(by_key[name, t].speedup if (name, t) in by_key else None, ".2f", "x") for _, t in lengths)]
         for name in methods
-    )
+    ]
+    curves = results.get("cost_curves", {})
+    for width in VERIFY_WIDTHS:
+        rows.append(
+            [
+                f"*verifying {width} inputs, x one*",
+                *(fmt(cost_at(curves[t], width) if curves.get(t) else None, ".2f", "x") for _, t in lengths),
+            ]
+        )
     return [
         "",
         "## Speed-up against context length",
         "",
-        "The `longctx` task at each requested length; the mean prompt length in the target's tokens in parentheses.",
+        "The `longctx` task at each requested length; the mean prompt length in the target's tokens in parentheses. "
+        "The last rows: the target's forward over that many new tokens against one, after that many cached tokens "
+        "(the verification cost curve at that length, measured on this machine).",
         "",
         *table(header, rows),
     ]

@@ -34,9 +34,11 @@ from specdecode.bench.lockstep import run_lockstep
 from specdecode.bench.report import write_report
 from specdecode.bench.resume import resume, save_json
 from specdecode.bench.suites import BenchSettings, resolve_settings, sweep_methods
+from specdecode.data.long_context import context_tokens_of
 from specdecode.data.prompt_file import read_prompt_file
 from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.stats import GenerationStats
 from specdecode.threads import fixed_threads
@@ -236,6 +238,10 @@ def _measure(
     results["environment"]["fast_path"] = fast_path_default()
     results["chat_template"] = encode.chat
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
+    for task in tasks:  # what verification costs at each long context, for the report (once per machine and model)
+        if (tokens := context_tokens_of(task.name)) is not None:
+            curve = relative_cost_curve(target.backend, context_tokens=tokens)
+            results.setdefault("cost_curves", {})[task.name] = [round(c, 4) for c in curve or ()]
     for task in tasks:
         results["prompts"][task.name] = [
             {
