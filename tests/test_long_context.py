@@ -8,9 +8,10 @@ import json
 import re
 
 import pytest
+import torch
 from tokenizers import pre_tokenizers
 
-from helpers import hf_greedy, run
+from helpers import hf_greedy, random_eagle_head, run
 from specdecode.bench import report, runner
 from specdecode.bench.cells import build_cells
 from specdecode.bench.common import PromptEncoder, check_known_tasks
@@ -29,6 +30,7 @@ from specdecode.data.prompts import Prompt
 from specdecode.data.tasks import TASK_NAMES, known_task, load_task, load_tasks
 from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.eagle import HeadCache
 from specdecode.models.hf import HFCausalLM
 from specdecode.train.cli import DEFAULT_TASKS
 from tiny_models import save_tiny, tiny_llama, tiny_tokenizer, tiny_words, wrap
@@ -261,3 +263,65 @@ def test_forward_cost_compares_context_lengths(tiny_dirs, capsys):
         print_forward_cost(str(tiny_dirs["target"]), None, 1, "16,250", 8, 1, as_json=True, with_profiles=False)
     with pytest.raises(SpecDecodeError, match="--context-tokens"):
         print_forward_cost(str(tiny_dirs["target"]), None, 1, "16,x", 8, 1, as_json=True, with_profiles=False)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A draft head with constant memory (LongSpec)
+
+
+def test_head_cache_keeps_sinks_and_the_recent_window():
+    from specdecode.heads.eagle import EagleConfig
+
+    config = EagleConfig(
+        8, 2, 1, 4, 16, 1e-6, 1e4, target_vocab_size=10, draft_vocab_size=10, aux_layers=(0,), target_num_layers=1
+    )
+    cache = HeadCache(config, torch.device("cpu"), torch.float32, window=100)
+    positions = torch.arange(1000, dtype=torch.float32)
+    for start in range(0, 1000, 50):
+        entries = positions[start : start + 50].expand(1, 4, 50).transpose(1, 2)
+        cache.append(entries, entries)
+        cache.commit()
+        assert cache.length <= HeadCache.SINKS + 100 + HeadCache.BLOCK and cache.committed == cache.length
+    kept = cache.keys[0, : cache.length, 0].tolist()
+    assert kept[:4] == [0, 1, 2, 3] and kept[4:] == list(range(1000 - cache.length + 4, 1000))
+    cache.append(torch.zeros(1, 3, 4), torch.zeros(1, 3, 4))  # a draft's guesses
+    cache.crop(cache.committed)
+    assert cache.length == cache.committed
+    unbounded = HeadCache(config, torch.device("cpu"), torch.float32)
+    unbounded.append(torch.zeros(1, 900, 4), torch.zeros(1, 900, 4))
+    unbounded.commit()
+    assert unbounded.length == unbounded.committed == 900
+
+
+def _run_keeping_the_session(target, drafter, prompt, **config):
+    """:func:`helpers.run`, and the drafting session it opened."""
+    sessions = []
+    opened = drafter.session
+    drafter.session = lambda request: sessions.append(opened(request)) or sessions[-1]
+    tokens, outcome = run(target, drafter, prompt, **config)
+    return tokens, outcome, sessions[0]
+
+
+@pytest.mark.parametrize("tree_nodes", [0, "auto"])
+def test_eagle_with_a_window_keeps_its_memory_bounded_and_greedy_output_exact(tree_nodes):
+    """A 1,200-token prompt: the head's cache holds at most the sinks, the window and a block with ``window=64``, the
+    whole context without; the output is the target's either way."""
+    tokenizer = tiny_tokenizer(tiny_words())
+    target = wrap(tiny_llama(seed=0, context=4096), tokenizer, "long")
+    block = [(i * 7) % 90 + 3 for i in range(150)]
+    prompt = [1, *(block * 10)][:1200]
+    expected = hf_greedy(target, prompt, 48)
+    for window in (64, 0):
+        head = random_eagle_head(target.backend, 40)
+        drafter = create_drafter("eagle", target, head=head, tree_nodes=tree_nodes, window=window)
+        tokens, outcome, session = _run_keeping_the_session(
+            target, drafter, prompt, max_new_tokens=48, num_draft_tokens=4
+        )
+        assert tokens == expected and outcome.stats.drafted_tokens > 0
+        if window:
+            assert session.cache.committed <= HeadCache.SINKS + window + HeadCache.BLOCK
+        else:
+            assert session.cache.committed == session.committed >= len(prompt)
+    assert create_drafter("eagle", target, head=random_eagle_head(target.backend, 40)).window == 0
+    with pytest.raises(SpecDecodeError, match="window"):
+        create_drafter("eagle", target, head=random_eagle_head(target.backend, 40), window=-1)
