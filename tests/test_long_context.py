@@ -212,6 +212,12 @@ def test_bench_runs_longctx_and_reports_speedup_against_context_length(tmp_path)
     assert all(len(curve) == 16 and curve[0] == 1.0 for curve in results["cost_curves"].values())
     verifying = next(line for line in section.splitlines() if line.startswith("| *verifying 5 inputs"))
     assert verifying.count("x |") == 2
+    end_to_end = section.split("(the same work for every method):")[1].split("Decoding after")[0]
+    decoding = section.split("measured on this machine):")[1]
+    assert "| `none` | 1.00x | 1.00x |" in end_to_end and "| `none` | 1.00x | 1.00x |" in decoding
+    record = results["runs"]["pld:k=3"]["longctx-2048"]
+    (prompt,) = record
+    assert 0 < record[prompt]["prefill_s"] < record[prompt]["wall_s"][0]  # the prompt's reading, timed apart
     assert report.markdown(results, build_cells(results, settings.load_tasks())) == text
 
 

@@ -12,7 +12,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -180,9 +180,9 @@ class PromptEncoder:
         self._cut_to_window: set[int] = set()
 
     def __call__(self, prompt: Prompt) -> list[int]:
-        return self.encode(prompt).ids
+        return self.encode(prompt, prompt.id).ids
 
-    def encode(self, prompt: Prompt) -> EncodedPrompt:
+    def encode(self, prompt: Prompt, key: str) -> EncodedPrompt:
         if prompt.context_tokens:
             prompt = self._fitted(prompt)
         ids = self._encoder.encode_prompt(prompt.text, chat=self.chat)
@@ -191,7 +191,7 @@ class PromptEncoder:
                 f"prompt {prompt.id} is {len(ids)} tokens: with {self._max_new_tokens} new tokens it exceeds "
                 f"the {self._max_context}-token context of {self._model!r}"
             )
-        return EncodedPrompt(prompt.id, prompt.text, ids)
+        return EncodedPrompt(key, prompt.text, ids)
 
     def _fitted(self, prompt: Prompt) -> Prompt:
         window = self._max_context - self._max_new_tokens
@@ -213,7 +213,7 @@ class PromptEncoder:
 
     def encode_tasks(self, tasks: Sequence[Task]) -> list[EncodedPrompt]:
         """Every prompt of every task, in order."""
-        return [replace(self.encode(p), key=f"{task.name}/{p.id}") for task in tasks for p in task.prompts]
+        return [self.encode(p, f"{task.name}/{p.id}") for task in tasks for p in task.prompts]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -98,10 +98,11 @@ def run_group(
 
 def add_acceptance(record: dict[str, Any], stats: GenerationStats) -> None:
     """Add one generation's draft/accept counts and its split of time (drafting, target forwards, the whole
-    generation: the rest is engine overhead) to a raw record, as sums so they pool exactly."""
+    generation: the rest is engine overhead; the prompt's reading) to a raw record, as sums so they pool exactly."""
     for key in ("steps", "drafted_tokens", "accepted_tokens"):
         record[key] = record.get(key, 0) + getattr(stats, key)
-    for key, seconds in (("draft_s", stats.draft_s), ("forward_s", stats.forward_s), ("engine_wall_s", stats.wall_s)):
+    timed = (("draft_s", stats.draft_s), ("forward_s", stats.forward_s), ("engine_wall_s", stats.wall_s))
+    for key, seconds in (*timed, ("prefill_s", stats.prefill_s)):
         record[key] = round(record.get(key, 0.0) + seconds, 5)
     for key in ("drafted_at", "accepted_at"):
         totals = record.setdefault(key, [])
