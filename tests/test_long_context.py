@@ -89,13 +89,15 @@ def test_documents_come_from_text_no_other_task_and_no_training_draws():
     assert "longctx" not in TASK_NAMES
 
 
-def test_task_names_lengths_and_refusals():
+def test_task_names_lengths_and_refusals(tmp_path):
     assert known_task("longctx") and known_task("longctx-16384") and not known_task("longctx-x")
     assert context_tokens_of("longctx-6000") == 6000 and context_tokens_of("edit") is None
     assert expand(["edit", "longctx", "longctx-4096"]) == ("edit", *(f"longctx-{n}" for n in DEFAULT_CONTEXT_TOKENS))
     assert [t.name for t in load_tasks(["longctx"], 1)] == [f"longctx-{n}" for n in DEFAULT_CONTEXT_TOKENS]
     with pytest.raises(SpecDecodeError, match=f"{MIN_CONTEXT_TOKENS} to"):
         load_task("longctx-100", 1)
+    with pytest.raises(SpecDecodeError, match="name one, such as longctx-4096"):
+        load_task("longctx", 1)
     with pytest.raises(SpecDecodeError, match="longctx-N"):
         check_known_tasks(["longctx4096"])
     settings = resolve_settings("quick", tasks="edit,longctx", long_context_tokens="2048,6000", draft_lengths="none")
@@ -104,6 +106,10 @@ def test_task_names_lengths_and_refusals():
         resolve_settings("quick", tasks="edit", long_context_tokens="4096")
     with pytest.raises(SpecDecodeError, match="positive integers"):
         resolve_settings("quick", tasks="longctx", long_context_tokens="4k")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p1", "task": "qa", "text": "Why?"}) + "\n")
+    with pytest.raises(SpecDecodeError, match="not of --prompts"):
+        resolve_settings("quick", prompts_file=prompts, long_context_tokens="4096")
 
 
 # --------------------------------------------------------------------------------------------------------

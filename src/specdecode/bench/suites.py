@@ -170,6 +170,8 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         tasks = split_names(tasks)
     if prompt_file is None:
         tasks = _long_context_tasks(tasks, context_tokens)
+    elif context_tokens is not None:
+        raise SpecDecodeError("--long-context-tokens sets the lengths of the built-in longctx task, not of --prompts")
     prompts_per_task = given.get("prompts_per_task", base.prompts_per_task)
     if prompt_file is not None:  # every prompt of the file unless the user cut it
         tasks = tuple(task.name for task in prompt_file.select(tasks, None))

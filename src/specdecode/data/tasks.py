@@ -109,6 +109,8 @@ def load_task(name: str, n: int, seed: int = 0) -> Task:
     """``n`` prompts of task ``name`` (fewer if the task has fewer), the same for the same (name, n, seed).
 
     For a session task ``n`` counts sessions, each with all its requests."""
+    if name == LONG_CONTEXT_TASK:
+        raise SpecDecodeError(f"{name} is one task per prompt length: name one, such as {name}-4096")
     if name not in _TASKS and context_tokens_of(name) is None:
         raise SpecDecodeError(f"unknown benchmark task {name!r}; choose from {task_choices()}")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
