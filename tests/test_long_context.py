@@ -12,11 +12,13 @@ import torch
 from tokenizers import pre_tokenizers
 
 from helpers import hf_greedy, random_eagle_head, run
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.bench import report, runner
 from specdecode.bench.cells import build_cells
 from specdecode.bench.common import PromptEncoder, check_known_tasks
 from specdecode.bench.forward_cost import print_forward_cost
 from specdecode.bench.suites import SUITES, resolve_settings
+from specdecode.config import GenerationConfig
 from specdecode.data import grounded
 from specdecode.data.long_context import (
     ASKED_WITHIN_CHARS,
@@ -28,6 +30,7 @@ from specdecode.data.long_context import (
 )
 from specdecode.data.prompts import Prompt
 from specdecode.data.tasks import TASK_NAMES, known_task, load_task, load_tasks
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
@@ -337,3 +340,22 @@ def test_eagle_with_a_window_keeps_its_memory_bounded_and_greedy_output_exact(tr
     assert create_drafter("eagle", target, head=random_eagle_head(target.backend, 40)).window == 0
     with pytest.raises(SpecDecodeError, match="window"):
         create_drafter("eagle", target, head=random_eagle_head(target.backend, 40), window=-1)
+
+
+def test_eagle_with_a_window_batched_at_8_equals_plain():
+    """Eight prompts of 600 to 1,300 tokens decoded together, each evicting from its own head cache."""
+    target = wrap(tiny_llama(seed=0, context=4096), tiny_tokenizer(tiny_words()), "long")
+    drafter = create_drafter("eagle", target, head=random_eagle_head(target.backend, 40), window=32)
+    engine = BatchEngine(
+        target.backend, drafter, lambda config, d: make_policy(config.num_draft_tokens), frozenset(), max_batch_size=8
+    )
+    prompts = [[1, *[(i * (3 + n)) % 90 + 3 for i in range(600 + 100 * n)]] for n in range(8)]
+    for n, prompt in enumerate(prompts):
+        engine.submit(
+            BatchRequest(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True, num_draft_tokens=3), tag=n)
+        )
+    got: dict[int, list[int]] = {n: [] for n in range(len(prompts))}
+    for event in engine.run():
+        got[event.tag] += event.new_tokens
+    for n, prompt in enumerate(prompts):
+        assert got[n] == hf_greedy(target, prompt, 24), n

@@ -40,7 +40,7 @@ CHARS_PER_TOKEN = 6
 #: The definition or section a prompt asks about ends within the document's first characters: at 2 or more
 #: characters per token (BPE tokenizers on code and English) it stays in a prompt cut to MIN_CONTEXT_TOKENS.
 ASKED_WITHIN_CHARS = 3500
-#: Packages whose modules make up the code documents (those this interpreter has: lib2to3 left in 3.13).
+#: Packages whose modules make up the code documents (those this interpreter has: 3.13 dropped lib2to3).
 CODE_PACKAGES = ("idlelib", "lib2to3")
 _TASK_NAME = re.compile(rf"{LONG_CONTEXT_TASK}-(\d+)")
 
