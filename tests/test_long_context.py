@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import pre_tokenizers
 
-from helpers import hf_greedy, random_eagle_head, run
+from helpers import DRAWS, BigramFeatures, V, assert_head_drafter_samples_exactly, hf_greedy, random_eagle_head, run
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.bench import report, runner
 from specdecode.bench.cells import build_cells
@@ -32,9 +32,11 @@ from specdecode.data.prompts import Prompt
 from specdecode.data.tasks import TASK_NAMES, known_task, load_task, load_tasks
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
+from specdecode.drafters.eagle import EagleDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.models.hf import HFCausalLM
+from specdecode.models.loading import LoadedModel
 from specdecode.train.cli import DEFAULT_TASKS
 from tiny_models import save_tiny, tiny_llama, tiny_tokenizer, tiny_words, wrap
 
@@ -359,3 +361,16 @@ def test_eagle_with_a_window_batched_at_8_equals_plain():
         got[event.tag] += event.new_tokens
     for n, prompt in enumerate(prompts):
         assert got[n] == hf_greedy(target, prompt, 24), n
+
+
+def test_sampling_with_a_windowed_head_reproduces_the_target_distribution():
+    """The bigram toy's requests run 500 tokens: a window of 16 evicts from the head's cache within each."""
+    table = 2.0 * torch.randn(V, V, generator=torch.Generator().manual_seed(3))
+    model = BigramFeatures(table)
+    drafter = EagleDrafter(
+        LoadedModel(name="bigram", backend=model, tokenizer=None),
+        head=random_eagle_head(model, V - 1, seed=1),
+        window=16,
+    )
+    assert HeadCache.SINKS + 16 + HeadCache.BLOCK < 500
+    assert_head_drafter_samples_exactly(model, table, drafter, draws=DRAWS // 2)
