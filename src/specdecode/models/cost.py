@@ -120,8 +120,8 @@ def relative_cost_curve(
     """``t(w) / t(1)`` for w = 1..widths after ``context_tokens`` cached tokens (at most the model's context less
     ``widths``), measured once per machine, model structure and context: cached per loaded backend, and on disk
     (:func:`curve_file`) for the next process on the same machine.  Attention reads the whole context for every
-    new token, so a long context makes wide forwards dearer relative to one input (``bench forward-cost
-    --context-tokens 256,4096,8000``).
+    new token, so the curve's shape changes with the context's length (``bench forward-cost --context-tokens
+    256,4096,8000`` compares them).
 
     The draft-length cost model needs the *shape* of the verification cost (its scale it learns online),
     and a quick measurement (``(repeats + 1) * widths`` forwards, interleaved over widths) beats a guess.
