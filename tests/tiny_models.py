@@ -39,7 +39,7 @@ def tiny_words(n: int = TINY_VOCAB - 3, prefix: str = "w") -> list[str]:
     return base + [f"{prefix}{i}" for i in range(n - len(base))]
 
 
-def tiny_llama(seed: int, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM:
+def tiny_llama(seed: int, layers: int = 2, hidden: int = 64, context: int = TINY_CONTEXT) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=TINY_VOCAB,
@@ -48,7 +48,7 @@ def tiny_llama(seed: int, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT,
+        max_position_embeddings=context,
         initializer_range=0.3,  # peaky logits: greedy choices are far from numerical ties
         bos_token_id=1,
         eos_token_id=2,
@@ -57,8 +57,10 @@ def tiny_llama(seed: int, layers: int = 2, hidden: int = 64) -> LlamaForCausalLM
     return LlamaForCausalLM(config).eval()
 
 
-def save_tiny(path: Path, seed: int, words: list[str] | None = None, layers: int = 2) -> Path:
-    tiny_llama(seed, layers=layers).save_pretrained(path)
+def save_tiny(
+    path: Path, seed: int, words: list[str] | None = None, layers: int = 2, context: int = TINY_CONTEXT
+) -> Path:
+    tiny_llama(seed, layers=layers, context=context).save_pretrained(path)
     tiny_tokenizer(words or tiny_words()).save_pretrained(path)
     return path
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ import torch
 
 from specdecode.bench.methods import parse_int_list, parse_methods
 from specdecode.bench.resume import save_json
-from specdecode.data.tasks import TASK_NAMES, Prompt, Task
+from specdecode.data.long_context import fit_prompt
+from specdecode.data.tasks import Prompt, Task, known_task, task_choices
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.machine import cpu_name
@@ -55,8 +57,8 @@ def check_positive_int_list(label: str, values: Sequence[Any]) -> None:
 
 def check_known_tasks(names: Iterable[str]) -> None:
     for task in names:
-        if task not in TASK_NAMES:
-            raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
+        if not known_task(task):
+            raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {task_choices()}")
 
 
 def check_tasks(tasks: Sequence[str]) -> None:
@@ -165,7 +167,9 @@ class EncodedPrompt:
 class PromptEncoder:
     """Prompt text → token ids as every contestant gets them: through the chat template when the target has
     one (a base model gets the plain text), refused when the prompt and ``max_new_tokens`` overflow the
-    target's context (before any time is spent measuring)."""
+    target's context (before any time is spent measuring).  A long-context prompt is first cut to its length
+    in this target's tokens, or to the target's context less ``max_new_tokens`` where that is shorter (said once
+    per length on stderr)."""
 
     def __init__(self, target: Any, model: str, max_new_tokens: int) -> None:
         self.chat = bool(getattr(target.tokenizer, "chat_template", None))
@@ -173,19 +177,43 @@ class PromptEncoder:
         self._max_context = target.backend.max_context
         self._model = model
         self._max_new_tokens = max_new_tokens
+        self._cut_to_window: set[int] = set()
 
     def __call__(self, prompt: Prompt) -> list[int]:
+        return self.encode(prompt, prompt.id).ids
+
+    def encode(self, prompt: Prompt, key: str) -> EncodedPrompt:
+        if prompt.context_tokens:
+            prompt = self._fitted(prompt)
         ids = self._encoder.encode_prompt(prompt.text, chat=self.chat)
         if len(ids) + self._max_new_tokens > self._max_context:
             raise SpecDecodeError(
                 f"prompt {prompt.id} is {len(ids)} tokens: with {self._max_new_tokens} new tokens it exceeds "
                 f"the {self._max_context}-token context of {self._model!r}"
             )
-        return ids
+        return EncodedPrompt(key, prompt.text, ids)
+
+    def _fitted(self, prompt: Prompt) -> Prompt:
+        window = self._max_context - self._max_new_tokens
+        if prompt.context_tokens > window and prompt.context_tokens not in self._cut_to_window:
+            self._cut_to_window.add(prompt.context_tokens)
+            print(
+                f"specdecode: prompts of {prompt.context_tokens} tokens are cut to {window}: {self._model!r} has a "
+                f"context of {self._max_context} tokens, {self._max_new_tokens} of them for new tokens",
+                file=sys.stderr,
+            )
+        return fit_prompt(prompt, self._count, min(prompt.context_tokens, window))
+
+    def _count(self, text: str) -> int:
+        """The prompt's tokens; the context's size for one the target refuses as longer than its context."""
+        try:
+            return len(self._encoder.encode_prompt(text, chat=self.chat))
+        except SpecDecodeError:
+            return self._max_context
 
     def encode_tasks(self, tasks: Sequence[Task]) -> list[EncodedPrompt]:
         """Every prompt of every task, in order."""
-        return [EncodedPrompt(f"{task.name}/{p.id}", p.text, self(p)) for task in tasks for p in task.prompts]
+        return [self.encode(p, f"{task.name}/{p.id}") for task in tasks for p in task.prompts]
 
 
 # --------------------------------------------------------------------------------------------------------

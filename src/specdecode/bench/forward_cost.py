@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specdecode.bench.common import check_positive_ints
+from specdecode.bench.methods import parse_int_list
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import prefilled, timed_rounds
@@ -64,6 +65,19 @@ def format_curve(cost: ForwardCost) -> str:
     return "\n".join(lines)
 
 
+def format_contexts(costs: dict[int, ForwardCost]) -> str:
+    """The curves of several contexts side by side: t(1) in ms, then t(n) / t(1) per number of new tokens."""
+    contexts = list(costs)
+    model = next(iter(costs.values())).model
+    widths = list(next(iter(costs.values())).t_ms)
+    header = f"{'tokens':>6}" + "".join(f"  {f'ctx {c}':>10}" for c in contexts)
+    lines = [f"forward cost of {model} against context length (x t(1) of the same context)", header]
+    lines.append(f"{'t(1) ms':>6}" + "".join(f"  {costs[c].t_ms['1']:10.2f}" for c in contexts))
+    for n in widths:
+        lines.append(f"{n:>6}" + "".join(f"  {costs[c].t_ms[n] / costs[c].t_ms['1']:10.2f}" for c in contexts))
+    return "\n".join(lines)
+
+
 def profile_forward(backend: CausalLM, n_new: int, context_tokens: int, repeats: int = 3, row_limit: int = 15) -> str:
     """Per-operator CPU profile of ``repeats`` forwards over ``n_new`` tokens, sorted by self CPU time."""
     cache, new = prefilled(backend, context_tokens, n_new)
@@ -82,24 +96,39 @@ def print_forward_cost(
     model: str | None,
     quantize: str | None,
     threads: int | None,
-    context_tokens: int,
+    context_tokens: int | str,
     max_new: int,
     repeats: int | None,
     as_json: bool,
     with_profiles: bool,
 ) -> None:
-    """``specdecode bench forward-cost``: measure and print the curve (one JSON object with ``as_json``), then
-    with ``with_profiles`` the per-operator profiles of 1- and 8-token forwards."""
+    """``specdecode bench forward-cost``: measure and print the curve after each of ``context_tokens`` (one number
+    or several, comma-separated; one JSON object per line with ``as_json``, and a table of the curves side by side
+    for several), then with ``with_profiles`` the per-operator profiles of 1- and 8-token forwards after the first."""
     quantize = check_quantize(quantize or "none")
     repeats = 5 if repeats is None else repeats
+    contexts = (
+        parse_int_list(context_tokens, "--context-tokens") if isinstance(context_tokens, str) else (context_tokens,)
+    )
     check_positive_ints(("--repeats", repeats), *([("--threads", threads)] if threads is not None else []))
     if threads is not None:
         torch.set_num_threads(threads)
     backend = load_model(model or DEFAULT_MODEL, quantize=quantize).backend
-    try:
-        cost = measure_forward_cost(backend, context_tokens=context_tokens, max_new=max_new, repeats=repeats)
-    except ValueError as exc:  # bad sizes: a user mistake, one line
-        raise SpecDecodeError(str(exc)) from exc
-    print(json.dumps({**cost.to_json(), "quantize": quantize}) if as_json else format_curve(cost))
+    costs = {}
+    for context in contexts:
+        try:
+            costs[context] = measure_forward_cost(backend, context_tokens=context, max_new=max_new, repeats=repeats)
+        except ValueError as exc:  # bad sizes: a user mistake, one line
+            raise SpecDecodeError(str(exc)) from exc
+        if as_json:
+            print(json.dumps({**costs[context].to_json(), "quantize": quantize, "context_tokens": context}))
+        else:
+            print(
+                *([f"after {context} cached tokens:"] if len(contexts) > 1 else []),
+                format_curve(costs[context]),
+                sep="\n",
+            )
+    if len(costs) > 1 and not as_json:
+        print(format_contexts(costs))
     for n_new in (1, 8) if with_profiles else ():
-        print(profile_forward(backend, n_new, context_tokens), file=sys.stderr if as_json else sys.stdout)
+        print(profile_forward(backend, n_new, contexts[0]), file=sys.stderr if as_json else sys.stdout)

@@ -12,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_speedups, slowest_prompts, task_order
-from specdecode.bench.metrics import ratio
+from specdecode.bench.metrics import median_wall_s, ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
 from specdecode.bench.reporting import fmt, table
+from specdecode.data.long_context import context_tokens_of
 from specdecode.data.tasks import GROUNDED_TASKS
+from specdecode.models.cost import cost_at
+
+#: The verification widths the long-context section prices (a chain of 1, 4 and 8 drafted tokens, plus one).
+VERIFY_WIDTHS = (2, 5, 9)
 
 # --------------------------------------------------------------------------------------------------------
 # Markdown
@@ -95,6 +100,7 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
     )
 
     lines += ["", *_interval_lines(cells, tasks[-1])]
+    lines += _context_length_lines(results, cells, main)
 
     lines += [
         "",
@@ -199,6 +205,74 @@ def markdown(results: Mapping[str, Any], cells: Sequence[CellResult]) -> str:
 
     lines += ["", "## Goals", "", *_goal_lines(cells), *_never_slower_lines(prompt_speedups(results)), ""]
     return "\n".join(lines)
+
+
+def _context_length_lines(results: Mapping[str, Any], cells: Sequence[CellResult], methods: list[str]) -> list[str]:
+    """Speed-up per method against the long-context tasks' prompt lengths (``longctx-N``), each column headed by
+    the mean length its prompts had in the target's tokens (cut to the model's context where it is shorter): end
+    to end, then of the decoding after the prompt is read, beside the verification cost curve at that length."""
+    lengths = sorted(
+        (tokens, task)
+        for task, prompts in results["prompts"].items()
+        if prompts and (tokens := context_tokens_of(task)) is not None
+    )
+    if not lengths:
+        return []
+    by_key = {(c.method, c.task): c for c in cells}
+    header = ["method"]
+    for tokens, task in lengths:
+        measured = [p["prompt_tokens"] for p in results["prompts"][task]]
+        header.append(f"{tokens} ({sum(measured) / len(measured):.0f} tokens)")
+    end_to_end = [
+        [f"`{name}`", *(fmt(by_key[name, t].speedup if (name, t) in by_key else None, ".2f", "x") for _, t in lengths)]
+        for name in methods
+    ]
+    baseline = results["settings"]["baseline"]
+    decoding = [
+        [f"`{name}`", *(fmt(_decoding_speedup(results, name, baseline, t), ".2f", "x") for _, t in lengths)]
+        for name in methods
+    ]
+    curves = results.get("cost_curves", {})
+    for width in VERIFY_WIDTHS:
+        decoding.append(
+            [
+                f"*verifying {width} inputs, x one*",
+                *(fmt(cost_at(curves[t], width) if curves.get(t) else None, ".2f", "x") for _, t in lengths),
+            ]
+        )
+    return [
+        "",
+        "## Speed-up against context length",
+        "",
+        "The `longctx` task at each requested length; the mean prompt length in the target's tokens in parentheses. "
+        "End to end, reading the prompt included (the same work for every method):",
+        "",
+        *table(header, end_to_end),
+        "",
+        "Decoding after the prompt is read (each request's time less its prefill), and the target's forward over that "
+        "many new tokens against one after that many cached tokens (the verification cost curve at that length, "
+        "measured on this machine):",
+        "",
+        *table(header, decoding),
+    ]
+
+
+def _decoding_speedup(results: Mapping[str, Any], method: str, baseline: str | None, task: str) -> float | None:
+    """Tokens per second of ``method`` over ``baseline``'s on ``task``, each request's time less its prompt's reading
+    (the median time less the mean prefill of its repeats); None without the prefill times of both."""
+    if baseline is None:
+        return None
+    runs = results["runs"]
+    records, plain = runs.get(method, {}).get(task, {}), runs.get(baseline, {}).get(task, {})
+    prompts = [p["id"] for p in results["prompts"][task] if p["id"] in records and p["id"] in plain]
+    if not prompts or not all("prefill_s" in chosen[p] for chosen in (records, plain) for p in prompts):
+        return None
+
+    def speed(chosen: Mapping[str, Mapping[str, Any]]) -> float | None:
+        seconds = sum(median_wall_s(chosen[p]) - chosen[p]["prefill_s"] / len(chosen[p]["wall_s"]) for p in prompts)
+        return sum(chosen[p]["new_tokens"] for p in prompts) / seconds if seconds > 0 else None
+
+    return ratio(speed(records), speed(plain))
 
 
 def _interval_lines(cells: Sequence[CellResult], pooled_task: str) -> list[str]:

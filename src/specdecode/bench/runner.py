@@ -34,9 +34,11 @@ from specdecode.bench.lockstep import run_lockstep
 from specdecode.bench.report import write_report
 from specdecode.bench.resume import resume, save_json
 from specdecode.bench.suites import BenchSettings, resolve_settings, sweep_methods
+from specdecode.data.long_context import context_tokens_of
 from specdecode.data.prompt_file import read_prompt_file
 from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cost import relative_cost_curve
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.stats import GenerationStats
 from specdecode.threads import fixed_threads
@@ -96,10 +98,11 @@ def run_group(
 
 def add_acceptance(record: dict[str, Any], stats: GenerationStats) -> None:
     """Add one generation's draft/accept counts and its split of time (drafting, target forwards, the whole
-    generation: the rest is engine overhead) to a raw record, as sums so they pool exactly."""
+    generation: the rest is engine overhead; the prompt's reading) to a raw record, as sums so they pool exactly."""
     for key in ("steps", "drafted_tokens", "accepted_tokens"):
         record[key] = record.get(key, 0) + getattr(stats, key)
-    for key, seconds in (("draft_s", stats.draft_s), ("forward_s", stats.forward_s), ("engine_wall_s", stats.wall_s)):
+    timed = (("draft_s", stats.draft_s), ("forward_s", stats.forward_s), ("engine_wall_s", stats.wall_s))
+    for key, seconds in (*timed, ("prefill_s", stats.prefill_s)):
         record[key] = round(record.get(key, 0.0) + seconds, 5)
     for key in ("drafted_at", "accepted_at"):
         totals = record.setdefault(key, [])
@@ -236,6 +239,10 @@ def _measure(
     results["environment"]["fast_path"] = fast_path_default()
     results["chat_template"] = encode.chat
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
+    for task in tasks:  # what verification costs at each long context, for the report (once per machine and model)
+        if (tokens := context_tokens_of(task.name)) is not None:
+            curve = relative_cost_curve(target.backend, context_tokens=tokens)
+            results.setdefault("cost_curves", {})[task.name] = [round(c, 4) for c in curve or ()]
     for task in tasks:
         results["prompts"][task.name] = [
             {

@@ -11,6 +11,7 @@ from typing import Any
 
 from specdecode.bench.common import check_known_tasks, check_positive_ints, given_settings, split_names
 from specdecode.bench.methods import DEFAULT_K, MethodSpec, draft_weights, parse_int_list, parse_methods
+from specdecode.data.long_context import LONG_CONTEXT_TASK, expand
 from specdecode.data.prompt_file import PromptFile, read_prompt_file
 from specdecode.data.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
@@ -162,10 +163,15 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
     prompt_file: PromptFile | str | Path | None = overrides.pop("prompts_file", None)
     if isinstance(prompt_file, str | Path):
         prompt_file = read_prompt_file(prompt_file)
+    context_tokens = overrides.pop("long_context_tokens", None)
     given = given_settings(overrides, BenchSettings, "benchmark setting")
     tasks = given.get("tasks", base.tasks if prompt_file is None else None)
     if isinstance(tasks, str):
         tasks = split_names(tasks)
+    if prompt_file is None:
+        tasks = _long_context_tasks(tasks, context_tokens)
+    elif context_tokens is not None:
+        raise SpecDecodeError("--long-context-tokens sets the lengths of the built-in longctx task, not of --prompts")
     prompts_per_task = given.get("prompts_per_task", base.prompts_per_task)
     if prompt_file is not None:  # every prompt of the file unless the user cut it
         tasks = tuple(task.name for task in prompt_file.select(tasks, None))
@@ -206,6 +212,20 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         prompts_file=str(prompt_file.path) if prompt_file is not None else None,
         prompts_sha256=prompt_file.sha256 if prompt_file is not None else None,
     )
+
+
+def _long_context_tasks(tasks: tuple[str, ...], context_tokens: str | tuple[int, ...] | None) -> tuple[str, ...]:
+    """``tasks`` with ``longctx`` as one ``longctx-N`` per length of ``context_tokens`` (``--long-context-tokens``,
+    default :data:`~specdecode.data.long_context.DEFAULT_CONTEXT_TOKENS`), which only ``longctx`` takes."""
+    if context_tokens is None:
+        return expand(tasks)
+    if LONG_CONTEXT_TASK not in tasks:
+        raise SpecDecodeError(
+            f"--long-context-tokens sets the lengths of the {LONG_CONTEXT_TASK} task: name it in --tasks"
+        )
+    if isinstance(context_tokens, str):
+        context_tokens = parse_int_list(context_tokens, "--long-context-tokens")
+    return expand(tasks, context_tokens)
 
 
 def sweep_methods(settings: BenchSettings) -> dict[str, tuple[MethodSpec, MethodSpec]]:

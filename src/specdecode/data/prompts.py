@@ -9,13 +9,16 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class Prompt:
     """One user message.  ``document`` is the given text a grounded answer should copy from; ``session``
-    names the session a request of a session task belongs to (its requests are listed in order)."""
+    names the session a request of a session task belongs to (its requests are listed in order);
+    ``context_tokens``, of a long-context prompt, the tokens it is cut to (its document shortened) for a
+    tokenizer (:func:`specdecode.data.long_context.fit_prompt`), 0 for a prompt used as written."""
 
     id: str
     text: str
     grounded: bool = False
     document: str = ""
     session: str = ""
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True)

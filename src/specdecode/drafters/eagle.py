@@ -20,6 +20,9 @@ drafted, which cannot change the output.
 A greedy tree also gets prompt lookup's continuation as one more branch (``lookup``, on by default; see
 :mod:`specdecode.drafters._lookup_graft`): the head guesses, the lookup copies, one forward verifies both.  A
 lookup likely enough to be right is drafted alone, as SAM-Decoding does with a long match.
+
+Over long contexts the head's memory can stay constant (``window``, after LongSpec): it keeps the first positions
+and the most recent ``window`` (:class:`~specdecode.heads.eagle.HeadCache`), where the target keeps them all.
 """
 
 from __future__ import annotations
@@ -62,11 +65,17 @@ class EagleDrafter(Drafter):
         top_k: int = 4,
         tree_nodes: int | str = "auto",
         lookup: bool | str = True,
+        window: int = 0,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"eagle: top-k must be a positive integer, got {top_k!r}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise SpecDecodeError(
+                f"eagle: window must be 0 (the whole context) or a number of positions, got {window!r}"
+            )
+        self.window = window
         tree_nodes = check_tree_nodes("eagle", tree_nodes)
         loaded = head if isinstance(head, EagleHead) else self._load(target, head)
         self._check(loaded, target)
@@ -116,8 +125,8 @@ class EagleSession(DraftSession):
         self.sampling = request.sampling
         self.request = request
         self.generator = request.torch_generator()
-        self.cache = HeadCache(self.head.config, self.backend.device, self.backend.dtype)
-        self.committed = 0  # head cache positions holding true pairs (target feature j, token j + 1)
+        self.cache = HeadCache(self.head.config, self.backend.device, self.backend.dtype, drafter.window)
+        self.committed = 0  # context positions fed to the head as true pairs (target feature j, token j + 1)
         self.pending: list[torch.Tensor] = []  # target features of the positions after those
         self._last: torch.Tensor | None = None  # the head output at the last committed position
         self.sources = NodeSources()  # of the last greedy draft
@@ -150,7 +159,7 @@ class EagleSession(DraftSession):
     def _catch_up(self, context: list[int]) -> torch.Tensor | None:
         """Feed every position whose target feature is now known (all but the last context token) and
         return the head's output at the last one, which predicts the first draft token."""
-        self.cache.crop(self.committed)  # last step's draft entries were built on guesses
+        self.cache.crop(self.cache.committed)  # last step's draft entries were built on guesses
         known = len(context) - 1
         if not self.pending:
             return self._last if known == self.committed and known > 0 else None
@@ -162,6 +171,7 @@ class EagleSession(DraftSession):
         tokens = torch.tensor(context[self.committed + 1 :], dtype=torch.long, device=device)
         positions = torch.arange(self.committed + 1, known + 1, device=device)
         out = self.head.extend(self.head.fuse(features), self.backend.embed(tokens), positions, self.cache)
+        self.cache.commit()
         self.committed = known
         self._last = out[-1]
         return self._last
@@ -240,7 +250,7 @@ class EagleSession(DraftSession):
         device = self.backend.device
         past, n = self.cache.length, len(expand)
         mask = torch.zeros(n, past + n, dtype=torch.bool, device=device)
-        mask[:, : self.committed] = True
+        mask[:, : self.cache.committed] = True
         for row, index in enumerate(expand):
             nodes[index].slot = past + row
             ancestor = index

@@ -136,15 +136,24 @@ def _heads(x: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
 
 
 class HeadCache:
-    """The head's keys and values of one sequence: [kv_heads, length, head_dim], grown in blocks."""
+    """The head's keys and values of one sequence: [kv_heads, length, head_dim], grown in blocks.
+
+    The first ``committed`` entries hold the context; those after it, a draft's guesses until the next :meth:`crop`.
+    With a ``window`` the context's entries stay bounded, as LongSpec bounds its draft model's cache: at each
+    :meth:`commit` beyond ``SINKS + window + BLOCK`` entries, all but the first :data:`SINKS` (attention sinks, as
+    StreamingLLM keeps them) and the last ``window`` are dropped, so the head attends to those plus at most one block
+    more, whatever the context's length.  Keys carry their rotary positions, so dropping entries moves none."""
 
     BLOCK = 256
+    SINKS = 4
 
-    def __init__(self, config: EagleConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EagleConfig, device: torch.device, dtype: torch.dtype, window: int = 0) -> None:
         self.shape = (config.num_kv_heads, 0, config.head_dim)
         self.keys = torch.empty(self.shape, device=device, dtype=dtype)
         self.values = torch.empty(self.shape, device=device, dtype=dtype)
         self.length = 0
+        self.committed = 0
+        self.window = window
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add [kv_heads, n, d] entries; everything held, as views."""
@@ -163,6 +172,16 @@ class HeadCache:
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def commit(self) -> None:
+        """Every entry held is the context's; with a window, drop the oldest beyond it (a block at a time, so copying
+        stays rare)."""
+        if self.window and self.length > self.SINKS + self.window + self.BLOCK:
+            recent = slice(self.length - self.window, self.length)
+            for cached in (self.keys, self.values):
+                cached[:, self.SINKS : self.SINKS + self.window] = cached[:, recent].clone()
+            self.length = self.SINKS + self.window
+        self.committed = self.length
 
 
 class EagleHead(nn.Module):

@@ -82,7 +82,10 @@ def timed_round(backend: CausalLM, cache: KVCache, new: torch.Tensor) -> list[fl
     return seconds
 
 
-_CURVES: WeakKeyDictionary[CausalLM, tuple[float, ...]] = WeakKeyDictionary()
+#: The context the draft-length cost model's curve is measured after: the short prompts most requests have.
+CURVE_CONTEXT_TOKENS = 128
+#: Each loaded backend's measured curves, by the context they were measured after.
+_CURVES: WeakKeyDictionary[CausalLM, dict[int, tuple[float, ...]]] = WeakKeyDictionary()
 _TUNED: WeakKeyDictionary[CausalLM, int] = WeakKeyDictionary()
 
 
@@ -111,9 +114,14 @@ def monotone_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -> tuple[float, ...] | None:
-    """``t(w) / t(1)`` for w = 1..widths, measured once per machine and model structure: cached per loaded
-    backend, and on disk (:func:`curve_file`) for the next process on the same machine.
+def relative_cost_curve(
+    backend: CausalLM, widths: int = 16, repeats: int = 2, context_tokens: int = CURVE_CONTEXT_TOKENS
+) -> tuple[float, ...] | None:
+    """``t(w) / t(1)`` for w = 1..widths after ``context_tokens`` cached tokens (at most the model's context less
+    ``widths``), measured once per machine, model structure and context: cached per loaded backend, and on disk
+    (:func:`curve_file`) for the next process on the same machine.  Attention reads the whole context for every
+    new token, so the curve's shape changes with the context's length (``bench forward-cost --context-tokens
+    256,4096,8000`` compares them).
 
     The draft-length cost model needs the *shape* of the verification cost (its scale it learns online),
     and a quick measurement (``(repeats + 1) * widths`` forwards, interleaved over widths) beats a guess.
@@ -124,24 +132,25 @@ def relative_cost_curve(backend: CausalLM, widths: int = 16, repeats: int = 2) -
     straight line through all widths overprices the 1-3 tokens that pay, and the policy would never draft them
     (``docs/results/curve-shape``).
     None if the model's context is too short to measure on."""
-    if backend in _CURVES:
-        return _CURVES[backend]
-    context_tokens = min(128, backend.max_context - widths)
+    context_tokens = min(context_tokens, backend.max_context - widths)
     if context_tokens < 1:
         return None
+    measured = _CURVES.setdefault(backend, {})
+    if context_tokens in measured:
+        return measured[context_tokens]
     key = _machine_and_model_key(backend, widths, repeats, context_tokens)
     saved = _saved_curves().get(key) if key else None
     curve = saved.get("curve") if isinstance(saved, dict) else None
     if isinstance(curve, list) and len(curve) == widths and all(isinstance(c, (int, float)) for c in curve):
-        _CURVES[backend] = tuple(float(c) for c in curve)
-        return _CURVES[backend]
+        measured[context_tokens] = tuple(float(c) for c in curve)
+        return measured[context_tokens]
     with OthersLoad() as others:
         samples = timed_rounds(backend, context_tokens, widths, repeats, warmup=1)
     fitted = monotone_fit([min(samples[w]) for w in range(1, widths + 1)])
-    _CURVES[backend] = tuple(t / fitted[0] for t in fitted)
+    measured[context_tokens] = tuple(t / fitted[0] for t in fitted)
     if key and not others.busy:  # a curve timed on a busy machine serves this process only
-        _save_entry(key, {"curve": list(_CURVES[backend])})
-    return _CURVES[backend]
+        _save_entry(key, {"curve": list(measured[context_tokens]), "context_tokens": context_tokens})
+    return measured[context_tokens]
 
 
 def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:

@@ -18,7 +18,11 @@ class ForwardCost(Benchmark):
     def arguments(self) -> Arguments:
         return {
             "model": f"default {DEFAULT_MODEL}",
-            "context_tokens": Flag(type=int, default=256, metavar="N", help="cached tokens before the forward"),
+            "context_tokens": Flag(
+                default="256",
+                metavar="N[,N...]",
+                help="cached tokens before the forward; several (comma-separated) compare their curves (default 256)",
+            ),
             "max_new": Flag(type=int, default=16, metavar="N", help="largest number of new tokens (>= 8)"),
             "repeats": "default 5",
             "threads": "torch threads (default: torch's)",
