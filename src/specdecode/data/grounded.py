@@ -42,7 +42,7 @@ _SKIP_DIRS = frozenset(
 
 
 @dataclass(frozen=True)
-class _Definition:
+class Definition:
     """A module, class or function of the stdlib, with the text the grounded tasks need."""
 
     module: str
@@ -103,11 +103,11 @@ def _neighbourhood(sources: list[str], index: int, budget: int) -> str:
     return "\n\n".join(sources[low : high + 1])
 
 
-def _definitions_in(module: str, source: str) -> list[_Definition]:
+def _definitions_in(module: str, source: str) -> list[Definition]:
     tree = ast.parse(source)
     # Split on "\n" only, as ast counts lines (str.splitlines also splits on form feeds and the like).
     lines = source.split("\n")
-    found = [_Definition(module, "", "module", ast.get_docstring(tree) or "", "", "")]
+    found = [Definition(module, "", "module", ast.get_docstring(tree) or "", "", "")]
 
     def visit(body: list[ast.stmt], prefix: str) -> None:
         nodes = [n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -116,7 +116,7 @@ def _definitions_in(module: str, source: str) -> list[_Definition]:
             qualname = prefix + node.name
             docstring = ast.get_docstring(node) or ""
             if isinstance(node, ast.ClassDef):
-                found.append(_Definition(module, qualname, "class", docstring, sources[index], ""))
+                found.append(Definition(module, qualname, "class", docstring, sources[index], ""))
                 visit(node.body, qualname + ".")
                 continue
             arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
@@ -124,7 +124,7 @@ def _definitions_in(module: str, source: str) -> list[_Definition]:
             annotated = node.returns is not None or any(a.annotation is not None for a in arguments)
             context = _neighbourhood(sources, index, MAX_GROUNDED_CHARS - 800)
             found.append(
-                _Definition(
+                Definition(
                     module,
                     qualname,
                     "function",
@@ -142,8 +142,8 @@ def _definitions_in(module: str, source: str) -> list[_Definition]:
 
 
 @functools.cache
-def _stdlib_definitions() -> tuple[_Definition, ...]:
-    found: list[_Definition] = []
+def _stdlib_definitions() -> tuple[Definition, ...]:
+    found: list[Definition] = []
     seen: set[str] = set()
     for module, path in _stdlib_files():
         try:
@@ -158,7 +158,7 @@ def _stdlib_definitions() -> tuple[_Definition, ...]:
     return tuple(found)
 
 
-def _clean(source: str) -> bool:
+def is_clean_source(source: str) -> bool:
     """Dedented cleanly (a multi-line string at column 0 can block ``textwrap.dedent``)."""
     return bool(source) and not source[0].isspace()
 
@@ -187,7 +187,7 @@ def rag_pool() -> dict[str, list[Prompt]]:
     for d in _stdlib_definitions():
         short_name = d.qualname.rsplit(".", 1)[-1]
         # Questions about private helpers and dunders are not what users ask about a document.
-        if d.kind != "function" or short_name.startswith("_") or not _clean(d.context):
+        if d.kind != "function" or short_name.startswith("_") or not is_clean_source(d.context):
             continue
         if not 200 <= len(d.source) <= 3000:
             continue
@@ -210,7 +210,7 @@ def rag_pool() -> dict[str, list[Prompt]]:
     return groups
 
 
-def _edit_instructions(d: _Definition) -> dict[str, str]:
+def edit_instructions(d: Definition) -> dict[str, str]:
     """The edits that make sense for this function, by kind."""
     options = {}
     if not d.docstring:
@@ -227,9 +227,9 @@ def _edit_instructions(d: _Definition) -> dict[str, str]:
 def edit_pool() -> dict[str, list[Prompt]]:
     groups: dict[str, list[Prompt]] = {}
     for d in _stdlib_definitions():
-        if d.kind != "function" or not _clean(d.source) or not 300 <= len(d.source) <= 3000:
+        if d.kind != "function" or not is_clean_source(d.source) or not 300 <= len(d.source) <= 3000:
             continue
-        options = _edit_instructions(d)
+        options = edit_instructions(d)
         if not options:
             continue
         # One edit per function, chosen by a stable hash so that every function of the pool stays distinct.
@@ -254,9 +254,9 @@ def multi_edit_pool() -> dict[str, list[Prompt]]:
     low, high = MULTI_EDIT_SOURCE_CHARS
     groups: dict[str, list[Prompt]] = {}
     for d in _stdlib_definitions():
-        if d.kind != "function" or not _clean(d.source) or not low <= len(d.source) <= high:
+        if d.kind != "function" or not is_clean_source(d.source) or not low <= len(d.source) <= high:
             continue
-        options = _edit_instructions(d)
+        options = edit_instructions(d)
         if not set(MULTI_EDIT_STEPS) <= set(options):
             continue
         session = f"multi-edit/{d.name}"

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from specdecode.data.grounded import _clean, _Definition, _edit_instructions
+from specdecode.data.grounded import Definition, edit_instructions, is_clean_source
 from specdecode.data.prompts import Prompt
 from specdecode.errors import SpecDecodeError
 
@@ -115,7 +115,7 @@ def _following(items: list[tuple[str, str]], start: int, separator: Callable[[st
     return document if len(document) <= chars else document[: document.rindex("\n", 0, chars) + 1]
 
 
-def _function_definitions(path: str, source: str) -> list[tuple[int, _Definition]]:
+def _function_definitions(path: str, source: str) -> list[tuple[int, Definition]]:
     """(character offset of its end in ``source``, definition) of every function and method of a module."""
     try:
         tree = ast.parse(source)
@@ -136,7 +136,7 @@ def _function_definitions(path: str, source: str) -> list[tuple[int, _Definition
                 start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
                 text = textwrap.dedent("\n".join(lines[start : node.end_lineno])).rstrip()
                 arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                definition = _Definition(
+                definition = Definition(
                     module,
                     prefix + node.name,
                     "function",
@@ -166,9 +166,9 @@ def _code_prompts(tokens: int) -> list[Prompt]:
             (definition, options)
             for end, definition in _function_definitions(path, source)
             if len(header) + end <= ASKED_WITHIN_CHARS
-            and _clean(definition.source)
+            and is_clean_source(definition.source)
             and len(definition.source) >= 200
-            and (options := _edit_instructions(definition))
+            and (options := edit_instructions(definition))
         ]
         if not candidates:
             continue
