@@ -91,6 +91,9 @@ class ServerConfig:
     # True: a field the server does not know is a 400 (by default it is ignored, named in the log and a header).
     strict_api: bool = False
     prefix_caching: bool = True  # automatic prefix caching (specdecode.prefix_cache)
+    # /v1/verify (specdecode.server.sled): sessions kept open at once, and how long one may stay idle.
+    max_verify_sessions: int = 8
+    verify_idle_s: float = 60.0
 
 
 class Service:
@@ -606,4 +609,8 @@ def create_app(service: Service) -> FastAPI:
         return document
 
     app.openapi = openapi
+    # Imported here: the module builds on this one's ApiError and Service.
+    from specdecode.server.sled import add_verify_routes
+
+    app.state.verify_sessions = add_verify_routes(app, service)
     return app
