@@ -38,6 +38,8 @@ from specdecode.types import Draft, StepFeedback, StepObservation
 
 #: The drafters that run on this side: they need the token ids only (a draft model brings its own weights).
 REMOTE_DRAFTERS = ("pld", "draft-model")
+#: Draft tokens per step when none are asked for.
+REMOTE_DRAFT_TOKENS = 5
 #: A sampling draft model draws from this many of its most likely tokens (see the module docstring).
 DRAFT_SUPPORT = 64
 #: The request fields a generation may set (``/v1/verify``'s; ``max_new_tokens`` is sent as ``max_tokens``).
@@ -58,7 +60,7 @@ class RemoteGenerator:
         drafter: Drafter,
         *,
         api_key: str | None = None,
-        num_draft_tokens: int = 5,
+        num_draft_tokens: int = REMOTE_DRAFT_TOKENS,
         max_new_tokens: int = 128,
         timeout_s: float = 120.0,
         round_trip_delay_s: float = 0.0,
@@ -210,7 +212,7 @@ def remote(
     drafter: str = "pld",
     *,
     api_key: str | None = None,
-    num_draft_tokens: int | str = 5,
+    num_draft_tokens: int | str = REMOTE_DRAFT_TOKENS,
     max_new_tokens: int = 128,
     round_trip_delay_s: float = 0.0,
     **drafter_options,

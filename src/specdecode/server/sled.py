@@ -100,6 +100,9 @@ def verify_responses(opens: bool = False) -> dict[int | str, dict[str, Any]]:
 def client_draft(body: VerifyStepRequest, vocab_size: int) -> Draft:
     """The body's draft, with its distributions as a tensor when it sent them (see :class:`VerifyStepRequest`)."""
     tokens = list(body.draft_token_ids)
+    if outside := [token for token in tokens if token >= vocab_size]:
+        why = f"draft_token_ids: token ids must be in [0, {vocab_size}), got {outside}"
+        raise ApiError(400, why, param="draft_token_ids")
     if body.draft_probs is None:
         return Draft(tokens=tokens)
     rows = []
@@ -222,9 +225,11 @@ class VerifySessions:
             raise ApiError(409, f"verification session {session_id!r} is answering another call")
         return session
 
-    async def advance(self, request: Request, session: VerifySession, body: VerifyStepRequest) -> dict:
-        """Verify the body's draft in the session; the answer, or the session closed when the client left."""
-        draft = client_draft(body, self.service.generator.target.backend.vocab_size)
+    def draft(self, body: VerifyStepRequest) -> Draft:
+        return client_draft(body, self.service.generator.target.backend.vocab_size)
+
+    async def advance(self, request: Request, session: VerifySession, draft: Draft) -> dict:
+        """Verify ``draft`` in the session; the answer, or the session closed when the client left."""
         session.busy = True
         try:
             answer = await self.service.worker.call(lambda: self._step(session, draft))
@@ -311,14 +316,16 @@ def add_verify_routes(app: FastAPI, service: Service) -> VerifySessions:
     async def open_session(request: Request, body: VerifyOpenRequest):
         """Open a verification session with a prompt and verify its first draft (SLED: the client drafts, the
         server verifies).  The answer also carries the prompt's token ids, which the client drafts after."""
+        draft = sessions.draft(body)  # a bad draft opens no session
         session, prompt_ids = await sessions.start(body)
-        return {**await sessions.advance(request, session, body), "prompt_token_ids": prompt_ids}
+        return {**await sessions.advance(request, session, draft), "prompt_token_ids": prompt_ids}
 
     @app.post("/v1/verify/{session_id}", responses=verify_responses())
     async def verify(request: Request, session_id: str, body: VerifyStepRequest):
         """Verify a draft of the tokens after what the session holds: the tokens the target keeps (the accepted
         draft tokens and its own next token), their text, and whether the output has ended."""
-        return await sessions.advance(request, sessions.take(session_id), body)
+        session = sessions.take(session_id)
+        return await sessions.advance(request, session, sessions.draft(body))
 
     @app.delete("/v1/verify/{session_id}", responses=verify_responses())
     async def close(session_id: str):
