@@ -279,15 +279,12 @@ def test_the_api_key_guards_verify(tiny_target):
 # -- the command line ---------------------------------------------------------------------------------------------
 
 
-def test_generate_remote_prints_the_servers_plain_text(server, tiny_target, tiny_dirs, capsys):
+def test_generate_remote_prints_the_servers_plain_text(server, tiny_target, capsys):
     want = solo(tiny_target, TEXT, False, 20, ignore_eos=True)
     argv = ["generate", TEXT, "--remote", server.url, "--no-chat", "--max-new-tokens", "20", "--ignore-eos"]
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["token_ids"] == want.token_ids
-    assert (
-        main([*argv, "--drafter", "draft-model", "--draft-model", str(tiny_dirs["draft"]), "--quantize-draft", "none"])
-        == 0
-    )
+    assert main([*argv, "--num-draft-tokens", "3"]) == 0
     assert capsys.readouterr().out == want.text + "\n"
 
 

@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.constraints import Constraint, parse_constraint
@@ -545,7 +546,11 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette names the first route of the path's methods; a path may have several
+            routes = [route for route in app.routes if route.matches(request.scope)[0] != Match.NONE]
+            headers = {"Allow": ", ".join(sorted({m for route in routes for m in getattr(route, "methods", ())}))}
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=headers)
 
     @app.get("/health")
     async def health():
