@@ -161,6 +161,7 @@ class VerifySessions:
     def __init__(self, service: Service) -> None:
         self.service = service
         self.open: dict[str, VerifySession] = {}
+        self.opening = 0  # sessions whose prompt is being read: they count against the limit already
         self.pool: KVPool | None = None  # made at the first session, in the engine's thread
         self.drafter = ClientDrafts(service.generator.target)
         self.verifier = TargetVerifier(service.generator.target.backend)
@@ -177,8 +178,8 @@ class VerifySessions:
         if body.model is not None and body.model != config.model_name:
             why = f"model {body.model!r} does not exist; this server serves {config.model_name!r}"
             raise ApiError(404, why, kind="not_found_error", param="model")
-        if len(self.open) >= self.limit:
-            why = f"{len(self.open)} verification sessions are open, as many as this server keeps"
+        if len(self.open) + self.opening >= self.limit:
+            why = f"{len(self.open) + self.opening} verification sessions are open, as many as this server keeps"
             raise ApiError(429, why, kind="rate_limit_error", headers={"Retry-After": "1"})
         generator = self.service.generator
         try:
@@ -202,24 +203,25 @@ class VerifySessions:
             )
         except SpecDecodeError as exc:
             raise ApiError(400, str(exc)) from exc
-        session_id = f"verify-{secrets.token_hex(16)}"
-        self.open[session_id] = None  # type: ignore[assignment]  # the place is taken while the prompt is read
+        self.opening += 1
         try:
             sequence = await self.service.worker.call(lambda: self._begin(prompt_ids, generation))
         except Exception as exc:  # a bug
             log.exception("opening a verification session failed")
             raise ApiError(500, "internal error while reading the prompt", kind="server_error") from exc
         finally:
-            del self.open[session_id]
-        session = VerifySession(session_id, sequence, TextAssembler(generator, prompt_ids, generation))
-        self.open[session_id] = session
+            self.opening -= 1
+        session = VerifySession(
+            f"verify-{secrets.token_hex(16)}", sequence, TextAssembler(generator, prompt_ids, generation)
+        )
+        self.open[session.id] = session
         if self.expiring is None or self.expiring.done():
             self.expiring = asyncio.ensure_future(self._expire())
         return session, prompt_ids
 
     def take(self, session_id: str) -> VerifySession:
         session = self.open.get(session_id)
-        if session is None:  # unknown, or its prompt is still being read
+        if session is None:
             raise ApiError(404, f"verification session {session_id!r} does not exist", kind="not_found_error")
         if session.busy:
             raise ApiError(409, f"verification session {session_id!r} is answering another call")
@@ -261,7 +263,7 @@ class VerifySessions:
             await asyncio.sleep(min(1.0, timeout / 4))
             now = time.monotonic()
             for session in list(self.open.values()):
-                if session is not None and not session.busy and now - session.touched > timeout:
+                if not session.busy and now - session.touched > timeout:
                     await self.close(session)
 
     # -- the engine's thread -------------------------------------------------------------------------------------
