@@ -17,6 +17,7 @@ import torch
 
 import specdecode
 import specdecode.remote_target
+import specdecode.verify.exact
 from helpers import DRAWS, PASS_P, BigramLM, V, chain_pvalues
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
@@ -27,7 +28,7 @@ from specdecode.remote_target import _draft_body, _drawn_from
 from specdecode.sampling import sample, sampling_probs
 from specdecode.sampling_params import SamplingParams
 from specdecode.server.sled import ClientDrafts, VerifyStepRequest, client_draft
-from specdecode.types import Draft
+from specdecode.types import Draft, Verdict
 from test_server import TEXT, RunningServer, make_service, solo
 
 PROMPTS = [(TEXT, False), ("w1 w2 w3 w4 w1 w2 w3", True)]
@@ -74,6 +75,18 @@ def test_greedy_remote_output_is_the_servers_plain_output(server, tiny_target, t
     want = solo(tiny_target, TEXT, False, 40, ignore_eos=True, stop=stop)
     assert stopped.finish_reason == "stop" and (stopped.text, stopped.token_ids) == (want.text, want.token_ids)
     assert all_closed(server)
+
+
+def test_a_server_that_keeps_every_draft_token_fails_the_equality(server, tiny_target, tiny_draft, monkeypatch):
+    """The broken control: greedy matching replaced by keeping the whole draft, the remote text is not plain's."""
+    want = solo(tiny_target, TEXT, False, 40, ignore_eos=True)
+
+    def keep_all(logits, draft):
+        return Verdict(tuple(range(len(draft.tokens))), int(logits[len(draft.tokens)].argmax()))
+
+    monkeypatch.setattr(specdecode.verify.exact, "verify_greedy", keep_all)
+    remote = specdecode.remote(server.url, "draft-model", draft_model=tiny_draft, num_draft_tokens=4)
+    assert remote.generate(TEXT, chat=False, max_new_tokens=40, ignore_eos=True).token_ids != want.token_ids
 
 
 def test_seeded_sampling_remote_gives_the_servers_text_for_that_seed(server, tiny_target, tiny_draft):
