@@ -334,3 +334,16 @@ def test_smollm2_remote_greedy_equals_plain(smollm2):
         assert all_closed(running)
     assert got.token_ids == want.token_ids and got.text == want.text
     assert got.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-verify-sessions", "-1"], "--max-verify-sessions must be an integer >= 0"),
+        (["--verify-idle-timeout", "0"], "--verify-idle-timeout must be a positive number"),
+    ],
+)
+def test_serve_refuses_bad_session_limits_in_one_line(tiny_dirs, capsys, flags, message):
+    assert main(["serve", "--model", str(tiny_dirs["target"]), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
