@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 
-import httpx
+import requests
 import torch
 
 from specdecode.config import Fixed, parse_draft_length
@@ -70,8 +70,10 @@ class RemoteGenerator:
         self.num_draft_tokens = num_draft_tokens
         self.max_new_tokens = max_new_tokens
         self.round_trip_delay_s = round_trip_delay_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self.http = requests.Session()  # one connection kept alive: a step's call opens none
+        if api_key:
+            self.http.headers["Authorization"] = f"Bearer {api_key}"
 
     def close(self) -> None:
         self.http.close()
@@ -143,16 +145,16 @@ class RemoteGenerator:
         if self.round_trip_delay_s:
             time.sleep(self.round_trip_delay_s)
         try:
-            reply = self.http.post(path, json=body)
-        except httpx.HTTPError as exc:
+            reply = self.http.post(self.url + path, json=body, timeout=self.timeout_s)
+        except requests.RequestException as exc:
             raise SpecDecodeError(f"cannot reach {self.url}: {exc}") from exc
         if reply.status_code != 200:
             raise SpecDecodeError(f"{self.url}{path} answered {reply.status_code}: {_error_message(reply)}")
         return reply.json()
 
     def _close(self, session_id: str) -> None:
-        with contextlib.suppress(httpx.HTTPError):  # else the server frees it once it has been idle too long
-            self.http.delete(f"/v1/verify/{session_id}")
+        with contextlib.suppress(requests.RequestException):  # else the server frees it once it is idle too long
+            self.http.delete(f"{self.url}/v1/verify/{session_id}", timeout=self.timeout_s)
 
 
 def _drawn_from(sampling: SamplingParams) -> SamplingParams:
@@ -177,7 +179,7 @@ def _draft_body(draft: Draft) -> dict:
     return body
 
 
-def _error_message(reply: httpx.Response) -> str:
+def _error_message(reply: requests.Response) -> str:
     try:
         return reply.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
