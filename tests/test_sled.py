@@ -5,6 +5,7 @@ sessions end on close, on timeout and when the client leaves; every bad input is
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import socket
@@ -74,6 +75,33 @@ def test_greedy_remote_output_is_the_servers_plain_output(server, tiny_target, t
     stopped = remote.generate(TEXT, chat=False, max_new_tokens=40, ignore_eos=True, stop=stop)
     want = solo(tiny_target, TEXT, False, 40, ignore_eos=True, stop=stop)
     assert stopped.finish_reason == "stop" and (stopped.text, stopped.token_ids) == (want.text, want.token_ids)
+    assert all_closed(server)
+
+
+def test_sessions_and_batched_requests_side_by_side_keep_their_own_output(server, tiny_target, tiny_draft):
+    """Two clients drafting for themselves while the batch decodes completions: every output is still plain's."""
+    want = solo(tiny_target, TEXT, False, 40, ignore_eos=True)
+    clients = [
+        specdecode.remote(server.url, "pld", num_draft_tokens=3),
+        specdecode.remote(server.url, "draft-model", draft_model=tiny_draft, num_draft_tokens=2),
+    ]
+    openai_client = server.client()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        remote = [
+            pool.submit(client.generate, TEXT, chat=False, max_new_tokens=40, ignore_eos=True) for client in clients
+        ]
+        served = [
+            pool.submit(
+                openai_client.completions.create,
+                model="tiny",
+                prompt=TEXT,
+                max_tokens=40,
+                extra_body={"ignore_eos": True, "speculative": {"drafter": drafter}},
+            )
+            for drafter in ("pld", "none")
+        ]
+        assert [future.result().token_ids for future in remote] == [want.token_ids] * 2
+        assert [future.result().choices[0].text for future in served] == [want.text] * 2
     assert all_closed(server)
 
 
