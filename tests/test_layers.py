@@ -44,7 +44,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     # The decoding loop, single and batched, its statistics and the Python API over it.
     (
         "engine",
-        frozenset({"engine", "batch_plan", "prefix_cache", "batch_engine", "stats", "generator", "api", PACKAGE}),
+        frozenset({"engine", "batch_plan", "prefix_cache", "batch_engine", "stats", "generator", "api", PACKAGE})
+        | {"remote_target"},
     ),
     # The command line: each command's flags and what runs it.
     ("commands", frozenset({"decode_flags", "decode_commands", "train"})),

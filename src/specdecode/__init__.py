@@ -10,6 +10,10 @@ Quick start::
 A model already loaded with transformers::
 
     gen = specdecode.wrap(model, tokenizer, drafter="pld")
+
+Drafting here, verifying on a server (``specdecode serve``)::
+
+    gen = specdecode.remote("http://127.0.0.1:8000", drafter="pld")
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from specdecode.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from specdecode.api import load, wrap
     from specdecode.generator import GenerationResult, SpeculativeGenerator, StreamEvent
+    from specdecode.remote_target import remote
 
 #: Names served on first access from the module defining them (PEP 562).  This module runs for every
 #: ``import specdecode.X``, the command line's included: importing those modules here would load torch and
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "load": "specdecode.api",
     "wrap": "specdecode.api",
+    "remote": "specdecode.remote_target",
     "GenerationResult": "specdecode.generator",
     "SpeculativeGenerator": "specdecode.generator",
     "StreamEvent": "specdecode.generator",
@@ -53,5 +59,6 @@ __all__ = [
     "SpeculativeGenerator",
     "StreamEvent",
     "load",
+    "remote",
     "wrap",
 ]

@@ -17,7 +17,7 @@ from typing import NoReturn
 
 from specdecode.bench.cli import add_bench_command
 from specdecode.declarations import declarations
-from specdecode.decode_flags import add_generation_flags
+from specdecode.decode_flags import add_generation_flags, add_remote_flags
 from specdecode.deferred import Deferred
 from specdecode.errors import SpecDecodeError
 from specdecode.models import registry
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate text from a prompt")
     generate.add_argument("prompt", help="the prompt text, or - to read it from standard input")
     add_generation_flags(generate)
+    add_remote_flags(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     generate.set_defaults(run=Deferred("specdecode.decode_commands:cmd_generate"))
 

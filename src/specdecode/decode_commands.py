@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 
-from specdecode.config import GenerationConfig
+from specdecode.config import DEFAULT_NUM_DRAFT_TOKENS, GenerationConfig
 from specdecode.constraints import KINDS, Constraint
 from specdecode.drafters import check_drafter_options
 from specdecode.drafters.adapt import asks_to_adapt
@@ -21,6 +22,7 @@ from specdecode.generator import SpeculativeGenerator, check_prompt_text
 from specdecode.models import loading, registry
 from specdecode.models.quantize import check_quantize, draft_quantization
 from specdecode.options import option_value
+from specdecode.remote_target import REMOTE_DRAFT_TOKENS, RemoteGenerator, remote
 from specdecode.sampling_params import SamplingParams
 from specdecode.verify.registry import DEFAULT_VERIFIER, parse_verifier
 
@@ -152,16 +154,62 @@ def _build_generator(args: argparse.Namespace, drafter: str, defaults):
     return SpeculativeGenerator.build(target, drafter, defaults, **options)
 
 
+def _remote_generator(args: argparse.Namespace) -> tuple[RemoteGenerator, dict]:
+    """``--remote``: the drafter here, the server's model the target, and the request's settings from the flags; what
+    only a local target does is refused."""
+    config = _generation_config(args)
+    sampling = config.sampling
+    refused = {
+        "--verifier (the server verifies with exact)": config.verifier.name != DEFAULT_VERIFIER,
+        "--logprobs": config.logprobs is not None,
+        "a structured output": config.constraint is not None,
+        "--repetition-penalty": sampling.repetition_penalty != 1.0,
+        "--logit-bias": bool(sampling.logit_bias),
+    }
+    if given := [flag for flag, asked in refused.items() if asked]:
+        raise SpecDecodeError(f"--remote does not take {given[0]}")
+    length = REMOTE_DRAFT_TOKENS if args.num_draft_tokens is DEFAULT_NUM_DRAFT_TOKENS else args.num_draft_tokens
+    options = dict(parse_option(o) for o in args.drafter_option)
+    return (
+        remote(
+            args.remote,
+            args.drafter,
+            api_key=args.api_key or os.environ.get("SPECDECODE_API_KEY") or None,
+            num_draft_tokens=length,
+            max_new_tokens=args.max_new_tokens,
+            draft_model=args.draft_model,
+            **options,
+        ),
+        {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "min_p": sampling.min_p,
+            "presence_penalty": sampling.presence_penalty,
+            "frequency_penalty": sampling.frequency_penalty,
+            "seed": sampling.seed,
+            "coupled": sampling.coupled,
+            "stop": list(config.stop) or None,
+            "stop_token_ids": list(config.stop_token_ids) or None,
+            "ignore_eos": config.ignore_eos,
+            "min_tokens": config.min_tokens,
+        },
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     check_prompt_text(prompt)  # before the (slow) model load
-    generator = _build_generator(args, args.drafter, _generation_config(args))
+    if args.remote:
+        generator, params = _remote_generator(args)
+    else:
+        generator, params = _build_generator(args, args.drafter, _generation_config(args)), {}
     if args.json:
-        result = generator.generate(prompt, chat=args.chat)
+        result = generator.generate(prompt, chat=args.chat, **params)
         print(json.dumps(result.to_json()))
         return 0
     result = None
-    for event in generator.stream_events(prompt, chat=args.chat):
+    for event in generator.stream_events(prompt, chat=args.chat, **params):
         sys.stdout.write(event.text)
         sys.stdout.flush()
         result = event.result or result

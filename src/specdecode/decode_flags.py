@@ -152,3 +152,15 @@ def add_generation_flags(parser: argparse.ArgumentParser) -> None:
         const=False,
         help="give the prompt to the model as it is, without the chat template",
     )
+
+
+def add_remote_flags(parser: argparse.ArgumentParser) -> None:
+    """``generate --remote``: draft here, verify on a ``specdecode serve`` server (:mod:`specdecode.remote_target`)."""
+    remote = parser.add_argument_group("remote target (draft here, verify on a server)")
+    remote.add_argument(
+        "--remote",
+        metavar="URL",
+        help="verify on the specdecode server at URL (its /v1/verify; its model is the target, --model is not "
+        "loaded): --drafter pld or draft-model drafts here, a fixed --num-draft-tokens (default 5)",
+    )
+    remote.add_argument("--api-key", help="the server's API key for --remote (default: $SPECDECODE_API_KEY)")

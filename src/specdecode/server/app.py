@@ -28,6 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from specdecode.constraints import Constraint, parse_constraint
@@ -91,6 +92,9 @@ class ServerConfig:
     # True: a field the server does not know is a 400 (by default it is ignored, named in the log and a header).
     strict_api: bool = False
     prefix_caching: bool = True  # automatic prefix caching (specdecode.prefix_cache)
+    # /v1/verify (specdecode.server.sled): sessions kept open at once, and how long one may stay idle.
+    max_verify_sessions: int = 8
+    verify_idle_s: float = 60.0
 
 
 class Service:
@@ -542,7 +546,11 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette names the first route of the path's methods; a path may have several
+            routes = [route for route in app.routes if route.matches(request.scope)[0] != Match.NONE]
+            headers = {"Allow": ", ".join(sorted({m for route in routes for m in getattr(route, "methods", ())}))}
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code, headers=headers)
 
     @app.get("/health")
     async def health():
@@ -606,4 +614,8 @@ def create_app(service: Service) -> FastAPI:
         return document
 
     app.openapi = openapi
+    # Imported here: the module builds on this one's ApiError and Service.
+    from specdecode.server.sled import add_verify_routes
+
+    app.state.verify_sessions = add_verify_routes(app, service)
     return app

@@ -39,6 +39,20 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
         "with one read before, in whole 128-token chunks: output unchanged (default on)",
     )
     serve.add_argument(
+        "--max-verify-sessions",
+        type=int,
+        default=8,
+        metavar="N",
+        help="/v1/verify sessions (clients that draft and send their drafts to be verified) open at once; more get 429",
+    )
+    serve.add_argument(
+        "--verify-idle-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a /v1/verify session may wait for its next draft before it is closed and its cache slot freed",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=float,
         default=30.0,

@@ -32,6 +32,10 @@ def build_service(args: argparse.Namespace):
         raise SpecDecodeError(f"--max-batch-size must be a positive integer, got {args.max_batch_size}")
     if args.max_queue < 0:
         raise SpecDecodeError(f"--max-queue must be an integer >= 0, got {args.max_queue}")
+    if args.max_verify_sessions < 0:
+        raise SpecDecodeError(f"--max-verify-sessions must be an integer >= 0, got {args.max_verify_sessions}")
+    if not args.verify_idle_timeout > 0:
+        raise SpecDecodeError(f"--verify-idle-timeout must be a positive number, got {args.verify_idle_timeout}")
     if not 0 < args.port < 65536:
         raise SpecDecodeError(f"--port must be in 1..65535, got {args.port}")
     options = dict(parse_option(o) for o in args.drafter_option)
@@ -70,6 +74,8 @@ def build_service(args: argparse.Namespace):
         engine_thread=False,  # run_serve steps it in the main thread, where the model was loaded
         strict_api=args.strict_api,
         prefix_caching=args.enable_prefix_caching,
+        max_verify_sessions=args.max_verify_sessions,
+        verify_idle_s=args.verify_idle_timeout,
     )
     return Service(generator, drafters, config)
 

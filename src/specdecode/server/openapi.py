@@ -176,6 +176,16 @@ def api_document(
     for name in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions", "ChatMessage", "StructuredOutputs"):
         if name in schemas:
             schemas[name]["additionalProperties"] = not strict
+    for name in ("VerifyOpenRequest", "VerifyStepRequest"):  # /v1/verify (server/sled.py): drafts are token ids
+        fields = schemas.get(name, {}).get("properties", {})
+        for token_ids in ("draft_token_ids", "stop_token_ids", "prompt"):
+            for choice in fields.get(token_ids, {}).get("anyOf", [fields.get(token_ids, {})]):
+                if choice.get("type") == "array":
+                    choice["items"]["maximum"] = vocab_size - 1
+        if "draft_probs" in fields:
+            weight = {"type": "number", "minimum": 0}
+            row = {"type": "object", "propertyNames": {"pattern": below(vocab_size)}, "additionalProperties": weight}
+            fields["draft_probs"]["anyOf"][0]["items"] = row
     options = schemas.get("SpeculativeOptions", {}).get("properties", {})
     if "drafter" in options:
         options["drafter"] = {"anyOf": [{"enum": drafters}, {"type": "null"}], "title": "Drafter"}
