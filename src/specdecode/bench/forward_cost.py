@@ -95,7 +95,8 @@ def print_forward_cost(
     check_positive_ints(("--repeats", repeats), *([("--threads", threads)] if threads is not None else []))
     if threads is not None:
         torch.set_num_threads(threads)
-    backend = load_model(model or DEFAULT_MODEL, quantize=quantize).backend
+    loaded = load_model(model or DEFAULT_MODEL, quantize=quantize)
+    backend, quantize = loaded.backend, loaded.quantize  # auto: the format it chose
     try:
         cost = measure_forward_cost(backend, context_tokens=context_tokens, max_new=max_new, repeats=repeats)
     except ValueError as exc:  # bad sizes: a user mistake, one line
