@@ -130,3 +130,11 @@ def test_auto_is_one_of_the_values_every_quantize_flag_lists(capsys):
             main(argv)
         assert "w4a8,auto}" in capsys.readouterr().out
     assert "auto" not in QUANTIZE_MODES  # a format is what auto resolves to
+
+
+def test_the_python_api_takes_auto_and_says_what_it_chose(tiny_dirs, curves, monkeypatch, capsys):
+    import specdecode
+
+    monkeypatch.setattr(auto_quantize, "time_format", lambda model, mode, fast_path: XEON_QWEN.get(mode))
+    generator = specdecode.load(str(tiny_dirs["target"]), quantize="auto", max_new_tokens=4)
+    assert generator.target.quantize == "int4" and "[quantize auto] int4 for " in capsys.readouterr().err
