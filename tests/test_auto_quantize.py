@@ -138,3 +138,28 @@ def test_the_python_api_takes_auto_and_says_what_it_chose(tiny_dirs, curves, mon
     monkeypatch.setattr(auto_quantize, "time_format", lambda model, mode, fast_path: XEON_QWEN.get(mode))
     generator = specdecode.load(str(tiny_dirs["target"]), quantize="auto", max_new_tokens=4)
     assert generator.target.quantize == "int4" and "[quantize auto] int4 for " in capsys.readouterr().err
+
+
+def test_a_benchmark_of_auto_reports_the_format_it_chose(tiny_dirs, curves, monkeypatch, tmp_path):
+    from specdecode.bench.runner import run_benchmark
+    from specdecode.bench.suites import resolve_settings
+    from specdecode.data.tasks import Prompt, Task
+
+    monkeypatch.setattr(auto_quantize, "time_format", lambda model, mode, fast_path: XEON_QWEN.get(mode))
+    settings = resolve_settings(
+        "quick",
+        model=str(tiny_dirs["target"]),
+        methods="none,pld:k=3",
+        tasks="edit",
+        prompts_per_task=1,
+        max_new_tokens=4,
+        repeats=1,
+        threads=1,
+        draft_lengths="none",
+        peers=False,
+        quantize="auto",
+        out=str(tmp_path / "bench"),
+    )
+    results = run_benchmark(settings, tasks=[Task("edit", "edit", [Prompt("edit/0", "w1 w2 w1 w2", True)])])
+    assert results["settings"]["quantize"] == "auto" and results["environment"]["quantize"] == "int4"
+    assert "(auto: int4 weights)" in (tmp_path / "bench" / "results.md").read_text()
