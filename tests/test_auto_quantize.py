@@ -68,7 +68,12 @@ def test_formats_are_timed_once_per_machine_and_model_then_read_from_the_cache(c
         choose_format(tiny_llama(seed=0), candidates, timer)  # another thread count: timed anew
     finally:
         torch.set_num_threads(previous)
-    assert timed == [*candidates, *candidates[:4], *candidates]
+    choose_format(tiny_llama(seed=0), candidates, timer, fast_path=False)  # fp32 on other kernels: timed anew
+    assert timed == [*candidates, *candidates[:4], *candidates, *candidates]
+    timed.clear()
+    edited = {key: {**entry, "timings": "fast"} for key, entry in json.loads(curves.read_text()).items()}
+    curves.write_text(json.dumps(edited))
+    assert choose_format(tiny_llama(seed=0), candidates, timer).mode == "int4" and timed == list(candidates)
 
 
 def test_a_choice_timed_on_a_busy_machine_serves_this_process_but_is_not_kept(curves, monkeypatch):

@@ -3,17 +3,15 @@
 Which format wins depends on the CPU more than on anything else: int4 decodes Qwen2.5-1.5B 3.2x faster than fp32 on
 an AVX-512 Xeon, our w4a8 kernel beats int4 on AVX2-only and VNNI CPUs, and bf16 verifies 8 tokens for little more
 than one on CPUs with AMX (``docs/quantization.md``).  So ``auto`` times each format this CPU runs on the model
-itself: a structural copy of the loaded fp32 model (its modules copied, its weights shared) is quantized, loaded as
-it would be (the fp32 one with the fast path, tuned by :func:`~specdecode.models.cost.tune_fast_path`), and timed on
-a one-token decoding step and a ``VERIFY_WIDTH``-token verification; the fastest by :func:`score` is kept, in the
-file the cost curves are kept in, keyed by the machine and the model's structure.  The next load on this machine
-reads it instead.
+itself: a copy of the loaded fp32 model that shares its weights (:func:`~specdecode.models.hf.shared_weights_copy`)
+is quantized, loaded as it would be (with the fast path, tuned by :func:`~specdecode.models.cost.tune_fast_path`),
+and timed on a one-token decoding step and a ``VERIFY_WIDTH``-token verification; the fastest by :func:`score` is
+kept, in the file the cost curves are kept in, keyed by the machine and the model's structure.  The next load on
+this machine reads it instead.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +28,7 @@ from specdecode.models.cost import (
     tune_fast_path,
 )
 from specdecode.models.fastpath import apply_cpu_fast_path
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.hf import HFCausalLM, shared_weights_copy
 from specdecode.models.quantize import QUANTIZE_MODES, quantize_model, quantize_supported
 from specdecode.threads import OthersLoad
 
@@ -99,19 +97,17 @@ _CHOSEN: dict[str, FormatChoice] = {}
 
 
 def choose_format(
-    model: nn.Module, candidates: Sequence[str], time_format: Callable[[str], Timing | None]
+    model: nn.Module, candidates: Sequence[str], time_format: Callable[[str], Timing | None], *, fast_path: bool = True
 ) -> FormatChoice:
     """The fastest of ``candidates`` for ``model`` on this machine: from the cache if it holds this machine, model
-    structure and candidates, else timed by ``time_format`` (None: the format does not run here) and kept, unless
-    other processes kept the CPUs busy meanwhile (the timings were then not this machine's alone: they serve this
-    process only)."""
-    key = "quantize:" + machine_and_model_key(model, ",".join(candidates))
+    structure, candidates and ``fast_path`` (fp32's kernels), else timed by ``time_format`` (None: the format does not
+    run here) and kept, unless other processes kept the CPUs busy meanwhile (the timings were then not this
+    machine's alone: they serve this process only)."""
+    key = "quantize:" + machine_and_model_key(model, f"{','.join(candidates)};fast path {fast_path}")
     if key in _CHOSEN:
         return _CHOSEN[key]
-    saved = saved_entry(key)
-    if saved is not None and saved.get("quantize") in candidates and isinstance(saved.get("timings"), dict):
-        timings = {mode: (float(step), float(verify)) for mode, (step, verify) in saved["timings"].items()}
-        return FormatChoice(saved["quantize"], timings, cached=True)
+    if (cached := _cached_choice(key, candidates)) is not None:
+        return cached
     with OthersLoad() as others:
         timings = {mode: timed for mode in candidates if (timed := time_format(mode)) is not None}
     choice = FormatChoice(fastest_format(timings), timings, kept=not others.busy)
@@ -122,22 +118,26 @@ def choose_format(
     return choice
 
 
-def structural_copy(model: nn.Module) -> nn.Module:
-    """``model``'s modules copied, its parameters and buffers shared: quantizing the copy replaces its layers and
-    leaves ``model``'s as they were, for the price of the quantized weights alone."""
-    shared = {id(tensor): tensor for tensor in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, memo=shared)
+def _cached_choice(key: str, candidates: Sequence[str]) -> FormatChoice | None:
+    """The choice kept under ``key``; None if there is none, or it is not one of ``candidates``'s (an edited file)."""
+    saved = saved_entry(key) or {}
+    try:
+        timings = {mode: (float(step), float(verify)) for mode, (step, verify) in saved["timings"].items()}
+    except (KeyError, AttributeError, TypeError, ValueError):
+        return None
+    mode = saved.get("quantize")
+    return FormatChoice(mode, timings, cached=True) if mode in candidates and mode in timings else None
 
 
 def time_format(model: nn.Module, mode: str, fast_path: bool) -> Timing | None:
     """A decoding step's and a verification's fastest seconds on a copy of ``model`` in ``mode``, loaded as
     :func:`~specdecode.models.loading.load_model` would load it; None where ``mode``'s kernel does not build."""
-    trial = structural_copy(model)
+    trial = shared_weights_copy(model)
     try:
         quantize_model(trial, mode)
     except SpecDecodeError:  # w4a8's kernel failed to build: a default passes over it
         return None
-    if mode == "none" and fast_path:
+    if fast_path:  # as load_model: fp32's layers, or those a format leaves in fp32
         apply_cpu_fast_path(trial)
     backend = HFCausalLM(trial, f"auto:{mode}")
     tune_fast_path(backend)  # the fp32 copy's kernels as its load would pick them (and cached for that load)
@@ -150,4 +150,5 @@ def auto_format(model: nn.Module, device: torch.device, fast_path: bool) -> Form
     (the quantized kernels are the CPU's)."""
     if device.type != "cpu":
         return FormatChoice("none", {}, device=str(device))
-    return choose_format(model, candidate_formats(), lambda mode: time_format(model, mode, fast_path))
+    candidates = candidate_formats()
+    return choose_format(model, candidates, lambda mode: time_format(model, mode, fast_path), fast_path=fast_path)
