@@ -33,8 +33,9 @@ def load(
     (default), ``cuda`` or ``cuda:N``.  ``generate_batch`` on the result decodes many prompts together.
     ``verifier``: ``exact`` (lossless, the default) or a relaxed, LOSSY one (``fly``, ``typical``, ``judge``: see
     ``specdecode verifiers``); ``generate(..., verifier=...)`` chooses per call.  ``quantize``: the target's
-    weights, as ``--quantize`` (``none``, ``int8``, ``int4``, ``w4a8``, ``bf16``; a draft model is quantized by
-    default, see ``--quantize-draft``).
+    weights, as ``--quantize`` (``none``, ``int8``, ``int4``, ``w4a8``, ``bf16``, or ``auto``: the fastest of them on
+    this CPU, timed once per machine and model, printed on stderr and kept in ``generator.target.quantize``; a draft
+    model is quantized by default, see ``--quantize-draft``).
     """
     # An unknown drafter, an option it does not take or an unknown precision fails before the (slow) model load,
     # as in the CLI.

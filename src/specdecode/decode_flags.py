@@ -46,17 +46,18 @@ def add_model_flags(parser: argparse.ArgumentParser, drafter_help: str) -> None:
     parser.add_argument(
         "--quantize",
         default="none",
-        metavar="{none,int8,int4,bf16,w4a8}",
+        metavar="{none,int8,int4,bf16,w4a8,auto}",
         help="weight-only quantization of the target's linear layers (CPU): int8 per channel, int4 per group, "
         "bf16 (verification costs about one token on CPUs with AMX), w4a8 (int4 weights on int8 activations, our "
-        "AVX2 kernel: fastest on AVX2-only CPUs); lossless against plain decoding of the same quantized model "
-        "(default none)",
+        "AVX2 kernel: fastest on AVX2-only CPUs), auto (the fastest of these on this CPU for this model, timed once "
+        "and cached; the choice is printed); lossless against plain decoding of the same quantized model, not "
+        "against fp32 (default none: the published weights)",
     )
     parser.add_argument(
         "--quantize-draft",
-        metavar="{none,int8,int4,bf16,w4a8}",
+        metavar="{none,int8,int4,bf16,w4a8,auto}",
         help="quantization of the --draft-model (default int4, w4a8 on AVX2-only CPUs: measured fastest; "
-        "none with adapt=true); drafts never change the output",
+        "none with adapt=true; auto as for --quantize); drafts never change the output",
     )
     parser.add_argument(
         "--lean-weights",

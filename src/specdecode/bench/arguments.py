@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-QUANTIZE_MODES = "{none,int8,int4,bf16,w4a8}"
+QUANTIZE_MODES = "{none,int8,int4,bf16,w4a8,auto}"
 THREADS_HELP = "torch threads (default: number of cores)"
 #: ``--tasks`` of the benchmarks that send every prompt as a request of its own.
 REQUESTS_TASKS_HELP = (

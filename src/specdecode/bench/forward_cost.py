@@ -113,7 +113,8 @@ def print_forward_cost(
     check_positive_ints(("--repeats", repeats), *([("--threads", threads)] if threads is not None else []))
     if threads is not None:
         torch.set_num_threads(threads)
-    backend = load_model(model or DEFAULT_MODEL, quantize=quantize).backend
+    loaded = load_model(model or DEFAULT_MODEL, quantize=quantize)
+    backend, quantize = loaded.backend, loaded.quantize  # auto: the format it chose
     costs = {}
     for context in contexts:
         try:

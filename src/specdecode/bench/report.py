@@ -37,7 +37,7 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
         "(anything near or above the core count means other processes shared the CPU).",
         f"- Software: Python {env.get('python')}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
         f"specdecode {env.get('specdecode')}; {env.get('platform')}.",
-        f"- Settings: model `{s['model']}` ({_precision(s)}), {_prompt_source(s)}, "
+        f"- Settings: model `{s['model']}` ({_precision(s, env)}), {_prompt_source(s)}, "
         f"{s['max_new_tokens']} new tokens per prompt (greedy, EOS ignored), median of {s['repeats']} "
         f"interleaved repeat(s) after a warm-up ({_INTERLEAVE[s.get('interleave', 'request')]}), "
         f"chat template {'on' if results.get('chat_template') else 'off'}; "
@@ -46,12 +46,19 @@ def _environment_lines(results: Mapping[str, Any]) -> list[str]:
     ]
 
 
-def _precision(settings: Mapping[str, Any]) -> str:
-    """Our weights: fp32, or weight-only quantized (activations bf16) — peers keep their own."""
+def _precision(settings: Mapping[str, Any], environment: Mapping[str, Any]) -> str:
+    """Our weights: fp32, or weight-only quantized (activations bf16) — peers keep their own; for ``auto``, the format
+    it chose on the machine of the run."""
     quantize = settings.get("quantize", "none")
     draft = settings.get("quantize_draft") or quantize
-    ours = "fp32" if quantize == "none" else f"{quantize} weights"
-    return ours if draft == quantize else f"{ours}, draft models {'fp32' if draft == 'none' else draft + ' weights'}"
+    ours = _weights(quantize)
+    if quantize == "auto":
+        ours = f"auto: {_weights(environment.get('quantize', 'not recorded'))}"
+    return ours if draft == quantize else f"{ours}, draft models {_weights(draft)}"
+
+
+def _weights(quantize: str) -> str:
+    return "fp32" if quantize == "none" else f"{quantize} weights"
 
 
 def _prompt_source(settings: Mapping[str, Any]) -> str:

@@ -237,6 +237,7 @@ def _measure(
     encode = PromptEncoder(target, settings.model, settings.max_new_tokens)  # a base model gets the plain text
     results["environment"] = environment(settings.threads)
     results["environment"]["fast_path"] = fast_path_default()
+    results["environment"]["quantize"] = target.quantize  # with --quantize auto, the format it chose here
     results["chat_template"] = encode.chat
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
     for task in tasks:  # what verification costs at each long context, for the report (once per machine and model)

@@ -12,13 +12,14 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 
-from specdecode.machine import cpu_name
+from specdecode.machine import cpu_flags, cpu_name
 from specdecode.models.base import CausalLM, KVCache
 from specdecode.models.cache import cache_dir
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
@@ -70,16 +71,33 @@ def timed_rounds(
     return samples
 
 
-def timed_round(backend: CausalLM, cache: KVCache, new: torch.Tensor) -> list[float]:
-    """Seconds of a forward over the first n of ``new`` on top of ``cache``, for n = 1..len(new) in turn; the
-    cache is cropped back after each."""
+def timed_round(
+    backend: CausalLM, cache: KVCache, new: torch.Tensor, widths: Sequence[int] | None = None
+) -> list[float]:
+    """Seconds of a forward over the first n of ``new`` on top of ``cache``, for each n of ``widths`` (default
+    1..len(new)) in turn; the cache is cropped back after each."""
     length, seconds = cache.length, []
-    for n in range(1, len(new) + 1):
+    for n in widths or range(1, len(new) + 1):
         start = time.perf_counter()
         backend.forward(new[:n], cache)
         seconds.append(time.perf_counter() - start)
         cache.crop(length)
     return seconds
+
+
+def fastest_forwards(
+    backend: CausalLM, widths: Sequence[int], context_tokens: int = 32, repeats: int = 2
+) -> dict[int, float]:
+    """The fastest seconds of a forward over each of ``widths`` new tokens after ``context_tokens`` cached ones, of
+    ``repeats`` rounds after one that warms up (the widths interleaved, as in :func:`timed_rounds`)."""
+    cache, new = prefilled(backend, context_tokens, max(widths))
+    fastest = dict.fromkeys(widths, float("inf"))
+    for round_index in range(repeats + 1):
+        for width, elapsed in zip(widths, timed_round(backend, cache, new, widths)):
+            if round_index:
+                fastest[width] = min(fastest[width], elapsed)
+    cache.release()
+    return fastest
 
 
 #: The context the draft-length cost model's curve is measured after: the short prompts most requests have.
@@ -139,8 +157,8 @@ def relative_cost_curve(
     if context_tokens in measured:
         return measured[context_tokens]
     key = _machine_and_model_key(backend, widths, repeats, context_tokens)
-    saved = _saved_curves().get(key) if key else None
-    curve = saved.get("curve") if isinstance(saved, dict) else None
+    saved = saved_entry(key) if key else None
+    curve = saved.get("curve") if saved else None
     if isinstance(curve, list) and len(curve) == widths and all(isinstance(c, (int, float)) for c in curve):
         measured[context_tokens] = tuple(float(c) for c in curve)
         return measured[context_tokens]
@@ -149,7 +167,7 @@ def relative_cost_curve(
     fitted = monotone_fit([min(samples[w]) for w in range(1, widths + 1)])
     measured[context_tokens] = tuple(t / fitted[0] for t in fitted)
     if key and not others.busy:  # a curve timed on a busy machine serves this process only
-        _save_entry(key, {"curve": list(measured[context_tokens]), "context_tokens": context_tokens})
+        save_entry(key, {"curve": list(measured[context_tokens]), "context_tokens": context_tokens})
     return measured[context_tokens]
 
 
@@ -166,8 +184,8 @@ def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:
     if backend in _TUNED:
         return _TUNED[backend]
     key = _machine_and_model_key(backend, DENSE_ROWS, repeats, 32)
-    saved = _saved_curves().get(f"dense-rows:{key}") if key else None
-    rows = saved.get("rows") if isinstance(saved, dict) else None
+    saved = saved_entry(f"dense-rows:{key}") if key else None
+    rows = saved.get("rows") if saved else None
     if not isinstance(rows, int) or not 0 <= rows <= DENSE_ROWS:
         with OthersLoad() as others:
             fastest = _fastest_with_and_without_copies(backend, copies, repeats)
@@ -175,7 +193,7 @@ def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:
         while rows < DENSE_ROWS and fastest[True, rows + 1] < fastest[False, rows + 1]:
             rows += 1
         if key and not others.busy:
-            _save_entry(f"dense-rows:{key}", {"rows": rows})
+            save_entry(f"dense-rows:{key}", {"rows": rows})
     use_dense_rows(model, rows)
     _TUNED[backend] = rows
     return rows
@@ -210,12 +228,18 @@ def curve_file() -> Path:
 
 
 def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context_tokens: int) -> str | None:
-    """What a forward's cost depends on: the CPU, torch and its threads, and the model's structure -- every
-    module's type and weight shape and dtype (so quantized, packed and plain layers differ) -- not its weight
-    values.  None for a backend without a torch module (nothing to key it by): it is measured every time."""
+    """:func:`machine_and_model_key` of ``backend``'s module and these measuring settings.  None for a backend
+    without a torch module on the CPU (nothing to key it by): it is measured every time."""
     model = getattr(backend, "model", None)
     if not isinstance(model, nn.Module) or getattr(backend, "device", torch.device("cpu")).type != "cpu":
         return None
+    return machine_and_model_key(model, f"{widths}/{repeats}/{context_tokens}")
+
+
+def machine_and_model_key(model: nn.Module, settings: str) -> str:
+    """What a forward's cost depends on: the CPU (its name and instruction sets), torch and its threads, and the
+    model's structure -- every module's type and weight shape and dtype (so quantized, packed and plain layers
+    differ) -- not its weight values; ``settings`` says what was measured, and how."""
     layout = hashlib.sha256()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -226,12 +250,19 @@ def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context
     parts = [
         cpu_name(),
         str(torch.backends.cpu.get_cpu_capability()),
+        " ".join(sorted(cpu_flags())),
         str(torch.get_num_threads()),
         torch.__version__,
         layout.hexdigest(),
-        f"{widths}/{repeats}/{context_tokens}",
+        settings,
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def saved_entry(key: str) -> dict | None:
+    """The entry :func:`save_entry` kept under ``key``, if the file has one."""
+    entry = _saved_curves().get(key)
+    return entry if isinstance(entry, dict) else None
 
 
 def _saved_curves() -> dict[str, dict]:
@@ -242,7 +273,7 @@ def _saved_curves() -> dict[str, dict]:
     return data if isinstance(data, dict) else {}
 
 
-def _save_entry(key: str, entry: dict) -> None:
+def save_entry(key: str, entry: dict) -> None:
     """Add one entry to the file (written whole to a temporary file, then renamed: readers never see half)."""
     path = curve_file()
     curves = _saved_curves()

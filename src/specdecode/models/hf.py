@@ -13,6 +13,7 @@ writes nothing into the cache.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
@@ -35,6 +36,15 @@ from specdecode.models.quantized_layers import QuantizedLinear, free_row_spans
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
 from specdecode.threads import GOVERNOR
+
+
+def shared_weights_copy(model: nn.Module) -> nn.Module:
+    """A new module tree for ``model`` whose tensors are the originals' (parameters as new, frozen Parameter objects
+    on the same storage, buffers shared): replacing or training its modules never changes the original.  A plain
+    ``deepcopy`` would copy every weight, and cannot copy oneDNN-packed ones at all."""
+    memo: dict[int, object] = {id(p): nn.Parameter(p.detach(), requires_grad=False) for p in model.parameters()}
+    memo.update((id(buffer), buffer) for buffer in model.buffers())
+    return copy.deepcopy(model, memo)
 
 
 def _config_max_context(config) -> int:

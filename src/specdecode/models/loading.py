@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,11 +20,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from specdecode.errors import SpecDecodeError, UnknownModelError, VocabularyMismatchError
 from specdecode.models import registry
+from specdecode.models.auto_quantize import auto_format
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import tune_fast_path
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.quantize import check_quantize, quantize_model
+from specdecode.models.quantize import AUTO_QUANTIZE, check_quantize, quantize_model
 from specdecode.threads import threads_from_environment
 
 
@@ -32,6 +34,7 @@ class LoadedModel:
     name: str
     backend: CausalLM
     tokenizer: PreTrainedTokenizerBase
+    quantize: str = "none"  # the weight format it was loaded in (``auto`` resolved)
 
 
 def _from_pretrained_args(name: str) -> tuple[str, dict]:
@@ -110,16 +113,18 @@ def load_model(
     a CPU.  It changes rounding in the last bits; plain and speculative decoding through the same
     loaded model use the same kernels, so their outputs stay identical.
 
-    ``quantize`` (``none``, ``int8`` or ``int4``; CPU only) replaces the linear layers by weight-only
+    ``quantize`` (``none``, ``int8``, ``int4``, ``bf16``, ``w4a8``; CPU only) replaces the linear layers by weight-only
     quantized ones (:mod:`specdecode.models.quantize`) before anything runs: the quantized model is then
-    *the* model, for plain decoding and verification alike.  ``block_copies``: int8 and int4 layers also keep
+    *the* model, for plain decoding and verification alike.  ``auto``: the format this CPU runs the model fastest
+    in, timed once per machine and model (:mod:`specdecode.models.auto_quantize`; ``none`` off the CPU), named in
+    one line on stderr and in the result's ``quantize``.  ``block_copies``: int8 and int4 layers also keep
     a bf16 copy of their weight for prompts and drafts (``QuantizedLinear.block_weight``): a prompt's prefill
     then takes about a tenth of the time, for two more bytes per weight in memory."""
     if not isinstance(name, str) or not name.strip():
         raise UnknownModelError("model name must be a non-empty string")
     target_device = resolve_device(device)
     threads_from_environment()  # a bad SPECDECODE_THREADS is refused before anything loads
-    if check_quantize(quantize) != "none" and target_device.type != "cpu":
+    if check_quantize(quantize) not in {"none", AUTO_QUANTIZE} and target_device.type != "cpu":
         raise SpecDecodeError(f"--quantize {quantize} runs on the CPU only (torch's CPU kernels), not on {device}")
     source, extra = _from_pretrained_args(name)
     is_hub_id = source == name and not extra and not Path(source).exists()
@@ -133,14 +138,20 @@ def load_model(
             raise _unknown_model(name, "not in the local Hugging Face cache, and the hub is not reachable") from exc
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise _unknown_model(name, f"loading failed: {first_line}") from exc
-    packed = False
+    packed = (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32
+    if quantize == AUTO_QUANTIZE:
+        choice = auto_format(model, target_device, fast_path=packed)
+        print(choice.summary(name), file=sys.stderr)
+        quantize = choice.mode
     if target_device.type != "cpu":
         model.to(target_device)
+        packed = False
     else:  # the quantized and the oneDNN kernels: the CPU only
         # First: the fast path then packs only the fp32 layers left, if any.
         quantize_model(model, quantize, block_copies=block_copies)
-        packed = (fast_path_default() if fast_path is None else fast_path) and dtype == torch.float32
-    return from_transformers(model, tokenizer, name, fast_path=packed)
+    loaded = from_transformers(model, tokenizer, name, fast_path=packed)
+    loaded.quantize = quantize
+    return loaded
 
 
 def from_transformers(

@@ -4,30 +4,20 @@ the backends so that drafters never import the transformers backend themselves."
 
 from __future__ import annotations
 
-import copy
-from typing import Any
-
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.fastpath import PackedLinear
-from specdecode.models.hf import HFCausalLM
+from specdecode.models.hf import HFCausalLM, shared_weights_copy
 from specdecode.models.loading import LoadedModel
 from specdecode.models.quantized_layers import QuantizedLinear
 
 
 def shared_copy(loaded: LoadedModel) -> LoadedModel:
-    """A new module tree for ``loaded``'s model whose tensors are the originals' (parameters as new,
-    frozen Parameter objects on the same storage): adapting it never changes the original.  A plain
-    ``deepcopy`` would copy every weight, and cannot copy oneDNN-packed ones at all."""
-    model = loaded.backend.model
-    memo: dict[int, Any] = {}
-    for tensor in model.parameters(recurse=True):
-        memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=False)
-    for tensor in model.buffers(recurse=True):
-        memo[id(tensor)] = tensor
-    twin = copy.deepcopy(model, memo)
-    return LoadedModel(name=loaded.name, backend=HFCausalLM(twin, loaded.name), tokenizer=loaded.tokenizer)
+    """A copy of ``loaded`` whose tensors are the originals' (:func:`~specdecode.models.hf.shared_weights_copy`):
+    adapting it never changes the original."""
+    twin = shared_weights_copy(loaded.backend.model)
+    return LoadedModel(loaded.name, HFCausalLM(twin, loaded.name), loaded.tokenizer, quantize=loaded.quantize)
 
 
 def lora_targets(model: nn.Module, num_layers: int, last: int) -> list[str]:

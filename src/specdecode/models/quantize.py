@@ -35,8 +35,13 @@ from specdecode.models.quantized_layers import (
     weight_only_kernels_present,
 )
 
-#: The values of ``--quantize`` (a contract: scripts pass them).
+#: The weight formats (a contract: scripts pass them to ``--quantize``).
 QUANTIZE_MODES = ("none", "int8", "int4", "bf16", "w4a8")
+#: ``--quantize auto``: the format this CPU decodes the model fastest in, timed
+#: (:mod:`specdecode.models.auto_quantize`).
+AUTO_QUANTIZE = "auto"
+#: What ``--quantize`` and ``--quantize-draft`` take.
+QUANTIZE_VALUES = (*QUANTIZE_MODES, AUTO_QUANTIZE)
 #: int4 group sizes, preferred first: a layer takes the first one that divides its ``in_features``.
 INT4_GROUP_SIZES = (64, 32)
 #: ``_convert_weight_to_int4pack_for_cpu`` packs output channels in blocks of this many.
@@ -77,9 +82,9 @@ def draft_quantization(given: str | None, target: str, *, device: object = None,
 
 
 def check_quantize(mode: str, flag: str = "--quantize") -> str:
-    """``mode`` if it is one of :data:`QUANTIZE_MODES`, else a one-line :class:`SpecDecodeError` naming ``flag``."""
-    if mode not in QUANTIZE_MODES:
-        raise SpecDecodeError(f"{flag} must be one of {', '.join(QUANTIZE_MODES)}; got {mode!r}")
+    """``mode`` if it is one of :data:`QUANTIZE_VALUES`, else a one-line :class:`SpecDecodeError` naming ``flag``."""
+    if mode not in QUANTIZE_VALUES:
+        raise SpecDecodeError(f"{flag} must be one of {', '.join(QUANTIZE_VALUES)}; got {mode!r}")
     return mode
 
 
@@ -125,7 +130,9 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
     ``w4a8`` ``in_features`` not a multiple of 64) keep their weights; so do subclasses of ``nn.Linear``
     (LoRA and the like) and layers off the CPU.
     """
-    if check_quantize(mode) == "none":
+    if check_quantize(mode) == AUTO_QUANTIZE:
+        raise ValueError("quantize_model takes a format; load_model resolves auto to one")
+    if mode == "none":
         return []
     if not quantize_supported(mode):
         if mode == "bf16" and torch.backends.mkldnn.is_available():
