@@ -10,8 +10,8 @@ collapse — repeats merged, blanks removed — into a draft whose length the he
 where the tokens' correlations come from that independent Medusa heads lack.
 
 The paper reads the context through an attention draft module before its heads; here the slots read the one
-feature the feature cache of ``train medusa`` already holds, so training reuses it and drafting is a few
-H x H products and one LM-head call per step.
+feature Medusa's heads read, so training needs only the final hidden states and drafting is a few H x H products
+and one LM-head call per step.
 
 Files: ``config.json`` (``model_type`` :data:`MODEL_TYPE`, the config under ``specdecode``),
 ``model.safetensors`` (the state dict) and the SHA-256 ``manifest.json`` (:mod:`specdecode.heads.files`).

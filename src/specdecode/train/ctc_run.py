@@ -1,9 +1,8 @@
 """``specdecode train ctc``: data → cached target features → training → the head where the drafter looks.
 
 The same pipeline as ``train medusa`` (:mod:`specdecode.train.medusa_run`) through the same feature cache
-(:mod:`specdecode.train.features`), keeping the final hidden states only, so features cached for Medusa, Hydra or
-Falcon serve here too; training checkpoints every couple of minutes and after every epoch, so an interrupted run
-started again with the same flags picks up where it stopped.
+(:mod:`specdecode.train.features`), keeping the final hidden states only; training checkpoints every couple of
+minutes and after every epoch, so an interrupted run started again with the same flags picks up where it stopped.
 """
 
 from __future__ import annotations
