@@ -12,7 +12,8 @@ the label to the slots — repeats and blanks around its tokens — summed, so t
 rather than a fixed token per slot.  ``slots`` must leave room for a blank between repeated tokens: twice
 ``tokens`` always does.
 
-Rows are taken in contiguous runs as for Medusa; the blocks start at zero and the LM head is the target's, frozen.
+Rows are taken in contiguous runs as for Medusa; the blocks start at zero, the blank as likely as a row's likeliest
+token, and the LM head is the target's, frozen.
 """
 
 from __future__ import annotations
@@ -159,6 +160,10 @@ def train_ctc(
     stream = make_stream(train, config.tokens, spill and spill / "training-finals.bin")
     held_stream = make_stream(held, config.tokens, spill and spill / "held-out-finals.bin")
     labels = make_labels(stream, layerwise, head, config.tokens, config.run)
+    with torch.no_grad():
+        # The blank starts as likely as a row's likeliest token: the target's logits run to tens, so a blank at zero
+        # would start with a probability near nothing and every alignment through it would start unlearnable.
+        head.blank_head.bias.fill_(float(head(stream.finals[: config.run].float())[..., :-1].amax(-1).mean()))
     held_labels = make_labels(held_stream, layerwise, head, config.tokens, config.run)
 
     def batch_loss(run: int) -> torch.Tensor:
