@@ -416,6 +416,16 @@ def random_falcon_head(backend, draft_vocab: int, seed: int = 0, block: int = 2)
     return head
 
 
+def random_ctc_head(backend, draft_vocab: int, seed: int = 0, slots: int = 8):
+    """An untrained CTC head for ``backend`` (random blocks, LM head and blank) drafting ``draft_vocab`` random ids."""
+    from specdecode.heads.ctc import CTCConfig, CTCHead
+
+    torch.manual_seed(seed)
+    head = CTCHead(CTCConfig(backend.hidden_size, slots, backend.vocab_size, draft_vocab, backend.num_layers))
+    head.token_map.copy_(torch.randperm(backend.vocab_size)[:draft_vocab].sort().values)
+    return head
+
+
 class WrongBranchTree(Drafter):
     """Knows the expected continuation and hides it in a tree behind a wrong sibling subtree (each true token mapped
     by ``wrong_of``): the wrong branch is verified and rejected, and a row on the right branch must not count its
@@ -453,6 +463,7 @@ def untrained_drafter_options(target, draft, draft_vocab: int, exit_layer: int) 
         "medusa": {"heads": heads_for_target(backend, "medusa", 3, torch.arange(draft_vocab))},
         "hydra": {"heads": heads_for_target(backend, "hydra", 3, torch.arange(draft_vocab))},
         "falcon": {"head": random_falcon_head(backend, draft_vocab)},
+        "ctc": {"head": random_ctc_head(backend, draft_vocab)},
     }
 
 

@@ -1,6 +1,6 @@
-"""``specdecode train {kangaroo,eagle,medusa,hydra,falcon,judge} --model M`` (fit drafter or judge weights, saved where
-the drafter or verifier looks) and ``specdecode export eagle`` (hand a trained head to vLLM): their flags, declared
-without importing what runs them (``train/*_run.py``, :mod:`specdecode.train.export`), which imports torch."""
+"""``specdecode train {kangaroo,eagle,medusa,hydra,falcon,ctc,judge} --model M`` (fit drafter or judge weights, saved
+where the drafter or verifier looks) and ``specdecode export eagle`` (hand a trained head to vLLM): their flags,
+declared without importing what runs them (``train/*_run.py``, :mod:`specdecode.train.export`), which imports torch."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     add_eagle_command(methods)
     add_heads_commands(methods)
     add_falcon_command(methods)
+    add_ctc_command(methods)
     add_judge_command(methods)
 
 
@@ -113,6 +114,14 @@ def add_falcon_command(methods: argparse._SubParsersAction) -> None:
     falcon.add_argument("--passes", type=int, default=2, help="head passes unrolled in training")
     # 3 epochs as for eagle: two passes of two rows cost about what eagle's three unrolled steps do.
     falcon.set_defaults(run=Deferred("specdecode.train.falcon_run:run_falcon_training"), epochs=3)
+
+
+def add_ctc_command(methods: argparse._SubParsersAction) -> None:
+    ctc = methods.add_parser("ctc", help="the CTC head of the ctc drafter (slots with blanks, collapsed into drafts)")
+    _add_head_training_flags(ctc, "head's")
+    ctc.add_argument("--slots", type=int, default=8, help="outputs per head pass, blanks included")
+    ctc.add_argument("--tokens", type=int, default=4, help="target tokens each row learns (at most half the slots)")
+    ctc.set_defaults(run=Deferred("specdecode.train.ctc_run:run_ctc_training"))
 
 
 def add_judge_command(methods: argparse._SubParsersAction) -> None:
