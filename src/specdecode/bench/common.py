@@ -20,7 +20,7 @@ import torch
 
 from specdecode.bench.methods import parse_int_list, parse_methods
 from specdecode.bench.resume import save_json
-from specdecode.data.tasks import TASK_NAMES, Prompt, Task
+from specdecode.data.tasks import OPT_IN_TASKS, TASK_NAMES, Prompt, Task
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.machine import cpu_name
@@ -55,8 +55,9 @@ def check_positive_int_list(label: str, values: Sequence[Any]) -> None:
 
 def check_known_tasks(names: Iterable[str]) -> None:
     for task in names:
-        if task not in TASK_NAMES:
-            raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {', '.join(TASK_NAMES)}")
+        if task not in TASK_NAMES + OPT_IN_TASKS:
+            names = ", ".join(TASK_NAMES + OPT_IN_TASKS)
+            raise SpecDecodeError(f"unknown benchmark task {task!r}; choose from {names}")
 
 
 def check_tasks(tasks: Sequence[str]) -> None:

