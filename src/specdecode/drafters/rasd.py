@@ -248,7 +248,6 @@ class RetrievalSession(DraftSession):
         self.drafter = drafter
         self.inner = inner
         self.hidden_layers = inner.hidden_layers
-        self.proposes_first = inner.proposes_first or not drafter.inner.drafts
         self._transcript = Transcript()
         self._match: Range | None = None  # the longest suffix of the context found: (start, end, length)
         self._last: Fused | None = None
