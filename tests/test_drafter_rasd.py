@@ -24,9 +24,11 @@ from helpers import (
     random_eagle_head,
     run,
 )
+from specdecode.bench.common import check_known_tasks
 from specdecode.bench.methods import parse_method
 from specdecode.config import GenerationConfig
 from specdecode.data.datastore import Datastore
+from specdecode.data.tasks import TASK_NAMES, load_task
 from specdecode.drafters import create_drafter
 from specdecode.drafters.rasd import fuse
 from specdecode.engine import speculative_decode
@@ -149,8 +151,21 @@ def test_options_and_method_specs(tiny_target, tmp_path):
     with pytest.raises(SpecDecodeError, match="not rasd"):
         create_drafter("rasd", tiny_target, datastore=path, **{"with": "rasd"})
     retrieval = create_drafter("rasd", tiny_target, datastore=path)
-    with pytest.raises(SpecDecodeError, match="names another drafter"):
+    with pytest.raises(SpecDecodeError, match="not rasd"):
         create_drafter("rasd", tiny_target, datastore=path, **{"with": retrieval})
+    with pytest.raises(SpecDecodeError, match="its own draft model"):
+        create_drafter("rasd", tiny_target, datastore=path, draft_model=tiny_target, **{"with": retrieval.inner})
+
+
+def test_the_complete_task_asks_for_bodies_that_only_the_code_base_holds():
+    prompts = load_task("complete", 6).prompts
+    assert len({p.id for p in prompts}) == 6
+    for prompt in prompts:
+        header = prompt.text.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        assert prompt.document.startswith(header) and len(prompt.document) > len(header) + 20
+        assert prompt.document not in prompt.text
+    assert "complete" not in TASK_NAMES  # asked for by name only: the suites run what they ran
+    check_known_tasks(["complete"])
 
 
 # -- fusion ------------------------------------------------------------------------------------------------

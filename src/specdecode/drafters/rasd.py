@@ -83,11 +83,7 @@ class RetrievalDrafter(Drafter):
         self.min_match = check_int("rasd", "min_match", min_match, 1)
         self.max_match = check_int("rasd", "max_match", max_match, self.min_match)
         self.min_prob = check_fraction("rasd", "min_prob", min_prob)
-        self.inner = with_ if isinstance(with_, Drafter) else self._inner(target, str(with_), draft_model)
-        if isinstance(self.inner, RetrievalDrafter) or (draft_model is not None and isinstance(with_, Drafter)):
-            raise SpecDecodeError(
-                "rasd: with= names another drafter (or, in Python, is one built with its draft model)"
-            )
+        self.inner = self._inner(target, with_, draft_model)
         self.store = Datastore.open(str(datastore), target.tokenizer)
         self.budget = TreeBudget(target.backend, "auto", draft_share=0.0)
         self.budget.verification_cost(1)  # measured now (once per model), not inside a step whose drafting is timed
@@ -98,14 +94,19 @@ class RetrievalDrafter(Drafter):
         self.works_between_steps = self.inner.works_between_steps
 
     @staticmethod
-    def _inner(target: LoadedModel, name: str, draft_model: str | LoadedModel | None) -> Drafter:
-        if name == "rasd":
+    def _inner(target: LoadedModel, joined: str | Drafter, draft_model: str | LoadedModel | None) -> Drafter:
+        """The drafter named by ``with`` (built with ``draft_model`` where it takes one), or the one given."""
+        if isinstance(joined, RetrievalDrafter) or joined == "rasd":
             raise SpecDecodeError("rasd: with= names another drafter, not rasd")
+        if isinstance(joined, Drafter):
+            if draft_model is not None:
+                raise SpecDecodeError("rasd: a drafter given as with= comes with its own draft model")
+            return joined
+        name = str(joined)
         drafter_class(name)  # an unknown name fails with the list of drafters
-        takes_model = "draft_model" in accepted_options(name)
-        if draft_model is not None and not takes_model:
+        if draft_model is not None and "draft_model" not in accepted_options(name):
             raise SpecDecodeError(f"rasd: a draft model is for with=draft-model or with=hsd, not with={name}")
-        return create_drafter(name, target, **({"draft_model": draft_model} if takes_model else {}))
+        return create_drafter(name, target, draft_model=draft_model)
 
     def draft_token_seconds(self) -> float | None:
         return self.inner.draft_token_seconds()
@@ -127,7 +128,7 @@ class RetrievalDrafter(Drafter):
         self.calibration = Calibration()
 
     def session(self, request: DraftRequest) -> RetrievalSession:
-        return RetrievalSession(self, self.inner.session(request), list(request.prompt_ids))
+        return RetrievalSession(self, self.inner.session(request))
 
     def retrieve(self, match: Range, max_depth: int) -> tuple[Draft, list[float]]:
         """The retrieval tree below ``match`` (best first, each node's confidence given its parent) and each node's
@@ -244,7 +245,7 @@ def point_masses(tokens: list[int], like: torch.Tensor) -> torch.Tensor:
 class RetrievalSession(DraftSession):
     """One request: where its context's suffix stands in the datastore, and the other drafter's session."""
 
-    def __init__(self, drafter: RetrievalDrafter, inner: DraftSession, prompt: list[int]) -> None:
+    def __init__(self, drafter: RetrievalDrafter, inner: DraftSession) -> None:
         self.drafter = drafter
         self.inner = inner
         self.hidden_layers = inner.hidden_layers
