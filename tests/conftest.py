@@ -13,10 +13,12 @@ from tiny_models import save_tiny, tiny_words
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cost_curves_in_a_temporary_file(tmp_path_factory):
-    """auto's measured cost curves go to a file of this run (subprocesses inherit it), not the user's cache."""
+def caches_in_temporary_files(tmp_path_factory):
+    """auto's measured cost curves and rasd's datastore indexes go to files of this run (subprocesses inherit
+    them), not the user's cache."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDECODE_COST_CURVES", str(tmp_path_factory.mktemp("cost") / "cost-curves.json"))
+        patch.setenv("SPECDECODE_DATASTORES", str(tmp_path_factory.mktemp("datastores")))  # rasd's index cache
         yield
 
 

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -448,14 +449,20 @@ class WrongBranchTree(Drafter):
         return Draft(tokens=wrong + right, parents=parents)  # the wrong chain first, the right one a second root
 
 
+#: ``rasd`` where every drafter is built: a small datastore of the tiny vocabulary's words, English, code and JSON.
+RASD_OPTIONS = {"datastore": str(Path(__file__).with_name("rasd_datastore.jsonl"))}
+
+
 def untrained_drafter_options(target, draft, draft_vocab: int, exit_layer: int) -> dict[str, dict]:
-    """What each drafter that needs trained parts is created with, untrained (greedy output is exact whatever they
-    draft): ``draft`` as the draft model, a Kangaroo adapter at ``exit_layer``, heads drafting ``draft_vocab`` ids."""
+    """What each drafter that needs trained parts (or a datastore) is created with, untrained (greedy output is exact
+    whatever they draft): ``draft`` as the draft model, a Kangaroo adapter at ``exit_layer``, heads drafting
+    ``draft_vocab`` ids, ``rasd`` the tests' datastore."""
     from specdecode.drafters.kangaroo import KangarooAdapter
     from specdecode.heads.medusa import heads_for_target
 
     backend = target.backend
     return {
+        "rasd": RASD_OPTIONS,
         "draft-model": {"draft_model": draft},
         "hsd": {"draft_model": draft},
         "kangaroo": {"adapter": KangarooAdapter.for_backend(backend, exit_layer=exit_layer)},

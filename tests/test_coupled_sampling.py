@@ -14,7 +14,7 @@ import torch
 import specdecode.sampling
 import specdecode.verify.coupled
 import specdecode.verify.exact
-from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, chi2_pvalue, run
+from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, RASD_OPTIONS, BigramLM, V, chain_pvalues, chi2_pvalue, run
 from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.draft_length.factory import make_policy
@@ -304,7 +304,7 @@ def test_every_out_of_the_box_drafter_gives_the_same_tokens(tiny_target, tiny_dr
     sampling = SEEDED[0]
     prompt = PROMPTS[1]
     plain, _ = run(tiny_target, create_drafter("none", tiny_target), prompt, max_new_tokens=NEW, sampling=sampling)
-    options = {"draft-model": {"draft_model": tiny_draft}, "hsd": {"draft_model": tiny_draft}}
+    options = {"draft-model": {"draft_model": tiny_draft}, "hsd": {"draft_model": tiny_draft}, "rasd": RASD_OPTIONS}
     for name in available_drafters():
         if drafter_class(name).needs_training:
             continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import PROMPTS, hf_greedy, run, tiny_gemma3, tiny_qwen2
+from helpers import PROMPTS, RASD_OPTIONS, hf_greedy, run, tiny_gemma3, tiny_qwen2
 from specdecode.config import GenerationConfig
 from specdecode.drafters import available_drafters, create_drafter, drafter_class
 from specdecode.drafters._tree_size import TreeBudget
@@ -21,7 +21,7 @@ from tiny_models import TINY_VOCAB
 def drafters_under_test(target, draft):
     """Every registered drafter that works out of the box (trained ones have their own tests); those
     that need a second model get the tiny draft model."""
-    options = {"draft-model": {"draft_model": draft}, "hsd": {"draft_model": draft}}
+    options = {"draft-model": {"draft_model": draft}, "hsd": {"draft_model": draft}, "rasd": RASD_OPTIONS}
     return {
         name: create_drafter(name, target, **options.get(name, {}))
         for name in available_drafters()

@@ -24,11 +24,11 @@ GROUNDED_PROMPT = (
     "logging:\n  level: info\n  file: /var/log/app.log\n\n"
     "Change the port to 9090 and print the whole updated file."
 )
-# Every drafter that works without a second model or training (those have tests of their own).
+# Every drafter that works without a second model, a datastore or training (those have tests of their own).
 MODEL_FREE = [
     name
     for name in available_drafters()
-    if name not in {"none", "draft-model", "hsd"} and not drafter_class(name).needs_training
+    if name not in {"none", "draft-model", "hsd", "rasd"} and not drafter_class(name).needs_training
 ]
 
 

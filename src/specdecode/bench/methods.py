@@ -92,9 +92,18 @@ def parse_method(text: str) -> MethodSpec:
             k = length.to_json()
         else:
             options[key] = option_value(raw)
-    if takes_draft_model and "draft_model" not in options:
+    if takes_draft_model and "draft_model" not in options and _drafts_with_a_model(name, options):
         raise SpecDecodeError(f"method {spec!r} needs a draft model, e.g. {name}:qwen2.5-coder-0.5b")
     return MethodSpec(drafter=name, k=k, options=tuple(sorted(options.items())), spec=spec)
+
+
+def _drafts_with_a_model(name: str, options: dict[str, Any]) -> bool:
+    """``draft-model`` and ``hsd`` draft with a draft model; a drafter that joins another's drafts (``rasd:with=``)
+    only where that one does."""
+    if "with" not in accepted_options(name):
+        return True
+    joined = options.get("with", MethodSpec(name).option("with_"))
+    return "draft_model" in accepted_options(str(joined))
 
 
 def parse_methods(text: str) -> list[MethodSpec]:

@@ -1,5 +1,6 @@
 """Input-grounded tasks built from the Python standard library's own source, which every machine has (no
-download): ``summarize``, ``rag``, ``edit`` and the session task ``multi-edit``.  They depend on the
+download): ``summarize``, ``rag``, ``edit`` and the session task ``multi-edit``; and ``complete``, whose answers
+copy from a code base the prompt does not contain.  They depend on the
 interpreter's stdlib version, so compare runs on the same Python."""
 
 from __future__ import annotations
@@ -267,4 +268,39 @@ def multi_edit_pool() -> dict[str, list[Prompt]]:
                 f"block.\n\n```python\n{d.source}\n```"
             )
             groups.setdefault("", []).append(Prompt(f"{session}#{step}", text, True, d.source, session))
+    return groups
+
+
+# A code-completion task against a code base the prompt does not contain: the answers copy from the corpus
+# (``specdecode bench --tasks complete --methods ...,rasd:datastore=<stdlib>/asyncio``), which only a drafter
+# that retrieves from it can draft from.
+COMPLETE_PACKAGE = "asyncio"
+COMPLETE_SOURCE_CHARS = (300, 2000)
+
+
+def _header(source: str) -> str:
+    """A function's decorators, signature and docstring: its source up to the end of the docstring."""
+    function = ast.parse(source).body[0]
+    docstring = function.body[0]  # type: ignore[attr-defined]
+    return "\n".join(source.split("\n")[: docstring.end_lineno])
+
+
+def complete_pool() -> dict[str, list[Prompt]]:
+    low, high = COMPLETE_SOURCE_CHARS
+    groups: dict[str, list[Prompt]] = {}
+    for d in _stdlib_definitions():
+        if d.kind != "function" or not d.docstring or not is_clean_source(d.source) or not low <= len(d.source) <= high:
+            continue
+        if d.module.split(".")[0] != COMPLETE_PACKAGE:
+            continue
+        owner, _, _ = d.qualname.rpartition(".")
+        where = f"the class `{d.module}.{owner}`" if owner else f"the module `{d.module}`"
+        text = (
+            f"Complete this function of {where} of the Python standard library: write its body as the standard "
+            f"library does. Reply with the complete function in one Python code block.\n\n"
+            f"```python\n{_header(d.source)}\n```"
+        )
+        groups.setdefault("method" if owner else "function", []).append(
+            Prompt(f"complete/{d.name}", text, False, d.source)
+        )
     return groups

@@ -4,7 +4,9 @@ Four tasks come from prompt sets shipped inside PyPI wheels (:mod:`specdecode.da
 HumanEval, CHAMP, ShareGPT); four input-grounded ones (``summarize``, ``rag``, ``edit``, ``multi-edit``) are
 built from the Python standard library's own source (:mod:`specdecode.data.grounded`); ``longctx-N`` (``longctx``
 for the default lengths), prompts of N tokens from parts of the standard library no other task draws
-(:mod:`specdecode.data.long_context`), chosen by name only.  This module names them, and selects: a seeded,
+(:mod:`specdecode.data.long_context`), chosen by name only; and ``complete``, also by name only: functions of the
+standard library's ``asyncio`` to complete from their signature and docstring, whose bodies a drafter can copy only
+from a datastore of that package (``rasd``).  This module names them, and selects: a seeded,
 category-balanced subset that depends only on the data and the seed.
 
 A *session* task (``multi-edit``) is a sequence of related requests sent one after another — where a
@@ -21,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from specdecode.data.datasets import champ_pool, humaneval_pool, mtbench_pool, sharegpt_pool
-from specdecode.data.grounded import edit_pool, multi_edit_pool, rag_pool, summarize_pool
+from specdecode.data.grounded import complete_pool, edit_pool, multi_edit_pool, rag_pool, summarize_pool
 from specdecode.data.long_context import LONG_CONTEXT_TASK, context_tokens_of, expand, long_context_pool
 from specdecode.data.prompts import Prompt, Task
 from specdecode.errors import SpecDecodeError
@@ -45,23 +47,27 @@ _TASKS: dict[str, _TaskSpec] = {
     "rag": _TaskSpec("rag", rag_pool),
     "edit": _TaskSpec("edit", edit_pool),
     "multi-edit": _TaskSpec("multi-edit", multi_edit_pool),
+    "complete": _TaskSpec("complete", complete_pool),
 }
-#: The tasks a suite runs by default; ``longctx-N`` runs only when named (a prompt of thousands of tokens takes
-#: seconds to read on a CPU).
-TASK_NAMES: tuple[str, ...] = tuple(_TASKS)
+#: Asked for by name only, never in a suite: ``complete`` measures drafting from a corpus the prompt lacks
+#: (``rasd:datastore=``), where every other drafter has nothing to copy; ``longctx-N`` too (a prompt of thousands of
+#: tokens takes seconds to read on a CPU), outside this table.
+OPT_IN_TASKS: tuple[str, ...] = ("complete",)
+#: The tasks a suite runs by default.
+TASK_NAMES: tuple[str, ...] = tuple(name for name in _TASKS if name not in OPT_IN_TASKS)
 GROUNDED_TASKS: tuple[str, ...] = ("summarize", "rag", "edit", "multi-edit")
 SESSION_TASKS: tuple[str, ...] = ("multi-edit",)
 
 
 def known_task(name: str) -> bool:
-    """A name :func:`load_tasks` takes: one of :data:`TASK_NAMES`, ``longctx`` or ``longctx-N`` (a bad N is
-    refused by name)."""
+    """A name :func:`load_tasks` takes: one of :data:`TASK_NAMES` or :data:`OPT_IN_TASKS`, ``longctx`` or
+    ``longctx-N`` (a bad N is refused by name)."""
     return name in _TASKS or name == LONG_CONTEXT_TASK or context_tokens_of(name) is not None
 
 
 def task_choices() -> str:
     """The task names, as an error lists them."""
-    return f"{', '.join(TASK_NAMES)}, {LONG_CONTEXT_TASK}, {LONG_CONTEXT_TASK}-N (prompts of N tokens)"
+    return f"{', '.join(TASK_NAMES + OPT_IN_TASKS)}, {LONG_CONTEXT_TASK}, {LONG_CONTEXT_TASK}-N (prompts of N tokens)"
 
 
 @functools.cache

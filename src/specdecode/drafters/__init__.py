@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import keyword
 import pkgutil
 from typing import TYPE_CHECKING, Any
 
@@ -53,15 +54,26 @@ def drafter_class(name: str) -> type[Drafter]:
     return _REGISTRY[name]
 
 
+def _option(parameter: str) -> str:
+    """The option a constructor parameter takes: a Python keyword (``with``) is a parameter with a trailing
+    underscore (``with_``)."""
+    return parameter[:-1] if parameter.endswith("_") and keyword.iskeyword(parameter[:-1]) else parameter
+
+
+def _parameter(option: str) -> str:
+    return f"{option}_" if keyword.iskeyword(option) else option
+
+
 def accepted_options(name: str) -> frozenset[str]:
     """The options drafter ``name`` takes (its constructor's keyword arguments)."""
-    return frozenset(inspect.signature(drafter_class(name).__init__).parameters) - {"self", "target"}
+    parameters = set(inspect.signature(drafter_class(name).__init__).parameters) - {"self", "target"}
+    return frozenset(_option(parameter) for parameter in parameters)
 
 
 def check_drafter_options(name: str, **options: Any) -> dict[str, Any]:
     """The given (non-None) options, after checking that drafter ``name`` exists and takes them all:
     an option it does not take is an error, not silently ignored.  Cheap: call it before loading models."""
-    given = {key: value for key, value in options.items() if value is not None}
+    given = {_option(key): value for key, value in options.items() if value is not None}
     unknown = sorted(set(given) - accepted_options(name))
     if unknown:
         pretty = ", ".join(opt.replace("_", "-") for opt in unknown)
@@ -71,7 +83,8 @@ def check_drafter_options(name: str, **options: Any) -> dict[str, Any]:
 
 def create_drafter(name: str, target: LoadedModel, **options: Any) -> Drafter:
     """Build drafter ``name`` for ``target`` (options as in :func:`check_drafter_options`)."""
-    return drafter_class(name)(target, **check_drafter_options(name, **options))
+    given = check_drafter_options(name, **options)
+    return drafter_class(name)(target, **{_parameter(key): value for key, value in given.items()})
 
 
 __all__ = [

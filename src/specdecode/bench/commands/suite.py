@@ -34,8 +34,9 @@ class BenchSuite(Benchmark):
             "model": "target model: registry short name, local dir or .gguf",
             "methods": "comma-separated drafter specs, e.g. none,pld:k=6,draft-model:M:k=4",
             "tasks": "comma-separated tasks (mt-bench,humaneval,champ,sharegpt,summarize,rag,edit,multi-edit); "
-            "multi-edit is a session: related requests in a row, timed as a whole; longctx (only when named): "
-            "long code and documents cut to --long-context-tokens, or longctx-N for N tokens",
+            "multi-edit is a session: related requests in a row, timed as a whole; by name only: complete (stdlib "
+            "asyncio functions to complete, for rasd:datastore=<stdlib>/asyncio), longctx (long code and documents "
+            "cut to --long-context-tokens, or longctx-N for N tokens)",
             "long_context_tokens": Flag(
                 metavar="N,N,...",
                 help="the prompt lengths in tokens the longctx task is run at, one task longctx-N each "
