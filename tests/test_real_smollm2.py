@@ -135,3 +135,17 @@ def test_random_trees_on_bf16_smollm2_give_every_node_its_branch_fed_alone():
         parents = [rng.choice([-1, *range(i)]) if rng.random() < 0.5 else i - 1 for i in range(size)]
         draft = Draft([rng.randrange(1, backend.vocab_size) for _ in range(size)], parents=parents)
         assert_tree_nodes_get_their_branch_fed_alone(backend, context, draft)
+
+
+def test_the_shipped_eagle_head_drafts_without_training_and_changes_nothing(smollm2, reference):
+    """``--drafter eagle`` on a fresh machine: the head shipped in the package is found, its drafts are accepted
+    (an untrained head's almost never are) and the output is plain decoding's."""
+    from specdecode.heads.files import shipped_head
+    from specdecode.heads.storage import HEAD_DIR
+
+    assert shipped_head("smollm2-135m", HEAD_DIR) is not None
+    generator = SpeculativeGenerator.build(smollm2, "eagle", tree_nodes=0, lookup=False)
+    prompt = PROMPTS[0]
+    result = generator.generate(prompt, chat=True, max_new_tokens=DRAFTER_TOKENS, ignore_eos=True, num_draft_tokens=3)
+    assert result.token_ids == reference(generator.encode_prompt(prompt, chat=True))
+    assert result.stats.accepted_tokens > 0
