@@ -34,17 +34,18 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources, copy_draft
+from specdecode.drafters._head_session import HeadSession
+from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.files import head_directory
 from specdecode.heads.storage import HEAD_DIR, load_eagle, target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
-from specdecode.types import Draft, StepFeedback
+from specdecode.types import Draft
 
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
 #: SmolLM2-135M spends roughly a quarter to a third of a plain step drafting).
@@ -114,7 +115,7 @@ class _Node:
     slot: int = -1  # head cache position once expanded
 
 
-class EagleSession(DraftSession):
+class EagleSession(HeadSession):
     """One request: the head's cache of it and the target features not yet fed to the head."""
 
     def __init__(self, drafter: EagleDrafter, request: DraftRequest) -> None:
@@ -130,31 +131,6 @@ class EagleSession(DraftSession):
         self.pending: list[torch.Tensor] = []  # target features of the positions after those
         self._last: torch.Tensor | None = None  # the head output at the last committed position
         self.sources = NodeSources()  # of the last greedy draft
-
-    def observe_prompt(self, hidden: torch.Tensor) -> None:
-        self.pending.append(hidden)
-
-    def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        self.sources.learn(feedback, self.drafter.calibration, self.drafter.lookup.calibration)
-        if feedback.target_hidden is not None:
-            self.pending.append(feedback.target_hidden[feedback.accepted_rows])
-
-    @torch.inference_mode()
-    def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self.sources = NodeSources()
-        if max_tokens <= 0:
-            return Draft(tokens=[])
-        tree = self.sampling.greedy and self.drafter.budget.drafts_trees
-        copy = self.drafter.lookup.copy(context, max_tokens) if tree else Copy()
-        if self.drafter.lookup.alone(copy):  # the head catches up on the features later, in one call
-            self.sources = NodeSources.of_copy(copy)
-            return copy_draft(copy)
-        root = self._catch_up(context)
-        if root is None:
-            return Draft(tokens=[])
-        if tree:
-            return self._tree(root, context, max_tokens, copy)
-        return self._chain(root, len(context), max_tokens)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor | None:
         """Feed every position whose target feature is now known (all but the last context token) and
@@ -203,8 +179,8 @@ class EagleSession(DraftSession):
     def backend_vocab(self) -> int:
         return self.head.config.target_vocab_size
 
-    def _tree(self, root: torch.Tensor, context: list[int], max_depth: int, copy: Copy) -> Draft:
-        top_k, length = self.drafter.top_k, len(context)
+    def _tree(self, root: torch.Tensor, length: int, max_depth: int, copy: Copy) -> Draft:
+        top_k = self.drafter.top_k
         nodes: list[_Node] = []
         frontier = self._children(root[None], [-1], nodes, depth=1)
         # Grafted before the head grows its tree, so that the budget weighs the head's nodes against the lookup's.

@@ -31,10 +31,11 @@ from typing import ClassVar
 import torch
 
 from specdecode.drafters import register_drafter
-from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources, copy_draft
+from specdecode.drafters._head_session import HeadSession
+from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.heads.falcon import HEAD_DIR, FalconHead, load_falcon
@@ -42,7 +43,7 @@ from specdecode.heads.files import head_directory
 from specdecode.heads.storage import target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
-from specdecode.types import Draft, StepFeedback
+from specdecode.types import Draft
 
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees: EAGLE's
 #: (its head is the same layer), which Falcon's fewer passes can only lower.
@@ -110,7 +111,7 @@ class _Node:
     row: int = -1
 
 
-class FalconSession(DraftSession):
+class FalconSession(HeadSession):
     """One request: the head's cache of it, the target features not yet fed, and the last committed block's
     features and outputs (fed again when new rows join that block; the outputs start every draft)."""
 
@@ -130,31 +131,6 @@ class FalconSession(DraftSession):
         self.tail: torch.Tensor | None = None  # the target features of the last ``block`` committed rows
         self._root: torch.Tensor | None = None  # the head's outputs at the last committed block
         self.sources = NodeSources()  # of the last greedy draft
-
-    def observe_prompt(self, hidden: torch.Tensor) -> None:
-        self.pending.append(hidden)
-
-    def observe(self, context: list[int], feedback: StepFeedback) -> None:
-        self.sources.learn(feedback, self.drafter.calibration, self.drafter.lookup.calibration)
-        if feedback.target_hidden is not None:
-            self.pending.append(feedback.target_hidden[feedback.accepted_rows])
-
-    @torch.inference_mode()
-    def propose(self, context: list[int], max_tokens: int) -> Draft:
-        self.sources = NodeSources()
-        if max_tokens <= 0:
-            return Draft(tokens=[])
-        tree = self.sampling.greedy and self.drafter.budget.drafts_trees
-        copy = self.drafter.lookup.copy(context, max_tokens) if tree else Copy()
-        if self.drafter.lookup.alone(copy):  # the head catches up on the features later, in one call
-            self.sources = NodeSources.of_copy(copy)
-            return copy_draft(copy)
-        root = self._catch_up(context)
-        if root is None:
-            return Draft(tokens=[])
-        if tree:
-            return self._tree(root, len(context), max_tokens, copy)
-        return self._chain(root, len(context), max_tokens)
 
     def _catch_up(self, context: list[int]) -> torch.Tensor | None:
         """Feed every row whose target feature is now known (all but the last context token) and return the
