@@ -32,7 +32,7 @@ from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.ctc import HEAD_DIR, CTCHead, load_ctc
 from specdecode.heads.files import head_directory
-from specdecode.heads.storage import target_mismatch, to_backend
+from specdecode.heads.storage import refuse_other_target, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
@@ -61,13 +61,7 @@ class CTCDrafter(Drafter):
             loaded = head
         else:
             loaded = load_ctc(head_directory(head, target.name, HEAD_DIR, "ctc", "a head", "head"))
-        mismatch = target_mismatch(loaded.config, self.backend, target.backend.vocab_size)
-        if mismatch is not None:
-            (d, layers, vocab), (own_d, own_layers, own_vocab) = mismatch
-            raise SpecDecodeError(
-                f"ctc: the head is for a target with d={d}, {layers} layers and {vocab} tokens; "
-                f"{target.name!r} has d={own_d}, {own_layers} layers and {own_vocab} tokens"
-            )
+        refuse_other_target("ctc", loaded.config, self.backend, target.backend.vocab_size, target.name)
         self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)

@@ -42,7 +42,7 @@ from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.files import head_directory
-from specdecode.heads.storage import HEAD_DIR, load_eagle, target_mismatch, to_backend
+from specdecode.heads.storage import HEAD_DIR, load_eagle, refuse_other_target, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft
@@ -79,7 +79,7 @@ class EagleDrafter(Drafter):
         self.window = window
         tree_nodes = check_tree_nodes("eagle", tree_nodes)
         loaded = head if isinstance(head, EagleHead) else self._load(target, head)
-        self._check(loaded, target)
+        refuse_other_target("eagle", loaded.config, self.backend, target.backend.vocab_size, target.name)
         self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
@@ -91,15 +91,6 @@ class EagleDrafter(Drafter):
     def _load(target: LoadedModel, head: str | None) -> EagleHead:
         path = head_directory(head, target.name, HEAD_DIR, "eagle", "a head", "head")
         return load_eagle(path, target_num_layers=target.backend.num_layers)
-
-    def _check(self, head: EagleHead, target: LoadedModel) -> None:
-        mismatch = target_mismatch(head.config, self.backend, target.backend.vocab_size)
-        if mismatch is not None:
-            (d, layers, vocab), (own_d, own_layers, own_vocab) = mismatch
-            raise SpecDecodeError(
-                f"eagle: the head is for a target with d={d}, {layers} layers and {vocab} tokens; "
-                f"{target.name!r} has d={own_d}, {own_layers} layers and {own_vocab} tokens"
-            )
 
     def session(self, request: DraftRequest) -> EagleSession:
         return EagleSession(self, request)

@@ -40,7 +40,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.heads.falcon import HEAD_DIR, FalconHead, load_falcon
 from specdecode.heads.files import head_directory
-from specdecode.heads.storage import target_mismatch, to_backend
+from specdecode.heads.storage import refuse_other_target, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft
@@ -74,13 +74,7 @@ class FalconDrafter(Drafter):
             loaded = head
         else:
             loaded = load_falcon(head_directory(head, target.name, HEAD_DIR, "falcon", "a head", "head"))
-        mismatch = target_mismatch(loaded.config, self.backend, target.backend.vocab_size)
-        if mismatch is not None:
-            (d, layers, vocab), (own_d, own_layers, own_vocab) = mismatch
-            raise SpecDecodeError(
-                f"falcon: the head is for a target with d={d}, {layers} layers and {vocab} tokens; "
-                f"{target.name!r} has d={own_d}, {own_layers} layers and {own_vocab} tokens"
-            )
+        refuse_other_target("falcon", loaded.config, self.backend, target.backend.vocab_size, target.name)
         self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)

@@ -273,3 +273,15 @@ def target_mismatch(config: TargetShape, backend: HiddenStates, vocab_size: int)
     head = (config.hidden_size, config.target_num_layers, config.target_vocab_size)
     own = (backend.hidden_size, backend.num_layers, vocab_size)
     return None if head == own else (head, own)
+
+
+def refuse_other_target(drafter: str, config: TargetShape, backend: HiddenStates, vocab_size: int, name: str) -> None:
+    """Raise, in the words of a one-head drafter (``eagle``, ``falcon``, ``ctc``), if the head was trained for a
+    target of another shape than ``backend`` (the model ``name``)."""
+    mismatch = target_mismatch(config, backend, vocab_size)
+    if mismatch is not None:
+        (d, layers, vocab), (own_d, own_layers, own_vocab) = mismatch
+        raise SpecDecodeError(
+            f"{drafter}: the head is for a target with d={d}, {layers} layers and {vocab} tokens; "
+            f"{name!r} has d={own_d}, {own_layers} layers and {own_vocab} tokens"
+        )
