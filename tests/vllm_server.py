@@ -4,7 +4,6 @@ is skipped, saying how to make the venv, where vLLM is not installed.  Starting 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from specdecode.bench.serve import speculation_counters
+from specdecode.bench.serve_client import metrics_text
 from specdecode.generator import SpeculativeGenerator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,13 +79,9 @@ def assert_greedy_texts_equal_ours(url: str, smollm2, prompts: list[str], new_to
         assert reply.choices[0].message.content == expected.text, prompt
 
 
-def spec_decode_counter(url: str, name: str) -> float:
-    """vLLM's speculation counter ``vllm:spec_decode_{name}_total`` at ``url``."""
-    metrics = httpx.get(f"{url}/metrics", timeout=10, trust_env=False).text
-    found = re.search(rf"^vllm:spec_decode_{name}_total(?:\{{[^}}]*\}})? (\S+)$", metrics, re.MULTILINE)
-    assert found, f"vLLM exposes no spec_decode_{name}_total: is speculation on?"
-    return float(found.group(1))
-
-
 def accepted_tokens(url: str) -> float:
-    return spec_decode_counter(url, "num_accepted_tokens")
+    """vLLM's count of accepted draft tokens at ``url``, read as ``bench serve`` reads it."""
+    name = "spec_decode_num_accepted_tokens_total"
+    counters = speculation_counters(metrics_text(url))
+    assert name in counters, f"vLLM exposes no {name}: is speculation on?"
+    return counters[name]
