@@ -483,16 +483,18 @@ def random_heads(backend, kind: str, draft_vocab: int, seed: int = 0, num_heads:
 
 
 def assert_head_drafter_samples_exactly(
-    model: BigramFeatures, table: torch.Tensor, drafter, draws: int = DRAWS
+    model: BigramFeatures, table: torch.Tensor, drafter, draws: int = DRAWS, verifier: str = "exact"
 ) -> None:
-    """Rejection sampling with a head-based ``drafter`` on the bigram toy: every (position in step, previous
-    token) stratum of ``draws`` tokens fits the target's processed distribution, and drafts were accepted."""
-    pvalues = head_drafter_pvalues(model, table, drafter, draws)
+    """Rejection sampling (or ``verifier``) with a head-based ``drafter`` on the bigram toy: every (position in step,
+    previous token) stratum of ``draws`` tokens fits the target's processed distribution, and drafts were accepted."""
+    pvalues = head_drafter_pvalues(model, table, drafter, draws, verifier)
     assert len(pvalues) >= 8
     assert min(pvalues) > PASS_P / len(pvalues), pvalues
 
 
-def head_drafter_pvalues(model: BigramFeatures, table: torch.Tensor, drafter, draws: int) -> list[float]:
+def head_drafter_pvalues(
+    model: BigramFeatures, table: torch.Tensor, drafter, draws: int, verifier: str = "exact"
+) -> list[float]:
     """The chi-square p-values of :func:`assert_head_drafter_samples_exactly`'s strata (drafts must be accepted):
     what a broken drafter's control shows failing."""
     from specdecode.sampling import sampling_probs
@@ -502,7 +504,7 @@ def head_drafter_pvalues(model: BigramFeatures, table: torch.Tensor, drafter, dr
     produced, seed = 0, 0
     while produced < draws:
         params = SamplingParams(0.9, 4, seed=seed, coupled=False)  # coupling would bypass rejection sampling
-        config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=params)
+        config = GenerationConfig(max_new_tokens=500, num_draft_tokens=3, sampling=params, verifier=verifier)
         previous = 0
         for chunk in speculative_decode(model, drafter, [0, 1], config):
             for position, token in enumerate(chunk):

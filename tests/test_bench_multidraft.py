@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.bench import multidraft
+from specdecode.bench import multidraft, multidraft_prompts
 from specdecode.cli import main
 from specdecode.types import Draft
 from specdecode.verify.rejection import rejection_level
@@ -57,3 +57,28 @@ def test_the_command_writes_the_table_and_refuses_bad_flags(tmp_path, capsys):
     assert main(["bench", "multidraft", "--drafts", "0", "--out", str(tmp_path)]) == 2
     assert main(["bench", "multidraft", "--noise", "-1", "--out", str(tmp_path)]) == 2
     assert "--noise must be a number >= 0" in capsys.readouterr().err
+
+
+def test_with_a_model_flags_of_the_toy_are_refused_and_the_tree_is_full(capsys, tmp_path):
+    out = ["--out", str(tmp_path)]
+    assert main(["bench", "--model", "smollm2-135m", "multidraft", "--vocab", "5", *out]) == 2
+    assert "unknown setting(s): vocab" in capsys.readouterr().err
+    assert main(["bench", "multidraft", "--trials", "3", *out]) == 2  # --trials is for --model
+    assert main(["bench", "--model", "smollm2-135m", "multidraft", "--trials", "0", *out]) == 2
+    assert "--trials must be a positive integer" in capsys.readouterr().err
+    assert multidraft_prompts.tree_nodes(4, 3) == 4 + 16 + 64
+
+
+@pytest.mark.real_model
+def test_on_real_prompts_every_verifier_is_judged_on_the_same_steps(tmp_path):
+    """The shipped EAGLE head drafts 2 i.i.d. tokens per node on smollm2-135m; each step is judged by all three."""
+    settings = multidraft_prompts.resolve_settings(
+        model="smollm2-135m", tasks="mt-bench,humaneval", max_new_tokens=12, drafts="2", depth=2, trials=4,
+        out=str(tmp_path),
+    )  # fmt: skip
+    results = multidraft_prompts.measure_prompt_multidraft(settings, progress=False)
+    (cell,) = results["cells"]
+    assert cell["steps"] > 0 and cell["tokens"] >= 12
+    for verifier in multidraft.VERIFIERS:
+        assert 1.0 <= cell[verifier]["tokens_per_step"] <= 3.0
+    assert "| 2 | 0.8 |" in (tmp_path / "results.md").read_text()

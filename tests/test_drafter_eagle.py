@@ -8,13 +8,16 @@ import json
 import pytest
 import torch
 
+import specdecode.drafters.eagle
 from helpers import (
     DRAWS,
+    FAIL_P,
     PROMPTS,
     BigramFeatures,
     V,
     assert_head_drafter_samples_exactly,
     assert_one_line_error,
+    head_drafter_pvalues,
     hf_greedy,
     random_eagle_head,
     run,
@@ -23,11 +26,13 @@ from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.config import GenerationConfig
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
+from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.heads.storage import load_eagle, save_eagle
 from specdecode.models.loading import LoadedModel
+from specdecode.sampling_params import SamplingParams
 from specdecode.train.eagle import compute_features, make_windows, unrolled_logits
 
 
@@ -186,3 +191,42 @@ def test_sampling_with_a_head_reproduces_the_target_distribution():
     head = random_eagle_head(model, V - 1, seed=1)  # one token is never drafted: output must not change
     drafter = EagleDrafter(target, head=head)
     assert_head_drafter_samples_exactly(model, table, drafter, draws=DRAWS // 2)  # eagle drafts slowest
+
+
+def bigram_eagle(**options) -> tuple[BigramFeatures, torch.Tensor, EagleDrafter]:
+    g = torch.Generator().manual_seed(3)
+    table = 2.0 * torch.randn(V, V, generator=g)
+    model = BigramFeatures(table)
+    target = LoadedModel(name="bigram", backend=model, tokenizer=None)
+    head = random_eagle_head(model, V - 1, seed=1)  # one token is never drafted: output must not change
+    return model, table, EagleDrafter(target, head=head, **options)
+
+
+def test_iid_sampled_trees_reproduce_the_target_distribution():
+    """``samples=2``: two i.i.d. draws under every node (a tree of 2 + 4 nodes), verified by ``spectr``, which reads
+    such nodes with its own plan (recursive rejection sampling of i.i.d. siblings: tests/test_multidraft_verify.py)."""
+    model, table, drafter = bigram_eagle(samples=2, tree_nodes=6)
+    assert_head_drafter_samples_exactly(model, table, drafter, draws=DRAWS // 2, verifier="spectr")
+
+
+def test_iid_siblings_share_one_distribution_row_and_fill_whole_levels():
+    model, _, drafter = bigram_eagle(samples=3, tree_nodes=12)
+    session = drafter.session(DraftRequest(prompt_ids=(0, 1), sampling=SamplingParams(temperature=0.9)))
+    session.observe_prompt(torch.cat([model.vectors[[0]]] * len(session.hidden_layers), dim=-1))
+    draft = session.propose([0, 1], max_tokens=4)
+    assert draft.parents == [-1, -1, -1, 0, 0, 0, 1, 1, 1, 2, 2, 2]  # a third level (27 more) would not fit 12
+    for first in range(0, 12, 3):
+        assert all(torch.equal(draft.probs[first], draft.probs[first + i]) for i in (1, 2))
+
+
+def test_a_sampled_tree_drawn_from_other_distributions_than_it_reports_fails_the_same_test(monkeypatch):
+    """The control: the siblings are drawn from the head's distribution sharpened, but the draft reports the head's own
+    (as a drafter would that forgot the temperature); the verifier then keeps too many likely tokens."""
+    real = specdecode.drafters.eagle.iid_draws
+
+    def from_sharpened(probs, samples, generator):
+        return real(probs**2 / (probs**2).sum(-1, keepdim=True), samples, generator)
+
+    monkeypatch.setattr(specdecode.drafters.eagle, "iid_draws", from_sharpened)
+    model, table, drafter = bigram_eagle(samples=2, tree_nodes=6)
+    assert min(head_drafter_pvalues(model, table, drafter, DRAWS // 4, "spectr")) < FAIL_P

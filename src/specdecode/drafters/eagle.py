@@ -14,8 +14,10 @@ they form a tree): ``tree_nodes`` of them, or by default as many as pay for thei
 "Likely" is the product of the head's probabilities along the path, each calibrated online against what
 verification accepted (EAGLE-2 uses them raw; a head trained on a CPU budget is overconfident). Sampled
 requests draft a chain sampled from the head's distribution (returned with the draft, so rejection sampling
-stays exact); so do greedy ones with ``tree_nodes=0``. Tokens outside the head's draft vocabulary are never
-drafted, which cannot change the output.
+stays exact); so do greedy ones with ``tree_nodes=0``. With ``samples=k`` a sampled request drafts a tree instead:
+k i.i.d. draws from the head at every node, level by level while the whole next level fits ``tree_nodes`` (the
+drafts SpecTr and optimal multi-draft verification are built for: ``spectr``, ``optimal-md``).  Tokens outside
+the head's draft vocabulary are never drafted, which cannot change the output.
 
 A greedy tree also gets prompt lookup's continuation as one more branch (``lookup``, on by default; see
 :mod:`specdecode.drafters._lookup_graft`): the head guesses, the lookup copies, one forward verifies both.  A
@@ -45,6 +47,7 @@ from specdecode.heads.files import head_directory
 from specdecode.heads.storage import HEAD_DIR, load_eagle, refuse_other_target, to_backend
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
+from specdecode.sampling import sampling_probs
 from specdecode.types import Draft
 
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
@@ -67,6 +70,7 @@ class EagleDrafter(Drafter):
         tree_nodes: int | str = "auto",
         lookup: bool | str = True,
         window: int = 0,
+        samples: int = 1,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
@@ -76,7 +80,10 @@ class EagleDrafter(Drafter):
             raise SpecDecodeError(
                 f"eagle: window must be 0 (the whole context) or a number of positions, got {window!r}"
             )
+        if not isinstance(samples, int) or isinstance(samples, bool) or samples < 1:
+            raise SpecDecodeError(f"eagle: samples must be a positive integer, got {samples!r}")
         self.window = window
+        self.samples = samples
         tree_nodes = check_tree_nodes("eagle", tree_nodes)
         loaded = head if isinstance(head, EagleHead) else self._load(target, head)
         refuse_other_target("eagle", loaded.config, self.backend, target.backend.vocab_size, target.name)
@@ -94,6 +101,11 @@ class EagleDrafter(Drafter):
 
     def session(self, request: DraftRequest) -> EagleSession:
         return EagleSession(self, request)
+
+
+def iid_draws(probs: torch.Tensor, samples: int, generator: torch.Generator) -> torch.Tensor:
+    """[n, samples] token ids: ``samples`` independent draws (with replacement) from each row of ``probs``."""
+    return torch.multinomial(probs, samples, replacement=True, generator=generator)
 
 
 @dataclass
@@ -148,6 +160,8 @@ class EagleSession(HeadSession):
         return torch.log_softmax(self.head.logits(hidden), dim=-1)
 
     def _chain(self, hidden: torch.Tensor, length: int, max_tokens: int) -> Draft:
+        if self.drafter.samples > 1 and not self.sampling.greedy:
+            return self._sampled_tree(hidden, length, max_tokens)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         confidence: list[float] = []
@@ -165,6 +179,38 @@ class EagleSession(HeadSession):
             position = torch.tensor([length + depth], device=hidden.device)
             hidden = self.head.extend(hidden[None], embeds, position, self.cache)[0]
         return Draft(tokens, probs=torch.stack(rows) if rows else None, confidence=confidence)
+
+    def _sampled_tree(self, root: torch.Tensor, length: int, max_depth: int) -> Draft:
+        """``samples`` i.i.d. draws from the head's distribution under every node, one head call per level; every
+        sibling reports the same distribution row, which is what tells the verifier that they are i.i.d."""
+        samples, max_nodes = self.drafter.samples, self.drafter.budget.max_nodes
+        nodes: list[_Node] = []
+        rows: list[torch.Tensor] = []
+        parents, outputs = [-1], root[None]
+        for depth in range(1, max_depth + 1):
+            if len(nodes) + len(parents) * samples > max_nodes and nodes:
+                break
+            logits = self.head.logits(outputs)
+            full = logits.new_full((len(parents), self.backend_vocab), float("-inf"))
+            full[:, self.drafter.target_ids] = logits
+            probs = sampling_probs(full.float(), self.sampling).cpu()
+            draws = iid_draws(probs, samples, self.generator).tolist()
+            level = []
+            for row, parent in enumerate(parents):
+                for token in draws[row]:
+                    level.append(len(nodes))
+                    rows.append(probs[row])
+                    nodes.append(_Node(token, parent, 1.0, float(probs[row, token]), outputs[row]))
+            if depth == max_depth:
+                break
+            outputs = self._expand(level, nodes, length + depth - 1)
+            parents = level
+        return Draft(
+            [n.token for n in nodes],
+            probs=torch.stack(rows),
+            parents=[n.parent for n in nodes],
+            confidence=[n.confidence for n in nodes],
+        )
 
     @property
     def backend_vocab(self) -> int:
