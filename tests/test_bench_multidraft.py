@@ -81,4 +81,5 @@ def test_on_real_prompts_every_verifier_is_judged_on_the_same_steps(tmp_path):
     assert cell["steps"] > 0 and cell["tokens"] >= 12
     for verifier in multidraft.VERIFIERS:
         assert 1.0 <= cell[verifier]["tokens_per_step"] <= 3.0
+        assert cell["root_acceptance"][verifier] <= cell["root_acceptance"]["optimum"] + 1e-9
     assert "| 2 | 0.8 |" in (tmp_path / "results.md").read_text()

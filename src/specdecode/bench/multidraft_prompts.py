@@ -6,7 +6,9 @@ rejection sampling (``exact``, uncoupled) verifies them and so decides the text.
 goes on, each verifier — recursive rejection sampling, ``spectr``, ``optimal-md`` — verifies that same draft against
 that same target output ``--trials`` times with fresh random draws, and the tokens it would have emitted (accepted +
 1) are averaged: its tokens per step on those drafts.  The verifiers differ only in their own decisions; what is left
-is the trials' noise, reported as a standard error of the difference to rejection sampling (paired by step).
+is the trials' noise, reported as a standard error of the difference to rejection sampling (paired by step).  At
+each step's first node the probability that each verifier keeps one of the k drafts is also computed in closed form
+from the two distributions, beside alpha*, the most any lossless verifier can keep: how much room there was.
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ from tqdm import tqdm
 
 from specdecode.bench import common
 from specdecode.bench.methods import parse_int_list
-from specdecode.bench.multidraft import VERIFIERS, parse_temperatures
+from specdecode.bench.multidraft import VERIFIERS, parse_temperatures, rejection_kept
 from specdecode.data.tasks import TASK_NAMES, load_tasks
 from specdecode.drafters.base import DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import load_model
+from specdecode.sampling import sampling_probs
 from specdecode.sampling_params import SamplingParams
 from specdecode.threads import fixed_threads
 from specdecode.types import Draft, StepFeedback
 from specdecode.verify.base import TargetRows
+from specdecode.verify.optimal_md import OptimalOptions, TransportPlan, optimal_acceptance
 from specdecode.verify.registry import VerifierChoice
+from specdecode.verify.spectr import KSequential
 
 #: How each verifier of :data:`VERIFIERS` is asked for: recursive rejection sampling is ``exact`` without coupling.
 CHOICES = {"rejection": "exact", "spectr": "spectr", "optimal-md": "optimal-md"}
@@ -84,8 +89,24 @@ def tree_nodes(k: int, depth: int) -> int:
     return sum(k**level for level in range(1, depth + 1))
 
 
+def root_acceptance(p: np.ndarray, q: np.ndarray, k: int) -> dict[str, float]:
+    """At a node of k i.i.d. drafts from q under target p: the probability that each verifier keeps one of them
+    (in expectation over the draws, closed form) and alpha*, the most any lossless verifier can.  ``optimal-md`` as
+    the verifier runs it: its programme over the tokens it can afford, or K-SEQ where that keeps more."""
+    spectr = KSequential.solve(p, q, k).acceptance
+    plan = TransportPlan.solve(p, q, k, OptimalOptions().max_multisets)
+    optimal = plan.acceptance if plan.complete else max(plan.acceptance, spectr)
+    return {
+        "rejection": float(rejection_kept(p, q, k).sum()),
+        "spectr": spectr,
+        "optimal-md": optimal,
+        "optimum": optimal_acceptance(p, q, k),
+    }
+
+
 class TokensPerStep:
-    """Each verifier's tokens per step on the drafts of one decode: ``trials`` verifications of every step."""
+    """Each verifier's tokens per step on the drafts of one decode: ``trials`` verifications of every step; and at
+    each step's first node, the closed-form acceptances of :func:`root_acceptance`."""
 
     def __init__(self, sampling: SamplingParams, trials: int, seed: int) -> None:
         self.sampling = sampling
@@ -93,12 +114,18 @@ class TokensPerStep:
         self.generator = torch.Generator().manual_seed(seed)
         self.choices = {name: VerifierChoice(CHOICES[name]) for name in VERIFIERS}
         self.steps: dict[str, list[float]] = {name: [] for name in VERIFIERS}
+        self.roots: dict[str, list[float]] = {name: [] for name in (*VERIFIERS, "optimum")}
 
     def judge(self, draft: Draft, target_logits: torch.Tensor) -> None:
         rows = TargetRows(target_logits, self.sampling, generator=self.generator)
         for name, choice in self.choices.items():
             emitted = [len(choice.verify(rows, draft).path) + 1 for _ in range(self.trials)]
             self.steps[name].append(float(np.mean(emitted)))
+        first = [node for node, parent in enumerate(draft.parent_list) if parent == -1]
+        p = sampling_probs(rows.processed_logits[0].float(), self.sampling).double().numpy()
+        q = draft.probs[first[0]].double().numpy()
+        for name, value in root_acceptance(p / p.sum(), q / q.sum(), len(first)).items():
+            self.roots[name].append(value)
 
 
 class JudgedSession(DraftSession):
@@ -146,6 +173,7 @@ def measure_cell(target: Any, prompts: list[list[int]], settings: PromptMultidra
         bar.update()
     steps = {name: np.array(values) for name, values in judge.steps.items()}
     cell: dict[str, Any] = {"drafts": k, "temperature": t, "steps": len(steps["rejection"]), "tokens": tokens}
+    cell["root_acceptance"] = {name: float(np.mean(values)) for name, values in judge.roots.items()}
     for name in VERIFIERS:
         gain = steps[name] - steps["rejection"]
         cell[name] = {
@@ -198,8 +226,8 @@ def markdown(results: dict[str, Any]) -> str:
         "difference.",
         "",
         "| k | temperature | steps | tokens per step: rejection / spectr / optimal-md | spectr over rejection "
-        "| optimal-md over rejection |",
-        "|---|---|---|---|---|---|",
+        "| optimal-md over rejection | first node's acceptance: rejection / spectr / optimal-md / alpha* |",
+        "|---|---|---|---|---|---|---|",
     ]
     for cell in results["cells"]:
         per_step = " / ".join(f"{cell[v]['tokens_per_step']:.3f}" for v in VERIFIERS)

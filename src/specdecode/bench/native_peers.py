@@ -110,7 +110,10 @@ def llamacpp_run(model: str, threads: int, draft: str | None = None, lookup: dic
         drafter = _LlamaDraft(_llama(draft, threads), (lookup or {}).get("num_pred_tokens", 5))
     elif lookup is not None:
         drafter = LlamaPromptLookupDecoding(**lookup)
-    llm: Llama = _llama(model, threads, draft_model=drafter)
+    # With a draft model llama-cpp-python keeps logits for every token but sizes their array by ``logits_all``
+    # (one batch of rows unless it is set): a prompt longer than a batch (512 tokens) then fails to evaluate.
+    options = {"draft_model": drafter, "logits_all": True} if drafter is not None else {}
+    llm: Llama = _llama(model, threads, **options)
 
     def run(prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
         start = time.perf_counter()

@@ -40,6 +40,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     add_falcon_command(methods)
     add_ctc_command(methods)
     add_judge_command(methods)
+    add_draft_command(methods)
 
 
 def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> None:
@@ -167,3 +168,38 @@ def add_export_command(subparsers: argparse._SubParsersAction) -> None:
         help="precision of the written weights (bf16: half the file; the drafter runs in the target's precision)",
     )
     eagle.set_defaults(run=Deferred("specdecode.train.export:export_eagle"))
+
+
+def add_draft_command(methods: argparse._SubParsersAction) -> None:
+    draft = methods.add_parser(
+        "draft", help="distil a draft model into the target (DistillSpec): a better --draft-model for it"
+    )
+    draft.add_argument("--model", default=DEFAULT_MODEL, help="the target: registry short name, local dir or .gguf")
+    draft.add_argument("--draft", required=True, help="the draft model (same vocabulary as the target)")
+    draft.add_argument("--prompts", type=int, default=96, help="training prompts, spread over --tasks")
+    draft.add_argument("--tasks", default=DEFAULT_TASKS, help="benchmark tasks to take those prompts from")
+    draft.add_argument("--new-tokens", type=int, default=128, help="tokens of each answer")
+    draft.add_argument("--max-prompt-tokens", type=int, default=384, help="prompts are cut to their last N tokens")
+    draft.add_argument(
+        "--data",
+        choices=("target", "draft"),
+        default="target",
+        help="whose answers: the target's greedy ones (the contexts greedy verification sees; Direct Alignment's "
+        "recipe on chat prompts) or the draft's own samples scored by the target (on-policy, DistillSpec)",
+    )
+    draft.add_argument(
+        "--divergence",
+        choices=("fkl", "rkl", "tvd"),
+        default="fkl",
+        help="forward KL, reverse KL or total variation between the target's and the draft's distributions",
+    )
+    draft.add_argument(
+        "--lora-rank", type=int, default=16, help="LoRA rank on every linear layer (0: full fine-tuning)"
+    )
+    draft.add_argument("--quantize", choices=("none", "int8", "int4", "bf16", "w4a8"), default="none",
+                       help="the target's weights, as it will verify (the teacher is that model)")  # fmt: skip
+    draft.add_argument("--epochs", type=int, default=2)
+    draft.add_argument("--lr", type=float, default=2e-4)
+    draft.add_argument("--seed", type=int, default=0)
+    draft.add_argument("--out", help="the trained draft's directory (default: next to the cached target)")
+    draft.set_defaults(run=Deferred("specdecode.train.draft_run:run_draft_training"))

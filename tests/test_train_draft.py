@@ -1,0 +1,70 @@
+"""``specdecode train draft`` (DistillSpec): the divergences over the teacher's buckets, a tiny draft distilled into a
+tiny target drafting closer to it and still losslessly, and the command's errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
+from specdecode.drafters import create_drafter
+from specdecode.models.loading import load_model
+from specdecode.train.draft import DistillConfig, Sequence, bucketed, distill, divergence, save_draft
+
+
+def sequence_of(target_logits: torch.Tensor, top: int) -> Sequence:
+    values = torch.log_softmax(target_logits, -1).topk(top, dim=-1)
+    return Sequence(torch.zeros(1), 1, values.indices.to(torch.int32), values.values)
+
+
+def test_the_divergences_are_those_of_the_whole_distributions_when_the_teacher_covers_the_vocabulary():
+    g = torch.Generator().manual_seed(0)
+    p_logits, q_logits = torch.randn(5, 12, generator=g), torch.randn(5, 12, generator=g)
+    sequence = sequence_of(p_logits, 12)
+    log_p, log_q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    p, q = log_p.exp(), log_q.exp()
+    torch.testing.assert_close(divergence("fkl", sequence, q_logits), (p * (log_p - log_q)).sum(-1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(divergence("rkl", sequence, q_logits), (q * (log_q - log_p)).sum(-1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(divergence("tvd", sequence, q_logits), 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=0)
+    for name in ("fkl", "rkl", "tvd"):
+        assert divergence(name, sequence, p_logits).abs().max() < 1e-4  # the draft is the target: nothing to learn
+
+
+def test_the_rest_of_the_vocabulary_is_one_bucket():
+    top = torch.log(torch.tensor([[0.5, 0.25]]))
+    torch.testing.assert_close(bucketed(top).exp(), torch.tensor([[0.5, 0.25, 0.25]]))
+    g = torch.Generator().manual_seed(1)
+    p_logits, q_logits = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    coarse = divergence("tvd", sequence_of(p_logits, 8), q_logits)
+    fine = divergence("tvd", sequence_of(p_logits, 40), q_logits)
+    assert torch.all(coarse <= fine + 1e-6)  # merging tokens into a bucket can only hide differences
+
+
+@pytest.mark.parametrize(("data", "name", "rank"), [("target", "fkl", 4), ("draft", "tvd", 0)])
+def test_a_distilled_tiny_draft_agrees_more_with_its_target_and_drafts_losslessly(
+    tiny_dirs, tiny_target, data, name, rank, tmp_path
+):
+    draft = load_model(str(tiny_dirs["draft"]), fast_path=False)
+    prompts = [prompt + [index + 1] for index in range(4) for prompt in PROMPTS]  # 12 distinct prompts
+    config = DistillConfig(data=data, divergence=name, lora_rank=rank, epochs=12, lr=1e-2, new_tokens=24)
+    model, result = distill(tiny_target, draft, prompts, config, progress=False)
+    assert result.held_out_sequences >= 1 and result.train_sequences >= 8
+    assert result.after.one_minus_tvd > result.before.one_minus_tvd
+    assert result.epoch_losses[-1] < result.epoch_losses[0]
+    save_draft(model, draft, tmp_path / "distilled", {"divergence": name})
+    assert json.loads((tmp_path / "distilled" / "distill.json").read_text()) == {"divergence": name}
+    drafter = create_drafter("draft-model", tiny_target, draft_model=load_model(str(tmp_path / "distilled")))
+    for prompt in PROMPTS:
+        tokens, _ = run(tiny_target, drafter, prompt, max_new_tokens=20, num_draft_tokens=3)
+        assert tokens == hf_greedy(tiny_target, prompt, 20)
+
+
+def test_the_command_refuses_another_vocabulary_and_bad_flags_in_one_line(tiny_dirs, capsys, tmp_path):
+    command = ["train", "draft", "--model", str(tiny_dirs["target"]), "--out", str(tmp_path / "d")]
+    other = [*command, "--draft", str(tiny_dirs["other-vocab"]), "--prompts", "2"]
+    assert_one_line_error(capsys, other, "needs a draft sharing the target's vocabulary")
+    draft = [*command, "--draft", str(tiny_dirs["draft"])]
+    assert_one_line_error(capsys, [*draft, "--lora-rank", "-1"], "--lora-rank")
+    assert_one_line_error(capsys, [*draft, "--prompts", "0"], "--prompts")
