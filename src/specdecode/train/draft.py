@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -108,7 +109,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def answers(
-    target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], config: DistillConfig
+    target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], config: DistillConfig, progress: bool = True
 ) -> list[tuple[list[int], int]]:
     """(prompt + answer ids, answer start) per prompt: the target's greedy answers, or the draft's samples."""
     cut = [p[-config.max_prompt_tokens :] for p in prompts]
@@ -116,7 +117,7 @@ def answers(
         return [(ids, len(prompt)) for ids, prompt in zip(self_distill(target, cut, config.new_tokens, 10**9), cut)]
     generator = SpeculativeGenerator.build(draft, "none")
     out = []
-    for index, prompt in enumerate(cut):
+    for index, prompt in enumerate(tqdm(cut, desc="draft sampling", unit="prompt", disable=not progress)):
         result = generator.generate(prompt, max_new_tokens=config.new_tokens, temperature=1.0, seed=config.seed + index)
         out.append((prompt + list(result.token_ids), len(prompt)))
     return out
@@ -203,8 +204,9 @@ def distill(
     """Fine-tune ``draft`` (loaded without the fast path: plain linear layers) towards ``target``; returns the trained
     model (LoRA merged) and the held-out figures before and after."""
     check_same_vocabulary(target, draft)
-    pairs = answers(target, draft, prompts, config)
-    sequences = [teacher(target, ids, start) for ids, start in pairs if len(ids) > start]
+    pairs = answers(target, draft, prompts, config, progress)
+    scored = tqdm(pairs, desc="scoring with the target", unit="sequence", disable=not progress)
+    sequences = [teacher(target, ids, start) for ids, start in scored if len(ids) > start]
     random.Random(config.seed).shuffle(sequences)
     holdout = max(1, math.ceil(HOLDOUT_SHARE * len(sequences))) if len(sequences) > 1 else 0
     held, train = sequences[:holdout], sequences[holdout:]
