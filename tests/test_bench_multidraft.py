@@ -83,3 +83,12 @@ def test_on_real_prompts_every_verifier_is_judged_on_the_same_steps(tmp_path):
         assert 1.0 <= cell[verifier]["tokens_per_step"] <= 3.0
         assert cell["root_acceptance"][verifier] <= cell["root_acceptance"]["optimum"] + 1e-9
     assert "| 2 | 0.8 |" in (tmp_path / "results.md").read_text()
+
+
+def test_a_first_node_s_acceptances_are_bounded_by_the_optimum_which_optimal_md_reaches_on_a_small_vocabulary():
+    settings = multidraft.resolve_settings(out="unused")
+    target, drafted = multidraft.toy_tables(settings, temperature=0.8)
+    for p, q in zip(target, drafted):
+        found = multidraft_prompts.root_acceptance(p, q, 4)
+        assert found["optimal-md"] == pytest.approx(found["optimum"], abs=1e-7)
+        assert found["rejection"] <= found["spectr"] + 1e-9 <= found["optimum"] + 2e-9

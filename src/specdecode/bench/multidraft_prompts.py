@@ -231,9 +231,11 @@ def markdown(results: dict[str, Any]) -> str:
     ]
     for cell in results["cells"]:
         per_step = " / ".join(f"{cell[v]['tokens_per_step']:.3f}" for v in VERIFIERS)
+        first_node = " / ".join(f"{cell['root_acceptance'][v]:.3f}" for v in (*VERIFIERS, "optimum"))
         gains = [f"{cell[v]['gain_over_rejection']:+.1%} ± {cell[v]['gain_standard_error']:.1%}" for v in VERIFIERS[1:]]
         lines.append(
-            f"| {cell['drafts']} | {cell['temperature']:g} | {cell['steps']} | {per_step} | {' | '.join(gains)} |"
+            f"| {cell['drafts']} | {cell['temperature']:g} | {cell['steps']} | {per_step} | {' | '.join(gains)} "
+            f"| {first_node} |"
         )
     lines += [
         "",
