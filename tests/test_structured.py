@@ -569,6 +569,8 @@ def test_bench_structured_refuses_an_unknown_suite():
 
     with pytest.raises(SpecDecodeError, match="--suites takes some of extraction, classification"):
         structured.resolve_settings(suites="poetry")
+    with pytest.raises(SpecDecodeError, match="--quantize must be one of"):
+        structured.resolve_settings(quantize="int3")
 
 
 def test_a_completed_grammar_ends_with_stop_whatever_the_step_verified_after_it(json_target, compiler):

@@ -29,6 +29,7 @@ from specdecode.data.structured import STRUCTURED_PROMPTS, STRUCTURED_SUITES, St
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import GenerationResult, SpeculativeGenerator
 from specdecode.models.loading import fast_path_default, load_model
+from specdecode.models.quantize import check_quantize
 from specdecode.threads import fixed_threads
 
 WARMUP_TOKENS = 8
@@ -40,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "methods": "pld,suffix,recycling",
     "suites": STRUCTURED_SUITES,
     "max_new_tokens": 128,
+    "quantize": "none",
     "out": "bench-out/structured",
 }
 
@@ -50,11 +52,13 @@ class StructuredSettings:
     methods: tuple[MethodSpec, ...]
     suites: tuple[str, ...]
     max_new_tokens: int
+    quantize: str
     threads: int
     out: Path
 
     def __post_init__(self) -> None:
         common.check_positive_ints(("--max-new-tokens", self.max_new_tokens), ("--threads", self.threads))
+        check_quantize(self.quantize)
         unknown = sorted(set(self.suites) - set(STRUCTURED_SUITES))
         if not self.suites or unknown:
             raise SpecDecodeError(f"--suites takes some of {', '.join(STRUCTURED_SUITES)}, got {list(self.suites)}")
@@ -143,7 +147,7 @@ def measure_structured(
     """Decode every prompt with every contestant; write results.json and results.md to ``settings.out`` and return
     the results.  ``prompts`` replaces the built-in suites (tests)."""
     chosen = prompts if prompts is not None else [p for p in STRUCTURED_PROMPTS if p.suite in settings.suites]
-    target = load_model(settings.model)
+    target = load_model(settings.model, quantize=settings.quantize)
     chat = bool(getattr(target.tokenizer, "chat_template", None))
     generators = {PLAIN: SpeculativeGenerator.build(target, PLAIN)}
     for method in settings.methods:
@@ -193,7 +197,8 @@ def markdown(results: dict[str, Any]) -> str:
         return f"`{row['method']}` constrained, forced drafts {'on' if row['forced_drafts'] else 'off'}"
 
     lines = [
-        f"# Structured outputs with speculation: `{s['model']}`",
+        f"# Structured outputs with speculation: `{s['model']}`"
+        + (f" ({s['quantize']} weights)" if s.get("quantize", "none") != "none" else ""),
         "",
         f"{len(results['prompts'])} prompts ({', '.join(s['suites'])}), greedy, up to {s['max_new_tokens']} new "
         "tokens, each answer held to its prompt's JSON schema (but the unconstrained row). Plain decoding's "

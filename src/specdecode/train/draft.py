@@ -114,7 +114,8 @@ def answers(
     """(prompt + answer ids, answer start) per prompt: the target's greedy answers, or the draft's samples."""
     cut = [p[-config.max_prompt_tokens :] for p in prompts]
     if config.data == "target":
-        return [(ids, len(prompt)) for ids, prompt in zip(self_distill(target, cut, config.new_tokens, 10**9), cut)]
+        written = self_distill(target, prompts, config.new_tokens, config.max_prompt_tokens)
+        return [(ids, len(prompt)) for ids, prompt in zip(written, cut)]
     generator = SpeculativeGenerator.build(draft, "none")
     out = []
     for index, prompt in enumerate(tqdm(cut, desc="draft sampling", unit="prompt", disable=not progress)):

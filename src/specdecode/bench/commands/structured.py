@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specdecode.bench.arguments import THREADS_HELP, Arguments, Flag
+from specdecode.bench.arguments import QUANTIZE_MODES, THREADS_HELP, Arguments, Flag
 from specdecode.bench.benchmark import Benchmark, register_benchmark
 
 
@@ -25,6 +25,7 @@ class Structured(Benchmark):
             "methods": "comma-separated drafter specs (default pld,suffix,recycling)",
             "suites": Flag(metavar="SUITES", help="comma-separated: extraction, classification (default both)"),
             "max_new_tokens": "default 128",
+            "quantize": Flag(metavar=QUANTIZE_MODES, help="weight-only quantization of the target (default none)"),
             "out": "output directory (default bench-out/structured)",
             "threads": THREADS_HELP,
             "progress": "no progress bar",
