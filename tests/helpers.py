@@ -19,12 +19,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdecode.batch_engine import BatchEngine
+from specdecode.batch_engine import BatchEngine, BatchRequest
 from specdecode.bench.cli import add_bench_command
 from specdecode.cli import main
 from specdecode.config import GenerationConfig
 from specdecode.data.tasks import Prompt, Task
 from specdecode.draft_length.base import FixedLength
+from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
@@ -549,3 +550,18 @@ def fixed_depth_engine(target, drafter: str, k: int, **options) -> BatchEngine:
         max_batch_size=4,
         **options,
     )
+
+
+def assert_batched_greedy_is_solo(target, drafter, prompts: list[list[int]], batch_size: int) -> None:
+    """Every prompt decoded greedily with ``drafter`` in a continuous batch of at most ``batch_size`` sequences gives
+    transformers' own greedy output of that prompt alone (20 tokens, EOS ignored)."""
+    engine = BatchEngine(
+        target.backend, drafter, lambda config, d: make_policy(config.num_draft_tokens), frozenset(), batch_size
+    )
+    for i, prompt in enumerate(prompts):
+        engine.submit(BatchRequest(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True), tag=i))
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    for event in engine.run():
+        got[event.tag] += event.new_tokens
+    for i, prompt in enumerate(prompts):
+        assert got[i] == hf_greedy(target, prompt, 20)

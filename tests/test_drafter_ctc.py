@@ -20,6 +20,7 @@ from helpers import (
     PROMPTS,
     BigramFeatures,
     V,
+    assert_batched_greedy_is_solo,
     assert_head_drafter_samples_exactly,
     assert_one_line_error,
     head_drafter_pvalues,
@@ -28,9 +29,6 @@ from helpers import (
     random_heads,
     run,
 )
-from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig
-from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.ctc import prefix_beam_search
@@ -140,16 +138,7 @@ def test_prefix_beam_search_sums_every_alignment_of_a_prefix():
 def test_batched_greedy_equals_solo(tiny_target, trained):
     prompts = [*PROMPTS, [5, 17, 22], [30, 31] * 4, [44, 45, 46, 47, 44], [88, 3, 71]]
     drafter = create_drafter("ctc", tiny_target, head=trained.head)
-    engine = BatchEngine(
-        tiny_target.backend, drafter, lambda config, d: make_policy(config.num_draft_tokens), frozenset(), 8
-    )
-    for i, prompt in enumerate(prompts):
-        engine.submit(BatchRequest(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True), tag=i))
-    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    for event in engine.run():
-        got[event.tag] += event.new_tokens
-    for i, prompt in enumerate(prompts):
-        assert got[i] == hf_greedy(tiny_target, prompt, 20)
+    assert_batched_greedy_is_solo(tiny_target, drafter, prompts, batch_size=8)
 
 
 def test_head_round_trips_through_storage(tiny_target, trained, tmp_path):

@@ -15,6 +15,7 @@ from helpers import (
     PROMPTS,
     BigramFeatures,
     V,
+    assert_batched_greedy_is_solo,
     assert_head_drafter_samples_exactly,
     assert_one_line_error,
     head_drafter_pvalues,
@@ -22,9 +23,6 @@ from helpers import (
     random_eagle_head,
     run,
 )
-from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig
-from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import DraftRequest
 from specdecode.drafters.eagle import EagleDrafter
@@ -87,20 +85,7 @@ def test_trained_head_gets_drafts_accepted(tiny_target, trained_head):
 
 def test_batched_greedy_equals_solo(tiny_target, trained_head):
     drafter = create_drafter("eagle", tiny_target, head=trained_head)
-    engine = BatchEngine(
-        tiny_target.backend,
-        drafter,
-        lambda config, d: make_policy(config.num_draft_tokens),
-        frozenset(),
-        max_batch_size=3,
-    )
-    for i, prompt in enumerate(PROMPTS):
-        engine.submit(BatchRequest(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True), tag=i))
-    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-    for event in engine.run():
-        got[event.tag] += event.new_tokens
-    for i, prompt in enumerate(PROMPTS):
-        assert got[i] == hf_greedy(tiny_target, prompt, 20)
+    assert_batched_greedy_is_solo(tiny_target, drafter, PROMPTS, batch_size=3)
 
 
 def test_training_unroll_matches_drafting(tiny_target, trained_head):

@@ -15,15 +15,13 @@ from helpers import (
     PROMPTS,
     BigramFeatures,
     V,
+    assert_batched_greedy_is_solo,
     assert_head_drafter_samples_exactly,
     assert_one_line_error,
     hf_greedy,
     random_heads,
     run,
 )
-from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.config import GenerationConfig
-from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import DraftRequest
 from specdecode.errors import SpecDecodeError
@@ -117,20 +115,7 @@ def test_medusa_tree_is_the_best_paths_of_the_heads_top_k(tiny_target, trained):
 @pytest.mark.parametrize("kind", KINDS)
 def test_batched_greedy_equals_solo(tiny_target, trained, kind):
     drafter = create_drafter(kind, tiny_target, heads=trained[kind])
-    engine = BatchEngine(
-        tiny_target.backend,
-        drafter,
-        lambda config, d: make_policy(config.num_draft_tokens),
-        frozenset(),
-        max_batch_size=3,
-    )
-    for i, prompt in enumerate(PROMPTS):
-        engine.submit(BatchRequest(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True), tag=i))
-    got: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-    for event in engine.run():
-        got[event.tag] += event.new_tokens
-    for i, prompt in enumerate(PROMPTS):
-        assert got[i] == hf_greedy(tiny_target, prompt, 20)
+    assert_batched_greedy_is_solo(tiny_target, drafter, PROMPTS, batch_size=3)
 
 
 @pytest.mark.parametrize("kind", KINDS)
