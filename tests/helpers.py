@@ -29,6 +29,7 @@ from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
 from specdecode.engine import DecodeOutcome, speculative_decode, verification_input
+from specdecode.errors import SpecDecodeError
 from specdecode.models.base import (
     CausalLM,
     DecoderShape,
@@ -565,3 +566,20 @@ def assert_batched_greedy_is_solo(target, drafter, prompts: list[list[int]], bat
         got[event.tag] += event.new_tokens
     for i, prompt in enumerate(prompts):
         assert got[i] == hf_greedy(target, prompt, 20)
+
+
+def assert_saved_head_loads_and_drafts_the_same(target, drafter: str, head, directory: Path, load) -> None:
+    """A head saved in ``directory``: ``load`` gives its weights back, ``drafter`` drafts the same from the object and
+    from the directory, and a tampered weights file is refused by its SHA-256."""
+    loaded = load(directory)
+    for name, value in head.state_dict().items():
+        assert torch.equal(value, loaded.state_dict()[name]), name
+    drafts = []
+    for given in (head, str(directory)):
+        drafting = create_drafter(drafter, target, head=given)
+        tokens, outcome = run(target, drafting, PROMPTS[0], max_new_tokens=12, num_draft_tokens=4)
+        drafts.append((tokens, outcome.stats.drafted_tokens, outcome.stats.accepted_tokens))
+    assert drafts[0] == drafts[1]
+    (directory / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SpecDecodeError, match="SHA-256"):
+        load(directory)

@@ -23,6 +23,7 @@ from helpers import (
     assert_batched_greedy_is_solo,
     assert_head_drafter_samples_exactly,
     assert_one_line_error,
+    assert_saved_head_loads_and_drafts_the_same,
     head_drafter_pvalues,
     hf_greedy,
     random_ctc_head,
@@ -145,18 +146,7 @@ def test_head_round_trips_through_storage(tiny_target, trained, tmp_path):
     save_ctc(trained.head, tmp_path / "head", verifier="tiny")
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["specdecode"]["slots"] == 8 and config["specdecode"]["draft_vocab_size"] == 64
-    loaded = load_ctc(tmp_path / "head")
-    for name, value in trained.head.state_dict().items():
-        assert torch.equal(value, loaded.state_dict()[name]), name
-    drafts = []
-    for head in (trained.head, str(tmp_path / "head")):
-        drafter = create_drafter("ctc", tiny_target, head=head)
-        tokens, outcome = run(tiny_target, drafter, PROMPTS[0], max_new_tokens=12, num_draft_tokens=4)
-        drafts.append((tokens, outcome.stats.drafted_tokens, outcome.stats.accepted_tokens))
-    assert drafts[0] == drafts[1]
-    (tmp_path / "head" / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(SpecDecodeError, match="SHA-256"):
-        load_ctc(tmp_path / "head")
+    assert_saved_head_loads_and_drafts_the_same(tiny_target, "ctc", trained.head, tmp_path / "head", load_ctc)
 
 
 def test_missing_or_mismatched_head_gives_clear_errors(tiny_target, tiny_draft, trained, tmp_path):
