@@ -31,8 +31,7 @@ from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.ctc import HEAD_DIR, CTCHead, load_ctc
-from specdecode.heads.files import head_directory
-from specdecode.heads.storage import refuse_other_target, to_backend
+from specdecode.heads.storage import head_for_drafter
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft, StepFeedback
@@ -57,12 +56,9 @@ class CTCDrafter(Drafter):
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"ctc: top-k must be a positive integer, got {top_k!r}")
         tree_nodes = check_tree_nodes("ctc", tree_nodes)
-        if isinstance(head, CTCHead):
-            loaded = head
-        else:
-            loaded = load_ctc(head_directory(head, target.name, HEAD_DIR, "ctc", "a head", "head"))
-        refuse_other_target("ctc", loaded.config, self.backend, target.backend.vocab_size, target.name)
-        self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
+        self.head = head_for_drafter(
+            "ctc", head, CTCHead, load_ctc, HEAD_DIR, self.backend, target.backend.vocab_size, target.name
+        )
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)

@@ -43,8 +43,7 @@ from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
-from specdecode.heads.files import head_directory
-from specdecode.heads.storage import HEAD_DIR, load_eagle, refuse_other_target, to_backend
+from specdecode.heads.storage import HEAD_DIR, head_for_drafter, load_eagle
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import sampling_probs
@@ -85,19 +84,22 @@ class EagleDrafter(Drafter):
         self.window = window
         self.samples = samples
         tree_nodes = check_tree_nodes("eagle", tree_nodes)
-        loaded = head if isinstance(head, EagleHead) else self._load(target, head)
-        refuse_other_target("eagle", loaded.config, self.backend, target.backend.vocab_size, target.name)
-        self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
+        num_layers = target.backend.num_layers
+        self.head = head_for_drafter(
+            "eagle",
+            head,
+            EagleHead,
+            lambda path: load_eagle(path, target_num_layers=num_layers),
+            HEAD_DIR,
+            self.backend,
+            target.backend.vocab_size,
+            target.name,
+        )
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
         self.calibration = Calibration()
         self.lookup = LookupBranch("eagle", lookup)
-
-    @staticmethod
-    def _load(target: LoadedModel, head: str | None) -> EagleHead:
-        path = head_directory(head, target.name, HEAD_DIR, "eagle", "a head", "head")
-        return load_eagle(path, target_num_layers=target.backend.num_layers)
 
     def session(self, request: DraftRequest) -> EagleSession:
         return EagleSession(self, request)

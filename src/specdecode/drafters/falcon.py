@@ -39,8 +39,7 @@ from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.heads.falcon import HEAD_DIR, FalconHead, load_falcon
-from specdecode.heads.files import head_directory
-from specdecode.heads.storage import refuse_other_target, to_backend
+from specdecode.heads.storage import head_for_drafter
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
 from specdecode.types import Draft
@@ -70,12 +69,9 @@ class FalconDrafter(Drafter):
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"falcon: top-k must be a positive integer, got {top_k!r}")
         tree_nodes = check_tree_nodes("falcon", tree_nodes)
-        if isinstance(head, FalconHead):
-            loaded = head
-        else:
-            loaded = load_falcon(head_directory(head, target.name, HEAD_DIR, "falcon", "a head", "head"))
-        refuse_other_target("falcon", loaded.config, self.backend, target.backend.vocab_size, target.name)
-        self.head = to_backend(loaded, self.backend.device, self.backend.dtype)
+        self.head = head_for_drafter(
+            "falcon", head, FalconHead, load_falcon, HEAD_DIR, self.backend, target.backend.vocab_size, target.name
+        )
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)

@@ -24,6 +24,7 @@ than one layer, Qwen3's q/k norms, scaled RoPE, sliding windows, biases) are ref
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,7 +34,14 @@ from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleConfig, EagleHead, default_aux_layers
-from specdecode.heads.files import CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE, check_manifest, write_head_files
+from specdecode.heads.files import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    check_manifest,
+    head_directory,
+    write_head_files,
+)
 from specdecode.models.base import HiddenStates
 
 #: The directory an EAGLE head is saved in next to its target model (``specdecode train eagle``), where the
@@ -285,3 +293,25 @@ def refuse_other_target(drafter: str, config: TargetShape, backend: HiddenStates
             f"{drafter}: the head is for a target with d={d}, {layers} layers and {vocab} tokens; "
             f"{name!r} has d={own_d}, {own_layers} layers and {own_vocab} tokens"
         )
+
+
+def head_for_drafter(
+    drafter: str,
+    head: object,
+    head_class: type,
+    load: Callable[[Path], torch.nn.Module],
+    artifact: str,
+    backend: HiddenStates,
+    vocab_size: int,
+    name: str,
+) -> torch.nn.Module:
+    """A one-head drafter's (``eagle``, ``falcon``, ``ctc``) head for the target ``name`` served by ``backend``:
+    ``head`` itself when it is a ``head_class``, else ``load`` of the directory it names (None: trained next to the
+    model, else shipped with the package); refused when trained for a target of another shape; on the backend's
+    device and in its precision."""
+    if isinstance(head, head_class):
+        loaded = head
+    else:
+        loaded = load(head_directory(head, name, artifact, drafter, "a head", "head"))
+    refuse_other_target(drafter, loaded.config, backend, vocab_size, name)
+    return to_backend(loaded, backend.device, backend.dtype)
