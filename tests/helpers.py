@@ -583,3 +583,35 @@ def assert_saved_head_loads_and_drafts_the_same(target, drafter: str, head, dire
     (directory / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(SpecDecodeError, match="SHA-256"):
         load(directory)
+
+
+class ParityBigramLM(BigramLM):
+    """The next token depends on the current token *and* on the parity of its position, which neither an n-gram key
+    nor a datastore can see: a drafter's distributions stay wrong (a mix of both tables) and many drafts are
+    rejected, so the chi-square test has the power to catch a wrong probability row."""
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.table[positions % 2, tokens]
+
+
+def parity_counts(model, drafter, sampling: SamplingParams, tokens_wanted: int) -> tuple[np.ndarray, int, int]:
+    """Counts [parity of the previous token's position, position in step, previous token, next token] of
+    ``tokens_wanted`` tokens from ``drafter`` kept across many seeded, uncoupled requests of 3-token drafts; and the
+    tokens produced and steps taken."""
+    counts = np.zeros((2, 4, V, V))
+    produced = steps = seed = 0
+    while produced < tokens_wanted:
+        config = GenerationConfig(
+            max_new_tokens=1000,
+            num_draft_tokens=3,
+            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed, coupled=False),
+        )
+        sequence = [0]
+        for chunk in speculative_decode(model, drafter, sequence[:], config):
+            for step_position, token in enumerate(chunk):
+                counts[(len(sequence) - 1) % 2, step_position, sequence[-1], token] += 1
+                sequence.append(token)
+            produced += len(chunk)
+            steps += 1
+        seed += 1
+    return counts, produced, steps

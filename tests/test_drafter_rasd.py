@@ -16,22 +16,21 @@ from helpers import (
     FAIL_P,
     PASS_P,
     PROMPTS,
-    BigramLM,
+    ParityBigramLM,
     V,
     assert_one_line_error,
     chain_pvalues,
     hf_greedy,
+    parity_counts,
     random_eagle_head,
     run,
 )
 from specdecode.bench.common import check_known_tasks
 from specdecode.bench.methods import parse_method
-from specdecode.config import GenerationConfig
 from specdecode.data.datastore import Datastore
 from specdecode.data.tasks import TASK_NAMES, load_task
 from specdecode.drafters import create_drafter
 from specdecode.drafters.rasd import fuse
-from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel
@@ -226,14 +225,6 @@ def test_a_batch_gives_every_sequence_its_solo_output(tiny_target, copied, tmp_p
 # -- sampling: exact, chi-square --------------------------------------------------------------------------
 
 
-class ParityBigramLM(BigramLM):
-    """The next token depends on the current token and the parity of its position, which neither an n-gram table
-    nor the datastore sees: drafts are often rejected, and a wrong probability row shows."""
-
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.table[positions % 2, tokens]
-
-
 def parity_pvalues(tmp_path, sampling: SamplingParams, tokens_wanted: int) -> list[float]:
     """Stand's sampled trees (with their rows) and the datastore's point masses fused, over many seeded requests:
     one chi-square test per (parity, position in step, previous token)."""
@@ -246,8 +237,6 @@ def parity_pvalues(tmp_path, sampling: SamplingParams, tokens_wanted: int) -> li
     path = str(write_jsonl(tmp_path / "ds.jsonl", texts))
     target = LoadedModel("parity", model, tokenizer)
     drafter = create_drafter("rasd", target, datastore=path, min_match=1, max_nodes=4, **{"with": stand})
-    counts = np.zeros((2, 4, V, V))
-    produced = steps = seed = 0
     fused = 0
     original = specdecode.drafters.rasd.fuse
 
@@ -259,20 +248,7 @@ def parity_pvalues(tmp_path, sampling: SamplingParams, tokens_wanted: int) -> li
 
     specdecode.drafters.rasd.fuse = counting
     try:
-        while produced < tokens_wanted:
-            config = GenerationConfig(
-                max_new_tokens=1000,
-                num_draft_tokens=3,
-                sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed, coupled=False),
-            )
-            sequence = [0]
-            for chunk in speculative_decode(model, drafter, sequence[:], config):
-                for step_position, token in enumerate(chunk):
-                    counts[(len(sequence) - 1) % 2, step_position, sequence[-1], token] += 1
-                    sequence.append(token)
-                produced += len(chunk)
-                steps += 1
-            seed += 1
+        counts, _, steps = parity_counts(model, drafter, sampling, tokens_wanted)
     finally:
         specdecode.drafters.rasd.fuse = original
     assert fused > steps / 4  # sampled nodes and retrieved point masses verified together, often

@@ -8,10 +8,20 @@ import pytest
 import torch
 
 import specdecode.drafters.stand
-from helpers import DRAWS, FAIL_P, PASS_P, PROMPTS, BigramLM, V, chain_pvalues, hf_greedy, run, session_for
-from specdecode.config import GenerationConfig
+from helpers import (
+    DRAWS,
+    FAIL_P,
+    PASS_P,
+    PROMPTS,
+    ParityBigramLM,
+    V,
+    chain_pvalues,
+    hf_greedy,
+    parity_counts,
+    run,
+    session_for,
+)
 from specdecode.drafters import create_drafter
-from specdecode.engine import speculative_decode
 from specdecode.sampling import sampling_probs
 from specdecode.sampling_params import SamplingParams
 from specdecode.types import Draft, StepFeedback
@@ -53,37 +63,13 @@ def test_sampled_siblings_are_distinct_and_rows_drop_earlier_siblings(tiny_targe
                 torch.testing.assert_close(draft.probs[node], rest / rest.sum())
 
 
-class ParityBigramLM(BigramLM):
-    """The next token depends on the current token *and* on the parity of its position — which an
-    n-gram key cannot see, so the drafter's distributions stay wrong (a mix of both tables) and many
-    drafts are rejected: the chi-square test then has the power to catch a wrong probability row."""
-
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.table[positions % 2, tokens]
-
-
 def parity_transition_counts(sampling: SamplingParams, tokens_wanted: int) -> tuple[np.ndarray, np.ndarray, float]:
     """Counts [parity of the previous token's position, position in step, previous token, next token]
     from one stand drafter kept across many seeded requests; the exact rows; mean accepted tokens."""
     table = 2.0 * torch.randn(2, V, V, generator=torch.Generator().manual_seed(3))
     model = ParityBigramLM(table)
     drafter = create_drafter("stand", None, template="3,2,1", topk=3, max_ngram=2)
-    counts = np.zeros((2, 4, V, V))
-    produced = steps = seed = 0
-    while produced < tokens_wanted:
-        config = GenerationConfig(
-            max_new_tokens=1000,
-            num_draft_tokens=3,
-            sampling=SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed, coupled=False),
-        )
-        sequence = [0]
-        for chunk in speculative_decode(model, drafter, sequence[:], config):
-            for step_position, token in enumerate(chunk):
-                counts[(len(sequence) - 1) % 2, step_position, sequence[-1], token] += 1
-                sequence.append(token)
-            produced += len(chunk)
-            steps += 1
-        seed += 1
+    counts, produced, steps = parity_counts(model, drafter, sampling, tokens_wanted)
     return counts, sampling_probs(table, sampling).numpy(), produced / steps
 
 
