@@ -182,8 +182,16 @@ def choose_from_subset(
     if sampling.greedy:
         choice = argmax_last(logits)
         return int(target_ids[choice]), float(torch.softmax(logits, dim=-1)[choice]), None
-    full = logits.new_full((vocab_size,), float("-inf"))
-    full[target_ids] = logits
-    probs = sampling_probs(full, sampling)
+    probs = subset_probs(logits, target_ids, vocab_size, sampling)
     token = sample(probs, generator)
     return token, float(probs[token]), probs
+
+
+def subset_probs(
+    logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int, sampling: SamplingParams
+) -> torch.Tensor:
+    """[..., vocab_size]: the processed sampling distribution of ``logits`` [..., len(target_ids)] over a vocabulary
+    subset (``target_ids``: the target id of each entry), zero outside it."""
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., target_ids] = logits
+    return sampling_probs(full, sampling)

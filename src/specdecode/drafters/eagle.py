@@ -39,14 +39,13 @@ from specdecode.drafters import register_drafter
 from specdecode.drafters._head_session import HeadSession
 from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
-from specdecode.drafters._vocab import choose_from_subset
+from specdecode.drafters._vocab import choose_from_subset, subset_probs
 from specdecode.drafters.base import Drafter, DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.storage import HEAD_DIR, head_for_drafter, load_eagle
 from specdecode.models.base import HiddenStates, require_capability
 from specdecode.models.loading import LoadedModel
-from specdecode.sampling import sampling_probs
 from specdecode.types import Draft
 
 #: A step's drafting and bookkeeping in units of a one-token target forward, for sizing trees (EAGLE on
@@ -192,10 +191,8 @@ class EagleSession(HeadSession):
         for depth in range(1, max_depth + 1):
             if len(nodes) + len(parents) * samples > max_nodes and nodes:
                 break
-            logits = self.head.logits(outputs)
-            full = logits.new_full((len(parents), self.backend_vocab), float("-inf"))
-            full[:, self.drafter.target_ids] = logits
-            probs = sampling_probs(full.float(), self.sampling).cpu()
+            logits = self.head.logits(outputs).float()
+            probs = subset_probs(logits, self.drafter.target_ids, self.backend_vocab, self.sampling).cpu()
             draws = iid_draws(probs, samples, self.generator).tolist()
             level = []
             for row, parent in enumerate(parents):
