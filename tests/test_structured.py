@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+from types import SimpleNamespace
 from typing import Annotated, Literal
 
 import httpx
@@ -64,13 +65,18 @@ CONSTRAINTS = {
 PROMPTS = [[5, 9, 13], [20, 21, 22, 20, 21, 22, 20, 21], [40, 3, 7, 41, 2, 30]]
 
 
-@pytest.fixture(scope="module")
-def json_tokenizer():
-    pieces = [*CHARACTERS, *("".join(pair) for pair in MERGES), "</s>"]
-    tokenizer = bpe_tokenizer(pieces, MERGES)
+def json_bpe(merges: list[tuple[str, str]]):
+    """A tokenizer over CHARACTERS and ``merges`` (each one token too), with an end-of-sequence token."""
+    pieces = [*CHARACTERS, *("".join(pair) for pair in merges), "</s>"]
+    tokenizer = bpe_tokenizer(pieces, merges)
     tokenizer.backend_tokenizer.decoder = decoders.Fuse()  # the pieces' text, joined as it is
     tokenizer.add_special_tokens({"eos_token": "</s>"})
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def json_tokenizer():
+    return json_bpe(MERGES)
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +227,34 @@ def test_forced_tokens_are_drafted_with_no_drafter(json_target, compiler):
     tokens = decode(json_target, create_drafter("none", json_target), PROMPTS[0], config, compiler, outcome)
     assert outcome.stats.accepted_tokens > 0  # keys, quotes and brackets came as free drafts
     assert outcome.stats.steps + outcome.stats.accepted_tokens == len(tokens)
+
+
+def test_forced_bytes_llguidance_holds_back_are_drafted_as_the_tokenizer_writes_them():
+    """With a token ``"x`` in the vocabulary, the quote that opens ``cd``'s value is forced but not a forced token (a
+    longer token may write it): it is drafted all the same, and the sequence's own matcher does not move."""
+    tokenizer = json_bpe([*MERGES, ('"', "x")])
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    grammar = compiler.start(CONSTRAINTS["json-schema"])
+    path = tokenizer.encode('{"ab": 12, "cd": ', add_special_tokens=False)
+    walker = grammar.matcher.deep_copy()
+    assert walker.try_consume_tokens(path) == len(path)
+    assert walker.compute_ff_tokens() == [] and walker.compute_ff_bytes() == b'"'
+    assert tokenizer.decode(grammar.forced_after(path)) == '"'
+    assert tokenizer.decode(grammar.forced_after([])) == grammar.matcher.compute_ff_bytes().decode() == '{"ab": '
+
+
+def test_what_the_grammar_forces_after_a_drafters_chain_is_drafted_after_it(json_target, compiler):
+    grammar = compiler.start(CONSTRAINTS["json-schema"])
+    accepted = json_target.tokenizer.encode('{"ab": 7, "cd": "', add_special_tokens=False)
+    assert grammar.advance(accepted) == len(accepted)
+    seq = SimpleNamespace(context=[1, 2, *accepted], max_context=256)
+    chain = json_target.tokenizer.encode("xy", add_special_tokens=False)
+    draft, own = specdecode.engine._grammar_draft(seq, grammar, Draft(chain, confidence=[0.5] * len(chain)), room=20)
+    assert json_target.tokenizer.decode(draft.tokens) == 'xy", "ef": ['
+    assert draft.confidence == [0.5] * len(chain) + [1.0] * (len(draft.tokens) - len(chain)) and not own
+    tree = Draft([*chain, chain[0]], parents=[-1, 0, -1])  # a tree is verified as the drafter made it
+    assert specdecode.engine._grammar_draft(seq, grammar, tree, room=20)[0] == tree
+    assert specdecode.engine._grammar_draft(seq, grammar, Draft(chain), room=1)[0].tokens == chain[:1]
 
 
 # --- sampling: the constrained target distribution, exactly ------------------------------------------------
@@ -692,7 +726,9 @@ def breaking(start):
     def broken(compiler: GrammarCompiler, constraint: Constraint) -> SequenceGrammar:
         grammar = start(compiler, constraint)
         if constraint == REFUSED:
-            return RefusingGrammar(grammar.matcher, grammar.vocab, grammar.forced_drafts, grammar.rules)
+            return RefusingGrammar(
+                grammar.matcher, grammar.vocab, grammar.forced_drafts, grammar.rules, grammar.tokenizer
+            )
         if constraint == UNCOPYABLE:
             grammar.matcher = UncopyableMatcher(grammar.matcher)
         return grammar

@@ -272,15 +272,25 @@ def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: 
 
     Nodes the grammar refuses are cut (a chain at its first such token, a tree's branches below one): the target
     gives them probability 0, so verifying them would spend forward width on tokens never kept.  Where the grammar
-    admits one continuation only, its tokens are drafted for free (confidence 1) before anything else; the drafter's
-    own chain is kept after them when it is a point-mass chain that begins with them (a decision on what the
-    context alone determines, so it biases nothing)."""
+    admits one continuation only, its tokens are drafted for free (confidence 1): the drafter's own chain is kept
+    when it is a point-mass chain that begins with them (a decision on what the context alone determines, so it
+    biases nothing), and whatever the grammar forces after that chain (a value's closing quote, then the next key)
+    follows it, with the bytes llguidance holds back (:meth:`SequenceGrammar.forced_after`)."""
     kept = grammar.valid_nodes(draft)
     own = kept == list(range(len(kept)))
     draft = draft.keep(kept)
+    point_mass_chain = draft.is_chain and draft.probs is None
     forced = grammar.forced()
-    if forced and not (draft.is_chain and draft.probs is None and draft.tokens[: len(forced)] == forced):
-        draft, own = Draft(tokens=forced, confidence=[1.0] * len(forced)), False
+    if forced and not (point_mass_chain and draft.tokens[: len(forced)] == forced):
+        draft, own, point_mass_chain = Draft(tokens=[]), False, True
+    if point_mass_chain and (more := grammar.forced_after(draft.tokens)):
+        confidence = draft.confidence if draft.confidence is not None or not draft.tokens else None
+        draft = Draft(
+            tokens=[*draft.tokens, *more],
+            confidence=[*confidence, *[1.0] * len(more)] if confidence is not None else None,
+            setup_s=draft.setup_s,
+        )
+        own = False
     return draft.limited(seq.max_context - len(seq.context), room), own
 
 

@@ -110,7 +110,8 @@ class GrammarCompiler:
 
     def start(self, constraint: Constraint) -> SequenceGrammar:
         """A fresh matcher of ``constraint`` for one sequence."""
-        return SequenceGrammar(self.compile(constraint).deep_copy(), self.vocab, self.forced_drafts, self.rules)
+        matcher = self.compile(constraint).deep_copy()
+        return SequenceGrammar(matcher, self.vocab, self.forced_drafts, self.rules, self.tokenizer)
 
     def check(self, constraint: Constraint) -> None:
         """Compile ``constraint`` (:meth:`compile`) and refuse it where this vocabulary cannot begin any output it
@@ -152,10 +153,11 @@ class _MaskRules:
 class SequenceGrammar:
     """One sequence's grammar state: a matcher advanced over its accepted tokens only (:meth:`advance`), the mask of
     each verified row (:meth:`row_masks`, on copies of it), and what the grammar says of a draft before it is verified
-    (:meth:`valid_nodes`, :meth:`forced`)."""
+    (:meth:`valid_nodes`, :meth:`forced`, :meth:`forced_after`)."""
 
-    def __init__(self, matcher, vocab: int, forced_drafts: bool, rules: _MaskRules) -> None:
+    def __init__(self, matcher, vocab: int, forced_drafts: bool, rules: _MaskRules, tokenizer) -> None:
         self.matcher = matcher
+        self.tokenizer = tokenizer  # the llguidance tokenizer the matcher was compiled for
         self.vocab = vocab
         self.forced_drafts = forced_drafts
         self.rules = rules
@@ -201,6 +203,26 @@ class SequenceGrammar:
             return []
         tick = time.perf_counter()
         tokens = self.matcher.compute_ff_tokens()
+        self.mask_s += time.perf_counter() - tick
+        return tokens
+
+    def forced_after(self, path: list[int]) -> list[int]:
+        """What to draft after ``path`` (tokens the grammar admits here): the tokens it then forces, and the forced
+        bytes llguidance holds back (the `` "`` that opens a string) as the tokenizer writes them, as far as the grammar
+        admits them.  Those last are a guess: the target may write the same bytes with a longer token (`` "M``), which
+        verification finds, so they change no output.  Empty when this sequence does not draft forced tokens."""
+        if not self.forced_drafts:
+            return []
+        tick = time.perf_counter()
+        matcher = self.matcher
+        if path:
+            matcher = matcher.deep_copy()
+            matcher.consume_tokens(path)
+        tokens = matcher.compute_ff_tokens()
+        held_back = matcher.compute_ff_bytes()[len(self.tokenizer.decode_bytes(tokens)) :]
+        if held_back:
+            guess = tokens + self.tokenizer.tokenize_bytes(held_back)
+            tokens = guess[: matcher.validate_tokens(guess)]
         self.mask_s += time.perf_counter() - tick
         return tokens
 
