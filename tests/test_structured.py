@@ -598,6 +598,29 @@ def test_bench_structured_measures_every_contestant_and_each_constrained_one_equ
     assert "`pld` constrained, forced drafts on" in report and "valid JSON under the schema" in report
 
 
+def test_bench_structured_measures_another_server_beside_ours(served, json_target, tmp_path):
+    """Our own server as the other server: its constrained answers are valid and, by text, plain constrained
+    decoding's; a server that does not answer is one clear error before anything runs."""
+    from specdecode.bench import structured
+    from specdecode.data.structured import StructuredPrompt
+
+    model_dir = tmp_path / "model"  # the served model, with the chat template the server applies
+    json_target.backend.model.save_pretrained(model_dir)
+    json_target.tokenizer.save_pretrained(model_dir)
+    prompts = [StructuredPrompt("one", "extraction", "ab cd", RECORD)]
+    common = {"model": str(model_dir), "methods": "pld", "max_new_tokens": 60, "threads": 1, "served_model": "tiny"}
+    settings = structured.resolve_settings(**common, out=str(tmp_path / "out"), servers=f"ours={served.url}")
+    results = structured.measure_structured(settings, prompts, progress=False)
+    rows = {(r["method"], r["constrained"]): r for r in results["rows"] if r["server"]}
+    assert set(rows) == {("ours", False), ("ours", True)}
+    assert rows["ours", True]["valid"] == 1.0 and rows["ours", True]["equal_to_plain_constrained"] == 1.0
+    assert rows["ours", True]["per_prompt"][0]["prefix_cache_reset"]
+    assert "ours (server) constrained" in (tmp_path / "out" / "results.md").read_text()
+    nobody = structured.resolve_settings(**common, out=str(tmp_path / "x"), servers="gone=http://127.0.0.1:9")
+    with pytest.raises(SpecDecodeError, match="does not answer"):
+        structured.measure_structured(nobody, prompts, progress=False)
+
+
 def test_bench_structured_refuses_an_unknown_suite():
     from specdecode.bench import structured
 

@@ -8,6 +8,10 @@ accepted tokens per step, the grammar's share of the time (masks and draft check
 and validate under their schema (``jsonschema``), and the share equal to plain constrained decoding's (which every
 constrained contestant must reach: speculation is lossless under the constraint).  Every decode starts from a cold
 drafter; one short untimed decode per generator first.  Not resumable: a run takes minutes.
+
+Other servers (``--url LABEL=URL``, :mod:`specdecode.bench.structured_servers`) take their turn on each prompt too,
+unconstrained and under the schema as OpenAI's ``response_format``; their times are whole HTTP requests, their answers
+are compared with plain constrained decoding's by text.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ from specdecode.bench import common
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.metrics import ratio
 from specdecode.bench.reporting import closing_line, fmt, table
+from specdecode.bench.serve import parse_servers
+from specdecode.bench.structured_servers import StructuredServer
 from specdecode.constraints import Constraint
 from specdecode.data.structured import STRUCTURED_PROMPTS, STRUCTURED_SUITES, StructuredPrompt
 from specdecode.errors import SpecDecodeError
-from specdecode.generator import GenerationResult, SpeculativeGenerator
+from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import check_quantize
 from specdecode.threads import fixed_threads
@@ -43,7 +49,12 @@ DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 128,
     "quantize": "none",
     "out": "bench-out/structured",
+    "servers": "",  # other OpenAI-compatible servers, LABEL=URL,...
+    "served_model": None,  # the model name they serve: default the model's
 }
+
+#: A contestant: (method or server label, constrained, forced tokens drafted; None for a server).
+Contestant = tuple[str, bool, bool | None]
 
 
 @dataclass(frozen=True)
@@ -55,9 +66,17 @@ class StructuredSettings:
     quantize: str
     threads: int
     out: Path
+    servers: tuple[tuple[str, str], ...] = ()  # other servers measured beside ours: (label, base URL)
+    served_model: str | None = None  # the model name they serve (None: ``model``)
 
     def __post_init__(self) -> None:
         common.check_positive_ints(("--max-new-tokens", self.max_new_tokens), ("--threads", self.threads))
+        labels = [label for label, _ in self.servers]
+        clash = sorted(
+            {*labels} & {PLAIN, *(m.spec for m in self.methods)} | {x for x in labels if labels.count(x) > 1}
+        )
+        if clash:
+            raise SpecDecodeError(f"--url labels must be unique and differ from --methods: {', '.join(clash)}")
         check_quantize(self.quantize)
         unknown = sorted(set(self.suites) - set(STRUCTURED_SUITES))
         if not self.suites or unknown:
@@ -70,23 +89,24 @@ class StructuredSettings:
 def resolve_settings(**overrides: Any) -> StructuredSettings:
     """The defaults, overridden by every given (non-None) value; strings are parsed as on the command line.
     Plain decoding is always measured, so ``none`` is dropped from ``methods``."""
-    parsers = {"methods": parse_methods, "suites": common.split_names}
+    parsers = {"methods": parse_methods, "suites": common.split_names, "servers": parse_servers}
     values = common.resolve_values(StructuredSettings, DEFAULTS, overrides, "structured setting", parsers)
     return StructuredSettings(**{**values, "methods": tuple(m for m in values["methods"] if m.spec != PLAIN)})
 
 
-def contestants(settings: StructuredSettings) -> list[tuple[str, bool, bool]]:
-    """(method, constrained, forced tokens drafted) of every contestant, plain decoding first."""
-    plain = [(PLAIN, False, False), REFERENCE, (PLAIN, True, True)]
-    return plain + [(method.spec, True, forced) for method in settings.methods for forced in (False, True)]
+def contestants(settings: StructuredSettings) -> list[Contestant]:
+    """Every contestant, plain decoding first, other servers last."""
+    plain: list[Contestant] = [(PLAIN, False, False), REFERENCE, (PLAIN, True, True)]
+    ours: list[Contestant] = [(method.spec, True, forced) for method in settings.methods for forced in (False, True)]
+    return plain + ours + [(label, constrained, None) for label, _ in settings.servers for constrained in (False, True)]
 
 
-def validity(result: GenerationResult, schema: dict[str, Any]) -> bool:
-    """Whether the output parses as JSON and validates under ``schema``."""
+def validity(text: str, schema: dict[str, Any]) -> bool:
+    """Whether ``text`` parses as JSON and validates under ``schema``."""
     import jsonschema
 
     try:
-        jsonschema.validate(json.loads(result.text), schema)
+        jsonschema.validate(json.loads(text), schema)
     except (json.JSONDecodeError, jsonschema.ValidationError):
         return False
     return True
@@ -105,6 +125,7 @@ def decode(
     return {
         "prompt": f"{prompt.suite}/{prompt.id}",
         "token_ids": result.token_ids,
+        "text": result.text,
         "new_tokens": stats.new_tokens,
         "steps": stats.steps,
         "accepted_tokens": stats.accepted_tokens,
@@ -112,33 +133,51 @@ def decode(
         "prefill_s": round(stats.prefill_s, 5),
         "grammar_s": round(stats.grammar_s, 5),
         "finish_reason": result.finish_reason,
-        "valid": validity(result, prompt.schema),
+        "valid": validity(result.text, prompt.schema),
     }
 
 
-def summarize(name: tuple[str, bool, bool], records: list[dict], reference: list[dict] | None) -> dict[str, Any]:
+def summarize(name: Contestant, records: list[dict], reference: list[dict] | None) -> dict[str, Any]:
     method, constrained, forced = name
+    server = forced is None
     tokens = sum(r["new_tokens"] for r in records)
     wall_s = sum(r["wall_s"] for r in records)
-    decode_s = wall_s - sum(r["prefill_s"] for r in records)
-    steps = sum(r["steps"] for r in records)
-    same = [r["token_ids"] == ref["token_ids"] for r, ref in zip(records, reference)] if reference else None
-    return {
+    if reference is None or not constrained:
+        same = None
+    elif server:  # another tokenizer's ids may differ where the text does not
+        same = [r["text"] == ref["text"] for r, ref in zip(records, reference)]
+    else:
+        same = [r["token_ids"] == ref["token_ids"] for r, ref in zip(records, reference)]
+    row: dict[str, Any] = {
         "method": method,
+        "server": server,
         "constrained": constrained,
         "forced_drafts": forced,
         "new_tokens": tokens,
         "wall_s": round(wall_s, 4),
         "tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0,
-        # Without the prompt's reading: unconstrained and constrained answers differ in length, and a short answer
-        # would carry more of its prompt's cost per token.
-        "decode_ms_per_token": 1000 * decode_s / tokens if tokens else None,
-        "mean_accepted_tokens": (steps + sum(r["accepted_tokens"] for r in records)) / steps if steps else None,
-        "grammar_share": sum(r["grammar_s"] for r in records) / wall_s if wall_s > 0 else 0.0,
         "valid": sum(r["valid"] for r in records) / len(records),
-        "equal_to_plain_constrained": sum(same) / len(same) if same is not None and constrained else None,
-        "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in records],
+        "equal_to_plain_constrained": sum(same) / len(same) if same is not None else None,
     }
+    if server:
+        lengths = [r["mean_acceptance_length"] for r in records if r["mean_acceptance_length"] is not None]
+        row |= {
+            "decode_ms_per_token": None,
+            "mean_accepted_tokens": sum(lengths) / len(lengths) if lengths else None,
+            "grammar_share": None,
+        }
+    else:
+        decode_s = wall_s - sum(r["prefill_s"] for r in records)
+        steps = sum(r["steps"] for r in records)
+        row |= {
+            # Without the prompt's reading: unconstrained and constrained answers differ in length, and a short
+            # answer would carry more of its prompt's cost per token.
+            "decode_ms_per_token": 1000 * decode_s / tokens if tokens else None,
+            "mean_accepted_tokens": (steps + sum(r["accepted_tokens"] for r in records)) / steps if steps else None,
+            "grammar_share": sum(r["grammar_s"] for r in records) / wall_s if wall_s > 0 else 0.0,
+        }
+    row["per_prompt"] = [{k: v for k, v in r.items() if k != "token_ids"} for r in records]
+    return row
 
 
 def measure_structured(
@@ -147,6 +186,11 @@ def measure_structured(
     """Decode every prompt with every contestant; write results.json and results.md to ``settings.out`` and return
     the results.  ``prompts`` replaces the built-in suites (tests)."""
     chosen = prompts if prompts is not None else [p for p in STRUCTURED_PROMPTS if p.suite in settings.suites]
+    servers = {
+        label: StructuredServer(label, url, settings.served_model or settings.model) for label, url in settings.servers
+    }
+    for server in servers.values():
+        server.check()
     target = load_model(settings.model, quantize=settings.quantize)
     chat = bool(getattr(target.tokenizer, "chat_template", None))
     generators = {PLAIN: SpeculativeGenerator.build(target, PLAIN)}
@@ -155,12 +199,14 @@ def measure_structured(
     ids = [generators[PLAIN].encode_prompt(prompt.text, chat=chat) for prompt in chosen]
     k_of = {method.spec: method.k for method in settings.methods} | {PLAIN: 0}
     names = contestants(settings)
-    records: dict[tuple[str, bool, bool], list[dict]] = {name: [] for name in names}
+    records: dict[Contestant, list[dict]] = {name: [] for name in names}
     results: dict[str, Any] = {
         "settings": settings.to_json(),
         "prompts": [{"prompt": f"{p.suite}/{p.id}", "prompt_tokens": len(i)} for p, i in zip(chosen, ids)],
         "environment": {**common.environment(settings.threads), "fast_path": fast_path_default()},
     }
+    if servers:
+        results["servers"] = {label: {"url": s.url, "model": s.model} for label, s in servers.items()}
     started = time.perf_counter()
     with (
         fixed_threads(settings.threads),
@@ -173,8 +219,13 @@ def measure_structured(
         for prompt, prompt_ids in zip(chosen, ids):  # every contestant on a prompt in turn: drifts hit all alike
             for name in names:
                 method, constrained, forced = name
-                how = {"constrained": constrained, "forced": forced, "k": k_of[method] if method != PLAIN else 0}
-                records[name].append(decode(generators[method], prompt, prompt_ids, settings, **how))
+                if method in servers:
+                    record = servers[method].ask(prompt, prompt.text, constrained, settings.max_new_tokens)
+                    record["valid"] = validity(record["text"], prompt.schema)
+                else:
+                    how = {"constrained": constrained, "forced": forced, "k": k_of[method] if method != PLAIN else 0}
+                    record = decode(generators[method], prompt, prompt_ids, settings, **how)
+                records[name].append(record)
                 bar.update()
     results["rows"] = [summarize(name, records[name], records[REFERENCE]) for name in names]
     results["environment"]["load_average_end"] = common.load_average()
@@ -192,9 +243,25 @@ def markdown(results: dict[str, Any]) -> str:
     reference = next(r for r in rows if r["constrained"] and r["method"] == PLAIN and not r["forced_drafts"])
 
     def label(row: dict) -> str:
+        if row.get("server"):
+            return f"{row['method']} (server) {'constrained' if row['constrained'] else 'unconstrained'}"
         if not row["constrained"]:
             return f"`{row['method']}` unconstrained"
         return f"`{row['method']}` constrained, forced drafts {'on' if row['forced_drafts'] else 'off'}"
+
+    servers = results.get("servers", {})
+    where = ", ".join(f"{label}: {server['url']}" for label, server in servers.items())
+    server_note = (
+        [
+            f"Other servers ({where}): each request is one greedy chat request, under the schema as `response_format` "
+            "(`json_schema`, strict) or without, its "
+            "prefix cache emptied first; its time is the whole HTTP request; its mean accepted tokens per step are "
+            "1 + accepted / drafts from its speculation counters; its answers are compared with ours by text.",
+            "",
+        ]
+        if servers
+        else []
+    )
 
     lines = [
         f"# Structured outputs with speculation: `{s['model']}`"
@@ -206,6 +273,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{fmt(reference['decode_ms_per_token'])} ms constrained "
         f"({fmt(ratio(reference['decode_ms_per_token'], plain['decode_ms_per_token']), '.3f')}x).",
         "",
+        *server_note,
         *table(
             [
                 "contestant",
@@ -224,7 +292,7 @@ def markdown(results: dict[str, Any]) -> str:
                     fmt(row["decode_ms_per_token"]),
                     fmt(ratio(row["tokens_per_s"], reference["tokens_per_s"]), ".2f", "x"),
                     fmt(row["mean_accepted_tokens"]),
-                    fmt(100 * row["grammar_share"], ".1f", "%"),
+                    fmt(_percent(row["grammar_share"]), ".1f", "%"),
                     fmt(100 * row["valid"], ".0f", "%"),
                     fmt(_percent(row["equal_to_plain_constrained"]), ".0f", "%"),
                 ]
