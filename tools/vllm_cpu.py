@@ -9,7 +9,9 @@ directory, and starts ``vllm serve`` with the settings that work on a small CPU 
 ahead-of-time compile cache, offline.  ``--ngram K`` turns on vLLM's n-gram speculation with K tokens;
 ``--proposer NAME`` drafts with specdecode's drafter NAME inside vLLM (``specdecode.integrations.vllm_proposer``,
 our ``src`` on vLLM's ``PYTHONPATH``); ``--eagle DIR`` with an EAGLE-3 head (``specdecode export eagle``'s
-directory); ``--num-speculative-tokens`` tokens at most.
+directory); ``--num-speculative-tokens`` tokens at most.  ``--one-line-json`` holds JSON answers (``response_format``)
+to the layout specdecode's constraints use — llguidance, ``", "`` and ``": "`` between items, no other whitespace —
+rather than vLLM's default, where the model chooses its whitespace (a different language, so different answers).
 The server then answers ``specdecode bench serve --url vllm=http://127.0.0.1:PORT``.
 """
 
@@ -76,6 +78,7 @@ def serve(
     proposer: str | None = None,
     draft_tokens: int = 8,
     eagle: str | None = None,
+    one_line_json: bool = False,
 ) -> int:
     if not python().exists():
         print(f"no vLLM venv at {VENV}: run `python tools/vllm_cpu.py setup` first", file=sys.stderr)
@@ -95,6 +98,8 @@ def serve(
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE), os.environ.get("PYTHONPATH")]))
     args = ["serve", str(checkpoint(model)), "--served-model-name", Path(model).name, "--host", "127.0.0.1"]
     args += ["--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+    if one_line_json:
+        args += ["--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True})]
     if ngram:
         config = {"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
         args += ["--speculative-config", json.dumps(config)]
@@ -130,6 +135,11 @@ def main() -> int:
     run.add_argument(
         "--eagle", metavar="DIR", help="draft with this EAGLE-3 head (`specdecode export eagle`'s directory)"
     )
+    run.add_argument(
+        "--one-line-json",
+        action="store_true",
+        help="JSON answers in specdecode's layout (llguidance, no whitespace of the model's choosing)",
+    )
     run.add_argument("--threads", default="auto", help="VLLM_CPU_OMP_THREADS_BIND: auto, nobind or core ids (0-1)")
     args = parser.parse_args()
     if args.command == "setup":
@@ -137,7 +147,14 @@ def main() -> int:
     if sum(map(bool, (args.ngram, args.proposer, args.eagle))) > 1:
         parser.error("--ngram, --proposer and --eagle are speculative methods: choose one")
     return serve(
-        args.model, args.port, args.ngram, args.threads, args.proposer, args.num_speculative_tokens, args.eagle
+        args.model,
+        args.port,
+        args.ngram,
+        args.threads,
+        args.proposer,
+        args.num_speculative_tokens,
+        args.eagle,
+        args.one_line_json,
     )
 
 
