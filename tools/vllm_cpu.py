@@ -5,8 +5,9 @@
 
 ``serve`` takes a registry short name (its converted checkpoint from specdecode's cache) or a transformers
 directory, and starts ``vllm serve`` with the settings that work on a small CPU machine (see ``docs/serving.md``,
-"vLLM beside specdecode"): a 2 GiB KV cache, float32, Intel OpenMP and tcmalloc preloaded where present, no
-ahead-of-time compile cache, offline.  ``--ngram K`` turns on vLLM's n-gram speculation with K tokens;
+"vLLM beside specdecode"): a 2 GiB KV cache, float32 (``--dtype`` to change it), Intel OpenMP and tcmalloc
+preloaded where present, no ahead-of-time compile cache, offline.  ``--ngram K`` turns on vLLM's n-gram speculation
+with K tokens;
 ``--proposer NAME`` drafts with specdecode's drafter NAME inside vLLM (``specdecode.integrations.vllm_proposer``,
 our ``src`` on vLLM's ``PYTHONPATH``); ``--eagle DIR`` with an EAGLE-3 head (``specdecode export eagle``'s
 directory); ``--num-speculative-tokens`` tokens at most.  ``--one-line-json`` holds JSON answers (``response_format``)
@@ -79,6 +80,7 @@ def serve(
     draft_tokens: int = 8,
     eagle: str | None = None,
     one_line_json: bool = False,
+    dtype: str = "float32",
 ) -> int:
     if not python().exists():
         print(f"no vLLM venv at {VENV}: run `python tools/vllm_cpu.py setup` first", file=sys.stderr)
@@ -97,7 +99,7 @@ def serve(
     if proposer:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE), os.environ.get("PYTHONPATH")]))
     args = ["serve", str(checkpoint(model)), "--served-model-name", Path(model).name, "--host", "127.0.0.1"]
-    args += ["--port", str(port), "--dtype", "float32", "--max-model-len", "2048"]
+    args += ["--port", str(port), "--dtype", dtype, "--max-model-len", "2048"]
     if one_line_json:
         args += ["--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True})]
     if ngram:
@@ -140,6 +142,7 @@ def main() -> int:
         action="store_true",
         help="JSON answers in specdecode's layout (llguidance, no whitespace of the model's choosing)",
     )
+    run.add_argument("--dtype", default="float32", help="vLLM's --dtype (float32, bfloat16)")
     run.add_argument("--threads", default="auto", help="VLLM_CPU_OMP_THREADS_BIND: auto, nobind or core ids (0-1)")
     args = parser.parse_args()
     if args.command == "setup":
@@ -155,6 +158,7 @@ def main() -> int:
         args.num_speculative_tokens,
         args.eagle,
         args.one_line_json,
+        args.dtype,
     )
 
 

@@ -292,7 +292,7 @@ def markdown(results: dict[str, Any]) -> str:
                 "mean accepted tokens / step",
                 "grammar's share of time",
                 "valid JSON under the schema",
-                "same tokens as plain constrained",
+                "same as plain constrained (tokens; a server: JSON value)",
             ],
             (
                 [
