@@ -11,7 +11,18 @@ import torch
 from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
 from specdecode.drafters import create_drafter
 from specdecode.models.loading import load_model
-from specdecode.train.draft import DistillConfig, Sequence, bucketed, distill, divergence, save_draft
+from specdecode.train.draft import (
+    DistillConfig,
+    Sequence,
+    answers,
+    bucketed,
+    distill,
+    divergence,
+    held_out,
+    save_draft,
+    teacher,
+)
+from tiny_models import save_tiny
 
 
 def sequence_of(target_logits: torch.Tensor, top: int) -> Sequence:
@@ -61,6 +72,21 @@ def test_a_distilled_tiny_draft_agrees_more_with_its_target_and_drafts_losslessl
         assert tokens == hf_greedy(tiny_target, prompt, 20)
 
 
+def test_nested_exits_are_trained_to_agree_with_the_target_too(tiny_target, tmp_path):
+    """S2D: the exit after 1 of a 3-layer draft's layers learns the target's answers far more than when only the last
+    layer is trained (the control); the held-out figures name it."""
+    prompts = [prompt + [index + 1] for index in range(4) for prompt in PROMPTS]
+    figures = {}
+    for exits in ((1,), ()):
+        draft = load_model(str(save_tiny(tmp_path / f"deep{len(exits)}", seed=3, layers=3)), fast_path=False)
+        config = DistillConfig(lora_rank=0, epochs=12, lr=1e-2, new_tokens=24, exits=exits)
+        model, result = distill(tiny_target, draft, prompts, config, progress=False)
+        assert set(result.before.exits) == set(result.after.exits) == set(exits)
+        scored = [teacher(tiny_target, ids, start) for ids, start in answers(tiny_target, draft, prompts, config)]
+        figures[exits] = held_out(model, scored, (1,)).exits[1].one_minus_tvd
+    assert figures[(1,)] > figures[()] + 0.1
+
+
 def test_the_command_refuses_another_vocabulary_and_bad_flags_in_one_line(tiny_dirs, capsys, tmp_path):
     command = ["train", "draft", "--model", str(tiny_dirs["target"]), "--out", str(tmp_path / "d")]
     other = [*command, "--draft", str(tiny_dirs["other-vocab"]), "--prompts", "2"]
@@ -68,3 +94,5 @@ def test_the_command_refuses_another_vocabulary_and_bad_flags_in_one_line(tiny_d
     draft = [*command, "--draft", str(tiny_dirs["draft"])]
     assert_one_line_error(capsys, [*draft, "--lora-rank", "-1"], "--lora-rank")
     assert_one_line_error(capsys, [*draft, "--prompts", "0"], "--prompts")
+    assert_one_line_error(capsys, [*draft, "--exits", "1"], "--exits must be below the draft's 1 layers")
+    assert_one_line_error(capsys, [*draft, "--exits", "x"], "--exits takes comma-separated layer counts")

@@ -198,6 +198,12 @@ def add_draft_command(methods: argparse._SubParsersAction) -> None:
     )
     draft.add_argument("--quantize", choices=("none", "int8", "int4", "bf16", "w4a8"), default="none",
                        help="the target's weights, as it will verify (the teacher is that model)")  # fmt: skip
+    draft.add_argument(
+        "--exits",
+        default="",
+        metavar="N,...",
+        help="S2D's nested drafts: also train the exits after these many layers (default: the last layer only)",
+    )
     draft.add_argument("--epochs", type=int, default=2)
     draft.add_argument("--lr", type=float, default=2e-4)
     draft.add_argument("--seed", type=int, default=0)

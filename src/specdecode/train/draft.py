@@ -15,6 +15,11 @@ speculation will ask it to: the two design choices the paper finds crucial are b
   target's :data:`TEACHER_TOP` likeliest tokens at a position plus one bucket for the rest of the vocabulary, so a
   position's teacher costs 2 KB to keep instead of a whole vocabulary row.
 
+* **Nested exits** (``exits``, S2D: Kavehzadeh et al., "S2D: Sorted Speculative Decoding For More Efficient
+  Deployment of Nested Large Language Models", 2024): the loss is averaged over the draft's last layer and the exits
+  after the given numbers of layers (the hidden state there through the model's final norm and LM head), so that each
+  of those depths drafts too (sorted fine-tuning).  The held-out figures then include each exit's agreement.
+
 Only answer positions are learnt (a prompt is context, not what a draft predicts).  Weights: LoRA (``peft``) on
 every linear layer of every decoder layer, merged into the saved model, or full fine-tuning (``lora_rank`` 0).  The
 held-out figures are teacher-forced on sequences kept out of training: how often the draft's top-1 token is the
@@ -26,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +65,7 @@ class DistillConfig:
     new_tokens: int = 128
     max_prompt_tokens: int = 384
     seed: int = 0
+    exits: tuple[int, ...] = ()  # S2D: layer depths whose exits are trained too (the last layer always is)
 
     def __post_init__(self) -> None:
         if self.data not in DATA_SOURCES:
@@ -68,6 +74,8 @@ class DistillConfig:
             raise SpecDecodeError(f"--divergence must be one of {', '.join(DIVERGENCES)}, got {self.divergence!r}")
         if self.lora_rank < 0:
             raise SpecDecodeError(f"--lora-rank must be >= 0 (0: full fine-tuning), got {self.lora_rank}")
+        if any(depth < 1 for depth in self.exits) or len(set(self.exits)) != len(self.exits):
+            raise SpecDecodeError(f"--exits takes distinct layer counts >= 1, got {list(self.exits)}")
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Sequence:
 class HeldOut:
     top1: float  # the draft's top-1 token is the target's
     one_minus_tvd: float  # speculative sampling's acceptance of one draft token, over the teacher's buckets
+    exits: dict[int, HeldOut] = field(default_factory=dict)  # the same figures at each trained exit
 
 
 @dataclass
@@ -157,15 +166,49 @@ def draft_logits(model: nn.Module, sequence: Sequence) -> torch.Tensor:
     return model(input_ids=sequence.ids[None]).logits[0, sequence.answer_start - 1 : -1]
 
 
+def exit_logits(model: nn.Module, sequence: Sequence, exits: tuple[int, ...]) -> list[torch.Tensor]:
+    """The draft's logits at the rows predicting ``sequence``'s answer tokens: at its last layer, then at each exit
+    (the hidden state after that many layers through the final norm and LM head)."""
+    out = model(input_ids=sequence.ids[None], output_hidden_states=True)
+    rows = slice(sequence.answer_start - 1, -1)
+    norm, head = output_stage(model)
+    return [out.logits[0, rows], *(head(norm(out.hidden_states[depth][0, rows])) for depth in exits)]
+
+
+def output_stage(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """A Llama-shaped causal LM's final norm and LM head (under a LoRA wrapper too)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm, head = getattr(getattr(base, "model", None), "norm", None), getattr(base, "lm_head", None)
+    if norm is None or head is None:
+        raise SpecDecodeError("--exits needs a draft whose final norm and LM head are model.norm and lm_head")
+    return norm, head
+
+
+def check_exits(draft: LoadedModel, exits: tuple[int, ...]) -> None:
+    """Refuse an exit at or past the draft's last layer (the last layer is always trained)."""
+    layers = draft.backend.num_layers
+    beyond = [depth for depth in exits if depth >= layers]
+    if beyond:
+        raise SpecDecodeError(f"--exits must be below the draft's {layers} layers, got {beyond}")
+    if exits:
+        output_stage(draft.backend.model)
+
+
 @torch.inference_mode()
-def held_out(model: nn.Module, sequences: list[Sequence]) -> HeldOut:
-    agree = overlap = positions = 0.0
+def held_out(model: nn.Module, sequences: list[Sequence], exits: tuple[int, ...] = ()) -> HeldOut:
+    """The held-out figures of the draft's last layer, and of each exit."""
+    depths = (None, *exits)  # None: the last layer
+    agree, overlap = dict.fromkeys(depths, 0.0), dict.fromkeys(depths, 0.0)
+    positions = 0
     for sequence in sequences:
-        logits = draft_logits(model, sequence)
-        agree += float((logits.argmax(-1) == sequence.top_ids[:, 0].long()).sum())
-        overlap += float((1.0 - divergence("tvd", sequence, logits)).sum())
-        positions += logits.shape[0]
-    return HeldOut(agree / max(positions, 1), overlap / max(positions, 1))
+        truth = sequence.top_ids[:, 0].long()
+        for depth, logits in zip(depths, exit_logits(model, sequence, exits)):
+            agree[depth] += float((logits.argmax(-1) == truth).sum())
+            overlap[depth] += float((1.0 - divergence("tvd", sequence, logits)).sum())
+        positions += len(truth)
+    count = max(positions, 1)
+    at = {depth: HeldOut(agree[depth] / count, overlap[depth] / count) for depth in depths}
+    return HeldOut(at[None].top1, at[None].one_minus_tvd, {depth: at[depth] for depth in exits})
 
 
 class TrainedState(nn.Module):
@@ -205,6 +248,7 @@ def distill(
     """Fine-tune ``draft`` (loaded without the fast path: plain linear layers) towards ``target``; returns the trained
     model (LoRA merged) and the held-out figures before and after."""
     check_same_vocabulary(target, draft)
+    check_exits(draft, config.exits)
     pairs = answers(target, draft, prompts, config, progress)
     scored = tqdm(pairs, desc="scoring with the target", unit="sequence", disable=not progress)
     sequences = [teacher(target, ids, start) for ids, start in scored if len(ids) > start]
@@ -214,7 +258,7 @@ def distill(
     if not train:
         raise SpecDecodeError("train draft: no training sequence was written (give more --prompts)")
     model = draft.backend.model
-    before = held_out(model, held) if held else HeldOut(float("nan"), float("nan"))
+    before = held_out(model, held, config.exits) if held else HeldOut(float("nan"), float("nan"))
     model, parameters = trainable(model, config.lora_rank)
 
     def epoch_batches(epoch: int) -> list[Sequence]:
@@ -224,7 +268,10 @@ def distill(
         return shuffled
 
     def batch_loss(sequence: Sequence) -> torch.Tensor:
-        return divergence(config.divergence, sequence, draft_logits(model, sequence)).mean()
+        if not config.exits:
+            return divergence(config.divergence, sequence, draft_logits(model, sequence)).mean()
+        depths = exit_logits(model, sequence, config.exits)
+        return torch.stack([divergence(config.divergence, sequence, logits).mean() for logits in depths]).mean()
 
     losses = fit(
         TrainedState(parameters),
@@ -244,7 +291,7 @@ def distill(
         model = model.merge_and_unload()
     for p in model.parameters():
         p.requires_grad_(False)
-    after = held_out(model, held) if held else HeldOut(float("nan"), float("nan"))
+    after = held_out(model, held, config.exits) if held else HeldOut(float("nan"), float("nan"))
     answer_tokens = sum(int(s.top_ids.shape[0]) for s in sequences)
     return model, DistillResult(before, after, len(train), len(held), answer_tokens, losses)
 

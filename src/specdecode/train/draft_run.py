@@ -22,6 +22,14 @@ def default_out(target: str, draft: str) -> Path | None:
     return trained_artifact_path(target, f"distilled-{Path(draft).name}")
 
 
+def parse_exits(text: str) -> tuple[int, ...]:
+    """``--exits``: comma-separated layer counts."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SpecDecodeError(f"--exits takes comma-separated layer counts, got {text!r}") from None
+
+
 def run_draft_training(args: argparse.Namespace) -> int:
     check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "epochs")
     config = DistillConfig(
@@ -33,6 +41,7 @@ def run_draft_training(args: argparse.Namespace) -> int:
         new_tokens=args.new_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         seed=args.seed,
+        exits=parse_exits(args.exits),
     )
     tasks = task_names(args.tasks)
     out = Path(args.out).expanduser() if args.out else default_out(args.model, args.draft)
@@ -67,6 +76,10 @@ def run_draft_training(args: argparse.Namespace) -> int:
         f"agreement {result.before.top1:.1%} -> {result.after.top1:.1%}, 1 - TVD {result.before.one_minus_tvd:.1%} "
         f"-> {result.after.one_minus_tvd:.1%}"
     )
+    for depth, after in result.after.exits_top1.items():
+        print(
+            f"exit after {depth} layers: held-out top-1 agreement {result.before.exits_top1[depth]:.1%} -> {after:.1%}"
+        )
     print(f"losses per epoch {', '.join(f'{loss:.4f}' for loss in result.epoch_losses)}; {seconds:.0f} s")
     print(f"saved {out}")
     print(f'use it: specdecode generate "..." --model {args.model} --drafter draft-model --draft-model {out}')
