@@ -46,6 +46,8 @@ SHARED: dict[str, Flag] = {
     "quantize": Flag(metavar=QUANTIZE_MODES),
     "quantize_draft": Flag(metavar=QUANTIZE_MODES),
     "progress": Flag("--no-progress", action="store_false"),
+    "servers": Flag("--url", metavar="[LABEL=]URL,..."),  # other OpenAI-compatible servers measured beside ours
+    "served_model": Flag(metavar="NAME"),
 }
 
 

@@ -101,6 +101,14 @@ def parse_servers(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(servers)
 
 
+def check_server_labels(servers: tuple[tuple[str, str], ...], methods: set[str]) -> None:
+    """``--url``'s labels name one server each, and no method of ours."""
+    labels = [label for label, _ in servers]
+    clash = sorted({*labels} & methods | {x for x in labels if labels.count(x) > 1})
+    if clash:
+        raise SpecDecodeError(f"--url labels must be unique and differ from --methods: {', '.join(clash)}")
+
+
 @dataclass(frozen=True)
 class ServeSettings(common.PromptSettings):
     methods: tuple[MethodSpec, ...]
@@ -119,10 +127,7 @@ class ServeSettings(common.PromptSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        labels = [label for label, _ in self.servers]
-        clash = sorted({*labels} & {m.spec for m in self.methods} | {x for x in labels if labels.count(x) > 1})
-        if clash:
-            raise SpecDecodeError(f"--url labels must be unique and differ from --methods: {', '.join(clash)}")
+        check_server_labels(self.servers, {m.spec for m in self.methods})
         check_quantize(self.quantize)
         if self.quantize_draft is not None:
             check_quantize(self.quantize_draft, "--quantize-draft")

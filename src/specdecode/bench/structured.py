@@ -28,7 +28,7 @@ from specdecode.bench import common
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.metrics import ratio
 from specdecode.bench.reporting import closing_line, fmt, table
-from specdecode.bench.serve import parse_servers
+from specdecode.bench.serve import check_server_labels, parse_servers
 from specdecode.bench.structured_servers import StructuredServer
 from specdecode.constraints import Constraint
 from specdecode.data.structured import STRUCTURED_PROMPTS, STRUCTURED_SUITES, StructuredPrompt
@@ -71,12 +71,7 @@ class StructuredSettings:
 
     def __post_init__(self) -> None:
         common.check_positive_ints(("--max-new-tokens", self.max_new_tokens), ("--threads", self.threads))
-        labels = [label for label, _ in self.servers]
-        clash = sorted(
-            {*labels} & {PLAIN, *(m.spec for m in self.methods)} | {x for x in labels if labels.count(x) > 1}
-        )
-        if clash:
-            raise SpecDecodeError(f"--url labels must be unique and differ from --methods: {', '.join(clash)}")
+        check_server_labels(self.servers, {PLAIN, *(m.spec for m in self.methods)})
         check_quantize(self.quantize)
         unknown = sorted(set(self.suites) - set(STRUCTURED_SUITES))
         if not self.suites or unknown:

@@ -40,13 +40,11 @@ class Serve(Benchmark):
                 metavar=QUANTIZE_MODES,
                 help="of the served draft models (default int4, w4a8 on AVX2-only CPUs; none with adapt=true)",
             ),
-            "servers": Flag(
-                "--url",
-                metavar="[LABEL=]URL,...",
-                help="other OpenAI-compatible servers measured beside ours, e.g. vllm=http://127.0.0.1:8001 "
-                "(label default: HOST:PORT); sent no `speculative` field; speculation read from vLLM's /metrics",
+            "servers": (
+                "other OpenAI-compatible servers measured beside ours, e.g. vllm=http://127.0.0.1:8001 "
+                "(label default: HOST:PORT); sent no `speculative` field; speculation read from vLLM's /metrics"
             ),
-            "served_model": Flag(metavar="NAME", help="the model name those servers serve (default: --model)"),
+            "served_model": "the model name those servers serve (default: --model)",
             "progress": "no progress bar",
         }
 

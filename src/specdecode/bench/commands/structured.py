@@ -28,13 +28,11 @@ class Structured(Benchmark):
             "quantize": Flag(metavar=QUANTIZE_MODES, help="weight-only quantization of the target (default none)"),
             "out": "output directory (default bench-out/structured)",
             "threads": THREADS_HELP,
-            "servers": Flag(
-                "--url",
-                metavar="[LABEL=]URL,...",
-                help="other OpenAI-compatible servers measured beside ours, e.g. vllm=http://127.0.0.1:8001 "
-                "(label default: HOST:PORT); the schema sent as `response_format`",
+            "servers": (
+                "other OpenAI-compatible servers measured beside ours, e.g. vllm=http://127.0.0.1:8001 "
+                "(label default: HOST:PORT); the schema sent as `response_format`"
             ),
-            "served_model": Flag(metavar="NAME", help="the model name those servers serve (default: --model)"),
+            "served_model": "the model name those servers serve (default: --model)",
             "progress": "no progress bar",
         }
 
