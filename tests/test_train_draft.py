@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
+from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.models.loading import load_model
 from specdecode.train.draft import (
@@ -85,6 +86,17 @@ def test_nested_exits_are_trained_to_agree_with_the_target_too(tiny_target, tmp_
         scored = [teacher(tiny_target, ids, start) for ids, start in answers(tiny_target, draft, prompts, config)]
         figures[exits] = held_out(model, scored, (1,)).exits[1].one_minus_tvd
     assert figures[(1,)] > figures[()] + 0.1
+
+
+def test_the_command_trains_nested_exits_and_reports_each(tiny_dirs, capsys, tmp_path):
+    draft = save_tiny(tmp_path / "deep", seed=3, layers=3)
+    argv = ["train", "draft", "--model", str(tiny_dirs["target"]), "--draft", str(draft), "--exits", "1,2"]
+    argv += ["--prompts", "4", "--new-tokens", "8", "--epochs", "1", "--lora-rank", "0", "--out", str(tmp_path / "d")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "exit after 1 layers: held-out top-1 agreement" in out and "exit after 2 layers" in out
+    facts = json.loads((tmp_path / "d" / "distill.json").read_text())
+    assert set(facts["held_out_after"]["exits"]) == {"1", "2"} and facts["config"]["exits"] == [1, 2]
 
 
 def test_the_command_refuses_another_vocabulary_and_bad_flags_in_one_line(tiny_dirs, capsys, tmp_path):

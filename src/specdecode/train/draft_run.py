@@ -76,9 +76,11 @@ def run_draft_training(args: argparse.Namespace) -> int:
         f"agreement {result.before.top1:.1%} -> {result.after.top1:.1%}, 1 - TVD {result.before.one_minus_tvd:.1%} "
         f"-> {result.after.one_minus_tvd:.1%}"
     )
-    for depth, after in result.after.exits_top1.items():
+    for depth, after in result.after.exits.items():
+        before = result.before.exits[depth]
         print(
-            f"exit after {depth} layers: held-out top-1 agreement {result.before.exits_top1[depth]:.1%} -> {after:.1%}"
+            f"exit after {depth} layers: held-out top-1 agreement {before.top1:.1%} -> {after.top1:.1%}, "
+            f"1 - TVD {before.one_minus_tvd:.1%} -> {after.one_minus_tvd:.1%}"
         )
     print(f"losses per epoch {', '.join(f'{loss:.4f}' for loss in result.epoch_losses)}; {seconds:.0f} s")
     print(f"saved {out}")
