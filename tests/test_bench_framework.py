@@ -17,7 +17,7 @@ import pytest
 
 from helpers import assert_one_line_error, bench_parser
 from specdecode.bench import benchmark
-from specdecode.bench.arguments import Flag
+from specdecode.bench.arguments import SHARED, Flag
 from specdecode.bench.benchmark import Benchmark, benchmarks, register_benchmark
 from specdecode.bench.commands.suite import BenchSuite
 from specdecode.cli import main
@@ -69,10 +69,8 @@ def test_help_shows_every_flag(command, capsys):
     text = capsys.readouterr().out
     assert text.startswith(f"usage: specdecode {command.label}")
     for name, spec in command.arguments().items():
-        option = spec.option if isinstance(spec, Flag) and spec.option else "--" + name.replace("_", "-")
-        if name == "progress":
-            option = "--no-progress"
-        assert option in text
+        flag = SHARED[name] if isinstance(spec, str) else spec
+        assert (flag.option or "--" + name.replace("_", "-")) in text
 
 
 def test_no_help_loads_torch():
