@@ -255,6 +255,9 @@ def test_what_the_grammar_forces_after_a_drafters_chain_is_drafted_after_it(json
     tree = Draft([*chain, chain[0]], parents=[-1, 0, -1])  # a tree is verified as the drafter made it
     assert specdecode.engine._grammar_draft(seq, grammar, tree, room=20)[0] == tree
     assert specdecode.engine._grammar_draft(seq, grammar, Draft(chain), room=1)[0].tokens == chain[:1]
+    start = compiler.start(CONSTRAINTS["json-schema"])  # the keys forced before any drafter's token
+    forced, _ = specdecode.engine._grammar_draft(SimpleNamespace(context=[1, 2], max_context=256), start, tree, 20)
+    assert forced.tokens and forced.confidence == [1.0] * len(forced.tokens)
 
 
 # --- sampling: the constrained target distribution, exactly ------------------------------------------------

@@ -284,7 +284,7 @@ def _grammar_draft(seq: Sequence, grammar: SequenceGrammar, draft: Draft, room: 
     if forced and not (point_mass_chain and draft.tokens[: len(forced)] == forced):
         draft, own, point_mass_chain = Draft(tokens=[]), False, True
     if point_mass_chain and (more := grammar.forced_after(draft.tokens)):
-        confidence = draft.confidence if draft.confidence is not None or not draft.tokens else None
+        confidence = draft.confidence if draft.tokens else []
         draft = Draft(
             tokens=[*draft.tokens, *more],
             confidence=[*confidence, *[1.0] * len(more)] if confidence is not None else None,
