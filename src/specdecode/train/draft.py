@@ -169,6 +169,8 @@ def draft_logits(model: nn.Module, sequence: Sequence) -> torch.Tensor:
 def exit_logits(model: nn.Module, sequence: Sequence, exits: tuple[int, ...]) -> list[torch.Tensor]:
     """The draft's logits at the rows predicting ``sequence``'s answer tokens: at its last layer, then at each exit
     (the hidden state after that many layers through the final norm and LM head)."""
+    if not exits:
+        return [draft_logits(model, sequence)]
     out = model(input_ids=sequence.ids[None], output_hidden_states=True)
     rows = slice(sequence.answer_start - 1, -1)
     norm, head = output_stage(model)
@@ -267,9 +269,7 @@ def distill(
         random.Random(config.seed * 1000 + epoch).shuffle(shuffled)
         return shuffled
 
-    def batch_loss(sequence: Sequence) -> torch.Tensor:
-        if not config.exits:
-            return divergence(config.divergence, sequence, draft_logits(model, sequence)).mean()
+    def batch_loss(sequence: Sequence) -> torch.Tensor:  # averaged over the last layer and each exit
         depths = exit_logits(model, sequence, config.exits)
         return torch.stack([divergence(config.divergence, sequence, logits).mean() for logits in depths]).mean()
 
