@@ -6,7 +6,8 @@ quantized layer), which this step saves (``docs/results/avx2``, ``draft_step_tim
 gpt-fast's model: the query, key and value projections are one call of a fused weight, and so are the gate and up
 projections (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``); norms are ``F.rms_norm``; the new key
 and value go straight into the sequence's slot of the pool (:class:`~specdecode.models.ragged.SlotPool`) and one
-SDPA call attends to it.
+call of the modules' attention kernel (:mod:`specdecode.models.attention_kernel`; SDPA where it is not built) attends
+to it.
 
 Only drafts go through it (:meth:`HFCausalLM.draft_logits`): its logits differ from the modules' in the last
 bits (another norm kernel, another rounding order), which cannot change the output — the target verifies
@@ -28,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.models.attention_kernel import kernel_attends
 from specdecode.models.base import apply_rotary
 from specdecode.models.quantized_layers import Int4Linear, Int8Linear, QuantizedLinear
-from specdecode.models.ragged import SlotCache
+from specdecode.models.ragged import RaggedBatch, SequenceSlice, SlotCache, attend_with_kernel
 from specdecode.models.w4a8 import W4A8Linear
 
 #: transformers' ``model_type`` of the decoders laid out as Llama's (pre-norm RMSNorm scaled by its weight,
@@ -138,6 +140,10 @@ class DraftStep:
         cos, sin = cos[0], sin[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         width = hidden.shape[-1]
+        # The modules' attention where its kernel is built: an activation-quantized model (w4a8) turns the last bits
+        # of another attention into whole quantization steps.
+        kernel = kernel_attends(pool.layers[0][0])
+        batch = RaggedBatch([SequenceSlice(slot, slice(0, 1), position, torch.tensor([position]), None)])
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (width,), layer.attention_norm, self.eps).to(self.input_dtype)
             query, key, value = layer.qkv(normed).split(layer.qkv.sizes, dim=-1)
@@ -145,12 +151,14 @@ class DraftStep:
             keys, values = pool.layers[index]
             keys[slot, :, position] = apply_rotary(key.view(kv_heads, dim), cos, sin)
             values[slot, :, position] = value.view(kv_heads, dim)
-            # The query heads sharing a key head stacked along the query axis (as in ragged_attention).
-            attended = F.scaled_dot_product_attention(
-                query.view(1, kv_heads, heads // kv_heads, dim),
-                keys[slot : slot + 1, :, : position + 1],
-                values[slot : slot + 1, :, : position + 1],
-            )
+            if kernel:
+                attended = attend_with_kernel(query.view(1, heads, 1, dim), keys, values, batch, None, None)
+            else:  # the query heads sharing a key head stacked along the query axis (as in ragged_attention)
+                attended = F.scaled_dot_product_attention(
+                    query.view(1, kv_heads, heads // kv_heads, dim),
+                    keys[slot : slot + 1, :, : position + 1],
+                    values[slot : slot + 1, :, : position + 1],
+                )
             hidden = hidden + _project(layer.output, attended.reshape(1, heads * dim).to(self.input_dtype))
             normed = F.rms_norm(hidden, (width,), layer.mlp_norm, self.eps).to(self.input_dtype)
             gate, up = layer.gate_up(normed).split(layer.gate_up.sizes, dim=-1)

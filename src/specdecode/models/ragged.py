@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from specdecode.models.attention_kernel import FEW_ROWS, kernel_attends, ragged_attention_op
 from specdecode.models.base import KVCache, KVPool
 from specdecode.models.row_attention import (
     BUCKET,
@@ -207,6 +208,39 @@ class SequenceSlice:
 
 
 @dataclass
+class KernelPlan:
+    """What the attention kernel (:mod:`specdecode.models.attention_kernel`) reads for one forward: its sequences'
+    ``meta`` rows (slot, first row, rows, cached length, tree mask offset or -1), their tree masks flattened into
+    ``masks``, every row's position, and the sequences left to SDPA (a prompt's chunk of many rows)."""
+
+    meta: torch.Tensor
+    masks: torch.Tensor
+    positions: torch.Tensor
+    others: list[int]
+
+    @staticmethod
+    def of(sequences: list[SequenceSlice]) -> KernelPlan:
+        meta, masks, others, offset = [], [], [], 0
+        for index, seq in enumerate(sequences):
+            if not seq.invariant and seq.new > FEW_ROWS:
+                others.append(index)
+                continue
+            mask_offset = -1
+            if seq.tree_mask is not None:
+                mask_offset = offset
+                masks.append(seq.tree_mask.to(device="cpu", dtype=torch.bool).flatten())
+                offset += seq.new * seq.new
+            meta.append([seq.slot, seq.rows.start, seq.new, seq.past, mask_offset])
+        positions = torch.cat([seq.positions.to("cpu", torch.long) for seq in sequences]).contiguous()
+        return KernelPlan(
+            torch.tensor(meta, dtype=torch.long).view(-1, 5),
+            torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool),
+            positions,
+            others,
+        )
+
+
+@dataclass
 class RaggedBatch:
     """Where each sequence's tokens are in the flattened batch and what each may attend to; built once per
     forward, read by every layer's attention."""
@@ -215,6 +249,11 @@ class RaggedBatch:
     #: Attend row by row (see :func:`ragged_attention`), for a model whose other layers are batch invariant.
     row_invariant: bool = False
     _masks: dict[tuple[int, int | None, int], torch.Tensor | None] = field(default_factory=dict)
+
+    @cached_property
+    def kernel_plan(self) -> KernelPlan:
+        """The attention kernel's reading of this batch, built once per forward for every layer."""
+        return KernelPlan.of(self.sequences)
 
     def mask(self, index: int, window: int | None, groups: int) -> torch.Tensor | str | None:
         """[groups * n, past + n] bool: what sequence ``index``'s query rows (``groups`` query heads per key
@@ -289,11 +328,12 @@ def ragged_attention(
         )
     if getattr(module.config, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit softcapping is not supported by the ragged attention")
+    if kernel_attends(query):
+        return attend_with_kernel(query, key, value, ragged, scaling, sliding_window), None
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
     groups = heads // kv_heads
     outputs = []
     for index, seq in enumerate(ragged.sequences):
-        n, end = seq.new, seq.end
         if ragged.row_invariant and seq.invariant:
             bucketed = (
                 sliding_window is None
@@ -309,18 +349,58 @@ def ragged_attention(
             else:
                 outputs.append(_attend_row_by_row(query, key, value, seq, scaling, sliding_window, bucketed))
             continue
-        keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
-        mask = ragged.mask(index, sliding_window, groups)
-        if mask is CAUSAL:
-            out = nn.functional.scaled_dot_product_attention(
-                query[:, :, seq.rows], keys, values, is_causal=True, scale=scaling, enable_gqa=groups > 1
-            )
-        else:
-            q = query[:, :, seq.rows].reshape(1, kv_heads, groups * n, dim)
-            out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-        outputs.append(out.view(1, heads, n, dim))
+        outputs.append(_sdpa(query, key, value, ragged, index, scaling, sliding_window))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.transpose(1, 2), None
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ragged: RaggedBatch,
+    index: int,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Sequence ``index``'s attention in one SDPA call; [1, heads, n, d]."""
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    groups = heads // kv_heads
+    seq = ragged.sequences[index]
+    n, end = seq.new, seq.end
+    keys, values = key[seq.slot : seq.slot + 1, :, :end], value[seq.slot : seq.slot + 1, :, :end]
+    mask = ragged.mask(index, sliding_window, groups)
+    if mask is CAUSAL:
+        out = nn.functional.scaled_dot_product_attention(
+            query[:, :, seq.rows], keys, values, is_causal=True, scale=scaling, enable_gqa=groups > 1
+        )
+    else:
+        q = query[:, :, seq.rows].reshape(1, kv_heads, groups * n, dim)
+        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+    return out.view(1, heads, n, dim)
+
+
+def attend_with_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    ragged: RaggedBatch,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Every sequence's attention: the kernel's one call for all but a prompt's long chunk, SDPA for those; [1, T,
+    heads, d]."""
+    heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
+    plan = ragged.kernel_plan
+    out = query.new_empty(rows, heads, dim)
+    scale = dim**-0.5 if scaling is None else scaling
+    if len(plan.meta):
+        q = query[0] if query.stride(3) == 1 else query[0].contiguous()
+        ragged_attention_op()(q, key, value, plan.meta, plan.masks, plan.positions, scale, sliding_window or 0, out)
+    for index in plan.others:
+        seq = ragged.sequences[index]
+        out[seq.rows] = _sdpa(query, key, value, ragged, index, scaling, sliding_window)[0].transpose(0, 1)
+    return out.unsqueeze(0)
 
 
 def _attend_row_by_row(

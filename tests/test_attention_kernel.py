@@ -1,0 +1,108 @@
+"""The ragged attention kernel (:mod:`specdecode.models.attention_kernel`): SDPA's results to float noise, for chains,
+trees, sliding windows and bf16, and each row bitwise what it gets alone — in a chain, in a tree (its branch decoded
+one token at a time) and beside other sequences — where SDPA's calls, the broken control, are not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdecode.models.ragged as ragged
+from specdecode.models.attention_kernel import ragged_attention_op
+from specdecode.models.ragged import RaggedBatch, SequenceSlice, ragged_attention
+
+pytestmark = pytest.mark.skipif(ragged_attention_op() is None, reason="the attention kernel is not built here")
+
+HEADS, KV_HEADS, DIM, CAPACITY = 6, 2, 64, 96
+TREE = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+
+
+class _Module:  # what ragged_attention reads of the attention module
+    class config:
+        attn_logit_softcapping = None
+
+
+def storage(dtype=torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (4, KV_HEADS, CAPACITY, DIM)
+    return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
+
+
+def attend(query, keys, values, sequences, window=None, kernel=True, monkeypatch=None) -> torch.Tensor:
+    if not kernel:
+        monkeypatch.setattr(ragged, "kernel_attends", lambda query: False)
+    out, _ = ragged_attention(
+        _Module, query, keys, values, None, 0.125, sliding_window=window, ragged=RaggedBatch(sequences)
+    )
+    if not kernel:
+        monkeypatch.undo()
+    return out
+
+
+def mixed_batch() -> list[SequenceSlice]:
+    """A decoding row, a tree of four, a chain of three and a prompt's chunk of twenty (which SDPA keeps)."""
+    return [
+        SequenceSlice(0, slice(0, 1), 10, torch.tensor([10]), None),
+        SequenceSlice(2, slice(1, 5), 20, torch.tensor([20, 21, 21, 22]), TREE),
+        SequenceSlice(1, slice(5, 8), 5, torch.tensor([5, 6, 7]), None),
+        SequenceSlice(3, slice(8, 28), 0, torch.arange(20), None, invariant=False),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_kernel_computes_what_sdpa_computes(monkeypatch, dtype, window):
+    keys, values = storage(dtype)
+    query = torch.randn(1, HEADS, 28, DIM).to(dtype)
+    got = attend(query, keys, values, mixed_batch(), window)
+    expected = attend(query, keys, values, mixed_batch(), window, kernel=False, monkeypatch=monkeypatch)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def rows_alone_equal_rows_in_a_chain(kernel: bool, monkeypatch) -> bool:
+    keys, values = storage()
+    query = torch.randn(1, HEADS, 5, DIM, generator=torch.Generator().manual_seed(1))
+    chain = attend(
+        query, keys, values, [SequenceSlice(0, slice(0, 5), 30, torch.arange(30, 35), None)], None, kernel, monkeypatch
+    )
+    for row in range(5):
+        alone = SequenceSlice(0, slice(0, 1), 30 + row, torch.tensor([30 + row]), None)
+        one = attend(query[:, :, row : row + 1], keys, values, [alone], None, kernel, monkeypatch)
+        if not torch.equal(one[0, 0], chain[0, row]):
+            return False
+    return True
+
+
+def test_each_row_of_a_chain_gets_bitwise_what_it_gets_alone(monkeypatch):
+    assert rows_alone_equal_rows_in_a_chain(kernel=True, monkeypatch=monkeypatch)
+
+
+def test_broken_control_sdpa_gives_a_chain_row_other_bits_than_alone(monkeypatch):
+    """SDPA's one call for the chain rounds its rows otherwise than a call per row: the test above can fail."""
+    assert not rows_alone_equal_rows_in_a_chain(kernel=False, monkeypatch=monkeypatch)
+
+
+def test_a_tree_row_gets_bitwise_what_its_branch_gets_decoded_alone():
+    keys, values = storage()
+    query = torch.randn(1, HEADS, 4, DIM, generator=torch.Generator().manual_seed(2))
+    past = 20
+    tree = attend(query, keys, values, [SequenceSlice(2, slice(0, 4), past, torch.tensor([20, 21, 21, 22]), TREE)])
+    for row, branch in enumerate([[0], [0, 1], [0, 2], [0, 2, 3]]):
+        alone_keys, alone_values = keys.clone(), values.clone()
+        # Plain decoding of the branch has cached its nodes one after another behind the cache.
+        alone_keys[2, :, past : past + len(branch)] = keys[2, :, [past + node for node in branch]]
+        alone_values[2, :, past : past + len(branch)] = values[2, :, [past + node for node in branch]]
+        position = past + len(branch) - 1
+        alone = SequenceSlice(2, slice(0, 1), position, torch.tensor([position]), None)
+        one = attend(query[:, :, row : row + 1], alone_keys, alone_values, [alone])
+        assert torch.equal(one[0, 0], tree[0, row]), row
+
+
+def test_a_row_gets_the_same_bits_beside_any_other_sequences():
+    keys, values = storage()
+    query = torch.randn(1, HEADS, 28, DIM, generator=torch.Generator().manual_seed(3))
+    batched = attend(query, keys, values, mixed_batch())
+    decoding = mixed_batch()[0]
+    alone = attend(query[:, :, :1], keys, values, [decoding])
+    assert torch.equal(alone[0, 0], batched[0, 0])
