@@ -107,6 +107,11 @@ class SlotPool(KVPool):
             shape = (self.slots, keys.shape[1], self.capacity, keys.shape[3])
             self.layers[layer] = (keys.new_zeros(shape), values.new_zeros(shape))
         stored_keys, stored_values = self.layers[layer]
+        if keys.device.type == "cpu" and ragged_attention_op() is not None:  # one call for every sequence
+            torch.ops.specdecode_attention.write_slots(
+                stored_keys, stored_values, keys[0], values[0], batch.kernel_plan.slots
+            )
+            return stored_keys, stored_values
         for seq in batch.sequences:  # a slice copy each: cheaper than one scatter for the batch sizes we run
             stored_keys[seq.slot, :, seq.past : seq.end] = keys[0, :, seq.rows]
             stored_values[seq.slot, :, seq.past : seq.end] = values[0, :, seq.rows]
@@ -211,16 +216,19 @@ class SequenceSlice:
 class KernelPlan:
     """What the attention kernel (:mod:`specdecode.models.attention_kernel`) reads for one forward: its sequences'
     ``meta`` rows (slot, first row, rows, cached length, tree mask offset or -1), their tree masks flattened into
-    ``masks``, every row's position, and the sequences left to SDPA (a prompt's chunk of many rows)."""
+    ``masks``, every row's position, the sequences left to SDPA (a prompt's chunk of many rows), and every
+    sequence's row of the same kind in ``slots`` (where its new keys and values are written)."""
 
     meta: torch.Tensor
     masks: torch.Tensor
     positions: torch.Tensor
     others: list[int]
+    slots: torch.Tensor
 
     @staticmethod
     def of(sequences: list[SequenceSlice]) -> KernelPlan:
         meta, masks, others, offset = [], [], [], 0
+        slots = [[seq.slot, seq.rows.start, seq.new, seq.past, -1] for seq in sequences]
         for index, seq in enumerate(sequences):
             if not seq.invariant and seq.new > FEW_ROWS:
                 others.append(index)
@@ -237,6 +245,7 @@ class KernelPlan:
             torch.cat(masks) if masks else torch.empty(0, dtype=torch.bool),
             positions,
             others,
+            torch.tensor(slots, dtype=torch.long),
         )
 
 

@@ -235,6 +235,34 @@ at::Tensor ragged_attention(const at::Tensor& query, const at::Tensor& keys, con
   return out;
 }
 
+// Each sequence's new keys and values (new_keys/new_values [kv_heads, rows, dim], any strides, last dim contiguous)
+// into its slot at its cached length: meta as above (slot, first row, rows, cached length, -).
+void write_slots(at::Tensor keys, at::Tensor values, const at::Tensor& new_keys, const at::Tensor& new_values,
+                 const at::Tensor& meta) {
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes(), "unexpected storage");
+  TORCH_CHECK(new_keys.scalar_type() == keys.scalar_type() && new_values.scalar_type() == keys.scalar_type(),
+              "mixed dtypes");
+  TORCH_CHECK(new_keys.stride(2) == 1 && new_values.stride(2) == 1, "unexpected layout");
+  const int64_t kv_heads = keys.size(1), capacity = keys.size(2), dim = keys.size(3);
+  const int64_t bytes = dim * keys.element_size();
+  char* k_data = static_cast<char*>(keys.data_ptr());
+  char* v_data = static_cast<char*>(values.data_ptr());
+  const char* nk = static_cast<const char*>(new_keys.data_ptr());
+  const char* nv = static_cast<const char*>(new_values.data_ptr());
+  const int64_t size = keys.element_size();
+  const int64_t* m = meta.data_ptr<int64_t>();
+  for (int64_t s = 0; s < meta.size(0); ++s) {
+    const int64_t slot = m[s * 5], first = m[s * 5 + 1], n = m[s * 5 + 2], past = m[s * 5 + 3];
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t to = ((slot * kv_heads + h) * capacity + past + i) * bytes;
+        std::memcpy(k_data + to, nk + (h * new_keys.stride(0) + (first + i) * new_keys.stride(1)) * size, bytes);
+        std::memcpy(v_data + to, nv + (h * new_values.stride(0) + (first + i) * new_values.stride(1)) * size, bytes);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdecode_attention, m) {
@@ -242,4 +270,6 @@ TORCH_LIBRARY(specdecode_attention, m) {
       "ragged_attention(Tensor query, Tensor keys, Tensor values, Tensor meta, Tensor masks, Tensor positions, "
       "float scale, int window, Tensor(a!) out) -> Tensor(a!)");
   m.impl("ragged_attention", c10::DispatchKey::CPU, TORCH_FN(ragged_attention));
+  m.def("write_slots(Tensor(a!) keys, Tensor(b!) values, Tensor new_keys, Tensor new_values, Tensor meta) -> ()");
+  m.impl("write_slots", c10::DispatchKey::CPU, TORCH_FN(write_slots));
 }
