@@ -2,7 +2,7 @@
 
 Why: torch's SDPA costs about 35 µs a call on a CPU however small the call, and a batched step of 8 one-token
 sequences made one call per sequence and layer: 7 of a 35 ms step for SmolLM2-135M at C=8 went to attention that
-computes a few hundred dot products per head (``docs/results/ragged-attention-smollm2-135m``).  The kernel attends
+computes a few hundred dot products per head (``docs/results/serve-vllm-cpu-kernel-smollm2-135m``).  The kernel attends
 every (row, head) of the sequences it is given in one parallel call.
 
 It computes each row on its own, by one loop over the keys the row may see in column order (see the C++ source), so

@@ -9,12 +9,17 @@ queries to its own slot only — its cached positions plus its new tokens under 
 attention is the very same computation whether it runs alone or in a batch.  Called by transformers
 itself (``generate``), the function falls back to transformers' SDPA attention.
 
-For a model whose other layers are batch invariant (weight-only quantized, :mod:`specdecode.models.quantize`),
-``RaggedBatch.row_invariant`` makes attention invariant too: every token that continues a sequence attends
-in its own SDPA call, the one a one-token forward makes, so speculative verification gives each row bitwise
-the logits plain decoding gives it.  A prompt's chunk keeps one call per sequence: plain and speculative
-decoding, alone or in a batch, feed it alike (``SequenceInput.invariant`` false), as does a draft model's forward;
-that call depends on the chunk and its own slot only, whatever else shares the forward.
+On a CPU, one call of the attention kernel (:mod:`specdecode.models.attention_kernel`) per layer attends every
+sequence's new tokens, each row on its own, and one call writes every sequence's new keys and values: rows are batch
+and row invariant by construction, so speculative verification gives each row bitwise what plain decoding gives it.
+A prompt's chunk of more rows keeps an SDPA call of its own, which depends on the chunk and its slot only.
+
+Where the kernel is not built (a GPU, no C++ compiler), each sequence attends in an SDPA call of its own, and for a
+model whose other layers are batch invariant (weight-only quantized, :mod:`specdecode.models.quantize`)
+``RaggedBatch.row_invariant`` makes attention invariant too: every token that continues a sequence attends in its
+own SDPA call, the one a one-token forward makes.  A prompt's chunk keeps one call per sequence: plain and
+speculative decoding, alone or in a batch, feed it alike (``SequenceInput.invariant`` false), as does a draft model's
+forward.
 
 The pool keeps, per layer, one tensor ``[slots, kv_heads, capacity, head_dim]`` for keys and one for
 values, grown by doubling; a sequence's cache is a slot and a length.  Cropping is setting the length;
