@@ -106,3 +106,11 @@ def test_a_row_gets_the_same_bits_beside_any_other_sequences():
     decoding = mixed_batch()[0]
     alone = attend(query[:, :, :1], keys, values, [decoding])
     assert torch.equal(alone[0, 0], batched[0, 0])
+
+
+def test_heads_of_a_size_the_kernel_does_not_take_attend_through_sdpa():
+    """Head size 8 is not a whole number of the kernel's 16-float vectors: SDPA attends, with no error."""
+    keys, values = torch.randn(1, KV_HEADS, 16, 8), torch.randn(1, KV_HEADS, 16, 8)
+    query = torch.randn(1, HEADS, 2, 8)
+    out = attend(query, keys, values, [SequenceSlice(0, slice(0, 2), 4, torch.tensor([4, 5]), None)])
+    assert out.shape == (1, 2, HEADS, 8) and torch.isfinite(out).all()

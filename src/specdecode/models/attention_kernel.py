@@ -72,9 +72,11 @@ def ragged_attention_op() -> object | None:
 
 
 def kernel_attends(query: torch.Tensor) -> bool:
-    """Whether the kernel takes this layer's attention: a CPU tensor of a dtype it computes, and the kernel built."""
+    """Whether the kernel takes this layer's attention: a CPU tensor of a dtype it computes, heads whose size is a
+    whole number of its 16-float vectors, and the kernel built."""
     return (
         query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.bfloat16)
+        and query.shape[-1] % 16 == 0
         and ragged_attention_op() is not None
     )
