@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from specdecode.machine import cpu_flags, cpu_name
-from specdecode.models.attention_kernel import ragged_attention_op
 from specdecode.models.base import CausalLM, KVCache
 from specdecode.models.cache import cache_dir
+from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
 from specdecode.threads import OthersLoad
 
@@ -238,10 +238,10 @@ def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context
 
 
 def machine_and_model_key(model: nn.Module, settings: str) -> str:
-    """What a forward's cost depends on: the CPU (its name and instruction sets), torch and its threads, the attention
-    (:mod:`specdecode.models.attention_kernel` or SDPA), and the
-    model's structure -- every module's type and weight shape and dtype (so quantized, packed and plain layers
-    differ) -- not its weight values; ``settings`` says what was measured, and how."""
+    """What a forward's cost depends on: the CPU (its name and instruction sets), torch and its threads, whether our
+    CPU kernels run (:mod:`specdecode.models.cpu_kernels`), and the model's structure -- every module's type and
+    weight shape and dtype (so quantized, packed and plain layers differ) -- not its weight values; ``settings`` says
+    what was measured, and how."""
     layout = hashlib.sha256()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -255,7 +255,7 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
         " ".join(sorted(cpu_flags())),
         str(torch.get_num_threads()),
         torch.__version__,
-        "attention kernel" if ragged_attention_op() is not None else "sdpa",
+        "cpu kernels" if cpu_kernels_built() else "torch kernels",
         layout.hexdigest(),
         settings,
     ]

@@ -15,13 +15,15 @@ That does not matter for plain-vs-speculative greedy equality today, because the
 (``scaled_dot_product_attention``) is itself not batch invariant: logits of a token fed alone and inside
 a block of 8 differ by ~1e-5 either way.
 
-oneDNN has a fixed cost per call that plain MKL does not, so for a small matrix (a decoder projection of SmolLM2:
-576x576 to 576x1536) and one to three rows the faster kernel depends on the CPU: MKL on a dense copy made a whole
-one-token forward faster on an AVX-512 Xeon with AMX and slower on an AVX-512 AMD EPYC
-(``docs/results/quick-epyc-fastpath-r7``).  Timing single calls does not settle it (MKL won some alone and lost inside
-the forward).  So each layer whose weight has at most ``DENSE_COPY_MAX`` elements keeps a dense copy for calls of up
-to ``DENSE_ROWS`` rows, and once per machine and model :func:`specdecode.models.cost.tune_fast_path` times whole
-forwards of 1 to ``DENSE_ROWS`` new tokens both ways and keeps the copies only for the row counts where they won
+oneDNN has a fixed cost per call, and for one to three rows it reads a small model's weights well below the memory's
+bandwidth; a dense copy of the weight multiplied by our few-row kernel (``kernels/few_rows.cpp``, through
+:func:`~specdecode.models.cpu_kernels.few_rows_linear`; MKL where it is not built) can be faster, and which one is
+depends on the CPU: MKL on a dense copy made a whole one-token forward faster on an AVX-512 Xeon with AMX and slower
+on an AVX-512 AMD EPYC (``docs/results/quick-epyc-fastpath-r7``), where the few-row kernel made it 1.3x faster
+(``docs/results/serve-vllm-cpu-kernel-smollm2-135m``).  Timing single calls does not settle it (MKL won some alone and
+lost inside the forward).  So each layer whose weight has at most ``DENSE_COPY_MAX`` elements keeps a dense copy for
+calls of up to ``DENSE_ROWS`` rows, and once per machine and model :func:`specdecode.models.cost.tune_fast_path` times
+whole forwards of 1 to ``DENSE_ROWS`` new tokens both ways and keeps the copies only for the row counts where they won
 (:func:`use_dense_rows`), freeing them where they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB for
 Qwen2.5-1.5B, whose MLPs and LM head are too large to keep one).
 The swap is done in place and is inference-only (the packed weight has no gradient, and packed weights
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from specdecode.models.cpu_kernels import few_rows_linear
 
 
 def fast_path_supported() -> bool:
@@ -85,7 +89,7 @@ class PackedLinear(nn.Module):
             return nn.functional.linear(x, dense.detach(), None if self.bias is None else self.bias.detach())
         bias = None if self.bias is None else self.bias.detach()
         if self.dense is not None and x.numel() <= self.dense_rows * self.in_features:
-            return nn.functional.linear(x, self.dense, bias)
+            return few_rows_linear(x, self.dense, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
