@@ -19,13 +19,13 @@ oneDNN has a fixed cost per call, and for one to three rows it reads a small mod
 bandwidth; a dense copy of the weight multiplied by our few-row kernel (``kernels/few_rows.cpp``, through
 :func:`~specdecode.models.cpu_kernels.few_rows_linear`; MKL where it is not built) can be faster, and which one is
 depends on the CPU: MKL on a dense copy made a whole one-token forward faster on an AVX-512 Xeon with AMX and slower
-on an AVX-512 AMD EPYC (``docs/results/quick-epyc-fastpath-r7``), where the few-row kernel made it 1.3x faster
-(``docs/results/serve-vllm-cpu-kernel-smollm2-135m``).  Timing single calls does not settle it (MKL won some alone and
-lost inside the forward).  So each layer whose weight has at most ``DENSE_COPY_MAX`` elements keeps a dense copy for
-calls of up to ``DENSE_ROWS`` rows, and once per machine and model :func:`specdecode.models.cost.tune_fast_path` times
-whole forwards of 1 to ``DENSE_ROWS`` new tokens both ways and keeps the copies only for the row counts where they won
-(:func:`use_dense_rows`), freeing them where they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB for
-Qwen2.5-1.5B, whose MLPs and LM head are too large to keep one).
+on an AVX-512 AMD EPYC (``docs/results/quick-epyc-fastpath-r7``), where the few-row kernel made it 1.18x faster
+(``docs/results/cpu-kernels-forward-cost-smollm2-135m``).  Timing single calls does not settle it (MKL won some alone
+and lost inside the forward).  So each layer whose weight has at most ``DENSE_COPY_MAX`` elements keeps a dense copy
+for calls of up to ``DENSE_ROWS`` rows, and once per machine and model :func:`specdecode.models.cost.tune_fast_path`
+times whole forwards of 1 to ``DENSE_ROWS`` new tokens both ways and keeps the copies only for the row counts where
+they won (:func:`use_dense_rows`), freeing them where they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB
+for Qwen2.5-1.5B, whose MLPs and LM head are too large to keep one).
 The swap is done in place and is inference-only (the packed weight has no gradient, and packed weights
 are not in ``state_dict``).  :func:`remove_cpu_fast_path` turns the packed modules back into ordinary
 ``nn.Linear`` with bitwise the original weights, e.g. before saving.

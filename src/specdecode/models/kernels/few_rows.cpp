@@ -2,9 +2,9 @@
 // path's one-to-three-row calls (specdecode/models/fastpath.py).
 //
 // A decoding step multiplies one row (or a short draft's few) by every weight of the model, so it is bound by reading
-// the weights; oneDNN's prepacked product reads them at 30-50 GB/s for one row on a 2-core AVX-512 EPYC, this loop
-// at 55-72 (docs/results/serve-vllm-cpu-kernel-smollm2-135m).  Tiles of up to 4 rows by 4 output channels keep 16
-// running sums of 16 lanes in registers while each weight vector is read once for the tile's rows.  Each output is
+// the weights; oneDNN's prepacked product reads them at 40-50 GB/s for one row on a 2-core AVX-512 EPYC, this loop
+// at 55-72 (docs/results/cpu-kernels-forward-cost-smollm2-135m).  Tiles of up to 4 rows by 4 output channels keep
+// 16 running sums of 16 lanes in registers while each weight vector is read once for the tile's rows.  Each output is
 // the sum over `in` of its row times its channel, in blocks of 16 lanes in order and then by sum16: what a row gets
 // does not depend on the other rows of the call.
 
