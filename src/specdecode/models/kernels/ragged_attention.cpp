@@ -23,8 +23,6 @@ namespace {
 
 using namespace specdecode;
 
-typedef int32_t v16i __attribute__((vector_size(64)));
-
 // e^x for x <= 0 (a score minus the row's largest), lane by lane: libm's expf is a call per number, and on a decoding
 // step it took most of the kernel's time.  x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6
 // (relative error under 2e-7 there), times 2^n built in the exponent bits.  Every lane is computed alike, so a

@@ -13,6 +13,14 @@ namespace specdecode {
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// v's lanes in the order given (__builtin_shufflevector from GCC 12 and in Clang; __builtin_shuffle before).
+#if defined(__clang__) || __GNUC__ >= 12
+#define SPECDECODE_SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SPECDECODE_SHUFFLE(v, ...) __builtin_shuffle(v, v16i{__VA_ARGS__})
+#endif
 
 inline v16 load16(const float* p) {
   v16 v;
@@ -31,10 +39,10 @@ inline v16 load16(const c10::BFloat16* p) {  // bfloat16 is a float's upper half
 
 // The 16 lanes summed pairwise (halves, then quarters, ...): a fixed order that stays in registers.
 inline float sum16(v16 v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-  v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+  v += SPECDECODE_SHUFFLE(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += SPECDECODE_SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += SPECDECODE_SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+  v += SPECDECODE_SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
   return v[0];
 }
 
