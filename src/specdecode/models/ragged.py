@@ -112,7 +112,9 @@ class SlotPool(KVPool):
             shape = (self.slots, keys.shape[1], self.capacity, keys.shape[3])
             self.layers[layer] = (keys.new_zeros(shape), values.new_zeros(shape))
         stored_keys, stored_values = self.layers[layer]
-        if keys.device.type == "cpu" and ragged_attention_op() is not None:  # one call for every sequence
+        # One call for every sequence where the CPU kernels are built (they copy rows whose last dimension is dense).
+        dense_rows = keys.stride(-1) == values.stride(-1) == 1
+        if keys.device.type == "cpu" and dense_rows and ragged_attention_op() is not None:
             torch.ops.specdecode_attention.write_slots(
                 stored_keys, stored_values, keys[0], values[0], batch.kernel_plan.slots
             )
