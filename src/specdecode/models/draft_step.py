@@ -143,7 +143,8 @@ class DraftStep:
         # The modules' attention where its kernel is built: an activation-quantized model (w4a8) turns the last bits
         # of another attention into whole quantization steps.
         kernel = kernel_attends(pool.layers[0][0])
-        batch = RaggedBatch([SequenceSlice(slot, slice(0, 1), position, torch.tensor([position]), None)])
+        if kernel:
+            batch = RaggedBatch([SequenceSlice(slot, slice(0, 1), position, torch.tensor([position]), None)])
         for index, layer in enumerate(self.layers):
             normed = F.rms_norm(hidden, (width,), layer.attention_norm, self.eps).to(self.input_dtype)
             query, key, value = layer.qkv(normed).split(layer.qkv.sizes, dim=-1)

@@ -10,10 +10,10 @@ ones (the LM head), so a whole one-token forward gets faster too.
 Numerics: the packed kernel rounds differently from MKL (relative differences ~1e-6), deterministically
 for a given input.  It is batch invariant for 2 or more rows (a row's result does not depend on how
 many rows share the call), but a 1-row call takes a different kernel for larger inner sizes (seen for
-1536 and up, not for 576), so a row computed alone can differ in the last bits from the same row in a batch.
-That does not matter for plain-vs-speculative greedy equality today, because the attention kernel
-(``scaled_dot_product_attention``) is itself not batch invariant: logits of a token fed alone and inside
-a block of 8 differ by ~1e-5 either way.
+1536 and up, not for 576), and calls of up to ``DENSE_ROWS`` rows may take the dense copies below, so a row computed
+alone can differ in the last bits from the same row in a wider call.  fp32 logits then differ by ~1e-6 between widths,
+too little to flip a greedy choice in practice (every fp32 equality test holds); the quantized layers, whose bf16
+steps would make it matter, are row invariant (:mod:`specdecode.models.quantized_layers`).
 
 oneDNN has a fixed cost per call, and for one to three rows it reads a small model's weights well below the memory's
 bandwidth; a dense copy of the weight multiplied by our few-row kernel (``kernels/few_rows.cpp``, through

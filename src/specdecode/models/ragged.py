@@ -41,6 +41,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from specdecode.models.attention_kernel import FEW_ROWS, kernel_attends, ragged_attention_op
 from specdecode.models.base import KVCache, KVPool
+from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.row_attention import (
     BUCKET,
     TreePlan,
@@ -114,7 +115,7 @@ class SlotPool(KVPool):
         stored_keys, stored_values = self.layers[layer]
         # One call for every sequence where the CPU kernels are built (they copy rows whose last dimension is dense).
         dense_rows = keys.stride(-1) == values.stride(-1) == 1
-        if keys.device.type == "cpu" and dense_rows and ragged_attention_op() is not None:
+        if keys.device.type == "cpu" and dense_rows and cpu_kernels_built():
             torch.ops.specdecode_attention.write_slots(
                 stored_keys, stored_values, keys[0], values[0], batch.kernel_plan.slots
             )

@@ -63,9 +63,7 @@ inline float softmax_numerators(float* w, int64_t count) {
     block = v16{} + largest;  // padding lanes: e^0, left out of the sum below
     std::memcpy(&block, w + c, sizeof(float) * lanes);
     block = exp16(block - largest);
-    if (lanes < 16) {
-      for (int64_t l = lanes; l < 16; ++l) block[l] = 0.f;
-    }
+    for (int64_t l = lanes; l < 16; ++l) block[l] = 0.f;
     total += block;
     std::memcpy(w + c, &block, sizeof(float) * lanes);
   }
