@@ -1,4 +1,5 @@
-"""The oneDNN-prepacked CPU fast path must be a numerically faithful, in-place swap of ``nn.Linear``."""
+"""The CPU fast path must be a numerically faithful, in-place swap of ``nn.Linear``, in both of its layouts (our panel
+kernel's where the CPU kernels are built, oneDNN's prepacked one elsewhere)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from specdecode.models import fastpath
+from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import (
     FastPathReport,
     PackedLinear,
@@ -26,6 +29,17 @@ from specdecode.models.fastpath import (
 from specdecode.models.hf import HFCausalLM
 
 pytestmark = pytest.mark.skipif(not fast_path_supported(), reason="torch build without oneDNN linear ops")
+
+
+@pytest.fixture(autouse=True, params=["panels", "onednn"])
+def layout(request, monkeypatch) -> str:
+    """Every test in both layouts: oneDNN's is what a machine without the CPU kernels packs."""
+    if request.param == "panels" and not cpu_kernels_built():
+        pytest.skip("the CPU kernels are not built here")
+    if request.param == "onednn":
+        monkeypatch.setattr(fastpath, "cpu_kernels_built", lambda: False)
+    return request.param
+
 
 SIZES = dict(
     vocab_size=128,
@@ -133,13 +147,16 @@ def test_tied_embeddings_stay_tied_and_usable(kind):
     assert HFCausalLM(fast, "tiny").vocab_size == SIZES["vocab_size"]
 
 
-def test_untied_head_exposes_shape_without_dense_copy():
+def test_untied_head_exposes_shape_without_dense_copy(layout):
     model = build("llama")
     dense_params = sum(p.numel() for p in model.parameters())
+    original = model.get_output_embeddings().weight.detach().clone()
     apply_cpu_fast_path(model)
     head = model.get_output_embeddings()
     assert tuple(head.weight.shape) == (SIZES["vocab_size"], SIZES["hidden_size"])
-    assert head.weight.is_mkldnn
+    assert head.weight.is_mkldnn if layout == "onednn" else head.weight.is_meta
+    assert torch.equal(head.dense_weight(), original)
+    assert torch.equal(HFCausalLM(model, "tiny").output_weight(), original)
     linear_params = sum(m.packed.numel() for m in model.modules() if isinstance(m, PackedLinear))
     assert sum(p.numel() for p in model.parameters()) == dense_params - linear_params
     assert HFCausalLM(model, "tiny").vocab_size == SIZES["vocab_size"]
@@ -182,7 +199,21 @@ def test_gradients_flow_through_packed_layers_to_their_inputs():
     torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_tuning_times_both_kernels_once_keeps_the_choice_and_frees_unused_copies(monkeypatch):
+@pytest.mark.parametrize("layout", ["panels"], indirect=True)  # oneDNN's one-row kernel differs in the last bits
+def test_panels_keep_no_dense_copy_and_a_row_gets_the_same_bits_alone_as_in_a_batch(layout):
+    from specdecode.models.fastpath import dense_copies
+
+    model = apply_fast_path_to(qwen2())  # biases too
+    assert not dense_copies(model)
+    with torch.inference_mode():
+        for module in (m for m in model.modules() if isinstance(m, PackedLinear)):
+            x = torch.randn(9, module.in_features)
+            together = module(x)
+            assert all(torch.equal(module(x[row : row + 1])[0], together[row]) for row in range(9))
+
+
+@pytest.mark.parametrize("layout", ["onednn"], indirect=True)  # panels keep no dense copy
+def test_tuning_times_both_kernels_once_keeps_the_choice_and_frees_unused_copies(monkeypatch, layout):
     """``tune_fast_path`` times forwards with and without the dense copies, keeps its choice on disk for the
     next load of the same structure (no timing then), and frees the copies where they lost."""
     from specdecode.models import cost
@@ -204,7 +235,8 @@ def test_tuning_times_both_kernels_once_keeps_the_choice_and_frees_unused_copies
     assert cost.tune_fast_path(again) == rows
 
 
-def test_without_dense_copies_the_forward_is_unchanged():
+@pytest.mark.parametrize("layout", ["onednn"], indirect=True)  # panels keep no dense copy
+def test_without_dense_copies_the_forward_is_unchanged(layout):
     from specdecode.models.fastpath import dense_copies, use_dense_rows
 
     model = apply_fast_path_to(llama(tied=False)).eval()

@@ -1,6 +1,7 @@
-"""Time the batched engine's step the way a server at concurrency C runs it, with the attention kernel and without.
+"""Time the batched engine's step the way a server at concurrency C runs it, with our CPU kernels and without.
 
-Two measurements per attention (each in a process of its own, ``SPECDECODE_ATTENTION_KERNEL`` set for it):
+Two measurements per kind of kernels (each in a process of its own, ``SPECDECODE_CPU_KERNELS`` set for it: our
+attention kernel and panel products, or torch's SDPA and oneDNN's products):
 
 - the steady decoding step: C prompts of the quick suite read, then plain decoding of all C together; the mean step
   over 40 steps, and the torch profiler's time in attention and in the linear layers per step;
@@ -34,7 +35,7 @@ def measure(model: str, quantize: str, concurrency: int) -> dict:
     from specdecode.config import GenerationConfig
     from specdecode.drafters import create_drafter
     from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.attention_kernel import ragged_attention_op
+    from specdecode.models.cpu_kernels import cpu_kernels_built
     from specdecode.models.loading import load_model
 
     settings = serve_bench.resolve_settings(model=model, prompts_per_task=2)
@@ -85,7 +86,7 @@ def measure(model: str, quantize: str, concurrency: int) -> dict:
     workload()  # first-call allocations
     tokens, seconds = workload()
     return {
-        "attention": "kernel" if ragged_attention_op() is not None else "sdpa",
+        "kernels": "ours" if cpu_kernels_built() else "torch",
         "decode_step_ms": round(step_ms, 2),
         "profiled_ms_per_step": per_step,
         "workload_tokens": tokens,
@@ -100,16 +101,16 @@ def main() -> None:
     parser.add_argument("--quantize", default="none")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--one", choices=["kernel", "sdpa"], help=argparse.SUPPRESS)  # a child's measurement
+    parser.add_argument("--one", choices=["ours", "torch"], help=argparse.SUPPRESS)  # a child's measurement
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(args.model, args.quantize, args.concurrency)))
         return
     runs = []
-    for attention in ("sdpa", "kernel"):
-        env = {**os.environ, "SPECDECODE_ATTENTION_KERNEL": "1" if attention == "kernel" else "0"}
+    for kernels in ("torch", "ours"):
+        env = {**os.environ, "SPECDECODE_CPU_KERNELS": "1" if kernels == "ours" else "0"}
         argv = [sys.argv[0], "--model", args.model, "--quantize", args.quantize]
-        argv += ["--concurrency", str(args.concurrency), "--out", str(args.out), "--one", attention]
+        argv += ["--concurrency", str(args.concurrency), "--out", str(args.out), "--one", kernels]
         child = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, check=True)
         runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(runs[-1])

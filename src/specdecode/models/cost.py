@@ -246,8 +246,8 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         shape = (tuple(weight.shape), str(weight.dtype)) if isinstance(weight, torch.Tensor) else ()
-        # The fast path's kernel choice (tune_fast_path) and the w4a8 kernel's instruction set.
-        kernels = f"{getattr(module, 'dense_rows', '')}{getattr(module, 'isa', '')}"
+        # The fast path's layout and kernel choice (tune_fast_path) and the w4a8 kernel's instruction set.
+        kernels = f"{getattr(module, 'panels', '')}{getattr(module, 'dense_rows', '')}{getattr(module, 'isa', '')}"
         layout.update(f"{name}:{type(module).__name__}:{shape}{kernels};".encode())
     parts = [
         cpu_name(),

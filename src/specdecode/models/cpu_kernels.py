@@ -1,4 +1,4 @@
-"""Our own CPU kernels (``kernels/ragged_attention.cpp``, ``kernels/few_rows.cpp``), built as one extension.
+"""Our own CPU kernels (``kernels/ragged_attention.cpp``, ``kernels/panel_linear.cpp``), built as one extension.
 
 Built on first use with torch's C++ extension loader (a few seconds: the sources include ATen's core headers only;
 cached under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), once per instruction set torch runs
@@ -20,7 +20,7 @@ import torch
 log = logging.getLogger("specdecode")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "ragged_attention.cpp", KERNELS / "few_rows.cpp")
+SOURCES = (KERNELS / "ragged_attention.cpp", KERNELS / "panel_linear.cpp")
 HEADERS = (KERNELS / "vector16.h",)
 
 #: Compiler flags for the instruction set torch itself runs at here (its dispatch level), so that the kernels' vector
@@ -67,14 +67,28 @@ def _headers_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of a few fp32 rows by a dense fp32 weight through ``kernels/few_rows.cpp`` where it takes them
-    (CPU kernels built, inner size a multiple of 16), else through torch (MKL)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if not (cpu_kernels_built() and x.dtype == weight.dtype == torch.float32 and x.shape[-1] % 16 == 0):
-        return torch.nn.functional.linear(x, weight, bias)
-    out = rows.new_empty(rows.shape[0], weight.shape[0])
-    torch.ops.specdecode_linear.few_rows_linear(rows.contiguous(), weight, out)
+#: Output channels of one panel of :func:`pack_panels` (one 16-float vector).
+PANEL = 16
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [out, in] (``out`` a multiple of :data:`PANEL`) in the panel kernel's layout,
+    [out / 16, in, 16]: panel p, step k holds channels 16p..16p+15 at input k."""
+    out, inner = weight.shape
+    return weight.detach().reshape(out // PANEL, PANEL, inner).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_panels` undone: the weight [out, in], bitwise."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for fp32 ``x`` [..., in] and ``panels = pack_panels(weight)``, through
+    ``kernels/panel_linear.cpp`` (the CPU kernels must be built): every row bitwise what it gets alone."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = rows.new_empty(rows.shape[0], panels.shape[0] * PANEL)
+    torch.ops.specdecode_linear.panel_linear(rows, panels, out)
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], out.shape[1])

@@ -1,34 +1,33 @@
-"""A faster CPU execution path for an already-loaded transformers model: oneDNN-prepacked linears.
+"""A faster CPU execution path for an already-loaded transformers model: fp32 linears with their weights packed once.
 
-Speculative decoding only pays when a forward over k new tokens costs about as much as over one.
-The default fp32 ``F.linear`` (MKL sgemm on a plain row-major weight) costs roughly 2-3x more for 8
-rows than for 1 on small CPUs.  The same weight reordered once into oneDNN's blocked layout
-(``mkldnn._reorder_linear_weight``) and multiplied with ``mkldnn._linear_pointwise`` costs nearly the
-same for 1 to 16 rows.  One row is a few microseconds slower on tiny matrices but much faster on large
-ones (the LM head), so a whole one-token forward gets faster too.
+Speculative decoding only pays when a forward over k new tokens costs about as much as over one.  The default fp32
+``F.linear`` (MKL sgemm on a plain row-major weight) costs roughly 2-3x more for 8 rows than for 1 on small CPUs.
+:class:`PackedLinear` packs each weight once, in one of two layouts:
 
-Numerics: the packed kernel rounds differently from MKL (relative differences ~1e-6), deterministically
-for a given input.  It is batch invariant for 2 or more rows (a row's result does not depend on how
-many rows share the call), but a 1-row call takes a different kernel for larger inner sizes (seen for
-1536 and up, not for 576), and calls of up to ``DENSE_ROWS`` rows may take the dense copies below, so a row computed
-alone can differ in the last bits from the same row in a wider call.  fp32 logits then differ by ~1e-6 between widths,
-too little to flip a greedy choice in practice (every fp32 equality test holds); the quantized layers, whose bf16
-steps would make it matter, are row invariant (:mod:`specdecode.models.quantized_layers`).
+- **Panels** (where our CPU kernels are built, :mod:`specdecode.models.cpu_kernels`, and the output size is a multiple
+  of 16): 16 output channels interleaved per input step, multiplied by ``kernels/panel_linear.cpp`` for any number of
+  rows.  It reads a decoding step's few rows' weights near the memory's bandwidth and runs a prompt's chunk near the
+  vector units' peak, faster than oneDNN's prepacked product at 1 to 256 rows on a 2-core AVX-512 EPYC
+  (``docs/results/panel-linear-smollm2-135m``).  Numerics: each output is one multiply-add chain over the inputs in
+  order, so a row gets the same bits alone as in any batch and at any width: batched decoding, drafts and
+  verification all compute a token's row exactly as plain decoding does.
+- **oneDNN's blocked layout** (``mkldnn._reorder_linear_weight``, multiplied with ``mkldnn._linear_pointwise``)
+  elsewhere: nearly the same cost for 1 to 16 rows.  It rounds differently from MKL (~1e-6 relative),
+  deterministically, and is batch invariant for 2 or more rows, but a 1-row call takes a different kernel for larger
+  inner sizes, so a row computed alone can differ in the last bits from the same row in a wider call: fp32 logits
+  then differ by ~1e-6 between widths, too little to flip a greedy choice in practice (every fp32 equality test
+  holds); the quantized layers, whose bf16 steps would make it matter, are row invariant
+  (:mod:`specdecode.models.quantized_layers`).  oneDNN has a fixed cost per call, and for one to three rows it reads
+  a small model's weights well below the memory's bandwidth, so each such layer whose weight has at most
+  ``DENSE_COPY_MAX`` elements also keeps a dense copy for calls of up to ``DENSE_ROWS`` rows (MKL's product); which is
+  faster depends on the CPU (MKL on a dense copy made a whole one-token forward faster on an AVX-512 Xeon with AMX and
+  slower on an AVX-512 AMD EPYC, ``docs/results/quick-epyc-fastpath-r7``), so once per machine and model
+  :func:`specdecode.models.cost.tune_fast_path` times whole forwards of 1 to ``DENSE_ROWS`` new tokens both ways and
+  keeps the copies only for the row counts where they won (:func:`use_dense_rows`), freeing them where they never do.
 
-oneDNN has a fixed cost per call, and for one to three rows it reads a small model's weights well below the memory's
-bandwidth; a dense copy of the weight multiplied by our few-row kernel (``kernels/few_rows.cpp``, through
-:func:`~specdecode.models.cpu_kernels.few_rows_linear`; MKL where it is not built) can be faster, and which one is
-depends on the CPU: MKL on a dense copy made a whole one-token forward faster on an AVX-512 Xeon with AMX and slower
-on an AVX-512 AMD EPYC (``docs/results/quick-epyc-fastpath-r7``), where the few-row kernel made it 1.18x faster
-(``docs/results/cpu-kernels-forward-cost-smollm2-135m``).  Timing single calls does not settle it (MKL won some alone
-and lost inside the forward).  So each layer whose weight has at most ``DENSE_COPY_MAX`` elements keeps a dense copy
-for calls of up to ``DENSE_ROWS`` rows, and once per machine and model :func:`specdecode.models.cost.tune_fast_path`
-times whole forwards of 1 to ``DENSE_ROWS`` new tokens both ways and keeps the copies only for the row counts where
-they won (:func:`use_dense_rows`), freeing them where they never do.  A copy costs memory (425 MB for SmolLM2, 0.6 GB
-for Qwen2.5-1.5B, whose MLPs and LM head are too large to keep one).
-The swap is done in place and is inference-only (the packed weight has no gradient, and packed weights
-are not in ``state_dict``).  :func:`remove_cpu_fast_path` turns the packed modules back into ordinary
-``nn.Linear`` with bitwise the original weights, e.g. before saving.
+The swap is done in place and is inference-only (the packed weight has no gradient, and packed weights are not in
+``state_dict``).  :func:`remove_cpu_fast_path` turns the packed modules back into ordinary ``nn.Linear`` with bitwise
+the original weights, e.g. before saving.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specdecode.models.cpu_kernels import few_rows_linear
+from specdecode.models.cpu_kernels import PANEL, cpu_kernels_built, pack_panels, panel_linear, unpack_panels
 
 
 def fast_path_supported() -> bool:
@@ -60,12 +59,12 @@ DENSE_COPY_MAX = 4 * 2**20
 
 
 class PackedLinear(nn.Module):
-    """Drop-in replacement for an fp32 CPU ``nn.Linear`` whose weight lives in oneDNN's blocked layout.
+    """Drop-in replacement for an fp32 CPU ``nn.Linear`` whose weight is packed once (see the module docstring).
 
-    ``weight`` stays readable for code that inspects shapes (e.g. ``get_output_embeddings()``): it is
-    the original parameter when that is shared with another module (tied embeddings, kept anyway, so
-    ``state_dict`` keys do not change), otherwise a plain alias of the packed tensor (same shape and
-    dtype; ``.to_dense()`` gives the values) so the dense copy can be freed.
+    ``weight`` stays readable for code that inspects shapes (e.g. ``get_output_embeddings()``): it is the original
+    parameter when that is shared with another module (tied embeddings, kept anyway, so ``state_dict`` keys do not
+    change); otherwise, so the dense weight can be freed, a tensor of the same shape and dtype without the values (on
+    the ``meta`` device for panels, oneDNN's packed tensor itself otherwise): :meth:`dense_weight` gives them.
     """
 
     def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
@@ -73,36 +72,49 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        self.panels = cpu_kernels_built() and self.out_features % PANEL == 0
+        packed = pack_panels(weight) if self.panels else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
         self.tied = tied
-        self.weight = linear.weight if tied else self.packed
-        small = weight.numel() <= DENSE_COPY_MAX and not tied
+        if tied:
+            self.weight = linear.weight
+        else:
+            self.weight = torch.empty(weight.shape, dtype=weight.dtype, device="meta") if self.panels else self.packed
+        small = not self.panels and weight.numel() <= DENSE_COPY_MAX and not tied
         self.dense_rows = DENSE_ROWS if small else 0
         self.register_buffer("dense", weight if small else None, persistent=False)
 
+    def dense_weight(self) -> torch.Tensor:
+        """The weight's values, [out, in] (a copy unless tied)."""
+        if self.tied:
+            return self.weight.detach()
+        return unpack_panels(self.packed) if self.panels else self.packed.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and x.requires_grad:
-            # The oneDNN op has no autograd kernel: training something *through* this layer (e.g. a
-            # draft adapter under the LM head) takes the dense path so gradients are right.
-            dense = self.weight if self.tied else self.packed.to_dense()
-            return nn.functional.linear(x, dense.detach(), None if self.bias is None else self.bias.detach())
         bias = None if self.bias is None else self.bias.detach()
+        if torch.is_grad_enabled() and x.requires_grad:
+            # The packed kernels have no autograd: training something *through* this layer (e.g. a draft adapter
+            # under the LM head) takes the dense path so gradients are right.
+            return nn.functional.linear(x, self.dense_weight().detach(), bias)
+        if self.panels:
+            return panel_linear(x, self.packed, bias)
         if self.dense is not None and x.numel() <= self.dense_rows * self.in_features:
-            return few_rows_linear(x, self.dense, bias)
+            return nn.functional.linear(x, self.dense, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
     def to_linear(self) -> nn.Linear:
         """An ordinary ``nn.Linear`` with the same weights (shared with the tied module if tied)."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = self.weight if self.tied else nn.Parameter(self.packed.to_dense())
+        linear.weight = self.weight if self.tied else nn.Parameter(self.dense_weight())
         linear.bias = self.bias
         return linear
 
     def extra_repr(self) -> str:
+        layout = "panels" if self.panels else f"onednn, dense_rows={self.dense_rows}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"tied={self.tied}, dense_rows={self.dense_rows}"
+            f"tied={self.tied}, {layout}"
         )
 
 

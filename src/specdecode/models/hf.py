@@ -32,6 +32,7 @@ from specdecode.models.base import (
     SequenceInput,
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
+from specdecode.models.fastpath import PackedLinear
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_spans
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
@@ -297,8 +298,8 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         return self.model.get_output_embeddings()
 
     def output_weight(self) -> torch.Tensor:
-        weight = self.lm_head().weight.detach()
-        return weight.to_dense() if weight.is_mkldnn else weight
+        head = self.lm_head()
+        return head.dense_weight() if isinstance(head, PackedLinear) else head.weight.detach()
 
     def head_fraction(self) -> float:
         head = self.lm_head().weight.numel()

@@ -70,6 +70,16 @@ inline float softmax_numerators(float* w, int64_t count) {
   return sum16(total);
 }
 
+// Keys and values are read a column at a time, and a row's columns are mostly whole stretches of memory read once: the
+// row `PREFETCH_KEYS` columns ahead is asked for early, which made a decoding step's attention of 8 sequences at 400-600
+// cached positions ~1.6x faster on a 2-core AVX-512 EPYC (docs/results/panel-linear-smollm2-135m, attention.json).
+constexpr int64_t PREFETCH_KEYS = 16;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) __builtin_prefetch(row + i);
+}
+
 // The columns one row sees, in column order: cached ones [first_cached, past), then the new tokens' listed in `news`.
 struct Columns {
   int64_t first_cached, cached;
@@ -87,6 +97,7 @@ void attend_heads(const float* q, const T* kp, const T* vp, const Columns& colum
   const int64_t seen = columns.count();
   weights.resize(G * seen);  // [head][column]
   for (int64_t c = 0; c < seen; ++c) {
+    if (c + PREFETCH_KEYS < seen) prefetch_row(kp + columns[c + PREFETCH_KEYS] * dim, dim);
     const T* k = kp + columns[c] * dim;
     v16 partial[G];
     for (int g = 0; g < G; ++g) partial[g] = load16(q + g * dim) * load16(k);
@@ -98,16 +109,27 @@ void attend_heads(const float* q, const T* kp, const T* vp, const Columns& colum
   }
   float inverse[G];
   for (int g = 0; g < G; ++g) inverse[g] = 1.f / softmax_numerators(weights.data() + g * seen, seen);
-  for (int64_t d = 0; d < dim; d += 16) {
-    v16 sum[G];
-    for (int g = 0; g < G; ++g) sum[g] = v16{};
+  // The values: each key's row read once, in column order, for every head and up to 64 dimensions at a time (the
+  // sums stay in registers); each sum still adds the columns in order, one after another.
+  for (int64_t first = 0; first < dim; first += 64) {
+    const int64_t blocks = std::min<int64_t>(4, (dim - first) / 16);
+    v16 sum[G][4];
+    for (int g = 0; g < G; ++g) {
+      for (int b = 0; b < 4; ++b) sum[g][b] = v16{};
+    }
     for (int64_t c = 0; c < seen; ++c) {
-      const v16 value = load16(vp + columns[c] * dim + d);
-      for (int g = 0; g < G; ++g) sum[g] += weights[g * seen + c] * value;
+      if (c + PREFETCH_KEYS < seen) prefetch_row(vp + columns[c + PREFETCH_KEYS] * dim + first, blocks * 16);
+      const T* v = vp + columns[c] * dim + first;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const v16 value = load16(v + b * 16);
+        for (int g = 0; g < G; ++g) sum[g][b] += weights[g * seen + c] * value;
+      }
     }
     for (int g = 0; g < G; ++g) {
-      const v16 result = sum[g] * inverse[g];
-      for (int l = 0; l < 16; ++l) out[g * dim + d + l] = static_cast<T>(result[l]);
+      for (int64_t b = 0; b < blocks; ++b) {
+        const v16 result = sum[g][b] * inverse[g];
+        for (int l = 0; l < 16; ++l) out[g * dim + first + b * 16 + l] = static_cast<T>(result[l]);
+      }
     }
   }
 }

@@ -1,4 +1,4 @@
-// 16 floats as one value, and the few operations on it both kernels share (ragged_attention.cpp, few_rows.cpp).
+// 16 floats as one value, and the few operations on it both kernels share (ragged_attention.cpp, panel_linear.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
