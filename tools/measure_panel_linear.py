@@ -28,9 +28,11 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def layer_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
     """[out, in] of a Llama-shaped layer's seven products."""
     kv = hidden // heads * kv_heads
-    return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)] + [(intermediate, hidden)] * 2 + [
-        (hidden, intermediate)
-    ]
+    return (
+        [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden)]
+        + [(intermediate, hidden)] * 2
+        + [(hidden, intermediate)]
+    )
 
 
 def mean_us(call, passes: int) -> float:
