@@ -8,10 +8,13 @@ from collections.abc import Sequence
 
 from specdecode.draft_length.base import DraftLengthPolicy
 
-#: How much longer than a plain step (no drafts) a batched step may take, as a fraction: the throughput and p95
-#: inter-token latency of `bench serve` at concurrency 8 against lower and higher values are in
-#: docs/results/serve-match-length-bf16-smollm2-135m/ and docs/results/serve-uvloop-bf16-smollm2-135m/.
-STEP_COST_SLACK = 0.08
+#: How much longer than a plain step (no drafts) a batched step may take, as a fraction: a sequence whose draft is
+#: rejected waits up to this much longer for its one token, and a larger value lets the plan draft deeper.  The
+#: serving workload's tokens per second at concurrency 8 against values from 0.08 to 2 (fp32 panel products, whose
+#: cost grows little to ~16 rows), and the served run's inter-token latencies at this value, are in
+#: docs/results/serve-vllm-cpu-slack-smollm2-135m/; smaller values on bf16 (0.08, 0.15) in
+#: docs/results/serve-slack-repeats-bf16-smollm2-135m/.
+STEP_COST_SLACK = 1.0
 
 
 def plan_batch(
