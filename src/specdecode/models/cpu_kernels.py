@@ -71,6 +71,13 @@ def _headers_hash() -> str:
 PANEL = 16
 
 
+def panels_pay() -> bool:
+    """Whether the fp32 fast path multiplies with the panel kernel here: where the kernels are built for AVX-512.  Built
+    for AVX2 it was 2.7x (one row) to 40x (many) slower than oneDNN's product at AVX2 on the same CPU
+    (``docs/results/panel-linear-smollm2-135m/products-avx2.json``), so oneDNN's layout stays there."""
+    return cpu_kernels_built() and str(torch.backends.cpu.get_cpu_capability()) == "AVX512"
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """An fp32 weight [out, in] (``out`` a multiple of :data:`PANEL`) in the panel kernel's layout,
     [out / 16, in, 16]: panel p, step k holds channels 16p..16p+15 at input k."""

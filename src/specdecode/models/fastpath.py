@@ -4,13 +4,13 @@ Speculative decoding only pays when a forward over k new tokens costs about as m
 ``F.linear`` (MKL sgemm on a plain row-major weight) costs roughly 2-3x more for 8 rows than for 1 on small CPUs.
 :class:`PackedLinear` packs each weight once, in one of two layouts:
 
-- **Panels** (where our CPU kernels are built, :mod:`specdecode.models.cpu_kernels`, and the output size is a multiple
-  of 16): 16 output channels interleaved per input step, multiplied by ``kernels/panel_linear.cpp`` for any number of
-  rows.  It reads a decoding step's few rows' weights near the memory's bandwidth and runs a prompt's chunk near the
-  vector units' peak, faster than oneDNN's prepacked product at 1 to 256 rows on a 2-core AVX-512 EPYC
-  (``docs/results/panel-linear-smollm2-135m``).  Numerics: each output is one multiply-add chain over the inputs in
-  order, so a row gets the same bits alone as in any batch and at any width: batched decoding, drafts and
-  verification all compute a token's row exactly as plain decoding does.
+- **Panels** (where our CPU kernels are built for AVX-512, :func:`specdecode.models.cpu_kernels.panels_pay`, and the
+  output size is a multiple of 16): 16 output channels interleaved per input step, multiplied by
+  ``kernels/panel_linear.cpp`` for any number of rows.  It reads a decoding step's few rows' weights near the memory's
+  bandwidth and runs a prompt's chunk near the vector units' peak, faster than oneDNN's prepacked product at 1 to 256
+  rows on a 2-core AVX-512 EPYC (``docs/results/panel-linear-smollm2-135m``).  Numerics: each output is one
+  multiply-add chain over the inputs in order, so a row gets the same bits alone as in any batch and at any width:
+  batched decoding, drafts and verification all compute a token's row exactly as plain decoding does.
 - **oneDNN's blocked layout** (``mkldnn._reorder_linear_weight``, multiplied with ``mkldnn._linear_pointwise``)
   elsewhere: nearly the same cost for 1 to 16 rows.  It rounds differently from MKL (~1e-6 relative),
   deterministically, and is batch invariant for 2 or more rows, but a 1-row call takes a different kernel for larger
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specdecode.models.cpu_kernels import PANEL, cpu_kernels_built, pack_panels, panel_linear, unpack_panels
+from specdecode.models.cpu_kernels import PANEL, pack_panels, panel_linear, panels_pay, unpack_panels
 
 
 def fast_path_supported() -> bool:
@@ -72,7 +72,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
-        self.panels = cpu_kernels_built() and self.out_features % PANEL == 0
+        self.panels = panels_pay() and self.out_features % PANEL == 0
         packed = pack_panels(weight) if self.panels else torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed", packed, persistent=False)
         self.bias = linear.bias
