@@ -28,8 +28,9 @@ using namespace specdecode;
 #if defined(__AVX512F__)
 constexpr int ROW_BLOCK = 8;  // 8 rows x 2 panels: 16 of the 32 vector registers hold sums
 #else
-// AVX2's 16 registers: 2 rows x 2 panels of two registers each.  Correct, but slower than oneDNN's product at AVX2, so
-// the fast path multiplies with panels only at AVX-512 (cpu_kernels.panels_pay).
+// AVX2's 16 registers: 2 rows x 2 panels of two registers each.  Correct, but GCC lowers the 64-byte vector type
+// through the stack at AVX2 (a broadcast becomes 16 scalar stores, the sums are spilled every step), so this build is
+// slower than oneDNN's product there and the fast path multiplies with panels only at AVX-512 (cpu_kernels.panels_pay).
 constexpr int ROW_BLOCK = 2;
 #endif
 constexpr int64_t PREFETCH_STEPS = 32;  // steps (64-byte lines) ahead of each panel's stream
