@@ -4,12 +4,12 @@ Speculative decoding only pays when a forward over k new tokens costs about as m
 ``F.linear`` (MKL sgemm on a plain row-major weight) costs roughly 2-3x more for 8 rows than for 1 on small CPUs.
 :class:`PackedLinear` packs each weight once, in one of two layouts:
 
-- **Panels** (where our CPU kernels are built for AVX-512, :func:`specdecode.models.cpu_kernels.panels_pay`, and the
-  output size is a multiple of 16): 16 output channels interleaved per input step, multiplied by
+- **Panels** (where our CPU kernels are built for AVX-512 or AVX2, :func:`specdecode.models.cpu_kernels.panels_pay`,
+  and the output size is a multiple of 16): 16 output channels interleaved per input step, multiplied by
   ``kernels/panel_linear.cpp`` for any number of rows.  It reads a decoding step's few rows' weights near the memory's
   bandwidth and runs a prompt's chunk near the vector units' peak, faster than oneDNN's prepacked product at 1 to 256
-  rows on a 2-core AVX-512 EPYC (``docs/results/panel-linear-smollm2-135m``).  Numerics: each output is one
-  multiply-add chain over the inputs in order, so a row gets the same bits alone as in any batch and at any width:
+  rows on a 2-core EPYC at AVX-512 and at AVX2 (``docs/results/panel-linear-smollm2-135m``).  Numerics: each output is
+  one multiply-add chain over the inputs in order, so a row gets the same bits alone as in any batch and at any width:
   batched decoding, drafts and verification all compute a token's row exactly as plain decoding does.
 - **oneDNN's blocked layout** (``mkldnn._reorder_linear_weight``, multiplied with ``mkldnn._linear_pointwise``)
   elsewhere: nearly the same cost for 1 to 16 rows.  It rounds differently from MKL (~1e-6 relative),

@@ -1,13 +1,14 @@
 // The CPU fast path's fp32 product, x [rows, in] times a weight [out, in] transposed, for any number of rows
 // (specdecode/models/fastpath.py).
 //
-// The weight is packed once into panels of 16 output channels, [out / 16][in][16]: step k of a panel is one vector,
-// the 16 channels' weights at input k.  A tile of R rows by G panels keeps R x G running sums of 16 lanes in registers;
-// each step loads G weight vectors and adds each row's input k (broadcast) times them.  One read of a weight vector
+// The weight is packed once into panels of 16 output channels, [out / 16][in][16]: step k of a panel is the 16
+// channels' weights at input k (one vector at AVX-512, two at AVX2).  A tile of R rows by G panels keeps R x G running
+// sums of 16 channels in registers; each step loads G panels' weights and adds each row's input k (broadcast) times
+// them.  One read of a weight vector
 // serves every row of the tile, there is no sum across lanes, and the streams are prefetched ahead, so a decoding
 // step's few rows read the weights near the memory's bandwidth and a prompt's many rows run near the vector units'
 // peak (docs/results/panel-linear-smollm2-135m: faster than oneDNN's prepacked product at 1 to 256 rows on a 2-core
-// AVX-512 EPYC).
+// EPYC, at AVX-512 and at AVX2).
 //
 // Numerics: output (r, n) is one fused multiply-add chain over k = 0, 1, ..., in - 1 from zero, whatever the tile,
 // the number of rows or the thread: a row gets the same bits alone as in any batch, at any width.
@@ -19,46 +20,51 @@
 #include <cstdint>
 #include <cstring>
 
-#include "vector16.h"
-
 namespace {
 
-using namespace specdecode;
-
+// The machine's own vector of floats: 16 lanes (one register) at AVX-512, 8 (one register) elsewhere, so that a panel
+// of 16 channels is PARTS vectors; GCC keeps these in registers (a 64-byte type at AVX2 it lowers through the stack).
 #if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
 constexpr int ROW_BLOCK = 8;  // 8 rows x 2 panels: 16 of the 32 vector registers hold sums
 #else
-// AVX2's 16 registers: 2 rows x 2 panels of two registers each.  Correct, but GCC lowers the 64-byte vector type
-// through the stack at AVX2 (a broadcast becomes 16 scalar stores, the sums are spilled every step), so this build is
-// slower than oneDNN's product there and the fast path multiplies with panels only at AVX-512 (cpu_kernels.panels_pay).
-constexpr int ROW_BLOCK = 2;
+typedef float vec __attribute__((vector_size(32)));
+constexpr int ROW_BLOCK = 3;  // 3 rows x 2 panels of two registers: 12 of the 16 hold sums
 #endif
+constexpr int LANES = sizeof(vec) / sizeof(float);
+constexpr int PARTS = 16 / LANES;
 constexpr int64_t PREFETCH_STEPS = 32;  // steps (64-byte lines) ahead of each panel's stream
 
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
 // Rows [0, R) of x times panels [panel, panel + G) of w into out (row stride `channels`).
 template <int R, int G>
 inline void tile(const float* x, const float* w, int64_t in, int64_t channels, int64_t panel, float* out) {
-  v16 sums[R][G];
+  vec sums[R][G * PARTS];
   for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) sums[r][g] = v16{};
+    for (int j = 0; j < G * PARTS; ++j) sums[r][j] = vec{};
   }
   const float* panels[G];
   for (int g = 0; g < G; ++g) panels[g] = w + (panel + g) * in * 16;
   for (int64_t k = 0; k < in; ++k) {
-    v16 weights[G];
+    vec weights[G * PARTS];
     for (int g = 0; g < G; ++g) {
       __builtin_prefetch(panels[g] + (k + PREFETCH_STEPS) * 16);
-      weights[g] = load16(panels[g] + k * 16);
+      for (int part = 0; part < PARTS; ++part) weights[g * PARTS + part] = load(panels[g] + k * 16 + part * LANES);
     }
     for (int r = 0; r < R; ++r) {
-      const v16 input = v16{} + x[r * in + k];
-      for (int g = 0; g < G; ++g) sums[r][g] += input * weights[g];
+      const vec input = vec{} + x[r * in + k];
+      for (int j = 0; j < G * PARTS; ++j) sums[r][j] += input * weights[j];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) store16(out + r * channels + (panel + g) * 16, sums[r][g]);
+    for (int j = 0; j < G * PARTS; ++j) store(out + r * channels + panel * 16 + j * LANES, sums[r][j]);
   }
 }
 
@@ -67,8 +73,8 @@ void row_block(int64_t rows, const float* x, const float* w, int64_t in, int64_t
   switch (rows) {
     case 1: tile<1, G>(x, w, in, channels, panel, out); break;
     case 2: tile<2, G>(x, w, in, channels, panel, out); break;
-#if defined(__AVX512F__)
     case 3: tile<3, G>(x, w, in, channels, panel, out); break;
+#if defined(__AVX512F__)
     case 4: tile<4, G>(x, w, in, channels, panel, out); break;
     case 5: tile<5, G>(x, w, in, channels, panel, out); break;
     case 6: tile<6, G>(x, w, in, channels, panel, out); break;

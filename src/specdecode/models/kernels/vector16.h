@@ -1,4 +1,4 @@
-// 16 floats as one value, and the few operations on it both kernels share (ragged_attention.cpp, panel_linear.cpp).
+// 16 floats as one value, and the few operations on it the attention kernel uses (ragged_attention.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
