@@ -1,5 +1,5 @@
 """The CPU fast path must be a numerically faithful, in-place swap of ``nn.Linear``, in both of its layouts (our panel
-kernel's where the CPU kernels are built, oneDNN's prepacked one elsewhere)."""
+kernel's where the CPU kernels are built for AVX-512 or AVX2, oneDNN's prepacked one elsewhere)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(not fast_path_supported(), reason="torch build w
 def layout(request, monkeypatch) -> str:
     """Every test in both layouts: oneDNN's is what a machine without the CPU kernels packs."""
     if request.param == "panels" and not panels_pay():
-        pytest.skip("the fast path does not multiply with panels here (CPU kernels not built for AVX-512)")
+        pytest.skip("the fast path does not multiply with panels here (CPU kernels not built for AVX-512 or AVX2)")
     if request.param == "onednn":
         monkeypatch.setattr(fastpath, "panels_pay", lambda: False)
     return request.param

@@ -67,7 +67,7 @@ def _headers_hash() -> str:
     return digest.hexdigest()[:16]
 
 
-#: Output channels of one panel of :func:`pack_panels` (one 16-float vector).
+#: Output channels of one panel of :func:`pack_panels` (one vector at AVX-512, two at AVX2).
 PANEL = 16
 
 

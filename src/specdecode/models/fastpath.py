@@ -96,7 +96,7 @@ class PackedLinear(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             # The packed kernels have no autograd: training something *through* this layer (e.g. a draft adapter
             # under the LM head) takes the dense path so gradients are right.
-            return nn.functional.linear(x, self.dense_weight().detach(), bias)
+            return nn.functional.linear(x, self.dense_weight(), bias)
         if self.panels:
             return panel_linear(x, self.packed, bias)
         if self.dense is not None and x.numel() <= self.dense_rows * self.in_features:

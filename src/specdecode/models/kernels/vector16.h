@@ -8,8 +8,10 @@
 
 namespace specdecode {
 
-// 16 floats as one value (GCC's and Clang's vector extensions: one AVX-512 register, two AVX2 ones, ...).  The
-// sizes the kernels loop over are whole multiples of 16 (the Python side checks).
+// 16 floats as one value (GCC's and Clang's vector extensions: one AVX-512 register).  At AVX2 GCC lowers this type
+// through the stack rather than as two registers, which makes the attention kernel slow there (panel_linear.cpp uses
+// the machine's own width for that reason).  The sizes the kernels loop over are whole multiples of 16 (the Python
+// side checks).
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
