@@ -1,4 +1,5 @@
-"""Our own CPU kernels (``kernels/ragged_attention.cpp``, ``kernels/panel_linear.cpp``), built as one extension.
+"""Our own CPU kernels (``kernels/ragged_attention.cpp``, ``kernels/chunk_attention.cpp``,
+``kernels/panel_linear.cpp``), built as one extension.
 
 Built on first use with torch's C++ extension loader (a few seconds: the sources include ATen's core headers only;
 cached under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), once per instruction set torch runs
@@ -20,8 +21,8 @@ import torch
 log = logging.getLogger("specdecode")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "ragged_attention.cpp", KERNELS / "panel_linear.cpp")
-HEADERS = (KERNELS / "vector16.h",)
+SOURCES = (KERNELS / "ragged_attention.cpp", KERNELS / "chunk_attention.cpp", KERNELS / "panel_linear.cpp")
+HEADERS = (KERNELS / "vector16.h", KERNELS / "panel_tile.h")
 
 #: Compiler flags for the instruction set torch itself runs at here (its dispatch level), so that the kernels' vector
 #: code is what this CPU runs best and the build's name says which one it is.

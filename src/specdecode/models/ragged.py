@@ -39,7 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from specdecode.models.attention_kernel import FEW_ROWS, kernel_attends, ragged_attention_op
+from specdecode.models.attention_kernel import FEW_ROWS, chunk_attention_op, kernel_attends, ragged_attention_op
 from specdecode.models.base import KVCache, KVPool
 from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.row_attention import (
@@ -405,8 +405,8 @@ def attend_with_kernel(
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Every sequence's attention: the kernel's one call for all but a prompt's long chunk, SDPA for those; [1, T,
-    heads, d]."""
+    """Every sequence's attention: the kernel's one call for all but a prompt's long chunk, the chunk kernel's call
+    (or SDPA) for each of those; [1, T, heads, d]."""
     heads, rows, dim = query.shape[1], query.shape[2], query.shape[3]
     plan = ragged.kernel_plan
     out = query.new_empty(rows, heads, dim)
@@ -414,9 +414,13 @@ def attend_with_kernel(
     if len(plan.meta):
         q = query[0] if query.stride(3) == 1 else query[0].contiguous()
         ragged_attention_op()(q, key, value, plan.meta, plan.masks, plan.positions, scale, sliding_window or 0, out)
+    chunk_op = chunk_attention_op(query, sliding_window)
     for index in plan.others:
         seq = ragged.sequences[index]
-        out[seq.rows] = _sdpa(query, key, value, ragged, index, scaling, sliding_window)[0].transpose(0, 1)
+        if chunk_op is not None and seq.tree_mask is None:
+            chunk_op(query[0, :, seq.rows], key, value, seq.slot, seq.past, scale, out[seq.rows])
+        else:
+            out[seq.rows] = _sdpa(query, key, value, ragged, index, scaling, sliding_window)[0].transpose(0, 1)
     return out.unsqueeze(0)
 
 
