@@ -1,5 +1,5 @@
 """Our own CPU kernels (``kernels/ragged_attention.cpp``, ``kernels/chunk_attention.cpp``,
-``kernels/panel_linear.cpp``), built as one extension.
+``kernels/panel_linear.cpp``, ``kernels/layer_ops.cpp``), built as one extension.
 
 Built on first use with torch's C++ extension loader (a few seconds: the sources include ATen's core headers only;
 cached under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), once per instruction set torch runs
@@ -21,7 +21,9 @@ import torch
 log = logging.getLogger("specdecode")
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = (KERNELS / "ragged_attention.cpp", KERNELS / "chunk_attention.cpp", KERNELS / "panel_linear.cpp")
+SOURCES = tuple(
+    KERNELS / name for name in ("ragged_attention.cpp", "chunk_attention.cpp", "panel_linear.cpp", "layer_ops.cpp")
+)
 HEADERS = (KERNELS / "vector16.h", KERNELS / "panel_tile.h")
 
 #: Compiler flags for the instruction set torch itself runs at here (its dispatch level), so that the kernels' vector

@@ -1,0 +1,168 @@
+"""A Llama-shaped decoder layer's forward in a dozen calls, for fp32 models on the CPU fast path.
+
+Why: around its seven products and its attention, a layer of transformers' modules makes some forty small torch calls
+and a dozen module calls, each a few microseconds however few its rows; for a one-token forward of a 135M model on a
+2-core EPYC that is a quarter of the time its products take (``docs/results/layer-ops-smollm2-135m``).  Where every
+projection of a layer is a panel :class:`~specdecode.models.fastpath.PackedLinear`, :func:`install_layer_forward`
+gives the layer a forward that multiplies through the panel kernel directly and does the norms, the rotary embedding
+and the gated activation in one call each (``kernels/layer_ops.cpp``); the attention is the model's own attention
+function, called as transformers calls it.
+
+Numerics: the layer computes what transformers' does up to rounding (tests compare them), and it is the layer's only
+forward from then on, alone or in a batch, for plain decoding and every drafter's verification alike, so outputs stay
+equal.  Each of its kernels computes a row on its own, so a row gets the same bits alone as in any batch (what the
+engine's batch invariance needs, :mod:`specdecode.models.ragged`).  With gradients enabled (training through the model)
+or once a projection is replaced (an adapter wraps it), the layer takes transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from specdecode.models.cpu_kernels import cpu_kernels_built, panel_linear
+from specdecode.models.fastpath import PackedLinear
+
+#: transformers' decoder layers whose forward :class:`LayerForward` reproduces: pre-norm RMSNorm, rotary attention with
+#: ``rotate_half``, a SiLU-gated MLP (Qwen2's also hands its sliding window to the attention function).
+LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
+NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm"}
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
+MLP = (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def install_layer_forward(model: nn.Module) -> int:
+    """Give every decoder layer of ``model`` that :func:`takes_layer_forward` a :class:`LayerForward`; how many."""
+    layers = _decoder_layers(model)
+    for layer in layers:
+        if takes_layer_forward(layer):
+            layer.forward = LayerForward(layer)
+    return sum(isinstance(layer.__dict__.get("forward"), LayerForward) for layer in layers)
+
+
+def remove_layer_forward(model: nn.Module) -> None:
+    """Every decoder layer back on transformers' forward."""
+    for layer in _decoder_layers(model):
+        if isinstance(layer.__dict__.get("forward"), LayerForward):
+            del layer.forward
+
+
+def takes_layer_forward(layer: nn.Module) -> bool:
+    """Whether ``layer`` is one of :data:`LAYERS` with fp32 RMSNorms, a SiLU MLP and every projection in panels,
+    the CPU kernels built."""
+    if type(layer).__name__ not in LAYERS or not cpu_kernels_built():
+        return False
+    norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
+    if not all(type(norm).__name__ in NORMS and norm.weight.dtype == torch.float32 for norm in norms):
+        return False
+    config = layer.self_attn.config
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    head_dim = layer.self_attn.head_dim
+    width = norms[0].weight.numel()
+    if head_dim % 32 or width % 16 or config.intermediate_size % 16:  # the kernels' whole vectors
+        return False
+    return all(_panels(_module(layer, path)) for path in PROJECTIONS + MLP)
+
+
+class LayerForward:
+    """The forward of one decoder layer (see the module docstring); transformers' own where it does not apply."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.projections = tuple(_module(layer, path) for path in PROJECTIONS + MLP)
+
+    def intact(self) -> bool:
+        """No projection replaced since (an adapter wrapping one, the fast path removed)."""
+        return all(_module(self.layer, path) is module for path, module in zip(PROJECTIONS + MLP, self.projections))
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        cache_position: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        layer = self.layer
+        implementation = layer.self_attn.config._attn_implementation
+        plain = position_embeddings is not None and implementation != "eager" and hidden_states.dtype == torch.float32
+        if torch.is_grad_enabled() or not plain or not self.intact():
+            return type(layer).forward(  # transformers' own
+                layer,
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                cache_position=cache_position,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        attention = layer.self_attn
+        q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj = self.projections
+        batch, count, width = hidden_states.shape
+        rows, dim = batch * count, attention.head_dim
+        residual = hidden_states.reshape(rows, width).contiguous()
+        normed = _norm(residual, layer.input_layernorm)
+        query, key, value = (_product(normed, projection) for projection in (q_proj, k_proj, v_proj))
+        cos, sin = position_embeddings
+        cos_rows = cos.expand(batch, count, dim).reshape(rows, dim).contiguous()
+        sin_rows = sin.expand(batch, count, dim).reshape(rows, dim).contiguous()
+        torch.ops.specdecode_layer.rotate_rows(query, cos_rows, sin_rows, dim)
+        torch.ops.specdecode_layer.rotate_rows(key, cos_rows, sin_rows, dim)
+        query = query.view(batch, count, -1, dim).transpose(1, 2)
+        key = key.view(batch, count, -1, dim).transpose(1, 2)
+        value = value.view(batch, count, -1, dim).transpose(1, 2)
+        if past_key_values is not None:
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": cache_position}
+            key, value = past_key_values.update(key, value, attention.layer_idx, cache_kwargs)
+        if hasattr(attention, "sliding_window"):  # Qwen2's attention hands it on
+            kwargs["sliding_window"] = attention.sliding_window
+        attended, _ = ALL_ATTENTION_FUNCTIONS[implementation](
+            attention,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=attention.scaling,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = residual + _product(attended.reshape(rows, -1).contiguous(), o_proj)
+        normed = _norm(hidden, layer.post_attention_layernorm)
+        gate, up = _product(normed, gate_proj), _product(normed, up_proj)
+        torch.ops.specdecode_layer.silu_mul(gate, up, gate)
+        hidden = hidden + _product(gate, down_proj)
+        return hidden.view(batch, count, width)
+
+
+def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    out = torch.empty_like(rows)
+    torch.ops.specdecode_layer.rms_norm_rows(rows, norm.weight.detach(), norm.variance_epsilon, out)
+    return out
+
+
+def _product(rows: torch.Tensor, linear: PackedLinear) -> torch.Tensor:
+    return panel_linear(rows, linear.packed, None if linear.bias is None else linear.bias.detach())
+
+
+def _panels(module: nn.Module | None) -> bool:
+    return type(module) is PackedLinear and module.panels
+
+
+def _module(layer: nn.Module, path: tuple[str, str]) -> nn.Module | None:
+    parent = getattr(layer, path[0], None)
+    return getattr(parent, path[1], None)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []

@@ -1,0 +1,141 @@
+"""The decoder layer's written-out forward (:mod:`specdecode.models.layer_forward`): its kernels compute what
+transformers' modules compute to float noise, each row bitwise the same alone as among others; a model's logits with it
+are transformers' to float noise, alone and through the ragged batched forward; it steps aside for gradients and for a
+replaced projection; greedy decoding with it equals plain decoding with it for every drafter kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from specdecode.models.base import SequenceInput
+from specdecode.models.cpu_kernels import panels_pay
+from specdecode.models.fastpath import apply_cpu_fast_path
+from specdecode.models.hf import HFCausalLM
+from specdecode.models.layer_forward import LayerForward, install_layer_forward, remove_layer_forward
+
+pytestmark = pytest.mark.skipif(not panels_pay(), reason="the CPU kernels (panel products) are not built here")
+
+SIZES = dict(
+    vocab_size=160,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    initializer_range=0.3,  # peaky logits: greedy choices are far from numerical ties
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+
+
+def model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        built = LlamaForCausalLM(LlamaConfig(**SIZES))
+    else:  # q/k/v projections with biases, the sliding window handed to the attention
+        built = Qwen2ForCausalLM(Qwen2Config(**SIZES, tie_word_embeddings=False))
+    return built.eval()
+
+
+def rows(count: int, width: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_the_norm_is_transformers_rmsnorm_and_each_row_is_alone():
+    norm = LlamaRMSNorm(128, eps=1e-5)
+    norm.weight.data = torch.randn(128)
+    x = rows(7, 128)
+    out = torch.empty_like(x)
+    torch.ops.specdecode_layer.rms_norm_rows(x, norm.weight, norm.variance_epsilon, out)
+    assert torch.allclose(out, norm(x), atol=1e-5, rtol=1e-5)
+    alone = torch.empty(1, 128)
+    torch.ops.specdecode_layer.rms_norm_rows(x[3:4].contiguous(), norm.weight, 1e-5, alone)
+    assert torch.equal(alone[0], out[3])
+
+
+def test_the_rotation_is_transformers_rotary_embedding():
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**SIZES))
+    positions = torch.tensor([[0, 5, 17, 200, 3]])
+    cos, sin = rotary(torch.empty(1, dtype=torch.float32), positions)
+    q = rows(5, 4 * 64, seed=1)
+    heads = q.view(1, 5, 4, 64).transpose(1, 2)
+    expected, _ = apply_rotary_pos_emb(heads, heads, cos, sin)
+    got = q.clone()
+    torch.ops.specdecode_layer.rotate_rows(got, cos[0].contiguous(), sin[0].contiguous(), 64)
+    assert torch.allclose(got.view(1, 5, 4, 64).transpose(1, 2), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_gated_activation_is_silu_times_up_at_any_magnitude():
+    gate, up = rows(3, 256, seed=2, scale=30.0), rows(3, 256, seed=3)
+    gate[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    out = torch.empty_like(gate)
+    torch.ops.specdecode_layer.silu_mul(gate, up, out)
+    assert torch.allclose(out, nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_fast_path_model_takes_it_and_computes_transformers_logits(kind):
+    reference = model(kind)
+    fast = model(kind)
+    apply_cpu_fast_path(fast)
+    assert install_layer_forward(fast) == SIZES["num_hidden_layers"]
+    ids = torch.tensor([[1, 5, 9, 33, 70, 7, 150, 4]])
+    with torch.inference_mode():
+        expected = reference(ids).logits
+        got = fast(ids).logits
+        remove_layer_forward(fast)
+        without = fast(ids).logits
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(got, without)  # the control: its kernels round differently from the modules'
+
+
+def test_the_ragged_forward_gives_a_row_the_same_bits_alone_and_in_a_batch():
+    fast = model("llama")
+    apply_cpu_fast_path(fast)
+    install_layer_forward(fast)
+    backend = HFCausalLM(fast, "tiny")
+    pool = backend.new_pool()
+    pool.reserve(3, 64)
+    first, second = pool.allocate(), pool.allocate()
+    prompt = torch.tensor([1, 5, 9, 33, 70, 7])
+    assert isinstance(fast.model.layers[0].forward, LayerForward)
+    for cache in (first, second):
+        backend.forward(prompt, cache, invariant=False)
+    alone = backend.forward(torch.tensor([11, 12, 13]), first).logits
+    first.crop(len(prompt))
+    together = backend.forward_batch(
+        [SequenceInput(torch.tensor([11, 12, 13]), first), SequenceInput(torch.tensor([90, 91, 92, 93, 94]), second)]
+    )[0].logits
+    assert torch.equal(alone, together)
+
+
+def test_it_steps_aside_for_gradients_and_for_a_replaced_projection():
+    fast = model("llama")
+    apply_cpu_fast_path(fast)
+    install_layer_forward(fast)
+    ids = torch.tensor([[1, 5, 9, 33]])
+    with torch.enable_grad():
+        assert fast(ids).logits.requires_grad  # transformers' forward, through the dense weights
+    for layer in fast.model.layers:
+        assert isinstance(layer.forward, LayerForward) and layer.forward.intact()
+        layer.self_attn.q_proj = layer.self_attn.q_proj.to_linear()  # as an adapter's wrapping would
+        assert not layer.forward.intact()
+    with torch.inference_mode():
+        replaced = fast(ids).logits
+        remove_layer_forward(fast)
+        modules = fast(ids).logits
+    assert torch.equal(replaced, modules)
+
+
+def test_bf16_and_quantized_layers_keep_transformers_forward():
+    bf16 = model("llama").to(torch.bfloat16)
+    assert install_layer_forward(bf16) == 0
+    plain = model("llama")  # fp32 but not packed
+    assert install_layer_forward(plain) == 0
