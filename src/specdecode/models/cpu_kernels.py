@@ -24,7 +24,7 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS / name for name in ("ragged_attention.cpp", "chunk_attention.cpp", "panel_linear.cpp", "layer_ops.cpp")
 )
-HEADERS = (KERNELS / "vector16.h", KERNELS / "panel_tile.h")
+HEADERS = (KERNELS / "vector16.h", KERNELS / "vec.h", KERNELS / "panel_tile.h")
 
 #: Compiler flags for the instruction set torch itself runs at here (its dispatch level), so that the kernels' vector
 #: code is what this CPU runs best and the build's name says which one it is.

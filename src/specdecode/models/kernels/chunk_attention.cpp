@@ -29,27 +29,6 @@ namespace {
 
 using namespace specdecode;
 
-typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
-
-// e^x for x <= 0, lane by lane: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative
-// error under 2e-7), times 2^n built in the exponent bits (as in ragged_attention.cpp, at the machine's width).
-inline vec exp_nonpositive(vec x) {
-  const vec floor_x = x < -87.0f ? vec{} - 87.0f : x;  // e^-87 is about float's smallest normal
-  const veci n = -__builtin_convertvector(0.5f - floor_x * 1.44269504088896341f, veci);
-  const vec nf = __builtin_convertvector(n, vec);
-  const vec r = (floor_x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  vec p = r * (1.f / 720.f) + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const veci bits = (n + 127) << 23;
-  vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Row w: its first `seen` scores (times `scaling`) become e^(score - largest), the columns after it up to `width` exact
 // zeros; returns 1 / their sum.  `width` is a whole number of vectors.
 inline float softmax_row(float* w, int64_t seen, int64_t width, float scaling) {
@@ -69,13 +48,13 @@ inline float softmax_row(float* w, int64_t seen, int64_t width, float scaling) {
   vec total{};
   c = 0;
   for (; c + LANES <= seen; c += LANES) {
-    const vec e = exp_nonpositive(load(w + c) * scaling - largest);
+    const vec e = exp_vec(load(w + c) * scaling - largest);
     total += e;
     store(w + c, e);
   }
   if (c < seen) {  // the last part-vector: its unseen lanes become zeros
     vec block = load(w + c) * scaling - largest;
-    vec e = exp_nonpositive(block);
+    vec e = exp_vec(block);
     for (int64_t l = seen - c; l < LANES; ++l) e[l] = 0.f;
     total += e;
     store(w + c, e);

@@ -16,13 +16,11 @@
 #include <cmath>
 #include <cstdint>
 
-#include "panel_tile.h"
+#include "vec.h"
 
 namespace {
 
 using namespace specdecode;
-
-typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
 
 // Rows of work per thread below which a call stays on one thread: waking the other costs more than a few rows.
 constexpr int64_t ROWS_PER_THREAD = 8;
@@ -82,27 +80,6 @@ void rotate_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int
       }
     }
   });
-}
-
-// e^x lane by lane for any x (clamped to [-87, 88], where float's e^x is finite and normal): x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6, times 2^n built in the exponent bits.
-inline vec exp_vec(vec x) {
-  x = x < -87.0f ? vec{} - 87.0f : x;
-  x = x > 88.0f ? vec{} + 88.0f : x;
-  const vec shifted = x * 1.44269504088896341f + (x < 0.f ? vec{} - 0.5f : vec{} + 0.5f);
-  const veci n = __builtin_convertvector(shifted, veci);  // truncation of n +- 0.5: n rounded
-  const vec nf = __builtin_convertvector(n, vec);
-  const vec r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  vec p = r * (1.f / 720.f) + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const veci bits = (n + 127) << 23;
-  vec scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // out = silu(gate) * up = gate / (1 + e^-gate) * up, elementwise, for gate and up [rows, width].

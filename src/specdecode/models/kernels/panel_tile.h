@@ -3,30 +3,18 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
+
+#include "vec.h"
 
 namespace specdecode {
 
-// The machine's own vector of floats: 16 lanes (one register) at AVX-512, 8 (one register) elsewhere, so that a panel
-// of 16 channels is PARTS vectors; GCC keeps these in registers (a 64-byte type at AVX2 it lowers through the stack).
 #if defined(__AVX512F__)
-typedef float vec __attribute__((vector_size(64)));
 constexpr int ROW_BLOCK = 8;  // 8 rows x 2 panels: 16 of the 32 vector registers hold sums
 #else
-typedef float vec __attribute__((vector_size(32)));
 constexpr int ROW_BLOCK = 3;  // 3 rows x 2 panels of two registers: 12 of the 16 hold sums
 #endif
-constexpr int LANES = sizeof(vec) / sizeof(float);
-constexpr int PARTS = 16 / LANES;
+constexpr int PARTS = 16 / LANES;  // vectors of a panel's 16 channels
 constexpr int64_t PREFETCH_STEPS = 32;  // steps (64-byte lines) ahead of each panel's stream
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
 // Rows [0, R) of x times panels [panel, panel + G) of w into out (row stride `channels`).
 template <int R, int G>

@@ -1,0 +1,51 @@
+// The machine's own vector of floats and the few operations on it the kernels share (panel_tile.h, chunk_attention.cpp,
+// layer_ops.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace specdecode {
+
+// The machine's own vector of floats: 16 lanes (one register) at AVX-512, 8 (one register) elsewhere; GCC keeps these
+// in registers (a 64-byte type at AVX2 it lowers through the stack).
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+#else
+typedef float vec __attribute__((vector_size(32)));
+#endif
+constexpr int LANES = sizeof(vec) / sizeof(float);
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
+
+// e^x lane by lane for any x (clamped to [-87, 88], where float's e^x is finite and normal): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n built in the
+// exponent bits.  Every lane is computed alike, so a number's result does not depend on its lane.
+inline vec exp_vec(vec x) {
+  x = x < -87.0f ? vec{} - 87.0f : x;
+  x = x > 88.0f ? vec{} + 88.0f : x;
+  const vec shifted = x * 1.44269504088896341f + (x < 0.f ? vec{} - 0.5f : vec{} + 0.5f);
+  const veci n = __builtin_convertvector(shifted, veci);  // truncation of n +- 0.5: n rounded
+  const vec nf = __builtin_convertvector(n, vec);
+  const vec r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  vec p = r * (1.f / 720.f) + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const veci bits = (n + 127) << 23;
+  vec scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace specdecode
