@@ -22,15 +22,17 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specdecode.models.cpu_kernels import cpu_kernels_built, panel_linear
+from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import PackedLinear
 
 #: transformers' decoder layers whose forward :class:`LayerForward` reproduces: pre-norm RMSNorm, rotary attention with
 #: ``rotate_half``, a SiLU-gated MLP (Qwen2's also hands its sliding window to the attention function).
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
 NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm"}
-PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"))
-MLP = (("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+#: A layer's seven projections, as (module, attribute), in the order :class:`LayerForward` unpacks them.
+PROJECTIONS = tuple(("self_attn", name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
+    ("mlp", name) for name in ("gate_proj", "up_proj", "down_proj")
+)
 
 
 def install_layer_forward(model: nn.Module) -> int:
@@ -64,7 +66,7 @@ def takes_layer_forward(layer: nn.Module) -> bool:
     width = norms[0].weight.numel()
     if head_dim % 32 or width % 16 or config.intermediate_size % 16:  # the kernels' whole vectors
         return False
-    return all(_panels(_module(layer, path)) for path in PROJECTIONS + MLP)
+    return all(_panels(_module(layer, path)) for path in PROJECTIONS)
 
 
 class LayerForward:
@@ -72,11 +74,11 @@ class LayerForward:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
-        self.projections = tuple(_module(layer, path) for path in PROJECTIONS + MLP)
+        self.projections = tuple(_module(layer, path) for path in PROJECTIONS)
 
     def intact(self) -> bool:
         """No projection replaced since (an adapter wrapping one, the fast path removed)."""
-        return all(_module(self.layer, path) is module for path, module in zip(PROJECTIONS + MLP, self.projections))
+        return all(_module(self.layer, path) is module for path, module in zip(PROJECTIONS, self.projections))
 
     def __call__(
         self,
@@ -110,7 +112,7 @@ class LayerForward:
         rows, dim = batch * count, attention.head_dim
         residual = hidden_states.reshape(rows, width).contiguous()
         normed = _norm(residual, layer.input_layernorm)
-        query, key, value = (_product(normed, projection) for projection in (q_proj, k_proj, v_proj))
+        query, key, value = (projection.forward(normed) for projection in (q_proj, k_proj, v_proj))
         cos, sin = position_embeddings
         cos_rows = cos.expand(batch, count, dim).reshape(rows, dim).contiguous()
         sin_rows = sin.expand(batch, count, dim).reshape(rows, dim).contiguous()
@@ -136,11 +138,11 @@ class LayerForward:
             use_cache=use_cache,
             **kwargs,
         )
-        hidden = residual + _product(attended.reshape(rows, -1).contiguous(), o_proj)
+        hidden = residual + o_proj.forward(attended.reshape(rows, -1).contiguous())
         normed = _norm(hidden, layer.post_attention_layernorm)
-        gate, up = _product(normed, gate_proj), _product(normed, up_proj)
+        gate, up = gate_proj.forward(normed), up_proj.forward(normed)
         torch.ops.specdecode_layer.silu_mul(gate, up, gate)
-        hidden = hidden + _product(gate, down_proj)
+        hidden = hidden + down_proj.forward(gate)
         return hidden.view(batch, count, width)
 
 
@@ -148,10 +150,6 @@ def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     out = torch.empty_like(rows)
     torch.ops.specdecode_layer.rms_norm_rows(rows, norm.weight.detach(), norm.variance_epsilon, out)
     return out
-
-
-def _product(rows: torch.Tensor, linear: PackedLinear) -> torch.Tensor:
-    return panel_linear(rows, linear.packed, None if linear.bias is None else linear.bias.detach())
 
 
 def _panels(module: nn.Module | None) -> bool:

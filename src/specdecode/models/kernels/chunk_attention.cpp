@@ -159,13 +159,8 @@ at::Tensor chunk_attention(const at::Tensor& query, const at::Tensor& keys, cons
       const int64_t block_width = block_panels * 16;
       scores.resize(rows * block_width);
       const float* key_panels = packed.data() + h * panels * dim * 16;
-      for (int64_t panel = 0; panel < block_panels; panel += 2) {
-        if (panel + 2 <= block_panels) {
-          panel_group<2>(rows, q.data(), key_panels, dim, block_width, panel, scores.data());
-        } else {
-          panel_group<1>(rows, q.data(), key_panels, dim, block_width, panel, scores.data());
-        }
-      }
+      const int64_t pairs = (block_panels + 1) / 2;
+      panel_pairs(rows, q.data(), key_panels, dim, block_width, block_panels, 0, pairs, scores.data());
       for (int64_t row = 0; row < rows; ++row) {
         const int64_t seen = past + first_token + row / groups + 1;
         inverse[row] = softmax_row(scores.data() + row * block_width, seen, block_width, scaling);
@@ -178,13 +173,11 @@ at::Tensor chunk_attention(const at::Tensor& query, const at::Tensor& keys, cons
         switch (count) {
           case 1: value_rows<1>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
           case 2: value_rows<2>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
-#if defined(__AVX512F__)
           case 3: value_rows<3>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
+#if defined(__AVX512F__)
           case 4: value_rows<4>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
           case 5: value_rows<5>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
           case 6: value_rows<6>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
-#else
-          case 3: value_rows<3>(w, block_width, vp, dim, columns, inverse.data() + row, out_rows.data() + row); break;
 #endif
           default: break;
         }

@@ -37,16 +37,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& w, at::Tensor out
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Two panels a unit of work; an odd last panel alone.
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t panel = pair * 2;
-      if (panel + 2 <= panels) {
-        panel_group<2>(rows, xp, wp, in, channels, panel, op);
-      } else {
-        panel_group<1>(rows, xp, wp, in, channels, panel, op);
-      }
-    }
+    panel_pairs(rows, xp, wp, in, channels, panels, begin, end, op);
   });
   return out;
 }

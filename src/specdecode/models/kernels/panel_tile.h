@@ -69,4 +69,18 @@ void panel_group(int64_t rows, const float* x, const float* w, int64_t in, int64
   }
 }
 
+// Every row of x times the panels of pairs [begin, end) of w's `panels` (pair p: panels 2p and 2p + 1, or 2p alone when
+// it is the last): the unit of work of the callers' threads.
+inline void panel_pairs(int64_t rows, const float* x, const float* w, int64_t in, int64_t channels, int64_t panels,
+                        int64_t begin, int64_t end, float* out) {
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t panel = pair * 2;
+    if (panel + 2 <= panels) {
+      panel_group<2>(rows, x, w, in, channels, panel, out);
+    } else {
+      panel_group<1>(rows, x, w, in, channels, panel, out);
+    }
+  }
+}
+
 }  // namespace specdecode

@@ -71,8 +71,8 @@ inline float softmax_numerators(float* w, int64_t count) {
 }
 
 // Keys and values are read a column at a time, and a row's columns are mostly whole stretches of memory read once: the
-// row `PREFETCH_KEYS` columns ahead is asked for early, which made a decoding step's attention of 8 sequences at 400-600
-// cached positions ~1.6x faster on a 2-core AVX-512 EPYC (docs/results/panel-linear-smollm2-135m/README.md).
+// row `PREFETCH_KEYS` columns ahead is asked for early, which made a decoding step's attention of 8 sequences at
+// 400-600 cached positions ~1.6x faster on a 2-core AVX-512 EPYC (docs/results/panel-linear-smollm2-135m/README.md).
 constexpr int64_t PREFETCH_KEYS = 16;
 
 template <typename T>
