@@ -1,7 +1,9 @@
 """The decoder layer's written-out forward (:mod:`specdecode.models.layer_forward`): its kernels compute what
 transformers' modules compute to float noise, each row bitwise the same alone as among others; a model's logits with it
-are transformers' to float noise, alone and through the ragged batched forward; it steps aside for gradients and for a
-replaced projection; greedy decoding with it equals plain decoding with it for every drafter kind."""
+are transformers' to float noise (and, the control, not bitwise theirs); through the ragged batched forward a row gets
+the same bits alone and beside another sequence; it steps aside for gradients and for a replaced projection; bf16 and
+unpacked models keep transformers' forward.  Greedy equality of every drafter with it is in the real-model tests
+(``tests/test_real_smollm2.py``: ``smollm2-135m`` takes it)."""
 
 from __future__ import annotations
 
