@@ -49,7 +49,7 @@ from specdecode.draft_length.base import DraftLengthPolicy, PolicySource
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.grammar import GrammarFailure, SequenceGrammar, row_masks
-from specdecode.logits_processing import RowHistory
+from specdecode.logits_processing import RowHistory, request_processes
 from specdecode.models.base import CausalLM, ForwardOutput, KVCache, SequenceInput
 from specdecode.stats import GenerationStats
 from specdecode.types import Draft, StepFeedback, StepObservation, TokenLogprob, Verdict
@@ -118,6 +118,21 @@ class Sequence:
     def reading(self) -> bool:
         """Whether prompt tokens are still to be read into the cache before the first step."""
         return self.read < len(self.prompt_ids) - 1
+
+    @property
+    def choices_suffice(self) -> bool:
+        """Whether verifying this sequence reads each row's greedy choice and nothing else: greedy, its verifier reads
+        the choices only, no processing of the logits (bias, penalties, ``min_tokens``, a grammar), no log-
+        probabilities, and a drafting session that does not read the target's logits.  Its forward may then compute
+        the choices without the logits (:attr:`SequenceInput.choices_only`)."""
+        config = self.config
+        return (
+            config.sampling.greedy
+            and config.verifier.method.greedy_reads_choices_only
+            and config.logprobs is None
+            and not request_processes(config.sampling, self.grammar is not None, config.min_tokens, self.stop_ids)
+            and not self.session.reads_target_logits
+        )
 
     def next_chunk(self) -> PromptChunk:
         """The prompt's next chunk to read: they start every ``prefill_chunk`` tokens from its start."""
@@ -188,7 +203,11 @@ class Verifier(Protocol):
 
 
 def verification_input(
-    context: list[int], draft: Draft, cache: KVCache, hidden_layers: tuple[int, ...] = ()
+    context: list[int],
+    draft: Draft,
+    cache: KVCache,
+    hidden_layers: tuple[int, ...] = (),
+    choices_only: bool = False,
 ) -> SequenceInput:
     """One target forward's input for a sequence: the last context token and the draft.
 
@@ -197,11 +216,16 @@ def verification_input(
     its ancestors."""
     tokens = torch.tensor([context[-1], *draft.tokens], dtype=torch.long)
     if draft.is_chain:
-        return SequenceInput(tokens, cache, hidden_layers=hidden_layers)
+        return SequenceInput(tokens, cache, hidden_layers=hidden_layers, choices_only=choices_only)
     base = len(context) - 1
     positions = torch.tensor([base, *(base + d for d in draft.depths())], dtype=torch.long)
     return SequenceInput(
-        tokens, cache, positions=positions, tree_mask=ancestor_mask(draft), hidden_layers=hidden_layers
+        tokens,
+        cache,
+        positions=positions,
+        tree_mask=ancestor_mask(draft),
+        hidden_layers=hidden_layers,
+        choices_only=choices_only,
     )
 
 
@@ -226,7 +250,7 @@ class TargetVerifier:
 
     def __call__(self, sequences: list[Sequence], drafts: list[Draft], chunks: list[PromptChunk]) -> list[Checked]:
         inputs = [
-            verification_input(seq.context, draft, seq.cache, self._hidden_layers(seq))
+            verification_input(seq.context, draft, seq.cache, self._hidden_layers(seq), seq.choices_suffice)
             for seq, draft in zip(sequences, drafts)
         ]
         outputs = self.target.forward_batch(inputs + [chunk.forward_input() for chunk in chunks])
@@ -247,6 +271,7 @@ class TargetVerifier:
                 generator=seq.generator,
                 final_hidden=final,
                 target_name=self.target.name,
+                choices=out.choices,
                 history=RowHistory(
                     seq.context, len(seq.prompt_ids), draft, seq.stop_ids, seq.config.min_tokens, seq.grammar_masks
                 ),

@@ -47,8 +47,12 @@ def processes(sampling: SamplingParams, history: RowHistory | None) -> bool:
     """Whether :func:`process_rows` changes anything for this request."""
     if history is None:
         return False
-    constrained = history.grammar_masks is not None
-    return sampling.reads_history or constrained or (history.min_tokens > 0 and bool(history.stop_ids))
+    return request_processes(sampling, history.grammar_masks is not None, history.min_tokens, history.stop_ids)
+
+
+def request_processes(sampling: SamplingParams, constrained: bool, min_tokens: int, stop_ids: frozenset[int]) -> bool:
+    """Whether a request's logits are processed at all: by its sampling settings, a grammar or ``min_tokens``."""
+    return sampling.reads_history or constrained or (min_tokens > 0 and bool(stop_ids))
 
 
 def process_rows(logits: torch.Tensor, sampling: SamplingParams, history: RowHistory | None) -> torch.Tensor:

@@ -144,7 +144,8 @@ class StepFeedback:
 
     target_logits: [nodes + 1, vocab] raw target logits; row 0 follows the last context token, row
         ``i + 1`` follows draft node i (e.g. Token Recycling reads their top-k).  Empty when no target
-        ran (policy replay).
+        ran (policy replay), or when the forward computed each row's greedy choice only: for a session that does
+        not set ``DraftSession.reads_target_logits``.
     target_hidden: [nodes + 1, features] the target's hidden states of the same rows, for a session that
         asked for them (``DraftSession.hidden_layers``); None otherwise.
     asked: whether the session's ``propose`` ran this step and ``draft`` is what it proposed (perhaps cut at its

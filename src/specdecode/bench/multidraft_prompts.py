@@ -131,6 +131,8 @@ class TokensPerStep:
 class JudgedSession(DraftSession):
     """A drafting session whose every verified draft is judged by :class:`TokensPerStep` as well."""
 
+    reads_target_logits = True
+
     def __init__(self, inner: DraftSession, judge: TokensPerStep) -> None:
         self.inner = inner
         self.judge = judge

@@ -146,6 +146,8 @@ def cross_vocab_example(
 class AdaptingSession(DraftSession):
     """A drafting session that also records what the request teaches, and hands it over at its end."""
 
+    reads_target_logits = True
+
     def __init__(
         self, inner: DraftSession, adapter: OnlineAdapter, request: DraftRequest, example_of: ExampleBuilder
     ) -> None:

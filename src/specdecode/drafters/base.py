@@ -93,6 +93,9 @@ class DraftSession(ABC):
     prompt's, ``StepFeedback.target_hidden`` with each step's — at no extra forward."""
 
     hidden_layers: tuple[int, ...] = ()
+    #: It reads the target's logits (``StepFeedback.target_logits``): the verification forward then computes them even
+    #: where the request's greedy verifier reads only each row's choice.
+    reads_target_logits: bool = False
     #: Its proposals cost next to nothing and do not depend on the depth asked for (a lookup): the engine
     #: asks for the deepest draft before it plans the step, so the plan can weigh each draft's confidences.
     proposes_first: bool = False

@@ -249,6 +249,7 @@ class RetrievalSession(DraftSession):
         self.drafter = drafter
         self.inner = inner
         self.hidden_layers = inner.hidden_layers
+        self.reads_target_logits = inner.reads_target_logits
         self._transcript = Transcript()
         self._match: Range | None = None  # the longest suffix of the context found: (start, end, length)
         self._last: Fused | None = None

@@ -186,6 +186,8 @@ class TokenRecyclingDrafter(Drafter):
 class RecyclingSession(DraftSession):
     """One request: what followed which tokens in its own prompt and output, and its last token."""
 
+    reads_target_logits = True
+
     def __init__(self, drafter: TokenRecyclingDrafter, prompt: list[int]) -> None:
         self.drafter = drafter
         self._last = prompt[-1] if prompt else -1  # the context's last token when the current step began

@@ -186,6 +186,8 @@ def _stored_chance(ids: np.ndarray, probs: np.ndarray, token: int) -> float:
 class StandSession(DraftSession):
     """One request: its sampling, its own random stream, and the context tail at the step's start."""
 
+    reads_target_logits = True
+
     def __init__(self, drafter: StandDrafter, request: DraftRequest) -> None:
         self.drafter = drafter
         self.sampling = request.sampling

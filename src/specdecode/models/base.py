@@ -31,6 +31,9 @@ class ForwardOutput:
     #: [n_new, d_model * len(layers)]: the hidden states a sequence asked for (``SequenceInput.hidden_layers``
     #: or ``forward_layers(output_hidden=True)``), for every new token, layers side by side; else None.
     hidden: torch.Tensor | None = None
+    #: [rows] int64: each requested row's greedy choice (``argmax``, the first on a tie), where the input asked for
+    #: ``choices_only`` and the backend computed them without the logits, which then have no rows; else None.
+    choices: torch.Tensor | None = None
 
 
 class KVCache(ABC):
@@ -98,6 +101,8 @@ class SequenceInput:
         alike whether decoding is plain or speculative, alone or in a batch, and a draft model's forwards, which
         never change the output; the backend may then run the rows in the fastest kernel it has, as long as
         they come out the same whatever else shares the forward.
+    choices_only: whether the requested rows are read for their greedy choice (``argmax``) and nothing else: a
+        backend may then return ``ForwardOutput.choices``, bitwise the logits' argmax, and skip the logits.
     """
 
     tokens: torch.Tensor
@@ -107,6 +112,7 @@ class SequenceInput:
     logits_rows: torch.Tensor | slice | None = None
     hidden_layers: tuple[int, ...] = ()
     invariant: bool = True
+    choices_only: bool = False
 
 
 class CausalLM(ABC):

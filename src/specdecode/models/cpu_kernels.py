@@ -22,7 +22,8 @@ log = logging.getLogger("specdecode")
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
-    KERNELS / name for name in ("ragged_attention.cpp", "chunk_attention.cpp", "panel_linear.cpp", "layer_ops.cpp")
+    KERNELS / name
+    for name in ("ragged_attention.cpp", "chunk_attention.cpp", "panel_linear.cpp", "layer_ops.cpp", "greedy_head.cpp")
 )
 HEADERS = (KERNELS / "vector16.h", KERNELS / "vec.h", KERNELS / "panel_tile.h")
 

@@ -33,6 +33,7 @@ from specdecode.models.base import (
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
 from specdecode.models.fastpath import PackedLinear
+from specdecode.models.greedy_head import GreedyHead, greedy_head_applies, greedy_head_supported
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_spans
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
@@ -87,6 +88,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         # Quantized layers are batch invariant and round their input to bf16: attention must be invariant
         # too, or a verification forward breaks bf16-step near-ties unlike plain decoding (RaggedBatch).
         self.row_invariant_attention = any(isinstance(m, QuantizedLinear) for m in model.modules())
+        self._greedy: tuple[nn.Module, GreedyHead | None] | None = None
 
     def new_pool(self) -> SlotPool:
         return SlotPool(self.device)
@@ -195,6 +197,8 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         pool: SlotPool = inputs[0].cache.pool
         device = self.device
         sequences, tokens, positions, logit_rows = [], [], [], []
+        greedy_head = self._greedy_head() if any(item.choices_only for item in inputs) else None
+        chooses = [greedy_head is not None and item.choices_only for item in inputs]
         start = 0
         for item in inputs:
             n = int(item.tokens.shape[0])
@@ -211,14 +215,16 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
             start += n
         pool.reserve(pool.slots, max(seq.end for seq in sequences))
         batch = RaggedBatch(sequences, row_invariant=self.row_invariant_attention)
-        every_row = all(item.logits_rows is None for item in inputs)
-        rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(logit_rows, sequences)])
+        every_row = not any(chooses) and all(item.logits_rows is None for item in inputs)
+        head_rows = [_NO_ROWS if choose else rows for rows, choose in zip(logit_rows, chooses)]
+        rows = 0 if every_row else torch.cat([r + s.rows.start for r, s in zip(head_rows, sequences)])
         captured: dict[int, torch.Tensor] = {}
+        layers = {i for item in inputs for i in item.hidden_layers} | ({self.num_layers} if any(chooses) else set())
         # Rows that need no invariance (a prompt's chunks, read alike alone or in a batch; drafts) take the fast
         # kernels, each sequence's in calls of its own, so that they never depend on what shares the forward.
         free = [(seq.rows.start, seq.rows.stop) for seq in sequences if not seq.invariant]
         with (
-            self._capture_layers({i for item in inputs for i in item.hidden_layers}, captured),
+            self._capture_layers(layers, captured),
             free_row_spans(start, free) if free else nullcontext(),
         ):
             out = self.model(
@@ -234,15 +240,36 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         for item, seq in zip(inputs, sequences):
             pool.lengths[item.cache.slot] = seq.end
         logits = out.logits[0].float()
-        outputs, offset = [], 0
-        for item, seq, wanted in zip(inputs, sequences, logit_rows):
-            count = len(wanted)
+        choices = None
+        if any(chooses):  # one call for every sequence's rows: each call reads the whole head
+            chosen = [rows + seq.rows.start for rows, seq, choose in zip(logit_rows, sequences, chooses) if choose]
+            choices = greedy_head(captured[self.num_layers][0, torch.cat(chosen)])
+        outputs, offset, chosen_offset = [], 0, 0
+        for item, seq, wanted, choose in zip(inputs, sequences, logit_rows, chooses):
             hidden = None
             if item.hidden_layers:
                 hidden = torch.cat([captured[i][0, seq.rows] for i in item.hidden_layers], dim=-1)
+            count = len(wanted)
+            if choose:
+                mine = choices[chosen_offset : chosen_offset + count]
+                outputs.append(ForwardOutput(logits=logits[:0], hidden=hidden, choices=mine))
+                chosen_offset += count
+                continue
             outputs.append(ForwardOutput(logits=logits[offset : offset + count], hidden=hidden))
             offset += count
         return outputs
+
+    def _greedy_head(self) -> GreedyHead | None:
+        """The LM head's greedy choices without its logits (:mod:`specdecode.models.greedy_head`), where the head is
+        an fp32 panel product this CPU can screen in bf16 and the model's logits are the head's output itself; built
+        on first use, again if the head is replaced."""
+        head = self.lm_head()
+        if self._greedy is None or self._greedy[0] is not head:
+            greedy = None
+            if greedy_head_applies(self.model, head) and greedy_head_supported():
+                greedy = GreedyHead(head.packed)
+            self._greedy = (head, greedy)
+        return self._greedy[1]
 
     @contextmanager
     def _capture_layers(self, layers: set[int], sink: dict[int, torch.Tensor]) -> Iterator[None]:
@@ -363,3 +390,4 @@ def _logit_rows(item: SequenceInput, device: torch.device) -> torch.Tensor:
 #: A 4D placeholder: transformers returns a 4D attention mask as it is instead of building one (the ragged
 #: attention builds its own per sequence).
 _NO_MASK = torch.empty(1, 1, 0, 0)
+_NO_ROWS = torch.empty(0, dtype=torch.long)

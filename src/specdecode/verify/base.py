@@ -33,7 +33,7 @@ import torch
 from specdecode.errors import SpecDecodeError
 from specdecode.logits_processing import RowHistory, process_rows
 from specdecode.models.base import HiddenStates, require_capability
-from specdecode.sampling import coupled_sample, sample, sampling_probs, token_logprobs
+from specdecode.sampling import argmax_last, coupled_sample, sample, sampling_probs, token_logprobs
 from specdecode.sampling_params import SamplingParams
 from specdecode.types import TokenLogprob
 
@@ -58,6 +58,9 @@ class TargetRows:
     final_hidden: torch.Tensor | None = None  # [nodes + 1, hidden_size], for a verifier that reads_final_hidden
     target_name: str = ""  # the target model's name: where a verifier's trained files live
     history: RowHistory | None = None  # what precedes each row: the context and the draft
+    #: [nodes + 1] each row's greedy choice, where the forward computed those instead of the logits (which then have
+    #: no rows): for a request that reads nothing else (:attr:`specdecode.engine.Sequence.choices_suffice`).
+    choices: torch.Tensor | None = None
     _probs: dict[int, torch.Tensor] = field(default_factory=dict)
     _processed: torch.Tensor | None = None
 
@@ -68,8 +71,16 @@ class TargetRows:
             self._processed = process_rows(self.logits, self.sampling, self.history)
         return self._processed
 
+    def greedy_choices(self) -> list[int]:
+        """The argmax of each row's processed logits (the forward's own choices where it computed those only)."""
+        if self.choices is not None:
+            return self.choices.tolist()
+        return argmax_last(self.processed_logits)  # one host transfer for the whole tree
+
     def choice(self, row: int, position: int) -> int:
         """The token the exact verifier would take at ``row`` (which predicts absolute ``position``)."""
+        if self.sampling.greedy and self.choices is not None:
+            return int(self.choices[row])
         logits = self.processed_logits[row]
         if self.sampling.greedy:
             return int(logits.argmax())
@@ -111,6 +122,9 @@ class VerifierMethod:
     lossless: ClassVar[bool]
     options: ClassVar[type] = NoOptions  # a frozen dataclass of its knobs, validated in its __post_init__
     reads_final_hidden: ClassVar[bool] = False  # the verification forward then records TargetRows.final_hidden
+    #: At temperature 0 it reads each row's greedy choice and nothing else (TargetRows.greedy_choices): the forward
+    #: may then compute the choices without the logits (SequenceInput.choices_only).
+    greedy_reads_choices_only: ClassVar[bool] = False
 
     @classmethod
     def prepare(cls, target: CausalLM, options: Any) -> None:

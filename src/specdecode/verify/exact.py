@@ -23,11 +23,14 @@ from specdecode.verify.rejection import verify_speculative_sampling
 class Exact(VerifierMethod):
     """the target's own output: greedy matching, coupled (seeded) or rejection sampling (default)"""
 
+    greedy_reads_choices_only = True
+
     @staticmethod
     def verify(rows: TargetRows, draft: Draft, options: NoOptions) -> Verdict:
-        sampling, logits = rows.sampling, rows.processed_logits
+        sampling = rows.sampling
         if sampling.greedy:
-            return verify_greedy(logits, draft)
+            return verify_greedy(rows.greedy_choices(), draft)
+        logits = rows.processed_logits
         if sampling.is_coupled:
             # Row 0 predicts the token at position len(context): the noise is keyed by that position.
             return verify_coupled(logits, draft, sampling, sampling.seed, rows.first_position)

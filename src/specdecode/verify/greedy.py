@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
-from specdecode.sampling import argmax_last
 from specdecode.types import Draft, Verdict, children_by_row
 
 
-def verify_greedy(target_logits: torch.Tensor, draft: Draft) -> Verdict:
-    """target_logits: [nodes + 1, vocab]; row 0 predicts what follows the context, row i + 1 what
-    follows node i.  The result equals plain greedy decoding by construction."""
-    choices = argmax_last(target_logits)  # one host transfer for the whole tree
+def verify_greedy(choices: list[int], draft: Draft) -> Verdict:
+    """choices: the target's greedy choice at each of the nodes + 1 rows; row 0 predicts what follows the context,
+    row i + 1 what follows node i.  The result equals plain greedy decoding by construction."""
     children = children_by_row(draft)
     path: list[int] = []
     row = 0

@@ -56,7 +56,7 @@ def multidraft_walk(rows: TargetRows, draft: Draft, rule: LevelRule) -> Verdict:
     """Walk the draft tree with ``rule`` at every node whose children are i.i.d. draws, recursive rejection sampling
     at every other node, and greedy matching at temperature 0."""
     if rows.sampling.greedy:
-        return verify_greedy(rows.processed_logits, draft)
+        return verify_greedy(rows.greedy_choices(), draft)
     target_probs = sampling_probs(rows.processed_logits, rows.sampling).cpu()
     draft_probs = draft.probs.cpu() if draft.probs is not None else None
     children = children_by_row(draft)
