@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from specdecode.machine import cpu_flags, cpu_name
-from specdecode.models.base import CausalLM, KVCache
+from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.models.cache import cache_dir
 from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
+from specdecode.models.greedy_head import greedy_head_applies, greedy_head_supported
 from specdecode.threads import OthersLoad
 
 _SEED = 0
@@ -76,11 +77,12 @@ def timed_round(
     backend: CausalLM, cache: KVCache, new: torch.Tensor, widths: Sequence[int] | None = None
 ) -> list[float]:
     """Seconds of a forward over the first n of ``new`` on top of ``cache``, for each n of ``widths`` (default
-    1..len(new)) in turn; the cache is cropped back after each."""
+    1..len(new)) in turn, as a greedy request's verification runs it (each row's choice where the backend computes
+    choices without the logits, :mod:`specdecode.models.greedy_head`); the cache is cropped back after each."""
     length, seconds = cache.length, []
     for n in widths or range(1, len(new) + 1):
         start = time.perf_counter()
-        backend.forward(new[:n], cache)
+        backend.forward_batch([SequenceInput(new[:n], cache, choices_only=True)])
         seconds.append(time.perf_counter() - start)
         cache.crop(length)
     return seconds
@@ -258,10 +260,17 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
         str(torch.get_num_threads()),
         torch.__version__,
         "cpu kernels" if cpu_kernels_built() else "torch kernels",
+        "greedy head" if _greedy_head_applies(model) else "",
         layout.hexdigest(),
         settings,
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def _greedy_head_applies(model: nn.Module) -> bool:
+    """Whether greedy verification reads ``model``'s head through the greedy head (cheaper than its full product)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and greedy_head_applies(model, head) and greedy_head_supported()
 
 
 def saved_entry(key: str) -> dict | None:
