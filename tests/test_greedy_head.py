@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import run
 from specdecode.drafters import create_drafter
+from specdecode.engine import TargetVerifier
 from specdecode.models import hf
 from specdecode.models.cpu_kernels import PANEL, pack_panels, panel_linear
 from specdecode.models.fastpath import apply_cpu_fast_path
@@ -103,21 +104,31 @@ def tiny_fast_llama() -> LoadedModel:
 
 
 class Recorder:
-    """For each verification forward: whether its sequence asked for choices only, and whether it got them."""
+    """For each verification forward: whether its sequence asked for choices only, and whether it got them (not the
+    forwards that time the cost curve, which ask for choices too)."""
 
-    def __init__(self, backend: HFCausalLM) -> None:
+    def __init__(self, backend: HFCausalLM, monkeypatch) -> None:
         self.asked: list[bool] = []
         self.returned: list[bool] = []
-        original = backend.forward_batch
+        self.verifying = False
+        forward, verify = backend.forward_batch, TargetVerifier.__call__
 
         def forward_batch(inputs):
-            outputs = original(inputs)
-            if inputs and inputs[0].logits_rows is None:  # a verification forward (a prompt chunk asks no rows)
+            outputs = forward(inputs)
+            if self.verifying:
                 self.asked.append(inputs[0].choices_only)
                 self.returned.append(outputs[0].choices is not None)
             return outputs
 
+        def verifying(verifier, *args):
+            self.verifying = True
+            try:
+                return verify(verifier, *args)
+            finally:
+                self.verifying = False
+
         backend.forward_batch = forward_batch
+        monkeypatch.setattr(TargetVerifier, "__call__", verifying)
 
 
 PROMPT = [5, 9, 17, 5, 9, 17, 40, 41, 42, 5, 9]
@@ -126,11 +137,11 @@ PROMPT = [5, 9, 17, 5, 9, 17, 40, 41, 42, 5, 9]
 @pytest.mark.parametrize("drafter", ["none", "pld"])
 def test_greedy_decoding_reads_choices_and_gives_the_logits_output(drafter, monkeypatch):
     target = tiny_fast_llama()
-    recorder = Recorder(target.backend)
-    chosen, _ = run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=40)
+    recorder = Recorder(target.backend, monkeypatch)
+    chosen, _ = run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=40, num_draft_tokens=3)
     assert recorder.asked and all(recorder.asked) and all(recorder.returned)
     monkeypatch.setattr(hf.HFCausalLM, "_greedy_head", lambda self: None)
-    assert run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=40)[0] == chosen
+    assert run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=40, num_draft_tokens=3)[0] == chosen
 
 
 @pytest.mark.parametrize(
@@ -142,8 +153,8 @@ def test_greedy_decoding_reads_choices_and_gives_the_logits_output(drafter, monk
         ("recycling", {}),
     ],
 )
-def test_requests_reading_more_than_the_choices_get_the_logits(drafter, settings):
+def test_requests_reading_more_than_the_choices_get_the_logits(drafter, settings, monkeypatch):
     target = tiny_fast_llama()
-    recorder = Recorder(target.backend)
-    run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=12, **settings)
+    recorder = Recorder(target.backend, monkeypatch)
+    run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=12, num_draft_tokens=3, **settings)
     assert recorder.asked and not any(recorder.asked) and not any(recorder.returned)

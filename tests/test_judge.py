@@ -15,6 +15,7 @@ from helpers import assert_one_line_error
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import load_model
+from specdecode.sampling import argmax_last
 from specdecode.sampling_params import SamplingParams
 from specdecode.train.cli import add_train_command
 from specdecode.train.judge import choose_threshold, fit_judge
@@ -46,7 +47,7 @@ def test_judge_keeps_a_mismatch_it_rates_harmless_and_only_then():
     draft = Draft([4, 7])
     hidden = torch.ones(3, H)  # hidden[0] > 0 at every row
     rows = TargetRows(logits, SamplingParams())
-    assert verify_greedy(logits, draft) == Verdict((), 3)  # exact rejects the 4
+    assert verify_greedy(argmax_last(logits), draft) == Verdict((), 3)  # exact rejects the 4
     assert verify_judge(rows, draft, PARAMS, judge_reading_hidden_unit(+1), hidden) == Verdict((0, 1), 8)
     assert verify_judge(rows, draft, PARAMS, judge_reading_hidden_unit(-1), hidden) == Verdict((), 3)
     lenient = judge_reading_hidden_unit(+1)

@@ -18,7 +18,7 @@ from specdecode.drafters.base import Drafter, StatelessSession
 from specdecode.engine import TargetVerifier
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
-from specdecode.sampling import coupled_sample
+from specdecode.sampling import argmax_last, coupled_sample
 from specdecode.sampling_params import SamplingParams
 from specdecode.server.app import ServerConfig, Service, create_app
 from specdecode.types import Draft, Verdict
@@ -66,7 +66,7 @@ def rows(*logits: torch.Tensor, sampling: SamplingParams = GREEDY, **kw) -> Targ
 def test_fly_keeps_a_plausible_mismatch_at_a_flat_row_once_the_window_confirms_it():
     logits = (flat(3, 4), peaked(7), peaked(8), peaked(9))
     draft = Draft([4, 7, 8])
-    assert verify_greedy(torch.stack(logits), draft) == Verdict((), 3)  # exact rejects the 4
+    assert verify_greedy(argmax_last(torch.stack(logits)), draft) == Verdict((), 3)  # exact rejects the 4
     assert verify_fly(rows(*logits), draft, PARAMS) == Verdict((0, 1, 2), 9)
 
 
@@ -159,7 +159,7 @@ def test_relaxed_verdicts_extend_the_exact_one_on_random_trees(verify, options, 
         tokens = [int(t) for t in logits[torch.randint(0, n + 1, (n,), generator=gen)].topk(3).indices[:, trial % 3]]
         draft = Draft(tokens, parents=parents)
         if sampling.greedy:
-            exact = verify_greedy(logits, draft)
+            exact = verify_greedy(argmax_last(logits), draft)
         else:
             exact = verify_coupled(logits, draft, sampling, sampling.seed, 40)
         relaxed = verify(TargetRows(logits, sampling, sampling.seed, 40), draft, options)

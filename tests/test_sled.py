@@ -109,8 +109,8 @@ def test_a_server_that_keeps_every_draft_token_fails_the_equality(server, tiny_t
     """The broken control: greedy matching replaced by keeping the whole draft, the remote text is not plain's."""
     want = solo(tiny_target, TEXT, False, 40, ignore_eos=True)
 
-    def keep_all(logits, draft):
-        return Verdict(tuple(range(len(draft.tokens))), int(logits[len(draft.tokens)].argmax()))
+    def keep_all(choices, draft):
+        return Verdict(tuple(range(len(draft.tokens))), choices[len(draft.tokens)])
 
     monkeypatch.setattr(specdecode.verify.exact, "verify_greedy", keep_all)
     remote = specdecode.remote(server.url, "draft-model", draft_model=tiny_draft, num_draft_tokens=4)

@@ -17,7 +17,6 @@ from torch import nn
 
 from specdecode.models.cpu_kernels import PANEL, cpu_kernels_built, panel_linear, unpack_panels
 from specdecode.models.fastpath import PackedLinear
-from specdecode.sampling import argmax_last
 
 #: bf16's unit roundoff (8 significant bits, rounding to nearest).
 BF16_ROUNDOFF = 2.0**-9
@@ -79,8 +78,7 @@ class GreedyHead:
         rows = x.reshape(-1, self.inner).float().contiguous()
         choices = torch.empty(rows.shape[0], dtype=torch.long)
         if not bool(torch.isfinite(rows).all()):  # the bound is for finite inputs: the full product decides
-            logits = panel_linear(rows, self.panels, None)
-            return torch.tensor(argmax_last(logits), dtype=torch.long).view(-1)
+            return panel_linear(rows, self.panels, None).argmax(-1)
         norms = rows.double().norm(dim=1)
         # Inputs and products bf16 flushes to zero: each below the smallest normal number.
         floor = SMALLEST_NORMAL * (math.sqrt(self.inner) * (float(norms.max()) + self.largest_norm) + self.inner)

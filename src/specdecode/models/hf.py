@@ -14,6 +14,7 @@ writes nothing into the cache.
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
@@ -274,22 +275,26 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
     @contextmanager
     def _capture_layers(self, layers: set[int], sink: dict[int, torch.Tensor]) -> Iterator[None]:
         """Record hidden states during one forward (numbering as in :class:`HiddenStates`): the input of
-        decoder layer i, or for ``num_layers`` the final norm's output.  Hooks see the whole flattened batch."""
+        decoder layer i, or for ``num_layers`` the final norm's output.  Hooks see the whole flattened batch, and
+        only this thread's calls (a drafter may run the same modules in a thread of its own meanwhile)."""
         if not layers:
             yield
             return
         if any(not 0 <= i <= self.num_layers for i in layers):
             raise ValueError(f"hidden layers must be in 0..{self.num_layers}, got {sorted(layers)}")
         decoder = self._decoder()
+        owner = threading.get_ident()
 
         def entering(index: int):
             def hook(module, args, kwargs):
-                sink[index] = args[0] if args else kwargs["hidden_states"]
+                if threading.get_ident() == owner:
+                    sink[index] = args[0] if args else kwargs["hidden_states"]
 
             return hook
 
         def final(module, args, output):
-            sink[self.num_layers] = output
+            if threading.get_ident() == owner:
+                sink[self.num_layers] = output
 
         hooks = [
             decoder.layers[i].register_forward_pre_hook(entering(i), with_kwargs=True)
