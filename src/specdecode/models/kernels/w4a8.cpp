@@ -53,9 +53,10 @@ struct PairGroup {
 };
 static_assert(sizeof(PairGroup) == 72, "the Python side packs 72-byte groups");
 
-// How far ahead (in groups) the next weights are requested: the hardware prefetcher alone left the loads
-// waiting on memory.
-constexpr int64_t PREFETCH_GROUPS = 8;
+// How far ahead (in groups, 2.3 KB) the next weights are requested: the hardware prefetcher alone left the loads
+// waiting on memory, and 8 groups ahead left a one-token step of qwen2.5-coder-1.5b 10% slower on a 2-core EPYC
+// (docs/results/w4a8-prefetch-epyc-qwen2.5-coder-1.5b).
+constexpr int64_t PREFETCH_GROUPS = 32;
 
 struct Tile {  // up to 4 quantized rows: int8 inputs [rows, K]; scales and sums [G][4]
   const int8_t* inputs;
