@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from helpers import run
 from specdecode.drafters import create_drafter
@@ -19,7 +18,7 @@ from specdecode.models.hf import HFCausalLM
 from specdecode.models.loading import LoadedModel
 from specdecode.sampling import argmax_last
 from specdecode.sampling_params import SamplingParams
-from tiny_models import TINY_VOCAB, tiny_tokenizer, tiny_words, wrap
+from tiny_models import tiny_llama, tiny_tokenizer, tiny_words, wrap
 
 pytestmark = pytest.mark.skipif(
     not greedy_head_supported(), reason="the greedy head needs AVX512_BF16 and our CPU kernels (not here)"
@@ -86,21 +85,9 @@ def test_non_finite_rows_take_the_full_product():
 
 def tiny_fast_llama() -> LoadedModel:
     """A tiny Llama on the CPU fast path (its head a panel product: what the greedy head screens)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=TINY_VOCAB // PANEL * PANEL,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(seed=0)
     apply_cpu_fast_path(model)
-    return wrap(model, tiny_tokenizer(tiny_words(config.vocab_size - 3)), name="tiny-fast")
+    return wrap(model, tiny_tokenizer(tiny_words()), name="tiny-fast")
 
 
 class Recorder:
