@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import run
+from helpers import run, tiny_qwen2
 from specdecode.drafters import create_drafter
 from specdecode.engine import TargetVerifier
 from specdecode.models import hf
@@ -83,11 +83,11 @@ def test_non_finite_rows_take_the_full_product():
     assert GreedyHead(panels)(x).tolist() == full_choices(x, panels)
 
 
-def tiny_fast_llama() -> LoadedModel:
-    """A tiny Llama on the CPU fast path (its head a panel product: what the greedy head screens)."""
-    model = tiny_llama(seed=0)
+def tiny_fast(kind: str = "llama") -> LoadedModel:
+    """A tiny Llama or Qwen2 on the CPU fast path (its head a panel product: what the greedy head screens)."""
+    model = tiny_llama(seed=0) if kind == "llama" else tiny_qwen2()
     apply_cpu_fast_path(model)
-    return wrap(model, tiny_tokenizer(tiny_words()), name="tiny-fast")
+    return wrap(model, tiny_tokenizer(tiny_words()), name=f"tiny-fast-{kind}")
 
 
 class Recorder:
@@ -121,9 +121,10 @@ class Recorder:
 PROMPT = [5, 9, 17, 5, 9, 17, 40, 41, 42, 5, 9]
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("drafter", ["none", "pld"])
-def test_greedy_decoding_reads_choices_and_gives_the_logits_output(drafter, monkeypatch):
-    target = tiny_fast_llama()
+def test_greedy_decoding_reads_choices_and_gives_the_logits_output(drafter, kind, monkeypatch):
+    target = tiny_fast(kind)
     recorder = Recorder(target.backend, monkeypatch)
     chosen, _ = run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=40, num_draft_tokens=3)
     assert recorder.asked and all(recorder.asked) and all(recorder.returned)
@@ -141,7 +142,7 @@ def test_greedy_decoding_reads_choices_and_gives_the_logits_output(drafter, monk
     ],
 )
 def test_requests_reading_more_than_the_choices_get_the_logits(drafter, settings, monkeypatch):
-    target = tiny_fast_llama()
+    target = tiny_fast()
     recorder = Recorder(target.backend, monkeypatch)
     run(target, create_drafter(drafter, target), PROMPT, max_new_tokens=12, num_draft_tokens=3, **settings)
     assert recorder.asked and not any(recorder.asked) and not any(recorder.returned)

@@ -26,8 +26,8 @@ SMALLEST_NORMAL = 2.0**-126
 ROUND_UP = 1 + 2.0**-20
 
 
-#: transformers' models whose logits are their LM head's output itself (no softcap, no scaling after it).
-PLAIN_HEAD_MODELS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+#: transformers' models whose logits are their LM head's output itself (no softcap, no scaling after it), tested.
+PLAIN_HEAD_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 
 
 def greedy_head_applies(model: nn.Module, head: nn.Module) -> bool:
