@@ -27,9 +27,8 @@ from specdecode.models.cost import (
     saved_entry,
     tune_fast_path,
 )
-from specdecode.models.fastpath import apply_cpu_fast_path
 from specdecode.models.hf import HFCausalLM, shared_weights_copy
-from specdecode.models.layer_forward import install_layer_forward
+from specdecode.models.layer_forward import apply_cpu_fast_path_with_layers
 from specdecode.models.quantize import QUANTIZE_MODES, quantize_model, quantize_supported
 from specdecode.threads import OthersLoad
 
@@ -139,8 +138,7 @@ def time_format(model: nn.Module, mode: str, fast_path: bool) -> Timing | None:
     except SpecDecodeError:  # w4a8's kernel failed to build: a default passes over it
         return None
     if fast_path:  # as load_model: fp32's layers, or those a format leaves in fp32
-        apply_cpu_fast_path(trial)
-        install_layer_forward(trial)
+        apply_cpu_fast_path_with_layers(trial)
     backend = HFCausalLM(trial, f"auto:{mode}")
     tune_fast_path(backend)  # the fp32 copy's kernels as its load would pick them (and cached for that load)
     seconds = fastest_forwards(backend, (1, VERIFY_WIDTH), CONTEXT_TOKENS, REPEATS)

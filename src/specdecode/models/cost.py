@@ -24,7 +24,7 @@ from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.models.cache import cache_dir
 from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
-from specdecode.models.greedy_head import greedy_head_applies, greedy_head_supported
+from specdecode.models.greedy_head import greedy_head_applies
 from specdecode.threads import OthersLoad
 
 _SEED = 0
@@ -260,17 +260,11 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
         str(torch.get_num_threads()),
         torch.__version__,
         "cpu kernels" if cpu_kernels_built() else "torch kernels",
-        "greedy head" if _greedy_head_applies(model) else "",
+        "greedy head" if greedy_head_applies(model) else "",
         layout.hexdigest(),
         settings,
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
-
-
-def _greedy_head_applies(model: nn.Module) -> bool:
-    """Whether greedy verification reads ``model``'s head through the greedy head (cheaper than its full product)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return head is not None and greedy_head_applies(model, head) and greedy_head_supported()
 
 
 def saved_entry(key: str) -> dict | None:

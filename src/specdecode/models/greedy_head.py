@@ -24,19 +24,25 @@ BF16_ROUNDOFF = 2.0**-9
 SMALLEST_NORMAL = 2.0**-126
 #: Relative margin on norms and bounds computed in floating point, so that each is rounded up.
 ROUND_UP = 1 + 2.0**-20
+#: The kernel's own fp32 sums of a logit and its bound, each within 2^-24 of its operands' magnitudes (a bf16 logit is
+#: at most about |x| |w_i|): added to the bound's scale, so that rounding them cannot move a bound inwards.
+BOUND_ARITHMETIC = 2.0**-22
 
 
 #: transformers' models whose logits are their LM head's output itself (no softcap, no scaling after it), tested.
 PLAIN_HEAD_MODELS = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM"})
 
 
-def greedy_head_applies(model: nn.Module, head: nn.Module) -> bool:
-    """Whether ``model``'s logits are ``head``'s output and ``head`` an fp32 panel product without a bias."""
+def greedy_head_applies(model: nn.Module) -> bool:
+    """Whether greedy verification of ``model`` takes its choices through the greedy head: its logits are its LM
+    head's output, the head an fp32 panel product without a bias, and this CPU runs the kernel."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return (
         type(model).__name__ in PLAIN_HEAD_MODELS
         and isinstance(head, PackedLinear)
         and head.panels
         and head.bias is None
+        and greedy_head_supported()
     )
 
 
@@ -72,13 +78,14 @@ class GreedyHead:
         sum_bound = inner * 2.0**-24 / (1 - inner * 2.0**-24)
         roundoff = BF16_ROUNDOFF
         self.scale = (2 * roundoff + roundoff**2 + sum_bound * (1 + roundoff) ** 2 + sum_bound) * ROUND_UP
+        self.scale += BOUND_ARITHMETIC
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[rows] int64: ``argmax`` of each row of ``x [rows, in] @ weight.T`` in fp32."""
         rows = x.reshape(-1, self.inner).float().contiguous()
-        choices = torch.empty(rows.shape[0], dtype=torch.long)
         if not bool(torch.isfinite(rows).all()):  # the bound is for finite inputs: the full product decides
             return panel_linear(rows, self.panels, None).argmax(-1)
+        choices = torch.empty(rows.shape[0], dtype=torch.long)
         norms = rows.double().norm(dim=1)
         # Inputs and products bf16 flushes to zero: each below the smallest normal number.
         floor = SMALLEST_NORMAL * (math.sqrt(self.inner) * (float(norms.max()) + self.largest_norm) + self.inner)

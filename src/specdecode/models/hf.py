@@ -34,7 +34,7 @@ from specdecode.models.base import (
 )
 from specdecode.models.draft_step import DraftStep, build_draft_step
 from specdecode.models.fastpath import PackedLinear
-from specdecode.models.greedy_head import GreedyHead, greedy_head_applies, greedy_head_supported
+from specdecode.models.greedy_head import GreedyHead, greedy_head_applies
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_spans
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
@@ -267,7 +267,7 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         head = self.lm_head()
         if self._greedy is None or self._greedy[0] is not head:
             greedy = None
-            if greedy_head_applies(self.model, head) and greedy_head_supported():
+            if greedy_head_applies(self.model):
                 greedy = GreedyHead(head.packed)
             self._greedy = (head, greedy)
         return self._greedy[1]

@@ -23,7 +23,7 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdecode.models.cpu_kernels import cpu_kernels_built
-from specdecode.models.fastpath import PackedLinear
+from specdecode.models.fastpath import PackedLinear, apply_cpu_fast_path
 
 #: transformers' decoder layers whose forward :class:`LayerForward` reproduces: pre-norm RMSNorm, rotary attention with
 #: ``rotate_half``, a SiLU-gated MLP (Qwen2's also hands its sliding window to the attention function).
@@ -33,6 +33,13 @@ NORMS = {"LlamaRMSNorm", "Qwen2RMSNorm"}
 PROJECTIONS = tuple(("self_attn", name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
     ("mlp", name) for name in ("gate_proj", "up_proj", "down_proj")
 )
+
+
+def apply_cpu_fast_path_with_layers(model: nn.Module) -> None:
+    """The CPU fast path as a load applies it: every fp32 linear packed (:func:`apply_cpu_fast_path`), then each decoder
+    layer that takes it given its written-out forward."""
+    apply_cpu_fast_path(model)
+    install_layer_forward(model)
 
 
 def install_layer_forward(model: nn.Module) -> int:

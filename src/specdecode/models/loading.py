@@ -23,9 +23,9 @@ from specdecode.models import registry
 from specdecode.models.auto_quantize import auto_format
 from specdecode.models.base import CausalLM
 from specdecode.models.cost import tune_fast_path
-from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
+from specdecode.models.fastpath import fast_path_supported
 from specdecode.models.hf import HFCausalLM
-from specdecode.models.layer_forward import install_layer_forward
+from specdecode.models.layer_forward import apply_cpu_fast_path_with_layers
 from specdecode.models.quantize import AUTO_QUANTIZE, check_quantize, quantize_model
 from specdecode.threads import threads_from_environment
 
@@ -172,8 +172,7 @@ def from_transformers(
         first = next(model.parameters())
         if first.device.type != "cpu" or first.dtype != torch.float32:
             raise SpecDecodeError(f"the fast path packs fp32 CPU weights, not {first.dtype} on {first.device}")
-        apply_cpu_fast_path(model)
-        install_layer_forward(model)
+        apply_cpu_fast_path_with_layers(model)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     backend = HFCausalLM(model, name)

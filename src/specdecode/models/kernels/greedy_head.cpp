@@ -15,7 +15,7 @@
 // multiply-add chain of the full product is itself within g sum |x_k w_ik| of the exact sum.  By Cauchy-Schwarz
 // sum |x_k w_ik| <= |x| |w_i|, so |bf16 logit - fp32 logit| <= scale |x| |w_i| + floor, with scale (chosen by the
 // caller) covering those terms and floor the products and inputs bf16 flushes to zero.  |x| and |w_i| are rounded
-// up by the caller.
+// up by the caller, and scale also covers this kernel's own fp32 sums of a logit and its bound.
 //
 // Where the CPU lacks AVX512_BF16 the caller never calls this (the fast path's full product runs instead).
 
