@@ -26,25 +26,17 @@ import torch
 
 
 def measure(model: str, quantize: str, concurrency: int) -> dict:
+    from serving_workload import pld_engine, quick_prompts, serve_offline
     from torch.profiler import profile
 
     from specdecode.batch_engine import BatchRequest
-    from specdecode.bench import common
-    from specdecode.bench import serve as serve_bench
-    from specdecode.bench.suites import load_tasks
     from specdecode.config import GenerationConfig
-    from specdecode.drafters import create_drafter
-    from specdecode.generator import SpeculativeGenerator
     from specdecode.models.cpu_kernels import cpu_kernels_built
     from specdecode.models.loading import load_model
 
-    settings = serve_bench.resolve_settings(model=model, prompts_per_task=2)
-    tasks = load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     target = load_model(model, quantize=quantize)
-    encoded = common.PromptEncoder(target, model, settings.max_new_tokens).encode_tasks(tasks)
-    generator = SpeculativeGenerator(target, create_drafter("pld", target), GenerationConfig())
-    engine = generator.batch_engine(16)
-    engine.preallocate(2048)
+    encoded, max_new_tokens = quick_prompts(target, model)
+    engine = pld_engine(target, 16)
 
     def plain(tokens: int, ignore_eos: bool = False) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=tokens, num_draft_tokens=0, ignore_eos=ignore_eos)
@@ -70,18 +62,8 @@ def measure(model: str, quantize: str, concurrency: int) -> dict:
         engine.cancel(tag)
 
     def workload() -> tuple[int, float]:
-        engine.prefix_cache.clear()
-        queue, in_flight, tokens = list(encoded), 0, 0
-        started = time.perf_counter()
-        while queue or not engine.idle:
-            while queue and in_flight < concurrency:
-                item = queue.pop(0)
-                engine.submit(BatchRequest(item.ids, plain(settings.max_new_tokens), tag=item.key))
-                in_flight += 1
-            for event in engine.step():
-                tokens += len(event.new_tokens)
-                in_flight -= event.finished
-        return tokens, time.perf_counter() - started
+        done = serve_offline(engine, encoded, plain(max_new_tokens), concurrency)
+        return done.tokens, done.seconds
 
     workload()  # first-call allocations
     tokens, seconds = workload()

@@ -19,13 +19,11 @@ import time
 from pathlib import Path
 
 import torch
+from serving_workload import quick_prompts
 from torch import nn
 
 import specdecode.models.ragged as ragged
 from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.bench import common
-from specdecode.bench import serve as serve_bench
-from specdecode.bench.suites import load_tasks
 from specdecode.config import GenerationConfig
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
@@ -87,9 +85,7 @@ def main() -> None:
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     calls = per_call(heads, kv_heads, dim)
 
-    settings = serve_bench.resolve_settings(model=args.model, prompts_per_task=2)
-    tasks = load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    prompts = [item.ids for item in common.PromptEncoder(target, args.model, 1).encode_tasks(tasks)]
+    prompts = [item.ids for item in quick_prompts(target, args.model, room=1)[0]]
     engine = SpeculativeGenerator(target, create_drafter("pld", target), GenerationConfig()).batch_engine(8)
     engine.preallocate(2048)
     tokens = sum(len(ids) for ids in prompts)

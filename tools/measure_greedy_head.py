@@ -17,14 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from serving_workload import pld_engine, quick_prompts, serve_offline
 
-from specdecode.batch_engine import BatchRequest
-from specdecode.bench import common
-from specdecode.bench import serve as serve_bench
-from specdecode.bench.suites import load_tasks
 from specdecode.config import GenerationConfig
-from specdecode.drafters import create_drafter
-from specdecode.generator import SpeculativeGenerator
 from specdecode.models.cpu_kernels import unpack_panels
 from specdecode.models.greedy_head import GreedyHead
 from specdecode.models.loading import load_model
@@ -56,23 +51,10 @@ def within_bound(greedy: GreedyHead, hidden: torch.Tensor) -> list[int]:
 
 def workload(target, encoded: list, drafter: str, concurrency: int, max_new_tokens: int) -> tuple[float, list]:
     """Tokens per second of one pass over every prompt through a fresh engine, and every request's tokens."""
-    generator = SpeculativeGenerator(target, create_drafter("pld", target), GenerationConfig())
-    engine = generator.batch_engine(16)
-    engine.preallocate(2048)
     draft = {} if drafter == "pld" else {"num_draft_tokens": 0}
-    queue, in_flight, outputs = list(encoded), 0, {}
-    started = time.perf_counter()
-    while queue or not engine.idle:
-        while queue and in_flight < concurrency:
-            item = queue.pop(0)
-            config = GenerationConfig(max_new_tokens=max_new_tokens, **draft)
-            engine.submit(BatchRequest(item.ids, config, tag=item.key))
-            in_flight += 1
-        for event in engine.step():
-            outputs.setdefault(event.tag, []).extend(event.new_tokens)
-            in_flight -= event.finished
-    seconds = time.perf_counter() - started
-    return round(sum(len(tokens) for tokens in outputs.values()) / seconds, 1), sorted(outputs.items())
+    config = GenerationConfig(max_new_tokens=max_new_tokens, **draft)
+    done = serve_offline(pld_engine(target, 16), encoded, config, concurrency)
+    return round(done.tokens_per_s, 1), sorted(done.outputs.items())
 
 
 def main() -> None:
@@ -103,9 +85,7 @@ def main() -> None:
             for rows in ROWS
         }
         counts = within_bound(greedy, hidden)
-    settings = serve_bench.resolve_settings(model=args.model, prompts_per_task=2)
-    tasks = load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    encoded = common.PromptEncoder(target, args.model, settings.max_new_tokens).encode_tasks(tasks)
+    encoded, max_new_tokens = quick_prompts(target, args.model)
     served: dict[str, dict[str, list[float]]] = {}
     identical = True
     for drafter, concurrency in (("none", 1), ("pld", 1), ("none", 8), ("pld", 8)):
@@ -113,7 +93,7 @@ def main() -> None:
         for _ in range(2):
             for way in WAYS:
                 use(way)
-                rate, outputs = workload(target, encoded, drafter, concurrency, settings.max_new_tokens)
+                rate, outputs = workload(target, encoded, drafter, concurrency, max_new_tokens)
                 cell[way].append(rate)
                 identical = identical and (reference is None or outputs == reference)
                 reference = outputs

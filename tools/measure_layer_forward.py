@@ -16,14 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+from serving_workload import pld_engine, quick_prompts, serve_offline
 
-from specdecode.batch_engine import BatchRequest
-from specdecode.bench import common
-from specdecode.bench import serve as serve_bench
-from specdecode.bench.suites import load_tasks
 from specdecode.config import GenerationConfig
-from specdecode.drafters import create_drafter
-from specdecode.generator import SpeculativeGenerator
 from specdecode.models.layer_forward import install_layer_forward, remove_layer_forward
 from specdecode.models.loading import load_model
 
@@ -48,21 +43,9 @@ def forward_ms(backend, rows: int) -> float:
 
 def workload(target, encoded: list, drafter: str, concurrency: int, max_new_tokens: int) -> float:
     """Tokens per second of one pass over every prompt through a fresh engine."""
-    generator = SpeculativeGenerator(target, create_drafter("pld", target), GenerationConfig())
-    engine = generator.batch_engine(8)
-    engine.preallocate(2048)
     draft = {} if drafter == "pld" else {"num_draft_tokens": 0}
-    queue, in_flight, tokens = list(encoded), 0, 0
-    started = time.perf_counter()
-    while queue or not engine.idle:
-        while queue and in_flight < concurrency:
-            item = queue.pop(0)
-            engine.submit(BatchRequest(item.ids, GenerationConfig(max_new_tokens=max_new_tokens, **draft)))
-            in_flight += 1
-        for event in engine.step():
-            tokens += len(event.new_tokens)
-            in_flight -= event.finished
-    return round(tokens / (time.perf_counter() - started), 1)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, **draft)
+    return round(serve_offline(pld_engine(target, 8), encoded, config, concurrency).tokens_per_s, 1)
 
 
 def main() -> None:
@@ -86,9 +69,7 @@ def main() -> None:
             for rows in ROWS:
                 forwards[way][rows].append(forward_ms(target.backend, rows))
         print(forwards, flush=True)
-    settings = serve_bench.resolve_settings(model=args.model, prompts_per_task=2)
-    tasks = load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
-    encoded = common.PromptEncoder(target, args.model, settings.max_new_tokens).encode_tasks(tasks)
+    encoded, max_new_tokens = quick_prompts(target, args.model)
     workloads = []
     for concurrency in (1, 8):
         for drafter in ("none", "pld"):
@@ -96,7 +77,7 @@ def main() -> None:
             for _ in range(2):
                 for way in WAYS:
                     use(way)
-                    row[way].append(workload(target, encoded, drafter, concurrency, settings.max_new_tokens))
+                    row[way].append(workload(target, encoded, drafter, concurrency, max_new_tokens))
             workloads.append(row)
             print(row, flush=True)
     use("written-out")

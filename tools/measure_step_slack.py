@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+from serving_workload import quick_prompts, serve_offline
 
 from specdecode import batch_plan
-from specdecode.batch_engine import BatchEngine, BatchRequest
-from specdecode.bench import common
-from specdecode.bench import serve as serve_bench
-from specdecode.bench.suites import load_tasks
+from specdecode.batch_engine import BatchEngine
 from specdecode.config import GenerationConfig
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
@@ -32,19 +29,8 @@ from specdecode.models.loading import load_model
 
 def workload(engine: BatchEngine, encoded: list, concurrency: int, max_new_tokens: int) -> tuple[float, int]:
     """Tokens per second and steps of one pass over every prompt."""
-    engine.prefix_cache.clear()
-    queue, in_flight, tokens, steps = list(encoded), 0, 0, 0
-    started = time.perf_counter()
-    while queue or not engine.idle:
-        while queue and in_flight < concurrency:
-            item = queue.pop(0)
-            engine.submit(BatchRequest(item.ids, GenerationConfig(max_new_tokens=max_new_tokens), tag=item.key))
-            in_flight += 1
-        for event in engine.step():
-            tokens += len(event.new_tokens)
-            in_flight -= event.finished
-        steps += 1
-    return tokens / (time.perf_counter() - started), steps
+    done = serve_offline(engine, encoded, GenerationConfig(max_new_tokens=max_new_tokens), concurrency)
+    return done.tokens_per_s, done.steps
 
 
 def main() -> None:
@@ -55,18 +41,16 @@ def main() -> None:
     parser.add_argument("--slack", default="0.08,0.25,0.5,1,2")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    settings = serve_bench.resolve_settings(model=args.model, prompts_per_task=2)
-    tasks = load_tasks(settings.tasks, settings.prompts_per_task, settings.seed)
     target = load_model(args.model)
-    encoded = common.PromptEncoder(target, args.model, settings.max_new_tokens).encode_tasks(tasks)
+    encoded, max_new_tokens = quick_prompts(target, args.model)
     runs = []
     for drafter in args.drafters.split(","):
         engine = SpeculativeGenerator(target, create_drafter(drafter, target), GenerationConfig()).batch_engine(16)
         engine.preallocate(2048)
         for slack in [float(value) for value in args.slack.split(",")]:
             batch_plan.STEP_COST_SLACK = slack
-            workload(engine, encoded, args.concurrency, settings.max_new_tokens)  # drafters and caches warm
-            measured = [workload(engine, encoded, args.concurrency, settings.max_new_tokens) for _ in range(2)]
+            workload(engine, encoded, args.concurrency, max_new_tokens)  # drafters and caches warm
+            measured = [workload(engine, encoded, args.concurrency, max_new_tokens) for _ in range(2)]
             runs.append(
                 {
                     "drafter": drafter,
@@ -81,7 +65,7 @@ def main() -> None:
         "concurrency": args.concurrency,
         "threads": torch.get_num_threads(),
         "prompts": len(encoded),
-        "max_new_tokens": settings.max_new_tokens,
+        "max_new_tokens": max_new_tokens,
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
