@@ -13,7 +13,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,24 +25,14 @@ def measure(model: str, layout: str) -> dict:
 
     if layout == "onednn":
         fastpath.panels_pay = lambda: False
+    from forward_timing import CACHED, forward_ms
+
     from specdecode.models.loading import load_model
 
     backend = load_model(model).backend
-    ids = torch.randint(100, 1000, (100 + max(ROWS),), generator=torch.Generator().manual_seed(0))
-    forward_ms = {}
-    for rows in ROWS:
-        means = []
-        for _ in range(3):
-            cache = backend.new_cache()
-            backend.forward(ids[:100], cache)
-            calls = 20 if rows < 100 else 5
-            started = time.perf_counter()
-            for _ in range(calls):
-                backend.forward(ids[100 : 100 + rows], cache)
-                cache.crop(100)
-            means.append((time.perf_counter() - started) / calls * 1000)
-        forward_ms[rows] = round(min(means), 2)
-    return {"layout": layout, "capability": str(torch.backends.cpu.get_cpu_capability()), "forward_ms": forward_ms}
+    ids = torch.randint(100, 1000, (CACHED + max(ROWS),), generator=torch.Generator().manual_seed(0))
+    times = {rows: forward_ms(backend, ids, rows) for rows in ROWS}
+    return {"layout": layout, "capability": str(torch.backends.cpu.get_cpu_capability()), "forward_ms": times}
 
 
 def main() -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
+from forward_timing import CACHED, forward_ms
 from serving_workload import pld_engine, quick_prompts, serve_offline
 
 from specdecode.config import GenerationConfig
@@ -26,19 +26,9 @@ ROWS = (1, 4, 8, 32, 128)
 WAYS = ("transformers", "written-out")
 
 
-def forward_ms(backend, rows: int) -> float:
-    ids = torch.randint(100, 1000, (100 + rows,), generator=torch.Generator().manual_seed(rows))
-    means = []
-    for _ in range(3):
-        cache = backend.new_cache()
-        backend.forward(ids[:100], cache)
-        calls = 20 if rows < 100 else 5
-        started = time.perf_counter()
-        for _ in range(calls):
-            backend.forward(ids[100:], cache)
-            cache.crop(100)
-        means.append((time.perf_counter() - started) / calls * 1000)
-    return round(min(means), 2)
+def prompt_ids(rows: int) -> torch.Tensor:
+    """The cached tokens and ``rows`` new ones, pseudo-random (their values do not change a forward's cost)."""
+    return torch.randint(100, 1000, (CACHED + rows,), generator=torch.Generator().manual_seed(rows))
 
 
 def workload(target, encoded: list, drafter: str, concurrency: int, max_new_tokens: int) -> float:
@@ -67,7 +57,7 @@ def main() -> None:
         for way in WAYS:
             use(way)
             for rows in ROWS:
-                forwards[way][rows].append(forward_ms(target.backend, rows))
+                forwards[way][rows].append(forward_ms(target.backend, prompt_ids(rows), rows))
         print(forwards, flush=True)
     encoded, max_new_tokens = quick_prompts(target, args.model)
     workloads = []
