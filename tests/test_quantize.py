@@ -239,17 +239,34 @@ def test_a_block_copy_takes_free_calls_of_many_rows_only(layer_type, packed, mon
 
 
 @needs_w4a8
-@pytest.mark.parametrize("packed", [pytest.param(True, marks=needs_bf16, id="onednn-bf16"), False], ids=str)
-def test_w4a8_keeps_a_block_copy_only_where_onednn_multiplies_bf16(packed, monkeypatch):
-    """Without oneDNN's bf16 matmul the copy would be multiplied in fp32 slices, slower than the w4a8 kernel at
-    every row count: prompts then go through the kernel and the layer holds no second copy of its weights."""
-    monkeypatch.setattr(w4a8, "bf16_matmul_supported", lambda: packed)
-    layer = W4A8Linear(nn.Linear(128, 64), tied=False, block_copy=True)
-    assert (layer.block_weight is not None) == packed
+def test_w4a8_prompts_go_through_the_kernel_with_no_block_copy():
+    """The kernel multiplies many rows faster than oneDNN's bf16 matmul of the same weights, so the layer holds no
+    second copy of its weights and rows no output depends on bitwise take the kernel too."""
+    layer = W4A8Linear(nn.Linear(128, 64), tied=False)
+    assert layer.block_weight is None
     x = torch.randn(DENSE_BLOCK_MIN_ROWS + 4, 128)
     with torch.inference_mode(), free_row_calls():
-        if not packed:
-            assert torch.equal(layer(x), layer.matmul(x) + layer.bias)
+        assert torch.equal(layer(x), layer.matmul(x) + layer.bias)
+
+
+@needs_w4a8
+@pytest.mark.parametrize("out_features", [16, 40, 96])
+def test_w4a8_blocks_round_trip_and_pad_the_last_block_of_16_channels(out_features):
+    """Output channels sit 16 to a block; a layer of another width pads its last block with zero channels that the
+    kernel computes and never writes."""
+    torch.manual_seed(0)
+    linear = nn.Linear(128, out_features)
+    levels, scale, zero = quantized_layers.int4_levels(linear.weight.detach(), w4a8.GROUP)
+    blocks = w4a8.pack_blocks(levels, scale, zero)
+    assert blocks.shape == (-(-out_features // 16), 2 * w4a8.BLOCK_BYTES)
+    q, scale_back, offset = w4a8.unpack_blocks(blocks, out_features)
+    assert torch.equal(q, levels.long())
+    assert torch.equal(scale_back, scale.to(torch.bfloat16).float())
+    assert torch.equal(offset, zero.to(torch.bfloat16).float() - 8 * scale_back)
+    layer = W4A8Linear(linear, tied=False)
+    x = torch.randn(5, 128)
+    with torch.inference_mode():
+        assert torch.allclose(layer.matmul(x), reference_matmul(layer, x), atol=1e-5)
 
 
 @needs_w4a8
@@ -262,7 +279,8 @@ def test_the_w4a8_builds_for_avx2_and_for_vnni_give_the_same_bits():
     blocks = w4a8.pack_blocks(*quantized_layers.int4_levels(nn.Linear(192, 96).weight.detach(), w4a8.GROUP))
     for rows in (1, 2, 3, 4, 5, 9):
         x = torch.randn(rows, 192)
-        assert torch.equal(w4a8.kernel("avx2").w4a8_mm(x, blocks), w4a8.kernel(w4a8.best_isa()).w4a8_mm(x, blocks))
+        narrow = w4a8.kernel("avx2").w4a8_mm(x, blocks, 96)
+        assert torch.equal(narrow, w4a8.kernel(w4a8.best_isa()).w4a8_mm(x, blocks, 96))
 
 
 def agree_but_for_a_near_tie(model: nn.Module, prompt: list[int], ours: list[int], theirs: list[int]) -> bool:

@@ -158,7 +158,7 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
         elif mode == "w4a8":
             if not w4a8.w4a8_fits(linear):
                 continue
-            module = w4a8.W4A8Linear(linear, tied=tied, block_copy=copy)
+            module = w4a8.W4A8Linear(linear, tied=tied)
         else:
             group_size = int4_group_size(linear)
             if group_size is None:

@@ -3,10 +3,14 @@
 Why: on AVX2-only CPUs torch's int4 CPU kernel (``_weight_int4pack_mm_for_cpu``) is bound by its arithmetic,
 not by memory: its cost grows with every row, so int4 decoding spends most of its time in that kernel.
 llama.cpp (and OpenVINO on CPUs) quantize the activations to int8 per block and multiply with integer dot
-products; this kernel does the same with AVX2's ``maddubs`` and reads its weights near the memory's bandwidth,
-well under the int4 kernel's time for one row and for 8 (``docs/results/avx2``, ``w4a8_layer_timing.txt``).
-Its layout serves that bandwidth: one contiguous, prefetched run of weights per channel pair (one memory stream
-per thread), and the lanes of each group's integer dots summed across before one conversion and one fma.
+products; this kernel does the same (``vpdpbusd`` where the CPU has VNNI, AVX2's ``maddubs`` where not).
+Its layout puts 16 output channels in the lanes of a vector: one instruction multiplies the 16 channels' levels
+by 4 inputs broadcast to every lane, a channel's dot never needs a sum across lanes, and the unpacked levels of a
+group serve every row of a call.  Each block of 16 channels is one contiguous, prefetched run of weights (one
+memory stream per thread).  On a 2-core EPYC (AVX-512 VNNI) that reads a one-row call's weights at 2.3-2.7x the
+speed of the channel-pair layout before it, multiplies 128 rows at 550-690 GMAC/s, 1.4-1.6x oneDNN's bf16 matmul
+of the same weights, and so prompts go through it too: the model holds no bf16 copy of its weights
+(``docs/results/w4a8-lanes-epyc-qwen2.5-coder-1.5b``).
 
 What it computes: the weights are :class:`~specdecode.models.quantized_layers.Int4Linear`'s (asymmetric int4,
 min-max per group of 64 inputs, scale and zero rounded to bf16), ``w = q * scale + offset``; each row of
@@ -16,9 +20,9 @@ different model from ``int4`` (the activations lose precision too), and lossless
 way: speculative greedy output equals plain greedy output of the same ``w4a8`` model, because the kernel
 is row invariant, bitwise (see the C++ source).
 
-Where the CPU has VNNI (AVX-512 VNNI with VL, or AVX-VNNI), each group's integer dots take one instruction per
-four bytes (``vpdpbusd``) instead of AVX2's multiply, multiply-add and add: the same integers, so the same bits
-(tested), and a forward is a few percent faster (``docs/results/w4a8-vnni-epyc``).
+Where the CPU has VNNI (AVX-512 VNNI, in 512-bit vectors, or AVX-VNNI), each group's integer dots take one
+instruction per four bytes (``vpdpbusd``) instead of AVX2's multiply, multiply-add and add: the same integers,
+so the same bits (tested).
 
 Built on first use with torch's C++ extension loader (about 45 s with two cores, once per instruction set; cached under
 ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``): it needs a C++ compiler and an x86
@@ -38,12 +42,14 @@ from torch import nn
 
 from specdecode.errors import SpecDecodeError
 from specdecode.machine import cpu_flags
-from specdecode.models.quantized_layers import QuantizedLinear, bf16_matmul_supported, int4_levels
+from specdecode.models.quantized_layers import QuantizedLinear, int4_levels
 
 #: Inputs per weight group and per activation group (the kernel's unit).
 GROUP = 64
-#: Bytes of one group of one channel pair in :func:`pack_blocks`' layout: 2 x 32 of nibbles, 4 bf16 numbers.
-BLOCK_BYTES = 72
+#: Output channels per block of :func:`pack_blocks`' layout: the lanes of one AVX-512 vector of int32.
+LANES = 16
+#: Bytes of one group of one block in that layout: 16 x 64 levels in nibbles, then 16 bf16 scales and 16 zeros.
+BLOCK_BYTES = 576
 SOURCE = Path(__file__).with_name("kernels") / "w4a8.cpp"
 
 
@@ -62,7 +68,10 @@ def unavailable_reason() -> str | None:
 #: and the compiler flags that turn its code on (see ``group_dot`` in the C++ source).  VNNI multiplies and sums
 #: four bytes per instruction, where AVX2 takes two multiplies and an addition for two.
 ISA_BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx512vnni": (("avx512_vnni", "avx512vl"), ("-mavx512vnni", "-mavx512vl")),
+    "avx512vnni": (
+        ("avx512_vnni", "avx512vl", "avx512bw", "avx512f"),
+        ("-mavx512vnni", "-mavx512vl", "-mavx512bw", "-mavx512f"),
+    ),
     "avxvnni": (("avx_vnni",), ("-mavxvnni",)),
     "avx2": ((), ()),
 }
@@ -115,49 +124,56 @@ def kernel_builds() -> bool:
 
 
 def w4a8_fits(linear: nn.Linear) -> bool:
-    return linear.in_features % GROUP == 0 and linear.out_features % 2 == 0
+    return linear.in_features % GROUP == 0
 
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """Levels [N, K] in 0..15 and bf16 scales and zeros [N, K/64] (:func:`int4_levels`) → the kernel's layout,
-    [N/2, K/64 * 72] uint8: per pair of output channels, its groups in order, each the two channels' 32 bytes
-    of nibbles (byte j: level j low, level 32 + j high; one AVX2 load unpacks into 32 + 32 inputs) and then
-    their scales and zeros' bf16 bits (scale a, scale b, zero a, zero b).  One contiguous run per pair is
-    one memory stream per thread."""
-    n = q.shape[0]
-    if n % 2:
-        raise ValueError("w4a8 packs output channels in pairs: out_features must be even")
-    halves = q.to(torch.uint8).reshape(n, -1, 2, GROUP // 2)
-    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n // 2, 2, -1, GROUP // 2)
-    levels = nibbles.transpose(1, 2).reshape(n // 2, -1, GROUP)  # [pairs, G, 64]
-    floats = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=1)  # [N, 2, G]
-    floats = floats.reshape(n // 2, 2, 2, -1).permute(0, 3, 2, 1).contiguous()  # [pairs, G, kind, channel]
-    floats = floats.view(torch.uint8).reshape(n // 2, -1, 8)
-    return torch.cat([levels, floats], dim=-1).reshape(n // 2, -1).contiguous()
+    [ceil(N/16), K/64 * 576] uint8: per block of 16 output channels (the last one padded with zero channels),
+    its groups in order, each 8 rows of 64 bytes of nibbles and then the 16 channels' scales and zeros' bf16
+    bits.  Row j holds 4 bytes per channel (channel c at bytes 4c..4c+3, the lanes of a vector); byte b
+    carries the level of input 4j + b in its low nibble and that of input 32 + 4j + b in its high one, so one
+    load unpacks into the levels that multiply two broadcast runs of 4 inputs.  One contiguous run per block
+    is one memory stream per thread."""
+    n, k = q.shape
+    padded = -n % LANES
+    if padded:
+        q = torch.cat([q, q.new_zeros(padded, k)])
+        scale = torch.cat([scale, scale.new_zeros(padded, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(padded, zero.shape[1])])
+    blocks = (n + padded) // LANES
+    levels = q.to(torch.uint8).reshape(blocks, LANES, -1, 2, 8, 4)  # [block, channel, G, half, j, byte]
+    nibbles = levels[:, :, :, 0] | (levels[:, :, :, 1] << 4)  # [block, channel, G, j, byte]
+    nibbles = nibbles.permute(0, 2, 3, 1, 4).reshape(blocks, -1, 8 * LANES * 4)  # [block, G, j, channel, byte]
+    floats = torch.stack([scale.to(torch.bfloat16), zero.to(torch.bfloat16)], dim=1)  # [N, kind, G]
+    floats = floats.reshape(blocks, LANES, 2, -1).permute(0, 3, 2, 1).contiguous()  # [block, G, kind, channel]
+    floats = floats.view(torch.uint8).reshape(blocks, -1, 4 * LANES)
+    return torch.cat([nibbles, floats], dim=-1).reshape(blocks, -1).contiguous()
 
 
-def unpack_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_blocks(blocks: torch.Tensor, out_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_blocks`: levels [N, K] int64, and fp32 scales and offsets [N, K/64] with
     ``w = q * scale + offset`` (``offset = zero - 8 * scale``, as the kernel computes it)."""
-    pairs = blocks.shape[0]
-    groups = blocks.reshape(pairs, -1, BLOCK_BYTES)
-    nibbles = groups[..., :GROUP].reshape(pairs, -1, 2, GROUP // 2).transpose(1, 2).long()  # [pairs, 2, G, 32]
-    levels = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).reshape(2 * pairs, -1)
-    floats = groups[..., GROUP:].contiguous().view(torch.bfloat16).float()  # [pairs, G, 4]
-    floats = floats.reshape(pairs, -1, 2, 2).permute(0, 3, 2, 1).reshape(2 * pairs, 2, -1)  # [N, kind, G]
+    count = blocks.shape[0]
+    groups = blocks.reshape(count, -1, BLOCK_BYTES)  # [block, G, bytes]
+    nibbles = groups[..., : 8 * LANES * 4].reshape(count, -1, 8, LANES, 4).long()  # [block, G, j, channel, byte]
+    levels = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [block, G, j, half, channel, byte]
+    levels = levels.permute(0, 4, 1, 3, 2, 5).reshape(count * LANES, -1)[:out_features]
+    floats = groups[..., 8 * LANES * 4 :].contiguous().view(torch.bfloat16).float()  # [block, G, kind * channel]
+    floats = floats.reshape(count, -1, 2, LANES).permute(0, 3, 2, 1).reshape(count * LANES, 2, -1)[:out_features]
     scale, zero = floats[:, 0], floats[:, 1]
     return levels, scale, zero - 8 * scale
 
 
 def reference_matmul(layer: W4A8Linear, rows: torch.Tensor) -> torch.Tensor:
-    """What :meth:`W4A8Linear.matmul` computes, in plain torch (up to fp32 summation order): each group of 64
+    """What :meth:`W4A8Linear.matmul` computes, in plain torch (up to the order of fp32 sums): each group of 64
     inputs rounded to int8 steps of its ``max|x| / 127`` multiplies the levels, and the offsets multiply the
     group's exact sum."""
     groups = rows.float().reshape(rows.shape[0], -1, GROUP)
     step = groups.abs().amax(dim=-1, keepdim=True) / 127
     inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
     rounded = torch.round(groups * inverse) * step  # [M, G, 64]
-    q, scale, offset = unpack_blocks(layer.blocks)
+    q, scale, offset = unpack_blocks(layer.blocks, layer.out_features)
     levels = q.float().reshape(layer.out_features, -1, GROUP)  # [N, G, 64]
     dots = torch.einsum("mgk,ngk->mng", rounded, levels)
     return (dots * scale).sum(-1) + groups.sum(-1) @ offset.T
@@ -167,22 +183,19 @@ class W4A8Linear(QuantizedLinear):
     """Int4 weights (as :class:`~specdecode.models.quantized_layers.Int4Linear` rounds them, groups of 64) multiplied
     by int8-quantized activations in :func:`kernel`; fp32 in, fp32 out.
 
-    Buffer: ``blocks`` [out/2, in/64 * 72] uint8 (:func:`pack_blocks`).
+    Buffer: ``blocks`` [ceil(out/16), in/64 * 576] uint8 (:func:`pack_blocks`).
 
-    ``block_copy`` keeps a bf16 copy for prompts only where oneDNN's bf16 matmul runs (as int4 layers do
-    there).  Without it the copy would be a plain bf16 tensor multiplied in fp32 slices, and this kernel is
-    faster at every row count (``docs/results/avx2``); so prompts go through the kernel, as plain decoding
-    does, and the model holds no second copy of its weights (3 GB for a 1.5B target)."""
+    It keeps no bf16 copy for prompts, as int8 and int4 layers do where oneDNN's bf16 matmul runs: this kernel
+    multiplies many rows faster than that matmul (see the module doc), so prompts go through it as decoding does,
+    and the model holds no second copy of its weights (3 GB for a 1.5B target)."""
 
     input_dtype = torch.float32
     channel_buffers = (("blocks", 0),)
 
-    def __init__(self, linear: nn.Linear, *, tied: bool, block_copy: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
         super().__init__(linear, tied=tied)
         kernel()  # build (or load) it now: a missing compiler is a load-time error, not a mid-decode one
         self.register_buffer("blocks", pack_blocks(*int4_levels(linear.weight, GROUP)))
-        if block_copy and bf16_matmul_supported():
-            self.keep_block_weight(self.dequantized())
 
     @property
     def isa(self) -> str:
@@ -190,10 +203,10 @@ class W4A8Linear(QuantizedLinear):
         return best_isa()
 
     def dequantized(self) -> torch.Tensor:
-        q, scale, offset = unpack_blocks(self.blocks)
+        q, scale, offset = unpack_blocks(self.blocks, self.out_features)
         levels = q.float().reshape(self.out_features, -1, GROUP)
         dense = levels * scale[..., None] + offset[..., None]
         return dense.reshape(self.out_features, self.in_features)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return kernel().w4a8_mm(rows.float().contiguous(), self.blocks)
+        return kernel().w4a8_mm(rows.float().contiguous(), self.blocks, self.out_features)
