@@ -32,6 +32,7 @@ CPU with AVX2 and FMA, and says so in one line where either is missing.
 from __future__ import annotations
 
 import functools
+import hashlib
 import platform
 import shutil
 from pathlib import Path
@@ -81,6 +82,12 @@ def best_isa() -> str:
     """The best of :data:`ISA_BUILDS` this CPU runs."""
     flags = cpu_flags()
     return next(isa for isa, (needs, _) in ISA_BUILDS.items() if all(flag in flags for flag in needs))
+
+
+@functools.cache
+def source_digest() -> str:
+    """The first 12 hex digits of the kernel source's SHA-256."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
 
 
 @functools.cache
@@ -198,9 +205,10 @@ class W4A8Linear(QuantizedLinear):
         self.register_buffer("blocks", pack_blocks(*int4_levels(linear.weight, GROUP)))
 
     @property
-    def isa(self) -> str:
-        """The instruction set its kernel runs (part of what the cost curves are keyed by)."""
-        return best_isa()
+    def kernel_build(self) -> str:
+        """The instruction set its kernel runs and the kernel's source (part of what the cost curves and
+        ``--quantize auto``'s choice are keyed by: a new kernel is timed anew)."""
+        return f"{best_isa()}:{source_digest()}"
 
     def dequantized(self) -> torch.Tensor:
         q, scale, offset = unpack_blocks(self.blocks, self.out_features)

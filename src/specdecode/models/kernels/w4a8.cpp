@@ -178,21 +178,20 @@ struct Rows {  // up to MAX_ROWS quantized rows: int8 inputs [rows, K]; scales a
 
 // One block's channels (or the half of them at `offset` lanes) times R rows (a compile-time constant, so
 // that everything stays in registers), into out[r * ldo + lane] for the first `lanes` lanes.  Under 4 rows
-// each row's dot gathers in two chains (low and high nibbles) so that enough instructions are independent;
-// the chains meet in an exact integer addition.
+// each row's dot gathers in 2 or 4 chains so that enough instructions are independent; the chains meet in
+// exact integer additions.
 template <int R>
 void block_rows(const BlockGroup* w, const Rows& x, int offset, float* out, int64_t ldo, int lanes) {
   using V = Vec;
-  constexpr bool SPLIT = R < 4;
+  constexpr int CHAINS = R == 1 ? 4 : (R < 4 ? 2 : 1);  // independent integer sums per row
   typename V::F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = V::fzero();
   for (int64_t g = 0; g < x.G; ++g) {
     const BlockGroup& block = w[g];
     const char* ahead = reinterpret_cast<const char*>(&block + PREFETCH_GROUPS);
-    typename V::I low_dots[R], high_dots[SPLIT ? R : 1];
-    for (int r = 0; r < R; ++r) low_dots[r] = V::zero();
-    if constexpr (SPLIT)
-      for (int r = 0; r < R; ++r) high_dots[r] = V::zero();
+    typename V::I dots[R][CHAINS];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < CHAINS; ++c) dots[r][c] = V::zero();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
@@ -200,11 +199,10 @@ void block_rows(const BlockGroup* w, const Rows& x, int offset, float* out, int6
       const typename V::I low = V::nibbles(packed), high = V::nibbles(V::high(packed));
       for (int r = 0; r < R; ++r) {
         const int8_t* inputs = x.inputs + r * x.K + g * GROUP + 4 * j;
-        low_dots[r] = V::dot(low_dots[r], low, V::broadcast(inputs));
-        if constexpr (SPLIT)
-          high_dots[r] = V::dot(high_dots[r], high, V::broadcast(inputs + 32));
-        else
-          low_dots[r] = V::dot(low_dots[r], high, V::broadcast(inputs + 32));
+        typename V::I& low_sum = dots[r][(2 * j) % CHAINS];
+        low_sum = V::dot(low_sum, low, V::broadcast(inputs));
+        typename V::I& high_sum = dots[r][(2 * j + 1) % CHAINS];
+        high_sum = V::dot(high_sum, high, V::broadcast(inputs + 32));
       }
     }
     _mm_prefetch(ahead + 512, _MM_HINT_T0);
@@ -212,10 +210,10 @@ void block_rows(const BlockGroup* w, const Rows& x, int offset, float* out, int6
     // 8 * scale is exact, so this is zero - 8 * scale rounded once, whatever the compiler contracts.
     const typename V::F offsets = V::sub(V::bf16(block.zeros + offset), V::mul(V::set1(8.f), scales));
     for (int r = 0; r < R; ++r) {
-      typename V::I dots = low_dots[r];
-      if constexpr (SPLIT) dots = V::add(dots, high_dots[r]);
+      typename V::I sum = dots[r][0];
+      for (int c = 1; c < CHAINS; ++c) sum = V::add(sum, dots[r][c]);
       const typename V::F steps = V::mul(scales, V::set1(x.scales[r * x.G + g]));
-      acc[r] = V::fma(V::to_float(dots), steps, acc[r]);
+      acc[r] = V::fma(V::to_float(sum), steps, acc[r]);
       acc[r] = V::fma(offsets, V::set1(x.sums[r * x.G + g]), acc[r]);
     }
   }
