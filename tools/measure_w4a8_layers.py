@@ -46,8 +46,11 @@ def median_ms(call, *args, repeats: int = 7) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--isa", choices=sorted(w4a8.ISA_BUILDS), help="the kernel build to time (default: the best)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.isa:  # e.g. avx2 on a VNNI CPU: the build an AVX2-only CPU runs, held to its instructions
+        w4a8.best_isa = lambda: args.isa
     torch.manual_seed(0)
     cells = []
     for name, out_features, in_features in SHAPES:

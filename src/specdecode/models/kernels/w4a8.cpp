@@ -36,9 +36,9 @@ struct BlockGroup {
 };
 static_assert(sizeof(BlockGroup) == 576, "the Python side packs 576-byte groups");
 
-// How far ahead (in groups of one block, 576 bytes each) the next weights are requested.  2 to 16 read a one-row
-// call's weights equally fast on a 2-core EPYC; 8 and 16 read a 4-row call's 10% faster than 4, 2 slower still
-// (docs/results/w4a8-lanes-epyc-qwen2.5-coder-1.5b).
+// How far ahead (in groups of one block, 576 bytes each) the next weights are requested.  From 2 to 16 groups
+// ahead, calls of 1 to 4 rows read weights out of the caches equally fast on a 2-core EPYC, 44-46 GB/s
+// (docs/results/w4a8-lanes-epyc-qwen2.5-coder-1.5b, prefetch.json).
 constexpr int64_t PREFETCH_GROUPS = 8;
 
 // x [M, K] -> xq [M, K] int8 with one scale (max |x| / 127) per row and group, and each group's fp32 sum
@@ -80,9 +80,10 @@ void quantize_rows(const float* x, int64_t M, int64_t G, int8_t* xq, float* scal
   });
 }
 
-// The vector operations a tile needs, at one width.  `dot` adds, per 32-bit lane, the products of the lane's 4
-// unsigned bytes (levels, 0..15) with 4 signed ones (inputs): one instruction with VNNI; with AVX2 alone a
-// multiply-add of byte pairs (|s| <= 2 * 15 * 127, no int16 saturation) and one of int16 pairs.
+// The vector operations a tile needs, at one width.  `dots` adds, per 32-bit lane, the products of the lane's 4
+// unsigned bytes of low levels (0..15) with 4 signed bytes of inputs, and those of its high levels with 4 more
+// inputs: one instruction for each with VNNI; with AVX2 alone a multiply-add of byte pairs for each, their sum in
+// int16 (|s| <= 4 * 15 * 127, no saturation) and one multiply-add of int16 pairs.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 struct Wide {  // 16 lanes: one block at a time
   using I = __m512i;
@@ -98,7 +99,9 @@ struct Wide {  // 16 lanes: one block at a time
     std::memcpy(&four, p, 4);
     return _mm512_set1_epi32(four);
   }
-  static I dot(I acc, I levels, I inputs) { return _mm512_dpbusd_epi32(acc, levels, inputs); }
+  static I dots(I acc, I low, I low_inputs, I high, I high_inputs) {
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, low, low_inputs), high, high_inputs);
+  }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   static F bf16(const uint16_t* p) {
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -130,17 +133,17 @@ struct Narrow {  // 8 lanes: a block in two halves
     std::memcpy(&four, p, 4);
     return _mm256_set1_epi32(four);
   }
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  static I dot(I acc, I levels, I inputs) {
 #if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, levels, inputs);
-#else
-    return _mm256_dpbusd_epi32(acc, levels, inputs);
-#endif
+  static I dots(I acc, I low, I low_inputs, I high, I high_inputs) {
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low, low_inputs), high, high_inputs);
+  }
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  static I dots(I acc, I low, I low_inputs, I high, I high_inputs) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(acc, low, low_inputs), high, high_inputs);
   }
 #else
-  static I dot(I acc, I levels, I inputs) {
-    const __m256i pairs = _mm256_maddubs_epi16(levels, inputs);
+  static I dots(I acc, I low, I low_inputs, I high, I high_inputs) {
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, low_inputs), _mm256_maddubs_epi16(high, high_inputs));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
 #endif
@@ -199,10 +202,8 @@ void block_rows(const BlockGroup* w, const Rows& x, int offset, float* out, int6
       const typename V::I low = V::nibbles(packed), high = V::nibbles(V::high(packed));
       for (int r = 0; r < R; ++r) {
         const int8_t* inputs = x.inputs + r * x.K + g * GROUP + 4 * j;
-        typename V::I& low_sum = dots[r][(2 * j) % CHAINS];
-        low_sum = V::dot(low_sum, low, V::broadcast(inputs));
-        typename V::I& high_sum = dots[r][(2 * j + 1) % CHAINS];
-        high_sum = V::dot(high_sum, high, V::broadcast(inputs + 32));
+        typename V::I& sum = dots[r][j % CHAINS];
+        sum = V::dots(sum, low, V::broadcast(inputs), high, V::broadcast(inputs + 32));
       }
     }
     _mm_prefetch(ahead + 512, _MM_HINT_T0);
