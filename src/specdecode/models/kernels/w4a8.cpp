@@ -179,52 +179,69 @@ struct Rows {  // up to MAX_ROWS quantized rows: int8 inputs [rows, K]; scales a
   int64_t G;
 };
 
-// One block's channels (or the half of them at `offset` lanes) times R rows (a compile-time constant, so
-// that everything stays in registers), into out[r * ldo + lane] for the first `lanes` lanes.  Under 4 rows
-// each row's dot gathers in 2 or 4 chains so that enough instructions are independent; the chains meet in
-// exact integer additions.
-template <int R>
+// One block's channels from lane `offset` on, PARTS vectors of them side by side, times R rows (compile-time
+// constants, so that everything stays in registers), into out[r * ldo + lane] for the first `lanes` lanes.  Under
+// 4 rows each row's dot gathers in 2 or 4 independent chains (the vectors side by side count as chains); the chains
+// meet in exact integer additions.
+template <int R, int PARTS>
 void block_rows(const BlockGroup* w, const Rows& x, int offset, float* out, int64_t ldo, int lanes) {
   using V = Vec;
-  constexpr int CHAINS = R == 1 ? 4 : (R < 4 ? 2 : 1);  // independent integer sums per row
-  typename V::F acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V::fzero();
+  constexpr int CHAINS = std::max(1, (R == 1 ? 4 : (R < 4 ? 2 : 1)) / PARTS);  // integer sums per row and vector
+  typename V::F acc[R][PARTS];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < PARTS; ++p) acc[r][p] = V::fzero();
   for (int64_t g = 0; g < x.G; ++g) {
     const BlockGroup& block = w[g];
     const char* ahead = reinterpret_cast<const char*>(&block + PREFETCH_GROUPS);
-    typename V::I dots[R][CHAINS];
+    typename V::I dots[R][PARTS][CHAINS];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < CHAINS; ++c) dots[r][c] = V::zero();
+      for (int p = 0; p < PARTS; ++p)
+        for (int c = 0; c < CHAINS; ++c) dots[r][p][c] = V::zero();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       _mm_prefetch(ahead + 64 * j, _MM_HINT_T0);
-      const typename V::I packed = V::load(block.levels[j] + 4 * offset);
-      const typename V::I low = V::nibbles(packed), high = V::nibbles(V::high(packed));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* inputs = x.inputs + r * x.K + g * GROUP + 4 * j;
-        typename V::I& sum = dots[r][j % CHAINS];
-        sum = V::dots(sum, low, V::broadcast(inputs), high, V::broadcast(inputs + 32));
+      for (int p = 0; p < PARTS; ++p) {
+        const typename V::I packed = V::load(block.levels[j] + 4 * (offset + p * V::LANES_PER));
+        const typename V::I low = V::nibbles(packed), high = V::nibbles(V::high(packed));
+        for (int r = 0; r < R; ++r) {
+          const int8_t* inputs = x.inputs + r * x.K + g * GROUP + 4 * j;
+          typename V::I& sum = dots[r][p][j % CHAINS];
+          sum = V::dots(sum, low, V::broadcast(inputs), high, V::broadcast(inputs + 32));
+        }
       }
     }
     _mm_prefetch(ahead + 512, _MM_HINT_T0);
-    const typename V::F scales = V::bf16(block.scales + offset);
-    // 8 * scale is exact, so this is zero - 8 * scale rounded once, whatever the compiler contracts.
-    const typename V::F offsets = V::sub(V::bf16(block.zeros + offset), V::mul(V::set1(8.f), scales));
-    for (int r = 0; r < R; ++r) {
-      typename V::I sum = dots[r][0];
-      for (int c = 1; c < CHAINS; ++c) sum = V::add(sum, dots[r][c]);
-      const typename V::F steps = V::mul(scales, V::set1(x.scales[r * x.G + g]));
-      acc[r] = V::fma(V::to_float(sum), steps, acc[r]);
-      acc[r] = V::fma(offsets, V::set1(x.sums[r * x.G + g]), acc[r]);
+    for (int p = 0; p < PARTS; ++p) {
+      const int first = offset + p * V::LANES_PER;
+      const typename V::F scales = V::bf16(block.scales + first);
+      // 8 * scale is exact, so this is zero - 8 * scale rounded once, whatever the compiler contracts.
+      const typename V::F offsets = V::sub(V::bf16(block.zeros + first), V::mul(V::set1(8.f), scales));
+      for (int r = 0; r < R; ++r) {
+        typename V::I sum = dots[r][p][0];
+        for (int c = 1; c < CHAINS; ++c) sum = V::add(sum, dots[r][p][c]);
+        const typename V::F steps = V::mul(scales, V::set1(x.scales[r * x.G + g]));
+        acc[r][p] = V::fma(V::to_float(sum), steps, acc[r][p]);
+        acc[r][p] = V::fma(offsets, V::set1(x.sums[r * x.G + g]), acc[r][p]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) V::store(out + r * ldo, acc[r], lanes);
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < PARTS; ++p)
+      V::store(out + r * ldo + p * V::LANES_PER, acc[r][p], std::min(lanes - p * V::LANES_PER, V::LANES_PER));
 }
 
+// A block times R rows.  Where a vector holds half a block (AVX2), one or two rows take both halves in one pass
+// over the weights, which then stream from memory once; more rows take a pass per half, whose second reads the
+// block from the caches (the registers hold too few accumulators for both).
 template <int R>
 void block_tile(const BlockGroup* w, const Rows& x, float* out, int64_t ldo, int lanes) {
-  for (int offset = 0; offset < LANES; offset += Vec::LANES_PER)
-    block_rows<R>(w, x, offset, out + offset, ldo, std::min(lanes - offset, Vec::LANES_PER));
+  constexpr int VECTORS = LANES / Vec::LANES_PER;
+  if constexpr (VECTORS > 1 && R <= 2) {
+    block_rows<R, VECTORS>(w, x, 0, out, ldo, lanes);
+  } else {
+    for (int offset = 0; offset < LANES; offset += Vec::LANES_PER)
+      block_rows<R, 1>(w, x, offset, out + offset, ldo, std::min(lanes - offset, Vec::LANES_PER));
+  }
 }
 
 using TileFn = void (*)(const BlockGroup*, const Rows&, float*, int64_t, int);
