@@ -504,3 +504,16 @@ def test_the_python_api_loads_a_quantized_target_and_refuses_an_unknown_precisio
     assert any(isinstance(m, Int8Linear) for m in generator.target.backend.model.modules())
     plain = specdecode.load(str(tiny_dirs["target"]), drafter="none", quantize="int8", max_new_tokens=6)
     assert generator.generate("w1 w2 w1 w2").token_ids == plain.generate("w1 w2 w1 w2").token_ids
+
+
+@needs_w4a8
+def test_a_new_w4a8_kernel_is_timed_anew(monkeypatch):
+    """The cost curves and ``--quantize auto``'s choice are keyed by the w4a8 kernel's instruction set and source: a
+    model whose kernel changed (an upgrade) does not read the timings of the kernel before it."""
+    from specdecode.models import cost
+
+    model = nn.Sequential(W4A8Linear(nn.Linear(128, 64), tied=False))
+    before = cost.machine_and_model_key(model, "settings")
+    assert cost.machine_and_model_key(model, "settings") == before
+    monkeypatch.setattr(w4a8, "source_digest", lambda: "another kernel")
+    assert cost.machine_and_model_key(model, "settings") != before
