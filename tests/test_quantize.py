@@ -517,3 +517,20 @@ def test_a_new_w4a8_kernel_is_timed_anew(monkeypatch):
     assert cost.machine_and_model_key(model, "settings") == before
     monkeypatch.setattr(w4a8, "source_digest", lambda: "another kernel")
     assert cost.machine_and_model_key(model, "settings") != before
+
+
+@needs_w4a8
+def test_w4a8_projections_whose_blocks_are_padded_are_not_fused_and_stay_exact():
+    """Two 40-channel projections end in padded blocks: their blocks side by side would scramble the channels, so
+    the written-out step keeps them apart (found by its probe) and gives each its own output."""
+    from specdecode.models.draft_step import FusedProjection
+
+    torch.manual_seed(0)
+    layers = [W4A8Linear(nn.Linear(128, 40), tied=False), W4A8Linear(nn.Linear(128, 48), tied=False)]
+    fused = FusedProjection(layers)
+    assert not fused.fused
+    x = torch.randn(1, 128)
+    with torch.inference_mode():
+        assert torch.equal(fused(x), torch.cat([layer(x) for layer in layers], dim=-1))
+    whole = [W4A8Linear(nn.Linear(128, 32), tied=False), W4A8Linear(nn.Linear(128, 48), tied=False)]
+    assert FusedProjection(whole).fused  # the control: whole blocks fuse
