@@ -7,10 +7,9 @@ products; this kernel does the same (``vpdpbusd`` where the CPU has VNNI, AVX2's
 Its layout puts 16 output channels in the lanes of a vector: one instruction multiplies the 16 channels' levels
 by 4 inputs broadcast to every lane, a channel's dot never needs a sum across lanes, and the unpacked levels of a
 group serve every row of a call.  Each block of 16 channels is one contiguous, prefetched run of weights (one
-memory stream per thread).  On a 2-core EPYC (AVX-512 VNNI) that reads a one-row call's weights at 2.3-2.7x the
-speed of the channel-pair layout before it, multiplies 128 rows at 550-690 GMAC/s, 1.4-1.6x oneDNN's bf16 matmul
-of the same weights, and so prompts go through it too: the model holds no bf16 copy of its weights
-(``docs/results/w4a8-lanes-epyc-qwen2.5-coder-1.5b``).
+memory stream per thread).  On a 2-core EPYC (AVX-512 VNNI) it multiplies 32 to 128 rows at 610-710 GMAC/s,
+1.4-1.9x oneDNN's bf16 matmul of the same weights, and so prompts go through it too: the model holds no bf16 copy
+of its weights; a one-row call waits on memory (``docs/results/w4a8-lanes-epyc-qwen2.5-coder-1.5b``).
 
 What it computes: the weights are :class:`~specdecode.models.quantized_layers.Int4Linear`'s (asymmetric int4,
 min-max per group of 64 inputs, scale and zero rounded to bf16), ``w = q * scale + offset``; each row of
@@ -66,8 +65,8 @@ def unavailable_reason() -> str | None:
 
 
 #: The instruction sets the kernel is built for, best first: the CPU flags (as Linux names them) each needs,
-#: and the compiler flags that turn its code on (see ``group_dot`` in the C++ source).  VNNI multiplies and sums
-#: four bytes per instruction, where AVX2 takes two multiplies and an addition for two.
+#: and the compiler flags that turn its code on (see ``dots`` in the C++ source).  VNNI multiplies and sums
+#: four bytes per instruction, where AVX2 takes five instructions for two such sums.
 ISA_BUILDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512vnni": (
         ("avx512_vnni", "avx512vl", "avx512bw", "avx512f"),

@@ -80,6 +80,13 @@ void quantize_rows(const float* x, int64_t M, int64_t G, int8_t* xq, float* scal
   });
 }
 
+// 4 input bytes as one int32, for a broadcast to every lane.
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return four;
+}
+
 // The vector operations a tile needs, at one width.  `dots` adds, per 32-bit lane, the products of the lane's 4
 // unsigned bytes of low levels (0..15) with 4 signed bytes of inputs, and those of its high levels with 4 more
 // inputs: one instruction for each with VNNI; with AVX2 alone a multiply-add of byte pairs for each, their sum in
@@ -94,11 +101,7 @@ struct Wide {  // 16 lanes: one block at a time
   static I nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
   static I high(I v) { return _mm512_srli_epi16(v, 4); }
   static I zero() { return _mm512_setzero_si512(); }
-  static I broadcast(const int8_t* p) {
-    int32_t four;
-    std::memcpy(&four, p, 4);
-    return _mm512_set1_epi32(four);
-  }
+  static I broadcast(const int8_t* p) { return _mm512_set1_epi32(four_bytes(p)); }
   static I dots(I acc, I low, I low_inputs, I high, I high_inputs) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, low, low_inputs), high, high_inputs);
   }
@@ -128,11 +131,7 @@ struct Narrow {  // 8 lanes: a block in two halves
   static I nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static I high(I v) { return _mm256_srli_epi16(v, 4); }
   static I zero() { return _mm256_setzero_si256(); }
-  static I broadcast(const int8_t* p) {
-    int32_t four;
-    std::memcpy(&four, p, 4);
-    return _mm256_set1_epi32(four);
-  }
+  static I broadcast(const int8_t* p) { return _mm256_set1_epi32(four_bytes(p)); }
 #if defined(__AVXVNNI__)
   static I dots(I acc, I low, I low_inputs, I high, I high_inputs) {
     return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, low, low_inputs), high, high_inputs);
@@ -264,9 +263,10 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor blocks, int64_t N) {
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.dim() == 2 &&
                   blocks.size(1) == G * static_cast<int64_t>(sizeof(BlockGroup)),
               "blocks: contiguous [N/16, K/64 * 576] uint8");
-  // Blocks past N are skipped: layers fused along their blocks (QuantizedLinear.fused) whose parts end in padded
-  // blocks come out scrambled, which the fusing side detects by a probe, rather than failing here.
+  // Only the blocks the first N channels need are read: layers fused along their blocks (QuantizedLinear.fused) whose
+  // parts end in padded blocks come out scrambled, which the fusing side detects by a probe, rather than failing here.
   TORCH_CHECK(N >= 1 && N <= count * LANES, "N must be at least 1 and fit the blocks");
+  const int64_t used = (N + LANES - 1) / LANES;
   auto out = torch::empty({M, N}, x.options());
   auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto xscales = torch::empty({M, G}, x.options());
@@ -277,10 +277,9 @@ torch::Tensor w4a8_mm(torch::Tensor x, torch::Tensor blocks, int64_t N) {
   const float* xup = xsums.data_ptr<float>();
   const BlockGroup* wp = reinterpret_cast<const BlockGroup*>(blocks.data_ptr<uint8_t>());
   float* outp = out.data_ptr<float>();
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, used, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int lanes = static_cast<int>(std::min(LANES, N - b * LANES));
-      if (lanes <= 0) continue;
       for (int64_t m0 = 0; m0 < M; m0 += Vec::MAX_ROWS) {
         const int64_t rows = std::min<int64_t>(Vec::MAX_ROWS, M - m0);
         const Rows tile{xqp + m0 * K, xsp + m0 * G, xup + m0 * G, K, G};
