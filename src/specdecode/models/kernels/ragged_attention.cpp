@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -46,26 +47,38 @@ inline v16 exp16(v16 x) {
 }
 
 // w[0..count) = e^(w - max w), returning their sum: blocks of 16 (the last one padded), summed lane-wise in order and
-// then by sum16, so the result depends on the numbers and their count only.
+// then by sum16, so the result depends on the numbers and their count only.  Whole blocks are loaded and stored as
+// vectors; only the last, partial one goes through a padded copy.
 inline float softmax_numerators(float* w, int64_t count) {
-  v16 top = v16{} - std::numeric_limits<float>::infinity();
-  v16 block;
-  for (int64_t c = 0; c < count; c += 16) {
-    block = v16{} - std::numeric_limits<float>::infinity();
-    std::memcpy(&block, w + c, sizeof(float) * std::min<int64_t>(16, count - c));
+  const int64_t whole = count - count % 16;
+  const v16 lowest = v16{} - std::numeric_limits<float>::infinity();
+  v16 top = lowest;
+  for (int64_t c = 0; c < whole; c += 16) {
+    const v16 block = load16(w + c);
+    top = top > block ? top : block;
+  }
+  if (whole < count) {
+    v16 block = lowest;
+    std::memcpy(&block, w + whole, sizeof(float) * (count - whole));
     top = top > block ? top : block;
   }
   float largest = top[0];
   for (int l = 1; l < 16; ++l) largest = std::max(largest, top[l]);
   v16 total{};
-  for (int64_t c = 0; c < count; c += 16) {
-    const int64_t lanes = std::min<int64_t>(16, count - c);
-    block = v16{} + largest;  // padding lanes: e^0, left out of the sum below
-    std::memcpy(&block, w + c, sizeof(float) * lanes);
-    block = exp16(block - largest);
-    for (int64_t l = lanes; l < 16; ++l) block[l] = 0.f;
+  for (int64_t c = 0; c < whole; c += 16) {
+    const v16 block = exp16(load16(w + c) - largest);
     total += block;
-    std::memcpy(w + c, &block, sizeof(float) * lanes);
+    std::memcpy(w + c, &block, sizeof block);
+  }
+  if (whole < count) {
+    const int64_t lanes = count - whole;
+    v16 block = v16{} + largest;  // padding lanes: e^0, left out of the sum below
+    std::memcpy(&block, w + whole, sizeof(float) * lanes);
+    block = exp16(block - largest);
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    block = lane < static_cast<int32_t>(lanes) ? block : v16{};
+    total += block;
+    std::memcpy(w + whole, &block, sizeof(float) * lanes);
   }
   return sum16(total);
 }
@@ -83,56 +96,110 @@ inline void prefetch_row(const T* row, int64_t count) {
 // The columns one row sees, in column order: cached ones [first_cached, past), then the new tokens' listed in `news`.
 struct Columns {
   int64_t first_cached, cached;
-  const std::vector<int64_t>& news;
+  std::vector<int64_t> news;
   int64_t count() const { return cached + static_cast<int64_t>(news.size()); }
   int64_t operator[](int64_t c) const { return c < cached ? first_cached + c : news[c - cached]; }
 };
 
-// Attention of G query heads (q: G x dim floats) sharing one key head (keys kp, values vp: [capacity, dim]) over
-// `columns`; head g's output goes to out + g * dim.  G is a template argument so that the heads' running sums stay in
-// registers while each key and value is read once for all of them.
-template <int G, typename T>
-void attend_heads(const float* q, const T* kp, const T* vp, const Columns& columns, int64_t dim, float scaling,
-                  std::vector<float>& weights, T* out) {
-  const int64_t seen = columns.count();
-  weights.resize(G * seen);  // [head][column]
-  for (int64_t c = 0; c < seen; ++c) {
-    if (c + PREFETCH_KEYS < seen) prefetch_row(kp + columns[c + PREFETCH_KEYS] * dim, dim);
-    const T* k = kp + columns[c] * dim;
-    v16 partial[G];
-    for (int g = 0; g < G; ++g) partial[g] = load16(q + g * dim) * load16(k);
-    for (int64_t d = 16; d < dim; d += 16) {
-      const v16 key = load16(k + d);
-      for (int g = 0; g < G; ++g) partial[g] += load16(q + g * dim + d) * key;
-    }
-    for (int g = 0; g < G; ++g) weights[g * seen + c] = sum16(partial[g]) * scaling;
+// One query row of a work item: its heads' queries (G x dim floats, fp32), the columns it sees, and its scores
+// (G x columns.count(), then its softmax numerators).
+struct QueryRow {
+  int64_t row;
+  Columns columns;
+  std::vector<float> q, weights;
+};
+
+// Columns scored or summed together: the keys of a tile are read from the L1 cache by every row and head of an item
+// after the first.
+constexpr int64_t TILE = 16;
+
+// Row `r`'s scores for head g (q: dim floats) against the columns [c0, c0 + TILE) it sees (fewer at its end) into
+// weights: each score is q . k summed as before any change of this kernel's layout (lanes over the dimensions, the
+// dimensions' blocks in order, the lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.
+template <typename T>
+__attribute__((always_inline)) inline void score_tile(const float* q, const T* kp, const Columns& columns, int64_t c0, int64_t dim, float scaling, float* w) {
+  const int64_t count = std::min<int64_t>(TILE, columns.count() - c0);
+  const T* k[TILE];
+  for (int64_t j = 0; j < TILE; ++j) k[j] = kp + columns[c0 + std::min(j, count - 1)] * dim;  // a tail repeats its last
+  v16 partial[TILE];
+  const v16 q0 = load16(q);
+  for (int64_t j = 0; j < TILE; ++j) partial[j] = q0 * load16(k[j]);
+  for (int64_t d = 16; d < dim; d += 16) {
+    const v16 qd = load16(q + d);
+    for (int64_t j = 0; j < TILE; ++j) partial[j] += qd * load16(k[j] + d);
   }
-  float inverse[G];
-  for (int g = 0; g < G; ++g) inverse[g] = 1.f / softmax_numerators(weights.data() + g * seen, seen);
-  // The values: each key's row read once, in column order, for every head and up to 64 dimensions at a time (the
-  // sums stay in registers); each sum still adds the columns in order, one after another.
-  for (int64_t first = 0; first < dim; first += 64) {
-    const int64_t blocks = std::min<int64_t>(4, (dim - first) / 16);
-    v16 sum[G][4];
-    for (int g = 0; g < G; ++g) {
-      for (int b = 0; b < 4; ++b) sum[g][b] = v16{};
+  const v16 scores = sums16(partial) * scaling;
+  std::memcpy(w + c0, &scores, count == TILE ? sizeof scores : sizeof(float) * count);
+}
+
+// Row r's output for its G heads in B blocks of 16 dimensions (vp and out at the first of them): the values of the
+// columns it sees, in column order, weighted by its softmax numerators, then divided by their sums (`inverse`).  The
+// G x B sums stay in registers while each value is read once for all heads.
+template <int G, int B, typename T>
+void sum_values(const QueryRow& r, const float* inverse, const T* vp, int64_t dim, T* out) {
+  const int64_t seen = r.columns.count();
+  const float* weights = r.weights.data();
+  v16 sum[G][B];
+  for (int g = 0; g < G; ++g) {
+    for (int b = 0; b < B; ++b) sum[g][b] = v16{};
+  }
+  for (int64_t c = 0; c < seen; ++c) {
+    if (c + PREFETCH_KEYS < seen) prefetch_row(vp + r.columns[c + PREFETCH_KEYS] * dim, B * 16);
+    const T* v = vp + r.columns[c] * dim;
+    for (int b = 0; b < B; ++b) {
+      const v16 value = load16(v + b * 16);
+      for (int g = 0; g < G; ++g) sum[g][b] += weights[g * seen + c] * value;
     }
-    for (int64_t c = 0; c < seen; ++c) {
-      if (c + PREFETCH_KEYS < seen) prefetch_row(vp + columns[c + PREFETCH_KEYS] * dim + first, blocks * 16);
-      const T* v = vp + columns[c] * dim + first;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const v16 value = load16(v + b * 16);
-        for (int g = 0; g < G; ++g) sum[g][b] += weights[g * seen + c] * value;
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int b = 0; b < B; ++b) {
+      const v16 result = sum[g][b] * inverse[g];
+      for (int l = 0; l < 16; ++l) out[g * dim + b * 16 + l] = static_cast<T>(result[l]);
+    }
+  }
+}
+
+// The output of `rows` (one key head's G query heads each) over their columns: the scores of every row, tile by tile
+// so that each tile's keys are read from memory once for all of them; then each row's softmax and its values.
+template <int G, typename T>
+void attend_rows(std::vector<QueryRow>& rows, int64_t g0, const T* kp, const T* vp, int64_t dim, float scaling,
+                 T* out, int64_t heads) {
+  int64_t longest = 0;
+  for (QueryRow& r : rows) {
+    r.weights.resize(G * r.columns.count());  // [head][column]
+    longest = std::max(longest, r.columns.count());
+  }
+  for (int64_t c0 = 0; c0 < longest; c0 += TILE) {
+    if (c0 + TILE < longest) {
+      const Columns& widest = rows.back().columns;  // the item's last row sees the most columns of a chain
+      for (int64_t j = c0 + TILE; j < std::min(c0 + 2 * TILE, widest.count()); ++j) prefetch_row(kp + widest[j] * dim, dim);
+    }
+    for (QueryRow& r : rows) {
+      if (c0 >= r.columns.count()) continue;
+      const int64_t seen = r.columns.count();
+      for (int g = 0; g < G; ++g) {
+        score_tile(r.q.data() + (g0 + g) * dim, kp, r.columns, c0, dim, scaling, r.weights.data() + g * seen);
       }
     }
-    for (int g = 0; g < G; ++g) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const v16 result = sum[g][b] * inverse[g];
-        for (int l = 0; l < 16; ++l) out[g * dim + first + b * 16 + l] = static_cast<T>(result[l]);
+  }
+  for (QueryRow& r : rows) {
+    const int64_t seen = r.columns.count();
+    float inverse[G];
+    for (int g = 0; g < G; ++g) inverse[g] = 1.f / softmax_numerators(r.weights.data() + g * seen, seen);
+    for (int64_t first = 0; first < dim; first += 64) {
+      switch (std::min<int64_t>(4, (dim - first) / 16)) {
+        case 4: sum_values<G, 4>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
+        case 3: sum_values<G, 3>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
+        case 2: sum_values<G, 2>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
+        default: sum_values<G, 1>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
       }
     }
   }
 }
+
+// Rows of one sequence attended together: their scores share each tile of keys (a draft's rows see the same cached
+// columns).  More rows than this are split between work items, so that one long draft spreads over the threads.
+constexpr int64_t ROWS_PER_ITEM = 4;
 
 // meta: [sequences, 5] int64: slot, first row, rows, cached length, offset of the rows x rows tree mask in `masks`
 // (-1: a chain, causal).  query [heads, rows, dim] (any strides, last dim contiguous); keys/values the layer's
@@ -152,53 +219,55 @@ void attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
   const bool* mask_data = masks.numel() ? masks.data_ptr<bool>() : nullptr;
   const int64_t* pos = positions.data_ptr<int64_t>();
   T* o_data = out.data_ptr<T>();
-  const int64_t sequences = meta.size(0);
-  // Work items: (sequence, row, key head), numbered row-major over the flattened rows; an item attends the query
-  // heads that share its key head together, so that each key and value is read once for all of them (the slots'
-  // keys and values outgrow the caches, and reading them is most of the work).
-  std::vector<int64_t> owner;  // the sequence of every flattened row this call attends
-  std::vector<int64_t> rows;
-  for (int64_t s = 0; s < sequences; ++s) {
-    for (int64_t i = 0; i < m[s * 5 + 2]; ++i) {
-      owner.push_back(s);
-      rows.push_back(i);
+  // Work items: (sequence, block of up to ROWS_PER_ITEM of its rows, key head); an item attends the query heads
+  // that share its key head together, so that each key and value is read once for all of them (the slots' keys and
+  // values outgrow the caches, and reading them is most of the work).
+  std::vector<std::array<int64_t, 3>> blocks;  // sequence, first row, rows
+  for (int64_t s = 0; s < meta.size(0); ++s) {
+    for (int64_t i = 0; i < m[s * 5 + 2]; i += ROWS_PER_ITEM) {
+      blocks.push_back({s, i, std::min(ROWS_PER_ITEM, m[s * 5 + 2] - i)});
     }
   }
-  const int64_t items = static_cast<int64_t>(owner.size()) * kv_heads;
+  const int64_t items = static_cast<int64_t>(blocks.size()) * kv_heads;
   const float scaling = static_cast<float>(scale);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(groups * dim), weights;
-    std::vector<int64_t> news;  // the new tokens' columns the row sees
+    std::vector<QueryRow> rows;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t flat = item / kv_heads, kvh = item % kv_heads;
-      const int64_t s = owner[flat], i = rows[flat];
+      const auto [s, i0, count] = blocks[item / kv_heads];
+      const int64_t kvh = item % kv_heads;
       const int64_t slot = m[s * 5], first = m[s * 5 + 1], n = m[s * 5 + 2], past = m[s * 5 + 3];
       const int64_t mask_offset = m[s * 5 + 4];
-      const int64_t row = first + i;
-      for (int64_t g = 0; g < groups; ++g) {
-        const T* qp = q_data + (kvh * groups + g) * q_head + row * q_row;
-        for (int64_t d = 0; d < dim; ++d) q[g * dim + d] = static_cast<float>(qp[d]);
+      rows.resize(count);
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t i = i0 + r;
+        QueryRow& row = rows[r];
+        row.row = first + i;
+        row.q.resize(groups * dim);
+        for (int64_t g = 0; g < groups; ++g) {
+          const T* qp = q_data + (kvh * groups + g) * q_head + row.row * q_row;
+          for (int64_t d = 0; d < dim; ++d) row.q[g * dim + d] = static_cast<float>(qp[d]);
+        }
+        // The columns this row sees, in column order: the cache (cut by a sliding window), then the new tokens' it
+        // may see (its own causal prefix, or its tree ancestors and itself).
+        const int64_t oldest = window > 0 ? pos[row.row] - window : -1;  // keys at positions <= oldest are cut
+        const int64_t first_cached = window > 0 ? std::min(past, std::max<int64_t>(0, oldest + 1)) : 0;
+        row.columns.first_cached = first_cached;
+        row.columns.cached = past - first_cached;
+        row.columns.news.clear();
+        for (int64_t j = 0; j < n; ++j) {
+          const bool allowed = mask_offset < 0 ? j <= i : mask_data[mask_offset + i * n + j];
+          if (allowed && pos[first + j] > oldest) row.columns.news.push_back(past + j);
+        }
       }
-      // The columns this row sees, in column order: the cache (cut by a sliding window), then the new tokens' it
-      // may see (its own causal prefix, or its tree ancestors and itself).
-      const int64_t oldest = window > 0 ? pos[row] - window : -1;  // keys at positions <= oldest are cut
-      const int64_t first_cached = window > 0 ? std::min(past, std::max<int64_t>(0, oldest + 1)) : 0;
-      news.clear();
-      for (int64_t j = 0; j < n; ++j) {
-        const bool allowed = mask_offset < 0 ? j <= i : mask_data[mask_offset + i * n + j];
-        if (allowed && pos[first + j] > oldest) news.push_back(past + j);
-      }
-      const Columns columns{first_cached, past - first_cached, news};
       const T* kp = k_data + (slot * kv_heads + kvh) * capacity * dim;
       const T* vp = v_data + (slot * kv_heads + kvh) * capacity * dim;
-      T* op = o_data + (row * heads + kvh * groups) * dim;
+      T* op = o_data + kvh * groups * dim;
       for (int64_t g = 0; g < groups; g += 4) {  // the key head's query heads, four at a time
-        const float* qg = q.data() + g * dim;
         switch (std::min<int64_t>(4, groups - g)) {
-          case 4: attend_heads<4>(qg, kp, vp, columns, dim, scaling, weights, op + g * dim); break;
-          case 3: attend_heads<3>(qg, kp, vp, columns, dim, scaling, weights, op + g * dim); break;
-          case 2: attend_heads<2>(qg, kp, vp, columns, dim, scaling, weights, op + g * dim); break;
-          default: attend_heads<1>(qg, kp, vp, columns, dim, scaling, weights, op + g * dim); break;
+          case 4: attend_rows<4>(rows, g, kp, vp, dim, scaling, op, heads); break;
+          case 3: attend_rows<3>(rows, g, kp, vp, dim, scaling, op, heads); break;
+          case 2: attend_rows<2>(rows, g, kp, vp, dim, scaling, op, heads); break;
+          default: attend_rows<1>(rows, g, kp, vp, dim, scaling, op, heads); break;
         }
       }
     }
