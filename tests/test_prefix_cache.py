@@ -1,21 +1,27 @@
 """Automatic prefix caching: a prompt that shares whole chunks with one read before (running or finished) takes
 their keys and values instead of reading them, and gets bitwise the output it gets without the cache — alone, in
-a batch, with every drafter.  A broken control that adopts a prefix whose tokens differ changes the output."""
+a batch, with every drafter.  A broken control that adopts a prefix whose tokens differ changes the output.  Where the
+backend reads a chunk row by row (heads of 64 floats on the CPU fast path), a prefix of any length is taken, and
+holds bitwise the keys and values reading the prompt gives; a broken control that takes one whose rest of a chunk
+attends in the other kernel holds other bits."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
+import torch
 
 from specdecode import prefix_cache
 from specdecode.config import GenerationConfig
 from specdecode.drafters import create_drafter
 from specdecode.engine import PREFILL_CHUNK
+from specdecode.models.attention_kernel import FEW_ROWS
 from specdecode.models.loading import load_model
 from specdecode.prefix_cache import PrefixCache, PrefixSource, shared_length, whole_chunks
 from test_batch import batch_drafters
 from test_chunked_prefill import QUANTIZED, prompt_of, solo, staggered
 from test_server import RunningServer, _scrape, make_service
+from tiny_models import save_tiny
 
 CHUNK = 8
 SHARED = prompt_of(3 * CHUNK + 2, seed=40)  # three whole chunks and a bit
@@ -113,7 +119,7 @@ def test_broken_control_adopting_other_tokens_changes_the_output(tiny_target, mo
     ]
     expected = solo(tiny_target, *reqs[1], CHUNK)
 
-    def any_tokens(prompt_ids, source, chunk):
+    def any_tokens(prompt_ids, source, chunk, rows_alone):
         return min(source.length, whole_chunks(len(prompt_ids), len(prompt_ids), chunk))
 
     monkeypatch.setattr(prefix_cache, "shared_length", any_tokens)
@@ -152,3 +158,93 @@ def test_the_server_reuses_a_prompt_counts_it_and_resets_on_request(tiny_target)
         after_reset, after_reset_hits = complete()
         assert after_reset_hits == 0 and after_reset == first
         assert _scrape(running.url)["specdecode:prefix_cache_queries_total"] == 3 * len(prompt)
+
+
+# A prefix of any length, where the backend reads a chunk row by row.
+
+WIDE_CHUNK = 64  # more than FEW_ROWS: a whole chunk attends in the chunk kernel
+ALONE = FEW_ROWS + 1
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory):
+    """A tiny Llama with heads of 64 floats (4 heads, 256 wide): on the CPU fast path its layers are written out and a
+    prompt's chunk attends in the chunk kernel, so it reads a chunk row by row."""
+    target = load_model(str(save_tiny(tmp_path_factory.mktemp("wide") / "target", seed=3, hidden=256)))
+    if target.backend.rows_read_alone() is None:
+        pytest.skip("the CPU kernels are not built here: chunks are shared whole only")
+    return target
+
+
+def test_a_prefix_of_any_length_where_chunks_are_read_row_by_row():
+    source = PrefixSource(list(range(200)), cache=None, length=199)
+    other = [999] * 100
+    assert shared_length(list(range(40)) + other, source, 64, ALONE) == 40  # the rest of [0, 64) is 24 tokens
+    assert shared_length(list(range(40)) + other, source, 64) == 0  # whole chunks only
+    assert shared_length(list(range(94)) + other, source, 64, ALONE) == 94
+    assert shared_length(list(range(50)) + other, source, 64, ALONE) == 0  # its rest, 14 tokens, attends otherwise
+    assert shared_length(list(range(30)), source, 64, ALONE) == 29  # all but its last token: nothing left to read
+    short = PrefixSource(list(range(15)), cache=None, length=14)  # read as a chunk of 14 tokens
+    assert shared_length(list(range(100)), short, 64, ALONE) == 0
+    cache = PrefixCache(chunk=64, capacity=2, rows_alone=ALONE)
+    assert cache.shareable(prompt_length=30, read=29) == 29 and cache.shareable(prompt_length=100, read=64) == 64
+
+
+def test_the_fast_path_reads_chunks_row_by_row_and_other_backends_do_not(wide_target, tiny_target, tiny_dirs):
+    assert wide_target.backend.rows_read_alone() == ALONE
+    assert tiny_target.backend.rows_read_alone() is None  # heads of 16 floats: SDPA reads its chunks
+    assert load_model(str(tiny_dirs["target"]), quantize="int8").backend.rows_read_alone() is None
+
+
+def read_chunks(backend, prompt: list[int], cache, start: int = 0) -> None:
+    """``prompt`` from ``start`` into ``cache`` in the engine's chunks: each ends at a multiple of the chunk size."""
+    while start < len(prompt) - 1:
+        stop = min((start // WIDE_CHUNK + 1) * WIDE_CHUNK, len(prompt) - 1)
+        tokens = torch.tensor(prompt[start:stop])
+        backend.forward(tokens, cache, logits_rows=torch.empty(0, dtype=torch.long), invariant=False)
+        start = stop
+
+
+def cached_bits(cache, length: int) -> list[torch.Tensor]:
+    return [tensor[cache.slot, :, :length] for stored in cache.pool.layers.values() for tensor in stored]
+
+
+@pytest.mark.parametrize("shared,same", [(40, True), (100, True), (52, False)], ids=["40", "100", "52-broken"])
+def test_a_prompt_taking_part_of_a_chunk_holds_the_bits_reading_it_gives(wide_target, shared, same):
+    backend = wide_target.backend
+    first = prompt_of(150, seed=70)
+    second = first[:shared] + prompt_of(150 - shared, seed=71)
+    pool = backend.new_pool()
+    alone, source, taking = pool.allocate(), pool.allocate(), pool.allocate()
+    read_chunks(backend, second, alone)
+    read_chunks(backend, first, source)
+    rule = shared_length(second, PrefixSource(first, source, len(first) - 1), WIDE_CHUNK, ALONE)
+    assert rule == (shared if same else 0)  # the cache would take 52 tokens as none: [52, 64) attends otherwise
+    assert taking.adopt_prefix(source, shared)
+    read_chunks(backend, second, taking, start=shared)
+    pairs = list(zip(cached_bits(alone, len(second) - 1), cached_bits(taking, len(second) - 1)))
+    assert all(torch.equal(a, b) for a, b in pairs) == same
+
+
+@pytest.mark.parametrize("arrivals", [ONE_BY_ONE, OVERLAPPING], ids=["one-by-one", "overlapping"])
+def test_prompts_sharing_part_of_a_chunk_give_each_its_output_without_the_cache(wide_target, tiny_draft, arrivals):
+    first = prompt_of(150, seed=80)
+    prompts = [
+        first,
+        first[:40] + prompt_of(90, seed=81),  # part of the first chunk
+        first[:100] + prompt_of(30, seed=82),  # a whole chunk and part of the second
+        first[:50] + prompt_of(60, seed=83),  # 50 would leave 14 tokens of the chunk: it takes the 40 of the second
+        list(first),  # all but the last token
+        prompt_of(20, seed=84),
+        first[:30],  # a short prompt: one chunk of 29 tokens
+    ]
+    configs = [GenerationConfig(max_new_tokens=8 + i, num_draft_tokens=3, ignore_eos=True) for i in range(len(prompts))]
+    reqs = list(zip(prompts, configs))
+    expected = [solo(wide_target, prompt, config, WIDE_CHUNK) for prompt, config in reqs]
+    for name, drafter in batch_drafters(wide_target, tiny_draft).items():
+        cached = {}
+        outputs = staggered(wide_target, drafter, reqs, WIDE_CHUNK, arrivals, batch_size=3, slots=8, cached=cached)
+        for index, want in enumerate(expected):
+            assert outputs[index] == want, f"{name}: request {index} differs from its output without the cache"
+        if arrivals == ONE_BY_ONE and name in ("none", "pld"):
+            assert [cached[i] for i in range(len(reqs))] == [0, 40, 100, 40, 149, 0, 29]

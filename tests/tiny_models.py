@@ -58,9 +58,14 @@ def tiny_llama(seed: int, layers: int = 2, hidden: int = 64, context: int = TINY
 
 
 def save_tiny(
-    path: Path, seed: int, words: list[str] | None = None, layers: int = 2, context: int = TINY_CONTEXT
+    path: Path,
+    seed: int,
+    words: list[str] | None = None,
+    layers: int = 2,
+    context: int = TINY_CONTEXT,
+    hidden: int = 64,
 ) -> Path:
-    tiny_llama(seed, layers=layers, context=context).save_pretrained(path)
+    tiny_llama(seed, layers=layers, hidden=hidden, context=context).save_pretrained(path)
     tiny_tokenizer(words or tiny_words()).save_pretrained(path)
     return path
 

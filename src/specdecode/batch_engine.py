@@ -2,7 +2,7 @@
 steps while there is room, and leave it (their cache slot freed at once) when they finish or are cancelled.
 A request that joins has its prompt read in chunks that ride in the running sequences' steps, up to
 ``prefill_budget`` prompt tokens a step, and decodes from the step after its last chunk.  A prompt that
-starts like one read before takes that one's whole chunks from the prefix cache (:mod:`specdecode.prefix_cache`).
+starts like one read before takes what it shares with that one from the prefix cache (:mod:`specdecode.prefix_cache`).
 The server's worker (:mod:`specdecode.server.worker`) and ``generate_batch`` drive it."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from specdecode.engine import (
 )
 from specdecode.grammar import SequenceGrammar
 from specdecode.models.base import CausalLM, KVPool
-from specdecode.prefix_cache import PrefixCache, PrefixSource, whole_chunks
+from specdecode.prefix_cache import PrefixCache, PrefixSource
 
 
 @dataclass
@@ -92,7 +92,9 @@ class BatchEngine:
         self.pool: KVPool = target.new_pool()
         self.verifier = TargetVerifier(target)
         self.prefix_cache = PrefixCache(
-            prefill_chunk, max_batch_size if prefix_cache_slots is None else prefix_cache_slots
+            prefill_chunk,
+            max_batch_size if prefix_cache_slots is None else prefix_cache_slots,
+            rows_alone=target.rows_read_alone(),
         )
         self.waiting: list[BatchRequest] = []
         self.running: dict[int, tuple[object, Sequence]] = {}
@@ -164,14 +166,14 @@ class BatchEngine:
         return events
 
     def _cached_prefix(self, prompt_ids: list[int]) -> tuple[PrefixSource | None, int]:
-        """The running or kept prompt sharing the most whole chunks with ``prompt_ids``, and how many tokens."""
+        """The running or kept prompt sharing the most tokens with ``prompt_ids``, and how many."""
         if not self.prefix_cache.enabled:
             return None, 0
         running = [self._source(seq) for _, seq in self.running.values() if seq.cache is not None]
         return self.prefix_cache.best(prompt_ids, running)
 
     def _source(self, seq: Sequence) -> PrefixSource:
-        return PrefixSource(seq.prompt_ids, seq.cache, whole_chunks(len(seq.prompt_ids), seq.read, self.prefill_chunk))
+        return PrefixSource(seq.prompt_ids, seq.cache, self.prefix_cache.shareable(len(seq.prompt_ids), seq.read))
 
     def _finish(self, seq: Sequence) -> None:
         """End ``seq``: its cache goes to the prefix cache when that keeps it, else back to the pool."""

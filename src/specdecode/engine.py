@@ -135,8 +135,10 @@ class Sequence:
         )
 
     def next_chunk(self) -> PromptChunk:
-        """The prompt's next chunk to read: they start every ``prefill_chunk`` tokens from its start."""
-        return PromptChunk(self, self.read, min(self.read + self.prefill_chunk, len(self.prompt_ids) - 1))
+        """The prompt's next chunk to read: they end every ``prefill_chunk`` tokens from its start (a prompt that took
+        a prefix ending inside a chunk from the prefix cache reads the rest of that chunk first)."""
+        end = (self.read // self.prefill_chunk + 1) * self.prefill_chunk
+        return PromptChunk(self, self.read, min(end, len(self.prompt_ids) - 1))
 
     @property
     def stats(self) -> GenerationStats:
@@ -565,7 +567,7 @@ def _prompt_read(seq: Sequence) -> None:
 
 def adopt_prompt_prefix(seq: Sequence, source: KVCache, length: int) -> bool:
     """Start ``seq``'s prompt with the first ``length`` tokens' keys and values from ``source``, another prompt's
-    cache that read them in the same whole chunks (:mod:`specdecode.prefix_cache`), so that they are not read
+    cache that holds them bitwise as reading them would (:mod:`specdecode.prefix_cache`), so that they are not read
     again.  Only before any of the prompt is read, and not for a session that reads the prompt's features."""
     if length <= 0 or seq.read or not seq.reading or seq.session.hidden_layers or seq.cache is None:
         return False

@@ -36,11 +36,16 @@ def ragged_attention_op() -> object | None:
     return torch.ops.specdecode_attention.ragged_attention if cpu_kernels_built() else None
 
 
+def chunk_kernel_fits(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the chunk kernel computes a full-attention chunk of these heads: fp32 on the CPU, heads a whole number
+    of 64 floats, the kernels built."""
+    return device.type == "cpu" and dtype == torch.float32 and head_dim % 64 == 0 and cpu_kernels_built()
+
+
 def chunk_attention_op(query: torch.Tensor, sliding_window: int | None) -> object | None:
-    """``torch.ops.specdecode_chunk.chunk_attention`` where it computes this layer's causal chunk (fp32 on the CPU, no
-    sliding window, heads a whole number of 64 floats, the kernels built); None elsewhere."""
-    fits = query.device.type == "cpu" and query.dtype == torch.float32 and query.shape[-1] % 64 == 0
-    if fits and sliding_window is None and cpu_kernels_built():
+    """``torch.ops.specdecode_chunk.chunk_attention`` where it computes this layer's causal chunk (no sliding window,
+    :func:`chunk_kernel_fits`); None elsewhere."""
+    if sliding_window is None and chunk_kernel_fits(query.device, query.dtype, query.shape[-1]):
         return torch.ops.specdecode_chunk.chunk_attention
     return None
 

@@ -168,6 +168,13 @@ class CausalLM(ABC):
             raise SpecDecodeError(f"{self.name}: drafting through a VocabTrim head needs layer-wise execution")
         return self.forward(tokens, cache, logits_rows=slice(first_row, None), invariant=False).logits
 
+    def rows_read_alone(self) -> int | None:
+        """The fewest tokens a prompt chunk needs for this backend to compute each of its rows on its own: a prompt
+        token then gets bitwise the same keys and values in any chunk of at least that many tokens, so a prefix of any
+        length may be shared (:mod:`specdecode.prefix_cache`).  None (the default): a chunk's rows may depend on the
+        chunk, and only whole chunks at the fixed offsets are shared."""
+        return None
+
     def prepare_drafting(self) -> None:  # noqa: B027
         """Build what :meth:`draft_logits` needs before its first call, so that no draft token is timed with a
         one-off setup in it (a drafter prices its tokens by their time).  Default: nothing to build."""

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from specdecode.models.attention_kernel import FEW_ROWS, chunk_kernel_fits
 from specdecode.models.base import (
     CausalLM,
     DecoderShape,
@@ -35,6 +36,7 @@ from specdecode.models.base import (
 from specdecode.models.draft_step import DraftStep, build_draft_step
 from specdecode.models.fastpath import PackedLinear
 from specdecode.models.greedy_head import GreedyHead, greedy_head_applies
+from specdecode.models.layer_forward import every_layer_written_out
 from specdecode.models.quantized_layers import QuantizedLinear, free_row_spans
 from specdecode.models.ragged import ATTENTION, RaggedBatch, RaggedCacheView, SequenceSlice, SlotCache, SlotPool
 from specdecode.models.target_step import TargetStep, takes_target_step
@@ -93,6 +95,16 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
 
     def new_pool(self) -> SlotPool:
         return SlotPool(self.device)
+
+    def rows_read_alone(self) -> int | None:
+        """Where every decoder layer is written out (:mod:`specdecode.models.layer_forward`: panel products and kernels
+        that compute a row on its own) and a prompt chunk of more than ``FEW_ROWS`` tokens attends in the chunk kernel,
+        whose rows depend on their query and the keys and values they see only: chunks of that many tokens.  (Fewer
+        attend in the ragged kernel, which adds in another order.)"""
+        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
+        if every_layer_written_out(self.model) and chunk_kernel_fits(self.device, self.dtype, head_dim):
+            return FEW_ROWS + 1
+        return None
 
     def draft_logits(
         self,

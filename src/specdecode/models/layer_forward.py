@@ -76,6 +76,18 @@ def takes_layer_forward(layer: nn.Module) -> bool:
     return all(_panels(_module(layer, path)) for path in PROJECTIONS)
 
 
+def every_layer_written_out(model: nn.Module) -> bool:
+    """Whether every decoder layer of ``model`` has its :class:`LayerForward`, intact, and full attention (no sliding
+    window): each of its rows is then computed on its own, up to the attention function."""
+    layers = _decoder_layers(model)
+    forwards = [layer.__dict__.get("forward") for layer in layers]
+    return (
+        bool(layers)
+        and all(isinstance(forward, LayerForward) and forward.intact() for forward in forwards)
+        and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
+    )
+
+
 class LayerForward:
     """The forward of one decoder layer (see the module docstring); transformers' own where it does not apply."""
 
