@@ -25,7 +25,7 @@ from specdecode.drafters._vocab import DraftHead
 from specdecode.engine import ancestor_mask
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models import loading, quantize, quantized_layers, w4a8
+from specdecode.models import cpu_kernels, loading, quantize, quantized_layers, w4a8
 from specdecode.models.base import SequenceInput
 from specdecode.models.quantize import (
     default_draft_quantization,
@@ -427,9 +427,10 @@ def test_quantize_model_leaves_other_layers_alone():
 
 
 @needs_bf16
-def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatch):
-    """Whatever split the probe picks on this CPU, a row's result is the same in every call of 1 to 70 rows;
-    a kernel whose rows depend on their neighbours in every call shape is called row by row."""
+def test_a_bf16_layer_gives_a_row_the_same_bits_in_every_call(monkeypatch):
+    """Whichever product the layer takes here (the bf16 panel kernel, or oneDNN's with calls cut as the probe says), a
+    row's result is the same in every call of 1 to 70 rows; oneDNN's product whose rows depend on their neighbours in
+    every call shape is called row by row."""
     layer = Bf16Linear(nn.Linear(96, 80), tied=False)
     x = torch.randn(70, 96)
     with torch.inference_mode():
@@ -438,7 +439,30 @@ def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatc
     exact = quantized_layers._packed_bf16_call
     beside = lambda packed, rows: exact(packed, rows) + rows.sum().item()
     monkeypatch.setattr(quantized_layers, "_packed_bf16_call", beside)
-    assert probe_row_split(layer.packed, 96, 80) == RowSplit(pad_single=False, chunk=1)
+    assert probe_row_split(onednn_bf16(96, 80), 96, 80) == RowSplit(pad_single=False, chunk=1)
+
+
+def onednn_bf16(inputs: int, outputs: int) -> torch.Tensor:
+    """A random bf16 weight in oneDNN's blocked layout, what a bf16 layer multiplies by where the panel kernel does not
+    run."""
+    return torch.ops.mkldnn._reorder_linear_weight(torch.randn(outputs, inputs).to(torch.bfloat16), None)
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_panels_pay(), reason="no AVX512_BF16 here, or AMX (oneDNN's product runs)")
+def test_the_bf16_panel_kernel_multiplies_each_row_alone_as_bf16_products_in_fp32():
+    torch.manual_seed(5)
+    weight = torch.randn(48, 160) * 0.1
+    panels = cpu_kernels.pack_bf16_panels(weight)
+    assert torch.equal(cpu_kernels.unpack_bf16_panels(panels), weight.to(torch.bfloat16))
+    layer = Bf16Linear(nn.Linear(160, 48), tied=False)
+    assert layer.panels is not None and layer.packed is None
+    rows = torch.randn(19, 160).to(torch.bfloat16)
+    product = cpu_kernels.bf16_panel_linear(rows, panels)
+    reference = rows.double() @ weight.to(torch.bfloat16).double().T
+    assert product.dtype == torch.float32 and torch.allclose(product.double(), reference, rtol=0, atol=1e-5)
+    for count in (1, 2, 7, 8, 9, 16, 19):  # every tile height and a remainder
+        assert torch.equal(cpu_kernels.bf16_panel_linear(rows[:count], panels), product[:count])
+    assert torch.equal(cpu_kernels.bf16_panel_linear(rows[5:6], panels), product[5:6])
 
 
 @needs_bf16
@@ -452,11 +476,10 @@ def test_a_bf16_layer_cuts_its_calls_so_that_rows_are_batch_invariant(monkeypatc
     ],
 )
 def test_the_bf16_probe_finds_the_call_sizes_whose_rows_differ(monkeypatch, differs, split):
-    layer = Bf16Linear(nn.Linear(96, 64), tied=False)
     exact = quantized_layers._packed_bf16_call
     perturbed = lambda packed, rows: exact(packed, rows) + (1.0 if differs(rows) else 0.0)
     monkeypatch.setattr(quantized_layers, "_packed_bf16_call", perturbed)
-    assert probe_row_split(layer.packed, 96, 64) == split
+    assert probe_row_split(onednn_bf16(96, 64), 96, 64) == split
 
 
 @pytest.mark.real_model

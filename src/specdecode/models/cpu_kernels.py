@@ -23,9 +23,16 @@ log = logging.getLogger("specdecode")
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS / name
-    for name in ("ragged_attention.cpp", "chunk_attention.cpp", "panel_linear.cpp", "layer_ops.cpp", "greedy_head.cpp")
+    for name in (
+        "ragged_attention.cpp",
+        "chunk_attention.cpp",
+        "panel_linear.cpp",
+        "layer_ops.cpp",
+        "greedy_head.cpp",
+        "bf16_panel_linear.cpp",
+    )
 )
-HEADERS = (KERNELS / "vector16.h", KERNELS / "vec.h", KERNELS / "panel_tile.h")
+HEADERS = (KERNELS / "vector16.h", KERNELS / "vec.h", KERNELS / "panel_tile.h", KERNELS / "bf16_panel_tile.h")
 
 #: Compiler flags for the instruction set torch itself runs at here (its dispatch level), so that the kernels' vector
 #: code is what this CPU runs best and the build's name says which one it is.
@@ -80,6 +87,35 @@ def panels_pay() -> bool:
     AVX2, at which the kernel beat oneDNN's product at every row count from 1 to 256 on the same CPU
     (``docs/results/panel-linear-smollm2-135m``: products.json, products-avx2.json); not measured at other levels."""
     return cpu_kernels_built() and str(torch.backends.cpu.get_cpu_capability()) in ("AVX512", "AVX2")
+
+
+def bf16_panels_pay() -> bool:
+    """Whether bf16 layers multiply with the bf16 panel kernel (``kernels/bf16_panel_linear.cpp``): where the CPU has
+    AVX512_BF16 and no AMX (oneDNN's AMX product is not measured against it), the kernels built."""
+    return cpu_kernels_built() and torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+
+
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] (``out`` a multiple of :data:`PANEL`, ``in`` even) rounded to bf16 in the bf16 panel kernel's
+    layout, int32 pairs [out / 16, in / 2, 16]: panel p, step k holds channel c's weights at inputs 2k and 2k + 1."""
+    out, inner = weight.shape
+    pairs = weight.detach().to(torch.bfloat16).view(out // PANEL, PANEL, inner // 2, 2).permute(0, 2, 1, 3)
+    return pairs.contiguous().view(torch.int32).view(out // PANEL, inner // 2, PANEL)
+
+
+def unpack_bf16_panels(panels: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_bf16_panels` undone: the bf16 weight [out, in], bitwise."""
+    count, half, _ = panels.shape
+    pairs = panels.contiguous().view(torch.bfloat16).view(count, half, PANEL, 2).permute(0, 2, 1, 3)
+    return pairs.reshape(count * PANEL, half * 2)
+
+
+def bf16_panel_linear(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """bf16 ``rows`` [m, in] times the weight of ``panels = pack_bf16_panels(weight)``, fp32 [m, out]: every row bitwise
+    what it gets alone."""
+    out = rows.new_empty(rows.shape[0], panels.shape[0] * PANEL, dtype=torch.float32)
+    pairs = rows.contiguous().view(torch.int32)
+    return torch.ops.specdecode_bf16.bf16_panel_linear(pairs, panels, out)
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdecode.models.cpu_kernels import (
+    PANEL,
+    bf16_panel_linear,
+    bf16_panels_pay,
+    pack_bf16_panels,
+    unpack_bf16_panels,
+)
+
 #: What the kernels compute in: their inputs, outputs, scales and zeros (see the module doc for why).
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -412,16 +420,22 @@ def _invariant_call_rows(packed: torch.Tensor, rows: torch.Tensor, reference: to
 
 
 class Bf16Linear(QuantizedLinear):
-    """A bf16 weight in oneDNN's blocked layout, multiplied on bf16 activations (AMX where the CPU has it).
+    """A bf16 weight multiplied on bf16 activations.
 
-    Calls are cut as :class:`RowSplit` says, so that verification rows get bitwise what plain decoding's
-    one-row calls get.  The probe runs on a layer's first call, once per weight shape and thread count
-    (:data:`_SPLITS`), since the kernel choice depends on nothing else."""
+    Where the CPU has AVX512_BF16 and no AMX (:func:`~specdecode.models.cpu_kernels.bf16_panels_pay`), the weight is
+    packed as panels of 16 output channels and every call goes through our kernel (``kernels/bf16_panel_linear.cpp``),
+    whose rows get the same bits in any call: a prompt's chunk and a verification's rows alike.  Elsewhere it is in
+    oneDNN's blocked layout (AMX where the CPU has it), its calls cut as :class:`RowSplit` says, so that verification
+    rows get bitwise what plain decoding's one-row calls get; the probe runs on a layer's first call, once per weight
+    shape and thread count (:data:`_SPLITS`), since the kernel choice depends on nothing else."""
 
     def __init__(self, linear: nn.Linear, *, tied: bool) -> None:
         super().__init__(linear, tied=tied)
         weight = linear.weight.detach().to(COMPUTE_DTYPE)
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, None), persistent=False)
+        panels = bf16_panels_pay() and self.out_features % PANEL == 0 and self.in_features % 2 == 0
+        self.register_buffer("panels", pack_bf16_panels(weight) if panels else None, persistent=False)
+        onednn = None if panels else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        self.register_buffer("packed", onednn, persistent=False)
 
     @property
     def split(self) -> RowSplit:
@@ -431,10 +445,15 @@ class Bf16Linear(QuantizedLinear):
         return _SPLITS[key]
 
     def dequantized(self) -> torch.Tensor:
-        return self.packed.to_dense().float()
+        dense = unpack_bf16_panels(self.panels) if self.panels is not None else self.packed.to_dense()
+        return dense.float()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return bf16_panel_linear(rows, self.panels)
         return _split_call(self.packed, rows, self.split)
 
     def free_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return bf16_panel_linear(rows, self.panels)
         return _packed_bf16_call(self.packed, rows)

@@ -27,76 +27,15 @@
 #include <cstdint>
 #include <memory>
 
+#include "bf16_panel_tile.h"
 #include "panel_tile.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
-
 namespace {
 
 using namespace specdecode;
-
-constexpr int SCREEN_ROWS = 8;  // 8 rows x 2 panels of sums, as the fp32 tile
-
-// Rows [0, R) of x (bf16 pairs, [R, half]) times bf16 panels [panel, panel + G) ([panels, half, 16] pairs) into out.
-template <int R, int G>
-BF16_TARGET void screen_tile(const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels, int64_t panel,
-                             float* out) {
-  __m512 sums[R][G];
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
-  }
-  const uint32_t* panels[G];
-  for (int g = 0; g < G; ++g) panels[g] = w + (panel + g) * half * 16;
-  for (int64_t k = 0; k < half; ++k) {
-    __m512i weights[G];
-    for (int g = 0; g < G; ++g) {
-      __builtin_prefetch(panels[g] + (k + PREFETCH_STEPS) * 16);
-      weights[g] = _mm512_loadu_si512(panels[g] + k * 16);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i input = _mm512_set1_epi32(static_cast<int>(x[r * half + k]));
-      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbf16_ps(sums[r][g], (__m512bh)input, (__m512bh)weights[g]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + r * channels + (panel + g) * 16, sums[r][g]);
-  }
-}
-
-template <int G>
-BF16_TARGET void screen_rows(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels,
-                             int64_t panel, float* out) {
-  for (int64_t r = 0; r < rows; r += SCREEN_ROWS) {
-    const int64_t block = rows - r < SCREEN_ROWS ? rows - r : SCREEN_ROWS;
-    const uint32_t* xr = x + r * half;
-    float* o = out + r * channels;
-    switch (block) {
-      case 1: screen_tile<1, G>(xr, w, half, channels, panel, o); break;
-      case 2: screen_tile<2, G>(xr, w, half, channels, panel, o); break;
-      case 3: screen_tile<3, G>(xr, w, half, channels, panel, o); break;
-      case 4: screen_tile<4, G>(xr, w, half, channels, panel, o); break;
-      case 5: screen_tile<5, G>(xr, w, half, channels, panel, o); break;
-      case 6: screen_tile<6, G>(xr, w, half, channels, panel, o); break;
-      case 7: screen_tile<7, G>(xr, w, half, channels, panel, o); break;
-      default: screen_tile<8, G>(xr, w, half, channels, panel, o); break;
-    }
-  }
-}
-
-BF16_TARGET void screen_pairs(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
-                              int64_t begin, int64_t end, float* out) {
-  const int64_t channels = panels * 16;
-  for (int64_t pair = begin; pair < end; ++pair) {
-    if (pair * 2 + 2 <= panels) {
-      screen_rows<2>(rows, x, w, half, channels, pair * 2, out);
-    } else {
-      screen_rows<1>(rows, x, w, half, channels, pair * 2, out);
-    }
-  }
-}
 
 // Row r's choice from its bf16 logits `approx` (channels of them): the tokens whose bound reaches the largest lower
 // bound, each one's panel computed again in fp32 by the panel product's tile.
@@ -160,7 +99,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& x_bf16, const at::
   const auto* xb = reinterpret_cast<const uint32_t*>(x_bf16.data_ptr<int32_t>());
   const auto* wb = reinterpret_cast<const uint32_t*>(panels_bf16.data_ptr<int32_t>());
   at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    screen_pairs(rows, xb, wb, half, panels, begin, end, approx.get());
+    bf16_pairs(rows, xb, wb, half, panels, begin, end, approx.get());
   });
   const float* xp = x.data_ptr<float>();
   const float* wp = panels_fp32.data_ptr<float>();

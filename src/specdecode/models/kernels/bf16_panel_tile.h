@@ -1,0 +1,87 @@
+// The bf16 panel product's tile: rows of bf16 inputs times panels of 16 output channels' bf16 weights, AVX512_BF16's
+// dot product of pairs (vdpbf16ps) accumulating in fp32.  Used by the bf16 linear layers (bf16_panel_linear.cpp) and
+// by the greedy head's bf16 screen of the LM head (greedy_head.cpp).
+//
+// Layout: a row's inputs as pairs [half] (inputs 2k and 2k + 1 of the row in one 32-bit word); a panel's weights as
+// pairs [half][16] (step k: channel c's weights at inputs 2k and 2k + 1 side by side).  Numerics: output (r, c) is one
+// chain of vdpbf16ps over k = 0, 1, ..., half - 1 from zero, whatever the tile, the number of rows or the thread: a
+// row gets the same bits alone as in any batch.  Callers check the CPU has AVX512_BF16.
+#pragma once
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "panel_tile.h"
+
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+namespace specdecode {
+
+constexpr int BF16_ROW_BLOCK = 8;  // 8 rows x 2 panels of sums, as the fp32 tile
+
+// Rows [0, R) of x (bf16 pairs, [R, half]) times bf16 panels [panel, panel + G) ([panels, half, 16] pairs) into out
+// (row stride `channels`).
+template <int R, int G>
+BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels, int64_t panel,
+                                  float* out) {
+  __m512 sums[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
+  }
+  const uint32_t* panels[G];
+  for (int g = 0; g < G; ++g) panels[g] = w + (panel + g) * half * 16;
+  for (int64_t k = 0; k < half; ++k) {
+    __m512i weights[G];
+    for (int g = 0; g < G; ++g) {
+      __builtin_prefetch(panels[g] + (k + PREFETCH_STEPS) * 16);
+      weights[g] = _mm512_loadu_si512(panels[g] + k * 16);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i input = _mm512_set1_epi32(static_cast<int>(x[r * half + k]));
+      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbf16_ps(sums[r][g], (__m512bh)input, (__m512bh)weights[g]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + r * channels + (panel + g) * 16, sums[r][g]);
+  }
+}
+
+template <int G>
+BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels,
+                                  int64_t panel, float* out) {
+  for (int64_t r = 0; r < rows; r += BF16_ROW_BLOCK) {
+    const int64_t block = rows - r < BF16_ROW_BLOCK ? rows - r : BF16_ROW_BLOCK;
+    const uint32_t* xr = x + r * half;
+    float* o = out + r * channels;
+    switch (block) {
+      case 1: bf16_tile<1, G>(xr, w, half, channels, panel, o); break;
+      case 2: bf16_tile<2, G>(xr, w, half, channels, panel, o); break;
+      case 3: bf16_tile<3, G>(xr, w, half, channels, panel, o); break;
+      case 4: bf16_tile<4, G>(xr, w, half, channels, panel, o); break;
+      case 5: bf16_tile<5, G>(xr, w, half, channels, panel, o); break;
+      case 6: bf16_tile<6, G>(xr, w, half, channels, panel, o); break;
+      case 7: bf16_tile<7, G>(xr, w, half, channels, panel, o); break;
+      default: bf16_tile<8, G>(xr, w, half, channels, panel, o); break;
+    }
+  }
+}
+
+// Every row of x times the panels of pairs [begin, end) of w's `panels` (pair p: panels 2p and 2p + 1, or 2p alone when
+// it is the last): the unit of work of the callers' threads.
+BF16_TARGET inline void bf16_pairs(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
+                                   int64_t begin, int64_t end, float* out) {
+  const int64_t channels = panels * 16;
+  for (int64_t pair = begin; pair < end; ++pair) {
+    if (pair * 2 + 2 <= panels) {
+      bf16_rows<2>(rows, x, w, half, channels, pair * 2, out);
+    } else {
+      bf16_rows<1>(rows, x, w, half, channels, pair * 2, out);
+    }
+  }
+}
+
+}  // namespace specdecode
+
+#endif  // __x86_64__
