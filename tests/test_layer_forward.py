@@ -1,9 +1,10 @@
 """The decoder layer's written-out forward (:mod:`specdecode.models.layer_forward`): its kernels compute what
 transformers' modules compute to float noise, each row bitwise the same alone as among others; a model's logits with it
 are transformers' to float noise (and, the control, not bitwise theirs); through the ragged batched forward a row gets
-the same bits alone and beside another sequence; it steps aside for gradients and for a replaced projection; bf16 and
-unpacked models keep transformers' forward.  Greedy equality of every drafter with it is in the real-model tests
-(``tests/test_real_smollm2.py``: ``smollm2-135m`` takes it)."""
+the same bits alone and beside another sequence; it steps aside for gradients and for a replaced projection; bf16
+layers on the bf16 panel kernel take it too, bf16 models, int8 layers and unpacked models keep transformers' forward.
+Greedy equality of every drafter with it is in the real-model tests (``tests/test_real_smollm2.py``: ``smollm2-135m``
+takes it, and its bf16 trees)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specdecode.models.base import SequenceInput
-from specdecode.models.cpu_kernels import panels_pay
+from specdecode.models.cpu_kernels import bf16_panels_pay, panels_pay
 from specdecode.models.fastpath import apply_cpu_fast_path
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.layer_forward import LayerForward, install_layer_forward, remove_layer_forward
+from specdecode.models.quantize import quantize_model
 
 pytestmark = pytest.mark.skipif(not panels_pay(), reason="the CPU kernels (panel products) are not built here")
 
@@ -141,3 +143,19 @@ def test_bf16_and_quantized_layers_keep_transformers_forward():
     assert install_layer_forward(bf16) == 0
     plain = model("llama")  # fp32 but not packed
     assert install_layer_forward(plain) == 0
+
+
+@pytest.mark.skipif(not bf16_panels_pay(), reason="no AVX512_BF16 here, or AMX: bf16 layers are oneDNN's")
+def test_bf16_panel_layers_take_it_and_int8_layers_do_not():
+    reference, fast = model("llama"), model("llama")
+    for each in (reference, fast):
+        quantize_model(each, "bf16")
+    apply_cpu_fast_path(fast)
+    assert install_layer_forward(fast) == SIZES["num_hidden_layers"]
+    ids = torch.tensor([[1, 5, 9, 33, 70, 7, 150, 4]])
+    with torch.inference_mode():
+        assert torch.allclose(fast(ids).logits, reference(ids).logits, atol=1e-3, rtol=1e-3)
+    int8 = model("llama")
+    quantize_model(int8, "int8")
+    apply_cpu_fast_path(int8)
+    assert install_layer_forward(int8) == 0

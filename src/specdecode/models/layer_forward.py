@@ -1,13 +1,14 @@
-"""A Llama-shaped decoder layer's forward in a dozen calls, for fp32 models on the CPU fast path.
+"""A Llama-shaped decoder layer's forward in a dozen calls, for fp32 and bf16 models on the CPU fast path.
 
 Why: around its seven products and its attention, a layer of transformers' modules makes some forty small torch calls
 and a dozen module calls, each a few microseconds however few its rows: a one-token forward of a 135M model on a
 2-core EPYC took 17.9 ms that way and 16.0 ms written out, and the serving workload one request at a time ran about 10%
 faster (``docs/results/layer-ops-smollm2-135m``).  Where every projection of a layer is a panel
-:class:`~specdecode.models.fastpath.PackedLinear`, :func:`install_layer_forward` gives the layer a forward that
-multiplies through the panel kernel directly and does the norms, the rotary embedding and the gated activation in one
-call each (``kernels/layer_ops.cpp``); the attention is the model's own attention function, called as transformers
-calls it.
+:class:`~specdecode.models.fastpath.PackedLinear` (or a bf16 layer on the bf16 panel kernel,
+:class:`~specdecode.models.quantized_layers.Bf16Linear`), :func:`install_layer_forward` gives the layer a forward that
+multiplies through its projections' kernels directly and does the norms, the rotary embedding and the gated activation
+in one call each (``kernels/layer_ops.cpp``); the attention is the model's own attention function, called as
+transformers calls it.
 
 Numerics: the layer computes what transformers' does up to rounding (tests compare them), and it is the layer's only
 forward from then on, alone or in a batch, for plain decoding and every drafter's verification alike, so outputs stay
@@ -24,6 +25,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import PackedLinear, apply_cpu_fast_path
+from specdecode.models.quantized_layers import Bf16Linear
 
 #: transformers' decoder layers whose forward :class:`LayerForward` reproduces: pre-norm RMSNorm, rotary attention with
 #: ``rotate_half``, a SiLU-gated MLP (Qwen2's also hands its sliding window to the attention function).
@@ -172,6 +174,9 @@ def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 def _panels(module: nn.Module | None) -> bool:
+    """A projection whose product computes each row on its own: fp32 or bf16 panels."""
+    if type(module) is Bf16Linear:
+        return module.panels is not None
     return type(module) is PackedLinear and module.panels
 
 
