@@ -455,7 +455,7 @@ def test_the_bf16_panel_kernel_multiplies_each_row_alone_as_bf16_products_in_fp3
     panels = cpu_kernels.pack_bf16_panels(weight)
     assert torch.equal(cpu_kernels.unpack_bf16_panels(panels), weight.to(torch.bfloat16))
     layer = Bf16Linear(nn.Linear(160, 48), tied=False)
-    assert layer.panels is not None and layer.packed is None
+    assert layer.bf16_panels is not None and layer.packed is None and layer.kernel_build == "bf16 panels"
     rows = torch.randn(19, 160).to(torch.bfloat16)
     product = cpu_kernels.bf16_panel_linear(rows, panels)
     reference = rows.double() @ weight.to(torch.bfloat16).double().T

@@ -248,8 +248,8 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         shape = (tuple(weight.shape), str(weight.dtype)) if isinstance(weight, torch.Tensor) else ()
-        # The fast path's layout and kernel choice (tune_fast_path), the w4a8 kernel's instruction set and source,
-        # and a forward of the module's own (models/layer_forward.py).
+        # The fast path's layout and kernel choice (tune_fast_path), the w4a8 kernel's instruction set and source, the
+        # bf16 layers' product, and a forward of the module's own (models/layer_forward.py).
         kernels = f"{getattr(module, 'panels', '')}{getattr(module, 'dense_rows', '')}"
         kernels += getattr(module, "kernel_build", "")
         kernels += type(module.__dict__["forward"]).__name__ if "forward" in module.__dict__ else ""

@@ -176,7 +176,7 @@ def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 def _panels(module: nn.Module | None) -> bool:
     """A projection whose product computes each row on its own: fp32 or bf16 panels."""
     if type(module) is Bf16Linear:
-        return module.panels is not None
+        return module.bf16_panels is not None
     return type(module) is PackedLinear and module.panels
 
 

@@ -433,9 +433,14 @@ class Bf16Linear(QuantizedLinear):
         super().__init__(linear, tied=tied)
         weight = linear.weight.detach().to(COMPUTE_DTYPE)
         panels = bf16_panels_pay() and self.out_features % PANEL == 0 and self.in_features % 2 == 0
-        self.register_buffer("panels", pack_bf16_panels(weight) if panels else None, persistent=False)
+        self.register_buffer("bf16_panels", pack_bf16_panels(weight) if panels else None, persistent=False)
         onednn = None if panels else torch.ops.mkldnn._reorder_linear_weight(weight, None)
         self.register_buffer("packed", onednn, persistent=False)
+
+    @property
+    def kernel_build(self) -> str:
+        """Which product the layer runs (part of what the cost curves are keyed by)."""
+        return "bf16 panels" if self.bf16_panels is not None else "onednn bf16"
 
     @property
     def split(self) -> RowSplit:
@@ -445,15 +450,15 @@ class Bf16Linear(QuantizedLinear):
         return _SPLITS[key]
 
     def dequantized(self) -> torch.Tensor:
-        dense = unpack_bf16_panels(self.panels) if self.panels is not None else self.packed.to_dense()
+        dense = unpack_bf16_panels(self.bf16_panels) if self.bf16_panels is not None else self.packed.to_dense()
         return dense.float()
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            return bf16_panel_linear(rows, self.panels)
+        if self.bf16_panels is not None:
+            return bf16_panel_linear(rows, self.bf16_panels)
         return _split_call(self.packed, rows, self.split)
 
     def free_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None:
-            return bf16_panel_linear(rows, self.panels)
+        if self.bf16_panels is not None:
+            return bf16_panel_linear(rows, self.bf16_panels)
         return _packed_bf16_call(self.packed, rows)
