@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models import w4a8
 from specdecode.models.cost import (
     curve_file,
     fastest_forwards,
@@ -27,6 +28,7 @@ from specdecode.models.cost import (
     saved_entry,
     tune_fast_path,
 )
+from specdecode.models.cpu_kernels import bf16_panels_pay
 from specdecode.models.hf import HFCausalLM, shared_weights_copy
 from specdecode.models.layer_forward import apply_cpu_fast_path_with_layers
 from specdecode.models.quantize import QUANTIZE_MODES, quantize_model, quantize_supported
@@ -100,10 +102,11 @@ def choose_format(
     model: nn.Module, candidates: Sequence[str], time_format: Callable[[str], Timing | None], *, fast_path: bool = True
 ) -> FormatChoice:
     """The fastest of ``candidates`` for ``model`` on this machine: from the cache if it holds this machine, model
-    structure, candidates and ``fast_path`` (fp32's kernels), else timed by ``time_format`` (None: the format does not
-    run here) and kept, unless other processes kept the CPUs busy meanwhile (the timings were then not this
-    machine's alone: they serve this process only)."""
-    key = "quantize:" + machine_and_model_key(model, f"{','.join(candidates)};fast path {fast_path}")
+    structure, candidates, ``fast_path`` (fp32's kernels) and our quantized kernels' builds, else timed by
+    ``time_format`` (None: the format does not run here) and kept, unless other processes kept the CPUs busy meanwhile
+    (the timings were then not this machine's alone: they serve this process only)."""
+    kernels = f"w4a8 {w4a8.source_digest()}, bf16 {'panels' if bf16_panels_pay() else 'onednn'}"  # ours, as built
+    key = "quantize:" + machine_and_model_key(model, f"{','.join(candidates)};fast path {fast_path};{kernels}")
     if key in _CHOSEN:
         return _CHOSEN[key]
     if (cached := _cached_choice(key, candidates)) is not None:
