@@ -150,9 +150,15 @@ class QuantizedLinear(nn.Module):
         fused.out_features = sum(layer.out_features for layer in layers)
         return fused
 
+    @property
+    def rows_alone(self) -> bool:
+        """Whether every call computes each row on its own, free rows as the others (:meth:`free_matmul` is
+        :meth:`matmul`, no block copy): a forward is then one call, whatever rows need invariance."""
+        return False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        spans = _free_spans(rows.shape[0])
+        spans = () if self.rows_alone else _free_spans(rows.shape[0])
         if spans == ((0, rows.shape[0]),):
             out = self._free_call(rows).to(x.dtype)
         elif not spans:
@@ -441,6 +447,10 @@ class Bf16Linear(QuantizedLinear):
     def kernel_build(self) -> str:
         """Which product the layer runs (part of what the cost curves are keyed by)."""
         return "bf16 panels" if self.bf16_panels is not None else "onednn bf16"
+
+    @property
+    def rows_alone(self) -> bool:
+        return self.bf16_panels is not None
 
     @property
     def split(self) -> RowSplit:

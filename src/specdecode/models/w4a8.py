@@ -209,6 +209,10 @@ class W4A8Linear(QuantizedLinear):
         ``--quantize auto``'s choice are keyed by: a new kernel is timed anew)."""
         return f"{best_isa()}:{source_digest()}"
 
+    @property
+    def rows_alone(self) -> bool:
+        return self.block_weight is None  # the kernel is row invariant and keeps no bf16 copy
+
     def dequantized(self) -> torch.Tensor:
         q, scale, offset = unpack_blocks(self.blocks, self.out_features)
         levels = q.float().reshape(self.out_features, -1, GROUP)
