@@ -110,8 +110,9 @@ class PrefixCache:
         if not self.enabled or source.length < (self.chunk if self.rows_alone is None else 1):
             return False
         for key, old in list(self._kept.items()):
-            covered = shared_length(source.prompt_ids, old, self.chunk, self.rows_alone) >= old.length
-            if old.length <= source.length and covered:
+            if old.length > source.length:
+                continue
+            if shared_length(source.prompt_ids, old, self.chunk, self.rows_alone) >= old.length:
                 del self._kept[key]
                 old.cache.release()
         self._kept[id(source.cache)] = source

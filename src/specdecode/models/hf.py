@@ -101,8 +101,8 @@ class HFCausalLM(CausalLM, LayerwiseExecution, HiddenStates):
         that compute a row on its own) and a prompt chunk of more than ``FEW_ROWS`` tokens attends in the chunk kernel,
         whose rows depend on their query and the keys and values they see only: chunks of that many tokens.  (Fewer
         attend in the ragged kernel, which adds in another order.)"""
-        head_dim = getattr(self.config, "head_dim", None) or self.hidden_size // self.config.num_attention_heads
-        if every_layer_written_out(self.model) and chunk_kernel_fits(self.device, self.dtype, head_dim):
+        written_out = every_layer_written_out(self.model)  # a Llama- or Qwen2-shaped decoder: decoder_shape() holds
+        if written_out and chunk_kernel_fits(self.device, self.dtype, self.decoder_shape().head_dim):
             return FEW_ROWS + 1
         return None
 

@@ -469,6 +469,4 @@ class Bf16Linear(QuantizedLinear):
         return _split_call(self.packed, rows, self.split)
 
     def free_matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.bf16_panels is not None:
-            return bf16_panel_linear(rows, self.bf16_panels)
-        return _packed_bf16_call(self.packed, rows)
+        return self.matmul(rows) if self.rows_alone else _packed_bf16_call(self.packed, rows)

@@ -117,7 +117,8 @@ constexpr int64_t TILE = 16;
 // weights: each score is q . k summed as before any change of this kernel's layout (lanes over the dimensions, the
 // dimensions' blocks in order, the lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.
 template <typename T>
-__attribute__((always_inline)) inline void score_tile(const float* q, const T* kp, const Columns& columns, int64_t c0, int64_t dim, float scaling, float* w) {
+__attribute__((always_inline)) inline void score_tile(const float* q, const T* kp, const Columns& columns, int64_t c0,
+                                                      int64_t dim, float scaling, float* w) {
   const int64_t count = std::min<int64_t>(TILE, columns.count() - c0);
   const T* k[TILE];
   for (int64_t j = 0; j < TILE; ++j) k[j] = kp + columns[c0 + std::min(j, count - 1)] * dim;  // a tail repeats its last
@@ -172,7 +173,9 @@ void attend_rows(std::vector<QueryRow>& rows, int64_t g0, const T* kp, const T* 
   for (int64_t c0 = 0; c0 < longest; c0 += TILE) {
     if (c0 + TILE < longest) {
       const Columns& widest = rows.back().columns;  // the item's last row sees the most columns of a chain
-      for (int64_t j = c0 + TILE; j < std::min(c0 + 2 * TILE, widest.count()); ++j) prefetch_row(kp + widest[j] * dim, dim);
+      for (int64_t j = c0 + TILE; j < std::min(c0 + 2 * TILE, widest.count()); ++j) {
+        prefetch_row(kp + widest[j] * dim, dim);
+      }
     }
     for (QueryRow& r : rows) {
       if (c0 >= r.columns.count()) continue;

@@ -56,19 +56,19 @@ inline float sum16(v16 v) {
 __attribute__((always_inline)) inline v16 sums16(const v16 (&v)[16]) {
   v16 halves[8], quarters[4], eighths[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s halves added; lanes 8-15: v[2i + 1]'s
-    halves[i] = SPECDECODE_SHUFFLE2(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                SPECDECODE_SHUFFLE2(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const v16 a = v[2 * i], b = v[2 * i + 1];
+    halves[i] = SPECDECODE_SHUFFLE2(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                SPECDECODE_SHUFFLE2(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
   }
   for (int i = 0; i < 4; ++i) {  // four lanes each of v[4i], v[4i + 1], v[4i + 2], v[4i + 3]
-    quarters[i] =
-        SPECDECODE_SHUFFLE2(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-        SPECDECODE_SHUFFLE2(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const v16 a = halves[2 * i], b = halves[2 * i + 1];
+    quarters[i] = SPECDECODE_SHUFFLE2(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                  SPECDECODE_SHUFFLE2(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   }
   for (int i = 0; i < 2; ++i) {  // two lanes each of v[8i + 0, 4, 1, 5, 2, 6, 3, 7]
-    eighths[i] = SPECDECODE_SHUFFLE2(quarters[2 * i], quarters[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
-                                     13, 28, 29) +
-                 SPECDECODE_SHUFFLE2(quarters[2 * i], quarters[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14,
-                                     15, 30, 31);
+    const v16 a = quarters[2 * i], b = quarters[2 * i + 1];
+    eighths[i] = SPECDECODE_SHUFFLE2(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                 SPECDECODE_SHUFFLE2(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
   }
   return SPECDECODE_SHUFFLE2(eighths[0], eighths[1], 0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30) +
          SPECDECODE_SHUFFLE2(eighths[0], eighths[1], 1, 5, 9, 13, 3, 7, 11, 15, 17, 21, 25, 29, 19, 23, 27, 31);
