@@ -14,7 +14,7 @@ from specdecode.draft_length.tuning import LOSS_ALLOWANCE_STEPS, LOSS_BUDGET
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import LinearFit, ShareWithPrior
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models.cost import linear_curve
+from specdecode.models.cost import VerificationCosts, linear_curve
 from specdecode.types import StepObservation
 
 
@@ -240,8 +240,8 @@ def test_a_share_with_a_prior_moves_with_the_evidence_and_forgets_with_the_disco
 
 def test_linear_curve_is_the_guess_before_measuring():
     assert linear_curve(1.7)[7] == pytest.approx(1.7)
-    assert make_policy(AUTO).curve == pytest.approx(linear_curve(1.3))
-    assert make_policy(AUTO, DrafterCosts(curve=[2.0, 3.0])).curve == (1.0, 1.5)  # normalised to one input
+    assert make_policy(AUTO).curve.base == pytest.approx(linear_curve(1.3))
+    assert make_policy(AUTO, DrafterCosts(curve=[2.0, 3.0])).curve.base == (1.0, 1.5)  # normalised to one input
 
 
 # -- the SpecDec++-style stop rule ----------------------------------------------------------------
@@ -630,7 +630,7 @@ class FreeDrafts(DraftLengthPolicy):
 
     def depth_offer(self, limit, proposed) -> DepthOffer:
         tokens = [sum(self.acceptance**i for i in range(k + 1)) for k in range(min(limit, 8) + 1)]
-        return DepthOffer(tokens, [0.0] * len(tokens), 0.0, lambda width: 1.0 + 0.01 * width)
+        return DepthOffer(tokens, [0.0] * len(tokens), 0.0, lambda width, context: 1.0 + 0.01 * width)
 
     def take_depth(self, offer, depth, limit, proposed) -> int:
         return depth
@@ -641,3 +641,49 @@ def test_the_batch_plan_asks_any_policy_that_plans_with_it():
     depths = plan_batch([sure, doubtful, FixedLength(2)], [16, 16, 16])
     assert depths[0] > depths[1] and depths[2] == 2
     assert plan_batch([sure, FixedLength(2)], [16, 16]) == [1, 2]  # alone with the batch: it chooses alone
+
+
+# -- long contexts ----------------------------------------------------------------------------------------
+
+
+def long_context_costs() -> VerificationCosts:
+    """Wide forwards cost little after a short context and much after 4,096 tokens (attention per extra row)."""
+    return VerificationCosts({128: curve(0.02), 4096: curve(0.3)})
+
+
+def test_a_sequence_after_a_long_context_is_priced_with_that_contexts_curve_and_drafts_shallower():
+    costs = long_context_costs()
+    short, long = CostModel(curve=costs).fork(), CostModel(curve=costs).fork()
+    short.reach(128)
+    long.reach(6000)
+    for policy in (short, long):
+        feed(policy, 60, accept_rate=0.7)
+    assert long.relative_cost(5) == pytest.approx(2.2) and short.relative_cost(5) < 1.2
+    assert 0 < long.next_length(12) < short.next_length(12)
+    # The control: one curve for every context prices the long sequence as the short one, and drafts as deep.
+    flat = CostModel(curve=curve(0.02)).fork()
+    flat.reach(6000)
+    feed(flat, 60, accept_rate=0.7)
+    assert flat.next_length(12) == short.next_length(12)
+
+
+def test_a_step_teaches_the_policy_its_context_and_prices_the_scale_at_it():
+    policy = CostModel(curve=long_context_costs()).fork()
+    policy.observe(StepObservation(depth=3, nodes=3, accepted=2, draft_s=0.0, verify_s=0.19, context_tokens=4096))
+    assert policy.context_tokens == 4099  # the step's three new tokens are in the cache now
+    assert policy.model.scale.value == pytest.approx(0.1)  # 0.19 s for 4 inputs at 1.9x one: 0.1 s a one-input forward
+
+
+def test_a_batch_is_priced_at_its_sequences_mean_context():
+    costs = long_context_costs()
+    model = CostModel(curve=costs, prior_acceptance=0.7)
+    model.acceptance_after[False] = []
+
+    def depths(*contexts: int) -> int:
+        policies = [model.fork() for _ in contexts]
+        for policy, context in zip(policies, contexts):
+            policy.reach(context)
+        return sum(plan_batch(policies, [12] * len(policies)))
+
+    assert depths(4096, 4096) < depths(128, 128)
+    assert depths(128, 4096) == depths(2112, 2112)  # the mean of 128 and 4,096 tokens

@@ -85,9 +85,12 @@ def test_template_trees_are_cut_where_the_targets_cost_steps_up(tiny_target):
     """Recycled top-k lists carry no probabilities: each node starts at its rank's chance and is kept only
     while it pays for its width (here a cost that doubles at 5 inputs, as int4's blocks of 4 rows do)."""
     from specdecode.drafters._tree_size import TreeBudget
+    from specdecode.models.cost import VerificationCosts
 
     drafter = create_drafter("recycling", tiny_target)
-    drafter.trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=(1.0, 1.05, 1.19, 1.3, 2.2, 2.2, 2.3, 2.4))
+    drafter.trees.budget = TreeBudget(
+        None, "auto", draft_share=0.0, costs=VerificationCosts.of((1.0, 1.05, 1.19, 1.3, 2.2, 2.2, 2.3, 2.4))
+    )
     session = session_for(drafter, [7, 8])
     logits = torch.randn(1, 96, generator=torch.Generator().manual_seed(1))
     session.observe([7, 8], StepFeedback(draft=Draft(tokens=[]), path=(), target_logits=logits))

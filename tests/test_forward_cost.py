@@ -134,3 +134,50 @@ def test_a_curve_timed_while_the_machine_was_busy_serves_this_process_but_is_not
     monkeypatch.setattr(cost.OthersLoad, "busy", property(lambda self: True))
     assert cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "a"))
     assert not (tmp_path / "curves.json").exists()
+
+
+def test_verification_costs_read_between_the_contexts_measured_and_at_the_nearest_beyond():
+    from specdecode.models.cost import VerificationCosts
+
+    costs = VerificationCosts({128: (2.0, 2.2, 2.4), 4096: (1.0, 1.3, 1.6)})
+    assert costs.base == pytest.approx((1.0, 1.1, 1.2))  # normalised to one input
+    assert costs.relative(3) == costs.relative(3, 100) == pytest.approx(1.2)
+    assert costs.relative(3, 2112) == pytest.approx(1.4)  # halfway between 128 and 4,096 tokens
+    assert costs.relative(3, 9000) == pytest.approx(1.6)
+    assert costs.relative(5, 4096) == pytest.approx(2.2)  # past the curve: extrapolated along it
+
+
+def test_verification_costs_measure_a_long_context_once_at_its_power_of_two_and_only_when_prepared():
+    from specdecode.models.cost import LONG_CONTEXT_TOKENS, VerificationCosts
+
+    asked = []
+
+    def measure(context_tokens):
+        asked.append(context_tokens)
+        return None if context_tokens > 4096 else (1.0, 1.5)
+
+    costs = VerificationCosts({128: (1.0, 1.1)}, measure)
+    assert costs.relative(2, 3000) == pytest.approx(1.1) and asked == []  # pricing never measures
+    costs.prepare(LONG_CONTEXT_TOKENS - 1)
+    assert asked == []  # a short context keeps the short curve
+    costs.prepare(3000)
+    costs.prepare(2500)
+    assert asked == [2048] and costs.relative(2, 3000) == pytest.approx(1.5)
+    costs.prepare(5000)  # too long for the model to measure on: priced at the longest measured
+    assert asked == [2048, 4096] and costs.relative(2, 5000) == pytest.approx(1.5)
+
+
+def test_a_long_prompt_decoded_with_auto_measures_its_contexts_curve_on_the_target(tiny_target):
+    """The engine tells the policy the prompt's length before the first step; the policy measures the curve of
+    that context once, on the target itself, and decoding is unchanged (pld == plain)."""
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.cost import _CURVES
+    from specdecode.models.loading import LoadedModel
+
+    backend = HFCausalLM(tiny_llama(seed=0, layers=1, hidden=32, context=1200), "tiny-long")
+    target = LoadedModel("tiny-long", backend, tiny_target.tokenizer)
+    prompt = [3 + (i * 7) % 50 for i in range(1100)]
+    speculative = SpeculativeGenerator.build(target, "pld").generate(prompt, max_new_tokens=12)
+    assert sorted(_CURVES[backend]) == [128, 1024]
+    plain = SpeculativeGenerator.build(target, "none").generate(prompt, max_new_tokens=12)
+    assert speculative.token_ids == plain.token_ids

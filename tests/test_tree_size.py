@@ -7,6 +7,7 @@ import pytest
 
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.errors import SpecDecodeError
+from specdecode.models.cost import VerificationCosts
 from specdecode.types import Draft
 
 CURVE = (1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35)
@@ -30,11 +31,11 @@ def test_calibration_learns_per_depth_from_the_tried_nodes_only():
 
 
 def test_auto_budget_verifies_what_pays_and_nothing_when_nothing_does():
-    budget = TreeBudget(None, "auto", draft_share=0.05, curve=CURVE)
+    budget = TreeBudget(None, "auto", draft_share=0.05, costs=VerificationCosts.of(CURVE))
     assert budget.size([0.9, 0.8, 0.6, 0.3, 0.01, 0.01]) == 4
     assert budget.size([0.02, 0.01]) == 0
     assert budget.size([]) == 0
-    assert TreeBudget(None, 3, 0.05, CURVE).size([0.02, 0.01, 0.01, 0.01]) == 3
+    assert TreeBudget(None, 3, 0.05, VerificationCosts.of(CURVE)).size([0.02, 0.01, 0.01, 0.01]) == 3
 
 
 @pytest.mark.parametrize("bad", [-1, "many", 2.5, True])
@@ -58,7 +59,7 @@ def test_model_free_trees_are_cut_where_the_targets_cost_steps_up():
     from specdecode.drafters._ngram_tree import PayingTrees
 
     trees = PayingTrees(None)
-    trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
+    trees.budget = TreeBudget(None, "auto", draft_share=0.0, costs=VerificationCosts.of(INT4_STAIRCASE))
     kept = trees.choose(_wide_tree())
     assert 1 <= len(kept.tokens) <= 3  # widths past 4 cost twice as much
     flat = PayingTrees(None)  # no target: every width costs one forward, the whole tree pays
@@ -69,7 +70,7 @@ def test_model_free_chains_pass_whole_and_without_chances():
     from specdecode.drafters._ngram_tree import PayingTrees
 
     trees = PayingTrees(None)
-    trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
+    trees.budget = TreeBudget(None, "auto", draft_share=0.0, costs=VerificationCosts.of(INT4_STAIRCASE))
     chain = Draft(tokens=[1, 2, 3, 4, 5, 6], parents=[-1, 0, 1, 2, 3, 4], confidence=[0.1] * 6)
     assert trees.choose(chain) == Draft(tokens=[1, 2, 3, 4, 5, 6])  # its depth is the policy's call
     unrated = Draft(tokens=[1, 2], parents=[-1, -1])  # a tree without chances is left as it is
@@ -81,7 +82,7 @@ def test_model_free_trees_shrink_once_verification_rejects_their_confident_nodes
     from specdecode.types import StepFeedback
 
     trees = PayingTrees(None)
-    trees.budget = TreeBudget(None, "auto", draft_share=0.0, curve=INT4_STAIRCASE)
+    trees.budget = TreeBudget(None, "auto", draft_share=0.0, costs=VerificationCosts.of(INT4_STAIRCASE))
     siblings = Draft(tokens=[7, 8, 9], parents=[-1, -1, -1], confidence=[0.9, 0.9, 0.9])
     assert len(trees.choose(siblings).tokens) == 3
     for _ in range(20):  # the target took none of them
@@ -91,7 +92,7 @@ def test_model_free_trees_shrink_once_verification_rejects_their_confident_nodes
 
 def test_only_nodes_the_budget_would_verify_are_grown():
     """Children are never likelier than their parent: growing a node the budget leaves out is wasted."""
-    budget = TreeBudget(None, "auto", draft_share=0.05, curve=CURVE)
+    budget = TreeBudget(None, "auto", draft_share=0.05, costs=VerificationCosts.of(CURVE))
     scores = [0.9, 0.8, 0.6, 0.3, 0.01, 0.01]  # the budget verifies the first four
     assert budget.worth_expanding(scores, [1, 2, 3, 4, 5], top_k=2) == [1, 2]
     assert budget.worth_expanding(scores, [4, 5], top_k=2) == []
@@ -99,7 +100,7 @@ def test_only_nodes_the_budget_would_verify_are_grown():
 
 
 def test_the_best_subtree_keeps_parents_before_children_and_drops_what_does_not_pay():
-    budget = TreeBudget(None, 3, draft_share=0.05, curve=CURVE)
+    budget = TreeBudget(None, 3, draft_share=0.05, costs=VerificationCosts.of(CURVE))
     # Node 2 (child of 0) outscores node 1 (a sibling of 0); node 3 (child of 2) misses the three best.
     parents = [-1, -1, 0, 2]
     order = budget.best_nodes(parents, scores=[0.9, 0.3, 0.5, 0.2])
@@ -107,3 +108,16 @@ def test_the_best_subtree_keeps_parents_before_children_and_drops_what_does_not_
     draft = subtree(order, tokens=[10, 11, 12, 13], parents=parents, confidence=[0.9, 0.3, 0.55, 0.4])
     assert draft.tokens == [10, 11, 12] and draft.parent_list == [-1, -1, 0]
     assert draft.confidence == [0.9, 0.3, 0.55]
+
+
+def test_a_tree_after_a_long_context_is_sized_with_that_contexts_curve():
+    """Attention makes each extra node dearer after a long context: the same probabilities verify fewer nodes there
+    (and as many as a short context's where the budget has one curve for every context, the control)."""
+    costs = VerificationCosts(
+        {128: tuple(1.0 + 0.01 * w for w in range(16)), 8192: tuple(1.0 + 0.2 * w for w in range(16))}
+    )
+    budget = TreeBudget(None, "auto", draft_share=0.05, costs=costs)
+    probabilities = [0.6, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05]
+    assert budget.size(probabilities, 8192) < budget.size(probabilities, 128)
+    flat = TreeBudget(None, "auto", draft_share=0.05, costs=VerificationCosts.of(costs.base))
+    assert flat.size(probabilities, 8192) == budget.size(probabilities, 128)

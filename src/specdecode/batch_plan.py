@@ -44,7 +44,13 @@ def plan_batch(
         for i, (policy, limit, draft) in enumerate(zip(policies, limits, known))
     ]
     offers = [policies[i].depth_offer(limits[i], known[i]) for i in joint]
-    verify_seconds = offers[0].verify_seconds  # the sequences of one drafter share the cost curve and its scale
+    # The sequences of one drafter share the cost curves and their scale; a forward's extra rows attend over their
+    # own sequences' contexts, so the batch's is priced at their mean.
+    context = sum(offer.context_tokens for offer in offers) // len(offers)
+
+    def verify_seconds(width: int) -> float:
+        return offers[0].verify_seconds(width, context)
+
     fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in joint)
     chosen = [0] * len(offers)
     width = fixed + len(offers)

@@ -462,6 +462,7 @@ def step(
             batch=len(sequences),
             confidence=tuple(draft.confidence) if draft.is_chain and draft.confidence is not None else None,
             setup_s=min(draft.setup_s, draft_s),
+            context_tokens=len(seq.context),
         )
         seq.length_policy.observe(observation)
         # A stop token ends the request once min_tokens are out; exact verifiers never emit one sooner (the processing
@@ -560,9 +561,10 @@ def _prompt_read(seq: Sequence) -> None:
     if seq.prompt_hidden:  # a session with hidden_layers, and a prompt of more than one token
         seq.session.observe_prompt(torch.cat(seq.prompt_hidden))
         seq.prompt_hidden = []
+    seq.stats.prefill_s = seq.stats.forward_s = now() - seq.started
+    # Before the first step's clock starts: the policy may measure what verifying after so long a prompt costs.
+    seq.length_policy.begin(seq.stats.prefill_s, len(seq.prompt_ids))
     seq.step_end = now()
-    seq.stats.prefill_s = seq.stats.forward_s = seq.step_end - seq.started
-    seq.length_policy.begin(seq.stats.prefill_s)
 
 
 def adopt_prompt_prefix(seq: Sequence, source: KVCache, length: int) -> bool:

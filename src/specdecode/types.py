@@ -184,6 +184,7 @@ class StepObservation:
     width: int = 0  # inputs of the whole verification forward (all sequences of a batch, prompt chunks); 0: nodes + 1
     batch: int = 1  # sequences that shared that forward
     setup_s: float = 0.0  # of draft_s, the drafter catching up with the context (Draft.setup_s)
+    context_tokens: int = 0  # tokens in the sequence's cache the verification ran after (0: not known)
 
     @property
     def forward_width(self) -> int:

@@ -27,7 +27,9 @@ class DepthOffer:
     tokens: list[float]  # expected tokens of the step at each depth, the target's own included
     draft_s: list[float]  # seconds of drafting still to spend at each depth (none for a draft already made)
     overhead_s: float  # the rest of the sequence's step, the same at every depth
-    verify_seconds: Callable[[int], float]  # expected seconds of the shared forward over this many inputs
+    #: Expected seconds of the shared forward over this many inputs after a context this long.
+    verify_seconds: Callable[[int, int], float]
+    context_tokens: int = 0  # this sequence's context
 
     @property
     def cap(self) -> int:
@@ -63,8 +65,9 @@ class DraftLengthPolicy(ABC):
         """The depth to ask for once the batch's plan gave this sequence ``depth`` of its ``offer``."""
         raise NotImplementedError(f"{type(self).__name__} chooses its depth alone")
 
-    def begin(self, prefill_s: float) -> None:  # noqa: B027
-        """The target has read this sequence's prompt, in ``prefill_s`` seconds.  Default: nothing to learn."""
+    def begin(self, prefill_s: float, context_tokens: int = 0) -> None:  # noqa: B027
+        """The target has read this sequence's prompt (``context_tokens`` long), in ``prefill_s`` seconds.  Default:
+        nothing to learn."""
 
     def observe(self, step: StepObservation) -> None:  # noqa: B027
         """Learn from the step just verified.  Default: nothing to learn."""

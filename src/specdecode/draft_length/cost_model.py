@@ -5,12 +5,13 @@ them.  Each sequence decodes with its own :class:`~specdecode.draft_length.seque
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.draft_length.sequence import CostModelLength
 from specdecode.draft_length.tuning import DRAFT_MARGIN, INHERITED_PROBE_BACKOFF, LOSS_BUDGET
 from specdecode.estimators import ConfidenceBins, LinearFit, RunningMean
-from specdecode.models.cost import cost_at, linear_curve
+from specdecode.models.cost import VerificationCosts, linear_curve
 from specdecode.types import StepObservation
 
 #: Acceptance of draft positions 0, 1, ...: position j's given that every earlier one was accepted.
@@ -23,10 +24,13 @@ class CostModel:
 
     E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} a_j, a_j the acceptance of position j given j-1 accepted, from an
     :data:`AcceptanceTable` (a sequence's own, or the one earlier requests left here).  seconds(k) = overhead +
-    draft(k) + scale * curve[k + 1]: ``curve``, the verification cost relative to one input, is *measured once per
-    loaded model* (:func:`specdecode.models.cost.relative_cost_curve`); only ``scale`` (seconds of a one-input
-    forward) is learned online, so a noisy step under contention cannot make one width look dear.  Draft cost is
-    a fixed part plus a part per token, fitted online; ``overhead`` is the rest of a step, the same for every k.
+    draft(k) + scale * curve(k + 1, context): ``curve``, the verification cost relative to one input, is *measured
+    once per loaded model* and per context length where a sequence grows long
+    (:class:`~specdecode.models.cost.VerificationCosts`: attention makes wide forwards dearer after a long context);
+    only ``scale`` (seconds of a one-input forward) is learned online, so a noisy step under contention cannot make
+    one width look dear.  Draft cost is a fixed part plus a part per token, fitted online; ``overhead`` is the rest
+    of a step, the same for every k.  Each pricing takes the context length of the sequence it prices (0: the
+    shortest measured).
 
     Every sequence of the drafter updates the same estimates, and leaves what it learned of acceptance, of
     drafting's gain and of probing for the sequences after it (``acceptance_after``, ``gain``,
@@ -36,7 +40,8 @@ class CostModel:
     # -- settings ----------------------------------------------------------------------------------
     maximum: int = 16
     prior_acceptance: float = 0.5
-    curve: tuple[float, ...] = field(default_factory=lambda: linear_curve(1.3))
+    #: The target's verification cost by width and context; a bare curve (t(w) / t(1)) is used at every context.
+    curve: VerificationCosts | Sequence[float] = field(default_factory=lambda: linear_curve(1.3))
     probe_every: int = 8
     max_probe_every: int = 64
     loss_budget: float | None = LOSS_BUDGET  # None: drafting may lose without limit (LOSS_BUDGET)
@@ -70,9 +75,8 @@ class CostModel:
     probe_interval: int = field(init=False)  # steps between probes while not drafting
 
     def __post_init__(self) -> None:
-        if not self.curve or self.curve[0] <= 0:
-            raise ValueError("a cost curve needs a positive cost for one input")
-        self.curve = tuple(c / self.curve[0] for c in self.curve)
+        if not isinstance(self.curve, VerificationCosts):
+            self.curve = VerificationCosts.of(self.curve)
         backed_off = INHERITED_PROBE_BACKOFF * self.probe_every
         pays = self.best_depth(self.acceptance_after[False], self.maximum)
         self.probe_interval = self.probe_every if pays else backed_off
@@ -82,13 +86,13 @@ class CostModel:
         return CostModelLength(self)
 
     # -- pricing -----------------------------------------------------------------------------------
-    def relative_cost(self, width: int) -> float:
-        """Verification cost of ``width`` inputs relative to one; linear extrapolation past the curve."""
-        return cost_at(self.curve, width)
+    def relative_cost(self, width: int, context_tokens: int = 0) -> float:
+        """Verification cost of ``width`` inputs after ``context_tokens`` relative to one input there."""
+        return self.curve.relative(width, context_tokens)  # type: ignore[union-attr]  # one since __post_init__
 
-    def verify_seconds(self, width: int) -> float:
+    def verify_seconds(self, width: int, context_tokens: int = 0) -> float:
         """Expected seconds of a verification forward over ``width`` inputs (units of one input until timed)."""
-        return self.scale.value * self.relative_cost(width)
+        return self.scale.value * self.relative_cost(width, context_tokens)
 
     def untimed_token_seconds(self) -> float:
         """A draft token's price before any sequence has timed one: what the drafter timed (``draft_token_s``), or
@@ -101,10 +105,10 @@ class CostModel:
             return self.draft_token_share * self.scale.value
         return 0.0 if self.context_cost is None else self.context_cost.value * self.scale.value
 
-    def step_seconds(self, k: int) -> float:
+    def step_seconds(self, k: int, context_tokens: int = 0) -> float:
         """Expected seconds of a step drafting k deep; until a draft is timed, at :meth:`untimed_token_seconds`."""
         draft = 0.0 if k == 0 else self.draft_cost(k) if self.draft_cost.count else k * self.untimed_token_seconds()
-        return self.overhead.value + draft + self.verify_seconds(k + 1)
+        return self.overhead.value + draft + self.verify_seconds(k + 1, context_tokens)
 
     def acceptance_at(self, table: AcceptanceTable, position: int) -> float:
         if position < len(table):
@@ -119,15 +123,16 @@ class CostModel:
             tokens += survive
         return tokens
 
-    def expected_rate(self, table: AcceptanceTable, k: int) -> float:
+    def expected_rate(self, table: AcceptanceTable, k: int, context_tokens: int = 0) -> float:
         """Expected tokens per second (in the cost model's units) when drafting k deep."""
-        return self.expected_tokens(table, k) / self.step_seconds(k)
+        return self.expected_tokens(table, k) / self.step_seconds(k, context_tokens)
 
-    def best_depth(self, table: AcceptanceTable, cap: int) -> int:
+    def best_depth(self, table: AcceptanceTable, cap: int, context_tokens: int = 0) -> int:
         """The depth up to ``cap`` with the best expected tokens per second; 0 unless it beats plain decoding by
         ``DRAFT_MARGIN`` (a gain within the estimates' error: plain decoding's is certain)."""
-        best = max(range(cap + 1), key=lambda k: self.expected_rate(table, k))
-        return best if best and self.expected_rate(table, best) >= DRAFT_MARGIN * self.expected_rate(table, 0) else 0
+        rates = [self.expected_rate(table, k, context_tokens) for k in range(cap + 1)]
+        best = max(range(cap + 1), key=rates.__getitem__)
+        return best if best and rates[best] >= DRAFT_MARGIN * rates[0] else 0
 
     # -- learning ----------------------------------------------------------------------------------
     def learn_acceptance(self, table: AcceptanceTable, step: StepObservation) -> None:

@@ -11,7 +11,7 @@ from specdecode.config import AUTO, Auto, DraftLength, Fixed, Heuristic
 from specdecode.draft_length.base import FixedLength, HeuristicLength, PolicySource
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.estimators import RunningMean
-from specdecode.models.cost import relative_cost_curve
+from specdecode.models.cost import VerificationCosts, verification_costs
 
 if TYPE_CHECKING:
     from specdecode.models.base import CausalLM
@@ -36,7 +36,8 @@ class DeclaresCosts(Protocol):
 class DrafterCosts:
     """What ``auto`` prices drafting with before it has timed anything (only ``auto`` reads them).
 
-    ``curve``: measured verification cost per width (1, 2, ...); a linear guess without it.
+    ``curve``: measured verification cost per width (1, 2, ...), by context where measured on the target
+    (:class:`~specdecode.models.cost.VerificationCosts`); a linear guess without it.
     ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
     shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
     reading of a prompt against the target's prefill (``Drafter.reading_cost``), so ``auto`` prices each reading;
@@ -46,7 +47,7 @@ class DrafterCosts:
     ``draft_token_share``: a draft token's cost in one-token target forwards where known by construction
     (``Drafter.draft_token_share``), its price until timed."""
 
-    curve: Sequence[float] | None = None
+    curve: VerificationCosts | Sequence[float] | None = None
     reads_context: bool = False
     context_cost: float | None = None
     draft_token_s: float | None = None
@@ -58,7 +59,7 @@ class DrafterCosts:
         """Ask ``drafter`` and ``target`` (each measures once and keeps the result: a loaded model's cost curve
         survives ``reset_drafter``); a drafter that never drafts needs no cost curve."""
         return cls(
-            curve=relative_cost_curve(target) if drafter.drafts else None,
+            curve=verification_costs(target) if drafter.drafts else None,
             reads_context=drafter.reads_context,
             context_cost=drafter.reading_cost(),
             draft_token_s=drafter.draft_token_seconds(),
@@ -76,7 +77,7 @@ def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> Po
             return HeuristicLength()
         case Auto():
             return CostModel(
-                **({"curve": tuple(costs.curve)} if costs.curve else {}),
+                **({"curve": costs.curve} if costs.curve else {}),
                 **({"prior_acceptance": costs.prior_acceptance} if costs.prior_acceptance is not None else {}),
                 reads_context=costs.reads_context,
                 context_cost=RunningMean(costs.context_cost) if costs.context_cost else None,

@@ -77,6 +77,7 @@ class CostModelLength(DraftLengthPolicy):
     elapsed_s: float = 0.0
     net_saved_s: float = 0.0
     prefill_s: float = 0.0  # the target's prefill of this sequence's prompt (begin)
+    context_tokens: int = 0  # tokens in the target's cache before the next step: what verification runs after
     context_read: bool = False  # this sequence's drafter has read its prompt (a step drafted)
     declined: bool = False  # reading the prompt would not have paid back: this sequence drafts nothing
 
@@ -109,13 +110,13 @@ class CostModelLength(DraftLengthPolicy):
         return self.model.context_cost
 
     def relative_cost(self, width: int) -> float:
-        return self.model.relative_cost(width)
+        return self.model.relative_cost(width, self.context_tokens)
 
     def verify_seconds(self, width: int) -> float:
-        return self.model.verify_seconds(width)
+        return self.model.verify_seconds(width, self.context_tokens)
 
     def step_seconds(self, k: int) -> float:
-        return self.model.step_seconds(k)
+        return self.model.step_seconds(k, self.context_tokens)
 
     # -- this sequence's expectations ---------------------------------------------------------------
     @property
@@ -129,11 +130,11 @@ class CostModelLength(DraftLengthPolicy):
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second (in the cost model's units) when drafting k deep."""
-        return self.model.expected_rate(self.acceptance, k)
+        return self.model.expected_rate(self.acceptance, k, self.context_tokens)
 
     def best_depth(self, cap: int) -> int:
         """The depth up to ``cap`` with the best expected tokens per second, 0 unless it pays (``DRAFT_MARGIN``)."""
-        return self.model.best_depth(self.acceptance, cap)
+        return self.model.best_depth(self.acceptance, cap, self.context_tokens)
 
     def achieved_rate(self) -> float:
         """Tokens per second over recent steps, or the model's best guess before any step."""
@@ -149,7 +150,7 @@ class CostModelLength(DraftLengthPolicy):
         overhead = model.overhead.value if overhead_s is None else overhead_s
         if self.others_width == 0 and model.plain_forward.weight > 0:
             return overhead + model.plain_forward.value
-        return overhead + model.verify_seconds(self.others_width + 1) / self.batch
+        return overhead + self.verify_seconds(self.others_width + 1) / self.batch
 
     # -- decisions ----------------------------------------------------------------------------------
     @property
@@ -175,9 +176,16 @@ class CostModelLength(DraftLengthPolicy):
         cap = min(self.deepest, limit) if self.reading_pays(limit) and not self.over_budget else 0
         return self.settle(0 if self.losing else self.best_depth(cap), cap)
 
-    def begin(self, prefill_s: float) -> None:
+    def begin(self, prefill_s: float, context_tokens: int = 0) -> None:
         self.prefill_s = prefill_s
         self.elapsed_s += prefill_s
+        self.reach(context_tokens)
+
+    def reach(self, context_tokens: int) -> None:
+        """The target's cache now holds ``context_tokens``: price the next step's verification after that many
+        (measuring that context's cost curve if this is the first sequence to get there)."""
+        self.context_tokens = context_tokens
+        self.model.curve.prepare(context_tokens)  # type: ignore[union-attr]  # VerificationCosts since __post_init__
 
     def reading_pays(self, limit: int) -> bool:
         """Whether this sequence may draft, as far as its drafter's reading of the prompt goes: true once read,
@@ -225,7 +233,7 @@ class CostModelLength(DraftLengthPolicy):
         cap = self.draft_cap(limit, confidences)
         tokens = self.expected_tokens_of(confidences, cap)
         overhead = self.model.overhead.value
-        best = max(range(cap + 1), key=lambda k: tokens[k] / (overhead + self.model.verify_seconds(k + 1)))
+        best = max(range(cap + 1), key=lambda k: tokens[k] / (overhead + self.verify_seconds(k + 1)))
         return self.settle(best, cap, proposed=True)
 
     def expected_tokens_of(self, confidences: Sequence[float], cap: int) -> list[float]:
@@ -249,13 +257,13 @@ class CostModelLength(DraftLengthPolicy):
             return False
         model = self.model
         draft = model.draft_cost(n + 1) - model.draft_cost(n)
-        extra = draft + model.verify_seconds(base + n + 2) - model.verify_seconds(base + n + 1)
+        extra = draft + self.verify_seconds(base + n + 2) - self.verify_seconds(base + n + 1)
         return self.survival(confidences)[-1] < self.achieved_rate() * extra
 
     def keep_length(self, confidences: Sequence[float]) -> int:
-        rate, base, model = self.achieved_rate(), self.others_width, self.model
+        rate, base = self.achieved_rate(), self.others_width
         for depth, survival in enumerate(self.survival(confidences), start=1):
-            if survival < rate * (model.verify_seconds(base + depth + 1) - model.verify_seconds(base + depth)):
+            if survival < rate * (self.verify_seconds(base + depth + 1) - self.verify_seconds(base + depth)):
                 return depth - 1
         return len(confidences)
 
@@ -270,7 +278,7 @@ class CostModelLength(DraftLengthPolicy):
             draft_s = [self.model.draft_cost(k) if k else 0.0 for k in range(cap + 1)]
         else:
             tokens, draft_s = self.expected_tokens_of(proposed, cap), [0.0] * (cap + 1)
-        return DepthOffer(tokens, draft_s, self.model.overhead.value, self.model.verify_seconds)
+        return DepthOffer(tokens, draft_s, self.model.overhead.value, self.model.verify_seconds, self.context_tokens)
 
     def take_depth(self, offer: DepthOffer, depth: int, limit: int, proposed: Sequence[float] | None) -> int:
         if proposed is None:
@@ -282,7 +290,7 @@ class CostModelLength(DraftLengthPolicy):
         model = self.model
         width = step.forward_width
         self.others_width, self.batch = width - step.nodes - 1, step.batch
-        model.scale.add(step.verify_s / model.relative_cost(width))
+        model.scale.add(step.verify_s / model.relative_cost(width, step.context_tokens))
         if width == 1:
             model.plain_forward.add(step.verify_s)
         model.overhead.add(step.overhead_s)
@@ -315,6 +323,8 @@ class CostModelLength(DraftLengthPolicy):
             self.uses_confidence = True
             for position, confidence in enumerate(step.confidence[: step.accepted + 1]):
                 model.calibration.add(confidence, position < step.accepted)
+        if step.context_tokens:
+            self.reach(step.context_tokens + step.accepted + 1)
 
     def _score_drafting(self, step: StepObservation, reads_prompt: bool) -> float | None:
         """Score a step that drafted against the plain step it replaced (its one input instead of its draft, the

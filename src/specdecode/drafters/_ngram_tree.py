@@ -86,9 +86,9 @@ class PayingTrees:
         if target is not None:  # measured now (once per model), not inside a step whose drafting is timed
             self.budget.verification_cost(1)
 
-    def choose(self, draft: Draft) -> Draft:
+    def choose(self, draft: Draft, context_tokens: int = 0) -> Draft:
         """The leading nodes of ``draft`` (parents first, best first where the drafter grows it so; a chance per
-        node given its parent) worth verifying."""
+        node given its parent) worth verifying after ``context_tokens``."""
         if draft.confidence is None:
             return draft
         if draft.is_chain:
@@ -97,7 +97,7 @@ class PayingTrees:
         for node, parent in enumerate(draft.parent_list):
             chance = self.calibration(draft.confidence[node], depths[node])
             reach.append(chance * (reach[parent] if parent >= 0 else 1.0))
-        kept = draft.limited(self.budget.size(reach), len(draft.tokens))
+        kept = draft.limited(self.budget.size(reach, context_tokens), len(draft.tokens))
         return replace(kept, parents=None, confidence=None) if kept.is_chain else kept
 
     def learn(self, feedback: StepFeedback) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from specdecode.errors import SpecDecodeError
 from specdecode.estimators import ConfidenceBins
 from specdecode.models.base import CausalLM
-from specdecode.models.cost import cost_at, relative_cost_curve
+from specdecode.models.cost import VerificationCosts, verification_costs
 from specdecode.types import Draft
 
 #: Most nodes an automatically sized tree verifies.
@@ -74,12 +74,12 @@ class TreeBudget:
         backend: CausalLM | None,
         tree_nodes: int | str,
         draft_share: float,
-        curve: tuple[float, ...] | None = None,
+        costs: VerificationCosts | None = None,
     ) -> None:
         self.backend = backend
         self.tree_nodes = tree_nodes
         self.draft_share = draft_share
-        self._curve = curve  # t(w) / t(1) for w = 1, 2, ...; measured on the backend when first needed
+        self._costs = costs  # the backend's, measured when first needed
 
     @property
     def max_nodes(self) -> int:
@@ -91,44 +91,48 @@ class TreeBudget:
         """False for ``tree_nodes=0``: the drafter drafts a chain."""
         return self.tree_nodes != 0
 
-    def verification_cost(self, width: int) -> float:
-        """A verification forward over ``width`` inputs relative to one (measured once per target)."""
-        if self._curve is None:
-            self._curve = (relative_cost_curve(self.backend) if self.backend is not None else None) or (1.0,)
-        return cost_at(self._curve, width)
+    def verification_cost(self, width: int, context_tokens: int = 0) -> float:
+        """A verification forward over ``width`` inputs after ``context_tokens`` relative to one (measured once per
+        target; at long contexts, where the draft-length policy measured them, :class:`VerificationCosts`)."""
+        if self._costs is None:
+            measured = verification_costs(self.backend) if self.backend is not None else None
+            self._costs = measured or VerificationCosts.of((1.0,))
+        return self._costs.relative(width, context_tokens)
 
-    def size(self, probabilities: list[float]) -> int:
+    def size(self, probabilities: list[float], context_tokens: int = 0) -> int:
         """How many of the nodes (their path probabilities, best first) to verify.
 
         A node's path probability is the estimate that verification reaches it, so N nodes yield about
         1 + (the sum of the N best) tokens and cost ``draft_share`` plus the verification of N + 1 inputs;
         with ``auto`` the N (0 included) with the most tokens per unit of cost — EAGLE-2's reranking,
-        sized by the target's own cost curve instead of a constant."""
+        sized by the target's own cost curve after ``context_tokens`` instead of a constant."""
         if self.tree_nodes != "auto":
             return min(int(self.tree_nodes), len(probabilities))
-        best, best_rate, gain = 0, 1.0 / (self.draft_share + self.verification_cost(1)), 1.0
+        best, best_rate, gain = 0, 1.0 / (self.draft_share + self.verification_cost(1, context_tokens)), 1.0
         for count, probability in enumerate(probabilities[:MAX_TREE_NODES], start=1):
             gain += probability
-            rate = gain / (self.draft_share + self.verification_cost(count + 1))
+            rate = gain / (self.draft_share + self.verification_cost(count + 1, context_tokens))
             if rate > best_rate:
                 best, best_rate = count, rate
         return best
 
-    def worth_expanding(self, scores: Sequence[float], frontier: Sequence[int], top_k: int) -> list[int]:
+    def worth_expanding(
+        self, scores: Sequence[float], frontier: Sequence[int], top_k: int, context_tokens: int = 0
+    ) -> list[int]:
         """Which ``frontier`` nodes (indices into ``scores``, the path probabilities of the tree so far) to grow
         one level deeper: the ``top_k`` likeliest of those the budget would verify now, none under
         ``MIN_EXPAND_PROBABILITY``.  A child is never likelier than its parent, so the children of a node the budget
         leaves out would be left out too: growing them costs a head call's rows for nothing (EAGLE's trees on
         SmolLM2 grew 16 candidates a level to verify two)."""
         ranked = sorted(scores, reverse=True)
-        verified = self.size(ranked)
+        verified = self.size(ranked, context_tokens)
         if verified == 0:
             return []
         floor = max(ranked[verified - 1], MIN_EXPAND_PROBABILITY)
         candidates = [i for i in frontier if scores[i] >= floor]
         return sorted(candidates, key=lambda i: scores[i], reverse=True)[:top_k]
 
-    def best_nodes(self, parents: Sequence[int], scores: Sequence[float]) -> list[int]:
+    def best_nodes(self, parents: Sequence[int], scores: Sequence[float], context_tokens: int = 0) -> list[int]:
         """The nodes worth verifying (:meth:`size`) out of a grown tree (``parents``: indices, -1 for the context;
         a node never scores above its parent), ordered by depth; on equal scores the shallower first, so that
         every parent comes in before its child."""
@@ -136,7 +140,7 @@ class TreeBudget:
         for parent in parents:
             depths.append(depths[parent] + 1 if parent >= 0 else 1)
         ranked = sorted(range(len(parents)), key=lambda i: (-scores[i], depths[i]))
-        best = ranked[: self.size([scores[i] for i in ranked])]
+        best = ranked[: self.size([scores[i] for i in ranked], context_tokens)]
         return sorted(best, key=lambda i: (depths[i], -scores[i]))
 
 

@@ -147,4 +147,4 @@ class CachebackSession(DraftSession):
         self.transcript = drafter.record(self.transcript, context)
         root = tuple(context[-drafter.leader :])
         tree = grow_tree(root, drafter._next_tokens, drafter.max_nodes, max_tokens, drafter.min_prob)
-        return drafter.trees.choose(tree.draft)
+        return drafter.trees.choose(tree.draft, len(context))

@@ -97,7 +97,7 @@ class CTCSession(DraftSession):
         if not self.sampling.greedy:
             return self._sampled_chain(logits, max_tokens)
         if self.drafter.budget.drafts_trees:
-            return self._tree(torch.softmax(logits, dim=-1), max_tokens)
+            return self._tree(torch.softmax(logits, dim=-1), max_tokens, len(context))
         return self._best_path(torch.softmax(logits, dim=-1), max_tokens)
 
     def _best_path(self, probs: torch.Tensor, max_tokens: int) -> Draft:
@@ -115,7 +115,7 @@ class CTCSession(DraftSession):
             previous = symbol
         return Draft(tokens, confidence=confidence)
 
-    def _tree(self, probs: torch.Tensor, max_tokens: int) -> Draft:
+    def _tree(self, probs: torch.Tensor, max_tokens: int, context_tokens: int) -> Draft:
         beams = prefix_beam_search(probs, self.blank, self.drafter.top_k)
         index: dict[tuple[int, ...], int] = {}
         tokens: list[int] = []
@@ -131,7 +131,7 @@ class CTCSession(DraftSession):
                     scores.append(0.0)
                 scores[node] += probability
         confidence = [score / (scores[parent] if parent >= 0 else 1.0) for score, parent in zip(scores, parents)]
-        order = self.drafter.budget.best_nodes(parents, scores)
+        order = self.drafter.budget.best_nodes(parents, scores, context_tokens)
         return subtree(order, tokens, parents, confidence)
 
     def _sampled_chain(self, logits: torch.Tensor, max_tokens: int) -> Draft:

@@ -224,12 +224,12 @@ class EagleSession(HeadSession):
         grafted = self.drafter.lookup.graft_nodes(copy, nodes, _Node)
         budget = self.drafter.budget
         for depth in range(1, max_depth):
-            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
+            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k, length)
             if not expand:
                 break  # no node the budget would verify: its children would not be verified either
             outputs = self._expand(expand, nodes, length + depth - 1)
             frontier = self._children(outputs, expand, nodes, depth=depth + 1)
-        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
+        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes], length)
         self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
         return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
 

@@ -198,7 +198,7 @@ class FalconSession(HeadSession):
         # The lookup's own nodes cannot be expanded: the head never predicted them.
         grafted = self.drafter.lookup.graft_nodes(copy, nodes, lambda token, parent, score: _Node(token, parent, score))
         for depth in range(1, max_depth):
-            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
+            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k, length)
             if not expand:
                 break  # no node the budget would verify: its children would not be verified either
             # The nodes of one depth share their row in their pass.
@@ -207,7 +207,7 @@ class FalconSession(HeadSession):
             else:  # a complete block: fed back, all together
                 growing = self._expand(expand, passes, nodes)
             frontier = self._children(growing, passes, nodes, depth=depth + 1)
-        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
+        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes], length)
         self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
         return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
 

@@ -65,7 +65,7 @@ class HydraSession(HeadsSession):
         hidden = self.last.expand(len(paths), -1)
         return self.heads.logits(self.heads.head(k, hidden, embeds))
 
-    def _tree(self, depth: int, copy: Copy) -> Draft:
+    def _tree(self, depth: int, copy: Copy, context_tokens: int) -> Draft:
         top_k = self.drafter.top_k
         nodes: list[_Node] = []
         frontier = self._children([-1], [[]], [1.0], 0, nodes)
@@ -73,12 +73,12 @@ class HydraSession(HeadsSession):
         grafted = self.drafter.lookup.graft_nodes(copy, nodes, partial(_lookup_node, nodes))
         budget = self.drafter.budget
         for k in range(1, depth):
-            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k)
+            expand = budget.worth_expanding([node.score for node in nodes], frontier, top_k, context_tokens)
             if not expand:
                 break  # no node the budget would verify: its children would not be verified either
             paths = [nodes[i].path for i in expand]
             frontier = self._children(expand, paths, [nodes[i].score for i in expand], k, nodes)
-        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes])
+        order = budget.best_nodes([n.parent for n in nodes], [n.score for n in nodes], context_tokens)
         self.sources, confidence = NodeSources.of_tree(order, [n.confidence for n in nodes], grafted)
         return subtree(order, [n.token for n in nodes], [n.parent for n in nodes], confidence)
 

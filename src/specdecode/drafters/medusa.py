@@ -144,7 +144,7 @@ class HeadsSession(DraftSession):
             return Draft(tokens=[])  # no feature of the position before the last token: nothing to draft from
         self._start(context, depth)
         if tree:
-            return self._tree(depth, copy)
+            return self._tree(depth, copy, len(context))
         return self._chain(depth)
 
     def _start(self, context: list[int], depth: int) -> None:
@@ -155,8 +155,9 @@ class HeadsSession(DraftSession):
         """Head ``k``'s draft-vocabulary logits [len(paths), draft_vocab] after each path of k draft tokens."""
 
     @abstractmethod
-    def _tree(self, depth: int, copy: Copy) -> Draft:
-        """A greedy request's draft tree, the heads' nodes at most ``depth`` deep, with ``copy`` grafted on."""
+    def _tree(self, depth: int, copy: Copy, context_tokens: int) -> Draft:
+        """A greedy request's draft tree, the heads' nodes at most ``depth`` deep, with ``copy`` grafted on, sized
+        for verification after ``context_tokens``."""
 
     def _chain(self, depth: int) -> Draft:
         tokens: list[int] = []
@@ -189,7 +190,7 @@ class MedusaSession(HeadsSession):
     def _head_logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
         return self.logits[k].expand(len(paths), -1)
 
-    def _tree(self, depth: int, copy: Copy) -> Draft:
+    def _tree(self, depth: int, copy: Copy, context_tokens: int) -> Draft:
         """The best paths of the heads' top-k Cartesian product, best first: a node enters when popped, and
         only then are its children (the next head's top-k) candidates; with the lookup grafted on, the budget
         keeps the best nodes."""
@@ -218,7 +219,7 @@ class MedusaSession(HeadsSession):
                     counter += 1
         head: list[float | None] = [*confidence]
         grafted = self.drafter.lookup.graft(copy, out_tokens, parents, path_scores)
-        order = self.drafter.budget.best_nodes(parents, path_scores)
+        order = self.drafter.budget.best_nodes(parents, path_scores, context_tokens)
         head += [None] * (len(out_tokens) - len(head))
         self.sources, confidence = NodeSources.of_tree(order, head, grafted)
         return subtree(order, out_tokens, parents, confidence)

@@ -156,16 +156,17 @@ class RetrievalDrafter(Drafter):
             reach.append(chance * (reach[parent] if parent >= 0 else 1.0))
         return tree, reach
 
-    def paying(self, inner: Draft, reach: Sequence[float], new: Sequence[bool]) -> int:
+    def paying(self, inner: Draft, reach: Sequence[float], new: Sequence[bool], context_tokens: int = 0) -> int:
         """How many of the retrieved nodes (best first; ``new``: not drafted by the other drafter too) to add to
-        ``inner``: the count with the most expected tokens per unit of the target's verification cost."""
+        ``inner``: the count with the most expected tokens per unit of the target's verification cost after
+        ``context_tokens``."""
         gain = 1.0 + _expected_tokens(inner)
         width = len(inner.tokens) + 1
-        best, best_rate = 0, gain / self.budget.verification_cost(width)
+        best, best_rate = 0, gain / self.budget.verification_cost(width, context_tokens)
         for count, (chance, fresh) in enumerate(zip(reach, new), start=1):
             gain += chance if fresh else 0.0
             width += fresh
-            rate = gain / self.budget.verification_cost(width)
+            rate = gain / self.budget.verification_cost(width, context_tokens)
             if rate > best_rate:
                 best, best_rate = count, rate
         return best
@@ -285,7 +286,11 @@ class RetrievalSession(DraftSession):
         order = sorted(range(len(reach)), key=lambda node: -reach[node])  # parents first: a child is never likelier
         fused, retrieved, appended = fuse(inner, tree, order)
         # A chain passes whole, as the other drafters' do: its depth is the draft-length policy's to choose.
-        paying = len(order) if fused.is_chain else drafter.paying(inner, [reach[node] for node in order], appended)
+        paying = (
+            len(order)
+            if fused.is_chain
+            else drafter.paying(inner, [reach[node] for node in order], appended, len(context))
+        )
         size = len(inner.tokens) + sum(appended[:paying])  # the appended nodes that pay are the first appended
         draft = fused.keep(list(range(size))) if size > len(inner.tokens) else inner
         retrieved = {node: confidence for node, confidence in retrieved.items() if node < size}

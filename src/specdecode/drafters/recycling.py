@@ -234,7 +234,7 @@ class RecyclingSession(DraftSession):
         # The template's nodes that pay on this target, each taken at its rank's chance until calibrated.
         ranks = [offered[path].index(token) for token, path in zip(tokens, paths)]
         chances = [RANK_CHANCES[min(rank, len(RANK_CHANCES) - 1)] for rank in ranks]
-        return self.drafter.trees.choose(Draft(tokens=tokens, parents=parents, confidence=chances))
+        return self.drafter.trees.choose(Draft(tokens=tokens, parents=parents, confidence=chances), len(context))
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         if feedback.target_logits.numel():

@@ -220,7 +220,7 @@ class StandSession(DraftSession):
             return Draft(tokens=[])
         if self.sampling.greedy:  # the template's nodes that pay on this target, by their stored chances
             chances = [_stored_chance(*stored[path], token) for token, path in zip(tokens, parent_paths)]
-            return drafter.trees.choose(Draft(tokens=tokens, parents=parents, confidence=chances))
+            return drafter.trees.choose(Draft(tokens=tokens, parents=parents, confidence=chances), len(context))
         probs = torch.zeros(len(tokens), drafter._vocab, dtype=torch.float32)
         for path, (ids, q, order) in drawn.items():
             siblings = [node for node, parent_path in enumerate(parent_paths) if parent_path == path]

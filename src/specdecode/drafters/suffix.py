@@ -299,4 +299,4 @@ class SuffixSession(DraftSession):
                 proposal = grow_tree(node, trie.continuations, drafter.max_nodes, depth, drafter.min_prob)
                 if best is None or proposal.score > best.score:
                     best = proposal
-        return self.drafter.trees.choose(best.draft) if best is not None else Draft(tokens=[])
+        return self.drafter.trees.choose(best.draft, len(context)) if best is not None else Draft(tokens=[])

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
@@ -105,6 +105,11 @@ def fastest_forwards(
 
 #: The context the draft-length cost model's curve is measured after: the short prompts most requests have.
 CURVE_CONTEXT_TOKENS = 128
+#: From this context on, a sequence's verification is priced with curves measured at long contexts
+#: (:class:`VerificationCosts`): below it the curve after ``CURVE_CONTEXT_TOKENS`` tokens differs little (attention
+#: over a thousand keys is a small part of a forward), above it verifying 5 inputs costs 1.17x one at 2k tokens and
+#: 1.38x at 8k on smollm2-135m (docs/results/longctx-4prompts-smollm2-135m).
+LONG_CONTEXT_TOKENS = 1024
 #: Each loaded backend's measured curves, by the context they were measured after.
 _CURVES: WeakKeyDictionary[CausalLM, dict[int, tuple[float, ...]]] = WeakKeyDictionary()
 _TUNED: WeakKeyDictionary[CausalLM, int] = WeakKeyDictionary()
@@ -172,6 +177,76 @@ def relative_cost_curve(
     if key and not others.busy:  # a curve timed on a busy machine serves this process only
         save_entry(key, {"curve": list(measured[context_tokens]), "context_tokens": context_tokens})
     return measured[context_tokens]
+
+
+class VerificationCosts:
+    """A verification forward's cost relative to one input, by its width and by the context it runs after.
+
+    Attention reads the whole context for every new token, so the wider forward's extra cost grows with the context.
+    ``curves`` maps a context length to the curve t(w) / t(1) measured after that many tokens; a context between two
+    measured ones is priced between their curves (linearly in the context), one beyond the longest at the longest's,
+    one below the shortest at the shortest's.  :meth:`prepare` measures, where ``measure`` can, the curve at the
+    power of two (from ``LONG_CONTEXT_TOKENS``) at or below a context a sequence has reached: at most the prefill of
+    a prompt that long, once per machine and model (kept on disk as every curve is).  It measures; :meth:`relative`
+    never does, so that no step's drafting or verification is timed with a measurement inside."""
+
+    def __init__(
+        self, curves: dict[int, tuple[float, ...]], measure: Callable[[int], tuple[float, ...] | None] | None = None
+    ) -> None:
+        if not curves or any(not curve or curve[0] <= 0 for curve in curves.values()):
+            raise ValueError("verification costs need a curve with a positive cost for one input")
+        for context, curve in curves.items():
+            if curve[0] != 1.0:  # measured curves are relative already (and stay the very objects measured)
+                curves[context] = tuple(c / curve[0] for c in curve)
+        self.curves = curves  # shared with the backend's measured curves where measured on one (verification_costs)
+        self.measure = measure
+
+    @classmethod
+    def of(cls, curve: Sequence[float]) -> VerificationCosts:
+        """One curve, used at every context (nothing measured)."""
+        return cls({CURVE_CONTEXT_TOKENS: tuple(curve)})
+
+    @property
+    def base(self) -> tuple[float, ...]:
+        """The curve after the shortest context measured (``CURVE_CONTEXT_TOKENS`` where the model allows)."""
+        return self.curves[min(self.curves)]
+
+    def prepare(self, context_tokens: int) -> None:
+        """Measure the curve a sequence ``context_tokens`` long is priced with, if not measured yet (see the class)."""
+        if self.measure is None or context_tokens < LONG_CONTEXT_TOKENS:
+            return
+        bucket = 1 << (context_tokens.bit_length() - 1)
+        if bucket not in self.curves and (curve := self.measure(bucket)) is not None:
+            self.curves[bucket] = curve
+
+    def relative(self, width: int, context_tokens: int = 0) -> float:
+        """t(width) / t(1) after ``context_tokens`` cached tokens (0: the shortest context measured)."""
+        contexts = sorted(self.curves)
+        below = [c for c in contexts if c <= context_tokens]
+        above = [c for c in contexts if c > context_tokens]
+        if not below or not above:
+            return cost_at(self.curves[below[-1] if below else above[0]], width)
+        low, high = below[-1], above[0]
+        share = (context_tokens - low) / (high - low)
+        return (1.0 - share) * cost_at(self.curves[low], width) + share * cost_at(self.curves[high], width)
+
+
+def verification_costs(backend: CausalLM) -> VerificationCosts | None:
+    """``backend``'s :class:`VerificationCosts`, over every curve measured on it in this process (the draft-length
+    policy, tree sizing and the benchmark's long-context report share them); the curve after
+    ``CURVE_CONTEXT_TOKENS`` tokens is measured now if it is not yet.  None if the model's context is too short to
+    measure on."""
+    base = relative_cost_curve(backend)
+    if base is None:
+        return None
+    widths = len(base)
+
+    def measure(context_tokens: int) -> tuple[float, ...] | None:
+        if context_tokens + widths > backend.max_context:
+            return None
+        return relative_cost_curve(backend, widths, context_tokens=context_tokens)
+
+    return VerificationCosts(_CURVES[backend], measure)
 
 
 def tune_fast_path(backend: CausalLM, repeats: int = 3) -> int:
