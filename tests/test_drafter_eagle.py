@@ -110,6 +110,25 @@ def test_training_unroll_matches_drafting(tiny_target, trained_head):
                 out = head.extend(out[None], backend.embed(token), torch.tensor([row + 2 + step]), cache)[0]
 
 
+def test_held_out_acceptance_on_the_targets_own_tokens_counts_the_rows_drafting_meets(tiny_target, trained_head):
+    """A sequence the target wrote itself (greedy from its first token) is all own rows: both figures agree.  The
+    control: random tokens, which the target would not have written, are almost never read as its own."""
+    from specdecode.train.common import target_views
+    from specdecode.train.eagle import held_out_acceptance
+
+    backend, head = tiny_target.backend, trained_head
+    _, layerwise = target_views(backend, "eagle")
+
+    def measured(ids: list[int]):
+        (features,) = compute_features(backend, [ids], head.config.aux_layers, progress=False)
+        return held_out_acceptance(head, layerwise, backend.embed, make_windows([features], 16, 3), batch_windows=4)
+
+    own = measured([5, *hf_greedy(tiny_target, [5], 30)])
+    assert own.own_rows == 30 and own.own == own.every
+    foreign = measured(torch.randint(3, 60, (31,), generator=torch.Generator().manual_seed(0)).tolist())
+    assert foreign.own_rows <= 3
+
+
 def test_training_can_start_from_a_trained_head(tiny_target, tiny_draft, trained_head):
     """``train eagle --init DIR``: the run starts from that head's weights and keeps its draft vocabulary (with a
     zero learning rate it ends where it started); a head for another target is refused."""
@@ -215,3 +234,31 @@ def test_a_sampled_tree_drawn_from_other_distributions_than_it_reports_fails_the
     monkeypatch.setattr(specdecode.drafters.eagle, "iid_draws", from_sharpened)
     model, table, drafter = bigram_eagle(samples=2, tree_nodes=6)
     assert min(head_drafter_pvalues(model, table, drafter, DRAWS // 4, "spectr")) < FAIL_P
+
+
+def test_the_trainer_prints_both_held_out_figures(capsys, tmp_path):
+    import argparse
+
+    from specdecode.train.common import TrainResult, report_training
+
+    args = argparse.Namespace(model="m", out=None)
+    own = TrainResult(rows=100, held_out_rows=40, acceptance=[0.5, 0.5], own_acceptance=[0.25, 0.5], own_rows=30)
+    report_training(args, own, "eagle head", 64, "drafting step", 1.0, tmp_path, "eagle", "head")
+    printed = capsys.readouterr().out
+    assert "top-1 acceptance per drafting step 50%, 50% (a greedy chain of 2 would average 0.75" in printed
+    assert (
+        "on the target's own tokens (30 held-out rows, as drafting meets them) 25%, 50% (a chain would average 0.38)"
+        in printed
+    )
+    report_training(
+        args,
+        TrainResult(rows=100, held_out_rows=40, acceptance=[0.5]),
+        "ctc head",
+        64,
+        "token",
+        1.0,
+        tmp_path,
+        "ctc",
+        "head",
+    )
+    assert "own tokens" not in capsys.readouterr().out

@@ -68,15 +68,24 @@ class TrainResult:
     acceptance: list[float]
     epoch_losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    #: The same over the held-out rows read as decoding reads them (each token fed to the head the target's own greedy
+    #: choice), where the trainer measures it (``train eagle``); ``own_rows`` of them.
+    own_acceptance: list[float] | None = None
+    own_rows: int = 0
 
     @property
     def expected_accepted(self) -> float:
         """Tokens a greedy chain of ``len(acceptance)`` drafts would get accepted on average."""
-        total, survive = 0.0, 1.0
-        for rate in self.acceptance:
-            survive *= rate
-            total += survive
-        return total
+        return chain_tokens(self.acceptance)
+
+
+def chain_tokens(acceptance: list[float]) -> float:
+    """Tokens a greedy chain drafted with these per-step acceptances gets accepted on average."""
+    total, survive = 0.0, 1.0
+    for rate in acceptance:
+        survive *= rate
+        total += survive
+    return total
 
 
 def target_views(target_backend: object, who: str) -> tuple[HiddenStates, LayerwiseExecution]:
@@ -244,6 +253,12 @@ def report_training(
         f"tokens; held-out ({result.held_out_rows} rows) top-1 acceptance per {per} {rates} "
         f"(a greedy chain of {len(result.acceptance)} would average {result.expected_accepted:.2f} accepted tokens)"
     )
+    if result.own_acceptance is not None:
+        own = ", ".join(f"{rate:.0%}" for rate in result.own_acceptance)
+        print(
+            f"on the target's own tokens ({result.own_rows} held-out rows, as drafting meets them) {own} "
+            f"(a chain would average {chain_tokens(result.own_acceptance):.2f})"
+        )
     print(
         f"data {data_seconds:.0f} s, training {result.seconds:.0f} s; "
         f"losses per epoch {', '.join(f'{loss:.3f}' for loss in result.epoch_losses)}"

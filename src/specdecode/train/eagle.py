@@ -246,28 +246,49 @@ def unrolled_logits(head: EagleHead, embed: Callable[[torch.Tensor], torch.Tenso
     return logits
 
 
+@dataclass
+class HeldOutAcceptance:
+    """Per drafting step, P(head top-1 == target top-1 over the full vocabulary | earlier steps right): over every
+    held-out row (``every``), and over the rows read as decoding reads them (``own``): each token fed to the head is
+    the target's own greedy choice after the tokens before it, as it is when the target generated them.  Rows of
+    prompts, chat templates and other writers' text are in ``every`` only, where the head meets them while
+    training but never while drafting."""
+
+    every: list[float]
+    own: list[float]
+    own_rows: int
+
+
 @torch.no_grad()
 def held_out_acceptance(
     head: EagleHead, backend: LayerwiseExecution, embed, windows: Windows, batch_windows: int
-) -> list[float]:
-    """Per drafting step: P(head top-1 == target top-1 over the full vocabulary | earlier steps right)."""
+) -> HeldOutAcceptance:
+    """The head's held-out acceptance per drafting step (:class:`HeldOutAcceptance`)."""
     steps = windows.tokens.shape[0]
-    right = torch.zeros(steps)
-    tried = torch.zeros(steps)
+    right, tried = torch.zeros(2, steps), torch.zeros(2, steps)
+    own_rows = 0
     full_head = backend.lm_head()
     target_ids = head.target_ids
     for index in torch.arange(windows.count).split(batch_windows):
         batch = windows.batch(index)
-        still = batch.valid[0].clone()
+        # Row j feeds token j + 1: the target's own where it is its greedy choice after row j's features.
+        before = windows.final_rows[windows.final_index[0, index] - 1].float()
+        chosen = backend.head_logits(before, full_head).argmax(-1)
+        still = torch.stack([batch.valid[0], batch.valid[0] & (batch.tokens[0] == chosen)])
+        own_rows += int(still[1].sum())
         for step, logits in enumerate(unrolled_logits(head, embed, batch)):
             truth = backend.head_logits(batch.finals[step], full_head).argmax(-1)
             guess = target_ids[logits.argmax(-1)]
-            mask = still & batch.valid[step]
-            tried[step] += mask.sum()
-            correct = mask & (guess == truth)
-            right[step] += correct.sum()
-            still = correct
-    return (right / tried.clamp(min=1)).tolist()
+            for kind in range(2):
+                mask = still[kind] & batch.valid[step]
+                tried[kind, step] += mask.sum()
+                correct = mask & (guess == truth)
+                right[kind, step] += correct.sum()
+                still[kind] = correct
+            if step + 1 < steps:  # the next step's token, fed where this one was right, is the target's own
+                still[1] &= batch.tokens[step + 1] == truth
+    every, own = (right / tried.clamp(min=1)).tolist()
+    return HeldOutAcceptance(every, own, own_rows)
 
 
 def train_eagle(
@@ -341,12 +362,14 @@ def train_eagle(
         progress=progress,
         bf16=config.bf16,
     )
-    acceptance = held_out_acceptance(head, layerwise, embed, held_windows, config.batch_windows)
+    held_out = held_out_acceptance(head, layerwise, embed, held_windows, config.batch_windows)
     return EagleTrainResult(
         head=head,
         rows=int(windows.valid[0].sum()),
         held_out_rows=int(held_windows.valid[0].sum()),
-        acceptance=acceptance,
+        acceptance=held_out.every,
+        own_acceptance=held_out.own,
+        own_rows=held_out.own_rows,
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
