@@ -374,3 +374,31 @@ def test_sampling_with_a_windowed_head_reproduces_the_target_distribution():
     )
     assert HeadCache.SINKS + 16 + HeadCache.BLOCK < 500
     assert_head_drafter_samples_exactly(model, table, drafter, draws=DRAWS // 2)
+
+
+def test_a_windowed_head_reads_a_long_prompt_as_its_sinks_and_window_and_keeps_what_reading_it_all_keeps():
+    """``HeadCache.unread``: the rows a commit would drop at once are not computed; the entries kept are those a
+    head that read every row keeps (a one-layer head's keys and values of a row depend on that row alone)."""
+    from specdecode.drafters.base import DraftRequest
+    from specdecode.sampling_params import SamplingParams
+
+    target = wrap(tiny_llama(seed=0, context=4096), tiny_tokenizer(tiny_words()), "long")
+    head = random_eagle_head(target.backend, 40)
+    prompt = [1, *[(i * 7) % 90 + 3 for i in range(1199)]]
+    features = target.backend.forward(
+        torch.tensor(prompt[:-1]), target.backend.new_cache(), hidden_layers=head.config.aux_layers, invariant=False
+    ).hidden
+    session = create_drafter("eagle", target, head=head, window=64, lookup=False).session(
+        DraftRequest(prompt_ids=tuple(prompt), sampling=SamplingParams())
+    )
+    assert session.cache.unread(1199) == (HeadCache.SINKS, 1199 - 64)  # a new cache: its sinks and window are read
+    session.observe_prompt(features)
+    session.propose(prompt, 4)
+    # Every row of the prompt through a head with the same window, committed the usual way.
+    whole = HeadCache(head.config, torch.device("cpu"), torch.float32, window=64)
+    with torch.no_grad():
+        head.extend(head.fuse(features), target.backend.embed(torch.tensor(prompt[1:])), torch.arange(1, 1200), whole)
+    whole.commit()
+    assert session.cache.committed == whole.committed == HeadCache.SINKS + 64
+    torch.testing.assert_close(session.cache.keys[:, : whole.length], whole.keys[:, : whole.length])
+    torch.testing.assert_close(session.cache.values[:, : whole.length], whole.values[:, : whole.length])

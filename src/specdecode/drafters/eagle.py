@@ -23,8 +23,9 @@ A greedy tree also gets prompt lookup's continuation as one more branch (``looku
 :mod:`specdecode.drafters._lookup_graft`): the head guesses, the lookup copies, one forward verifies both.  A
 lookup likely enough to be right is drafted alone, as SAM-Decoding does with a long match.
 
-Over long contexts the head's memory can stay constant (``window``, after LongSpec): it keeps the first positions
-and the most recent ``window`` (:class:`~specdecode.heads.eagle.HeadCache`), where the target keeps them all.
+Over long contexts the head's memory and work can stay constant (``window``, after LongSpec): it keeps the first
+positions and the most recent ``window`` (:class:`~specdecode.heads.eagle.HeadCache`), where the target keeps them all,
+and never computes the rows of a long prompt it would drop at once.
 """
 
 from __future__ import annotations
@@ -148,10 +149,13 @@ class EagleSession(HeadSession):
         if self.committed + features.shape[0] != known:
             raise RuntimeError(f"eagle: {self.committed} + {features.shape[0]} features for {known} positions")
         device = self.backend.device
-        tokens = torch.tensor(context[self.committed + 1 :], dtype=torch.long, device=device)
-        positions = torch.arange(self.committed + 1, known + 1, device=device)
-        out = self.head.extend(self.head.fuse(features), self.backend.embed(tokens), positions, self.cache)
-        self.cache.commit()
+        # With a window, the rows whose entries the commit would drop at once are not computed (HeadCache.unread).
+        start, end = self.cache.unread(features.shape[0])
+        rows = torch.cat([torch.arange(start), torch.arange(end, features.shape[0])]).to(device)
+        tokens = torch.tensor(context[self.committed + 1 :], dtype=torch.long, device=device)[rows]
+        positions = self.committed + 1 + rows
+        out = self.head.extend(self.head.fuse(features[rows]), self.backend.embed(tokens), positions, self.cache)
+        self.cache.commit(compact=end > start)
         self.committed = known
         self._last = out[-1]
         return self._last

@@ -173,10 +173,22 @@ class HeadCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def commit(self) -> None:
+    def unread(self, new: int) -> tuple[int, int]:
+        """Of ``new`` context entries about to be appended and committed, the span [start, end) that commit would drop
+        at once (a window's middle; (0, 0): none).  A one-layer head's keys and values of a row depend on that row
+        alone, so those rows need not be computed: appending the others and committing with ``compact`` leaves the
+        very entries appending them all would (a long prompt then costs the head its sinks and its window, not its
+        length)."""
+        if not self.window or self.length + new <= self.SINKS + self.window + self.BLOCK:
+            return 0, 0
+        start, end = max(0, self.SINKS - self.length), new - self.window
+        return (start, end) if end > start else (0, 0)
+
+    def commit(self, compact: bool = False) -> None:
         """Every entry held is the context's; with a window, drop the oldest beyond it (a block at a time, so copying
-        stays rare)."""
-        if self.window and self.length > self.SINKS + self.window + self.BLOCK:
+        stays rare; every time with ``compact``, after appending past an :meth:`unread` span)."""
+        limit = self.SINKS + self.window + (0 if compact else self.BLOCK)
+        if self.window and self.length > limit:
             recent = slice(self.length - self.window, self.length)
             for cached in (self.keys, self.values):
                 cached[:, self.SINKS : self.SINKS + self.window] = cached[:, recent].clone()
