@@ -32,7 +32,7 @@ from specdecode.data.prompts import Prompt
 from specdecode.data.tasks import TASK_NAMES, known_task, load_task, load_tasks
 from specdecode.draft_length.factory import make_policy
 from specdecode.drafters import create_drafter
-from specdecode.drafters.eagle import EagleDrafter
+from specdecode.drafters.eagle import DEFAULT_WINDOW, EagleDrafter
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.models.hf import HFCausalLM
@@ -339,7 +339,7 @@ def test_eagle_with_a_window_keeps_its_memory_bounded_and_greedy_output_exact(tr
             assert session.cache.committed <= HeadCache.SINKS + window + HeadCache.BLOCK
         else:
             assert session.cache.committed == session.committed >= len(prompt)
-    assert create_drafter("eagle", target, head=random_eagle_head(target.backend, 40)).window == 0
+    assert create_drafter("eagle", target, head=random_eagle_head(target.backend, 40)).window == DEFAULT_WINDOW
     with pytest.raises(SpecDecodeError, match="window"):
         create_drafter("eagle", target, head=random_eagle_head(target.backend, 40), window=-1)
 
