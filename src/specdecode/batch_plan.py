@@ -47,9 +47,12 @@ def plan_batch(
     # The sequences of one drafter share the cost curves and their scale; a forward's extra rows attend over their
     # own sequences' contexts, so the batch's is priced at their mean.
     context = sum(offer.context_tokens for offer in offers) // len(offers)
+    priced: dict[int, float] = {}  # the search below asks for the same few widths many times
 
     def verify_seconds(width: int) -> float:
-        return offers[0].verify_seconds(width, context)
+        if width not in priced:
+            priced[width] = offers[0].verify_seconds(width, context)
+        return priced[width]
 
     fixed = sum(depths[i] + 1 for i in range(len(policies)) if i not in joint)
     chosen = [0] * len(offers)

@@ -8,6 +8,7 @@ auto``) needs the shape of that curve, so measuring it belongs to the models lay
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -200,6 +201,7 @@ class VerificationCosts:
                 curves[context] = tuple(c / curve[0] for c in curve)
         self.curves = curves  # shared with the backend's measured curves where measured on one (verification_costs)
         self.measure = measure
+        self._contexts: list[int] = []  # curves' contexts, sorted (curves are only ever added)
 
     @classmethod
     def of(cls, curve: Sequence[float]) -> VerificationCosts:
@@ -221,12 +223,13 @@ class VerificationCosts:
 
     def relative(self, width: int, context_tokens: int = 0) -> float:
         """t(width) / t(1) after ``context_tokens`` cached tokens (0: the shortest context measured)."""
-        contexts = sorted(self.curves)
-        below = [c for c in contexts if c <= context_tokens]
-        above = [c for c in contexts if c > context_tokens]
-        if not below or not above:
-            return cost_at(self.curves[below[-1] if below else above[0]], width)
-        low, high = below[-1], above[0]
+        if len(self._contexts) != len(self.curves):
+            self._contexts = sorted(self.curves)
+        contexts = self._contexts  # read many times a step (the batch plan): no list built per call
+        above = bisect.bisect_right(contexts, context_tokens)
+        if above == 0 or above == len(contexts):
+            return cost_at(self.curves[contexts[max(above - 1, 0)]], width)
+        low, high = contexts[above - 1], contexts[above]
         share = (context_tokens - low) / (high - low)
         return (1.0 - share) * cost_at(self.curves[low], width) + share * cost_at(self.curves[high], width)
 
