@@ -108,8 +108,8 @@ def fastest_forwards(
 CURVE_CONTEXT_TOKENS = 128
 #: From this context on, a sequence's verification is priced with curves measured at long contexts
 #: (:class:`VerificationCosts`): below it the curve after ``CURVE_CONTEXT_TOKENS`` tokens differs little (attention
-#: over a thousand keys is a small part of a forward), above it verifying 5 inputs costs 1.17x one at 2k tokens and
-#: 1.38x at 8k on smollm2-135m (docs/results/longctx-4prompts-smollm2-135m).
+#: over a thousand keys is a small part of a forward: 5 inputs cost 1.09x one after 128 tokens and 1.15x after 1,024 on
+#: smollm2-135m), above it 1.24x at 2k tokens and 1.59x at 8k (docs/results/longctx-auto-smollm2-135m).
 LONG_CONTEXT_TOKENS = 1024
 #: Each loaded backend's measured curves, by the context they were measured after.
 _CURVES: WeakKeyDictionary[CausalLM, dict[int, tuple[float, ...]]] = WeakKeyDictionary()
