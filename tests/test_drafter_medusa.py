@@ -89,6 +89,27 @@ def test_training_reports_acceptance_per_head(tiny_target, features):
     assert result.rows > 0 and result.held_out_rows > 0 and len(result.epoch_losses) == 2
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_held_out_acceptance_on_the_targets_own_tokens_counts_the_rows_drafting_meets(tiny_target, trained, kind):
+    """A sequence the target wrote itself (greedy from its first token) is all own rows: both figures agree.  The
+    control: random tokens, which the target would not have written, are almost never read as its own."""
+    from specdecode.train.common import target_views
+    from specdecode.train.medusa import held_out_acceptance, make_stream
+
+    backend, heads = tiny_target.backend, trained[kind]
+    _, layerwise = target_views(backend, kind)
+
+    def measured(ids: list[int]):
+        (item,) = compute_features(backend, [ids], (), progress=False)
+        stream = make_stream([item], heads.config.num_heads)
+        return held_out_acceptance(heads, layerwise, backend.embed, stream, run=16)
+
+    own = measured([5, *hf_greedy(tiny_target, [5], 30)])
+    assert own.own_rows == 30 and own.own == own.every
+    foreign = measured(torch.randint(3, 60, (31,), generator=torch.Generator().manual_seed(0)).tolist())
+    assert foreign.own_rows <= 3
+
+
 def test_medusa_tree_is_the_best_paths_of_the_heads_top_k(tiny_target, trained):
     """Medusa's tree: exactly the ``tree_nodes`` best paths of the heads' top-k product, parents first."""
     drafter = create_drafter("medusa", tiny_target, heads=trained["medusa"], tree_nodes=9, top_k=3, lookup=False)

@@ -88,6 +88,19 @@ def chain_tokens(acceptance: list[float]) -> float:
     return total
 
 
+@dataclass
+class HeldOutAcceptance:
+    """Per drafting step, P(head top-1 == target top-1 over the full vocabulary | earlier steps right): over every
+    held-out row (``every``), and over the rows read as decoding reads them (``own``): each token fed to the head is
+    the target's own greedy choice after the tokens before it, as it is when the target generated them.  Rows of
+    prompts, chat templates and other writers' text are in ``every`` only, where the head meets them while
+    training but never while drafting."""
+
+    every: list[float]
+    own: list[float]
+    own_rows: int
+
+
 def target_views(target_backend: object, who: str) -> tuple[HiddenStates, LayerwiseExecution]:
     """The target as the two capabilities training needs (features in, its LM head as the teacher), or a
     clear error naming ``who`` (e.g. "eagle") before any data is touched."""

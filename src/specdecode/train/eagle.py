@@ -33,6 +33,7 @@ from specdecode.heads.eagle import EagleConfig, EagleHead
 from specdecode.heads.storage import target_mismatch
 from specdecode.models.base import HiddenStates, LayerwiseExecution
 from specdecode.train.common import (
+    HeldOutAcceptance,
     Teacher,
     TrainResult,
     fit,
@@ -244,19 +245,6 @@ def unrolled_logits(head: EagleHead, embed: Callable[[torch.Tensor], torch.Tenso
         hidden = head.layer.finish(hidden, ttt_attention(q, keys, values))
         logits.append(head.logits(hidden))
     return logits
-
-
-@dataclass
-class HeldOutAcceptance:
-    """Per drafting step, P(head top-1 == target top-1 over the full vocabulary | earlier steps right): over every
-    held-out row (``every``), and over the rows read as decoding reads them (``own``): each token fed to the head is
-    the target's own greedy choice after the tokens before it, as it is when the target generated them.  Rows of
-    prompts, chat templates and other writers' text are in ``every`` only, where the head meets them while
-    training but never while drafting."""
-
-    every: list[float]
-    own: list[float]
-    own_rows: int
 
 
 @torch.no_grad()

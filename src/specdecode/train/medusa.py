@@ -27,6 +27,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, heads_for_target
 from specdecode.models.base import LayerwiseExecution
 from specdecode.train.common import (
+    HeldOutAcceptance,
     Teacher,
     TrainResult,
     fit,
@@ -115,24 +116,34 @@ def run_logits(
 
 
 @torch.no_grad()
-def held_out_acceptance(heads: DraftHeads, backend: LayerwiseExecution, embed, stream: Stream, run: int) -> list[float]:
-    """Per head: P(top-1 == the target's full-vocabulary top-1 | earlier heads right, data followed them)."""
+def held_out_acceptance(
+    heads: DraftHeads, backend: LayerwiseExecution, embed, stream: Stream, run: int
+) -> HeldOutAcceptance:
+    """Per head: P(top-1 == the target's full-vocabulary top-1 | earlier heads right, data followed them), over every
+    row and over the rows whose next token is the target's own choice too (:class:`HeldOutAcceptance`)."""
     k_heads = heads.config.num_heads
-    right, tried = torch.zeros(k_heads), torch.zeros(k_heads)
+    right, tried = torch.zeros(2, k_heads), torch.zeros(2, k_heads)
+    own_rows = 0
     full_head = backend.lm_head()
     for start in range(0, stream.rows, run):
         stop = min(start + run, stream.rows)
         logits, valid = run_logits(heads, embed, stream, start, stop)
-        truths = backend.head_logits(stream.finals[start + 1 : stop + k_heads].float(), full_head).argmax(-1)
-        still = torch.ones(stop - start, dtype=torch.bool)
+        truths = backend.head_logits(stream.finals[start : stop + k_heads].float(), full_head).argmax(-1)
+        # Row i's heads guess the tokens after token i + 1, which decoding would have chosen itself.
+        own = valid[0] & (stream.ids[start + 1 : stop + 1] == truths[: stop - start])
+        own_rows += int(own.sum())
+        still = torch.stack([torch.ones(stop - start, dtype=torch.bool), own])
         for k in range(k_heads):
-            truth = truths[k : k + stop - start]
-            mask = still & valid[k]
-            tried[k] += mask.sum()
-            correct = mask & (heads.target_ids[logits[k].argmax(-1)] == truth)
-            right[k] += correct.sum()
-            still = correct & (stream.ids[start + k + 2 : stop + k + 2] == truth)
-    return (right / tried.clamp(min=1)).tolist()
+            truth = truths[k + 1 : k + 1 + stop - start]
+            guess = heads.target_ids[logits[k].argmax(-1)]
+            for kind in range(2):
+                mask = still[kind] & valid[k]
+                tried[kind, k] += mask.sum()
+                correct = mask & (guess == truth)
+                right[kind, k] += correct.sum()
+                still[kind] = correct & (stream.ids[start + k + 2 : stop + k + 2] == truth)
+    every, own_rates = (right / tried.clamp(min=1)).tolist()
+    return HeldOutAcceptance(every, own_rates, own_rows)
 
 
 def train_heads(
@@ -189,14 +200,16 @@ def train_heads(
         progress=progress,
         bf16=config.bf16,
     )
-    acceptance = held_out_acceptance(heads, layerwise, embed, held_stream, config.run)
+    held_out = held_out_acceptance(heads, layerwise, embed, held_stream, config.run)
     valid_rows = (torch.arange(stream.rows) + 1 <= stream.last).sum()
     held_rows = (torch.arange(held_stream.rows) + 1 <= held_stream.last).sum()
     return HeadsTrainResult(
         heads=heads,
         rows=int(valid_rows),
         held_out_rows=int(held_rows),
-        acceptance=acceptance,
+        acceptance=held_out.every,
+        own_acceptance=held_out.own,
+        own_rows=held_out.own_rows,
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
