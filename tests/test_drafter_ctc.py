@@ -72,6 +72,27 @@ def test_greedy_output_is_plain_greedy_for_any_head(tiny_target, trained, tree_n
             assert tokens == hf_greedy(tiny_target, prompt, 24), (head.config.slots, prompt)
 
 
+def test_held_out_acceptance_on_the_targets_own_tokens_counts_the_labels_drafting_meets(tiny_target, trained):
+    """A sequence the target wrote itself (greedy from its first token) is all own rows: both figures agree.  The
+    control: random tokens, which the target would not have written, are almost never read as its own."""
+    from specdecode.train.common import target_views
+    from specdecode.train.ctc import held_out_acceptance, make_labels
+    from specdecode.train.medusa import make_stream
+
+    backend, head = tiny_target.backend, trained.head
+    _, layerwise = target_views(backend, "ctc")
+
+    def measured(ids: list[int]):
+        (item,) = compute_features(backend, [ids], (), progress=False)
+        stream = make_stream([item], 4)
+        return held_out_acceptance(head, stream, make_labels(stream, layerwise, head, 4, 16), run=16)
+
+    own = measured([5, *hf_greedy(tiny_target, [5], 30)])
+    assert own.own_rows == 30 and own.own == own.every
+    foreign = measured(torch.randint(3, 60, (31,), generator=torch.Generator().manual_seed(0)).tolist())
+    assert foreign.own_rows <= 3
+
+
 def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained):
     assert trained.epoch_losses[-1] < 0.5 * trained.epoch_losses[0]
     assert len(trained.acceptance) == 4 and all(0.0 <= rate <= 1.0 for rate in trained.acceptance)

@@ -30,7 +30,7 @@ from specdecode.config import DEFAULT_DRAFT_VOCAB
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.ctc import CTCHead, ctc_head_for_target
 from specdecode.models.base import LayerwiseExecution
-from specdecode.train.common import TrainResult, fit, split_holdout, target_views
+from specdecode.train.common import HeldOutAcceptance, TrainResult, fit, split_holdout, target_views
 from specdecode.train.eagle import Features, draft_vocabulary
 from specdecode.train.medusa import Stream, make_stream
 
@@ -63,6 +63,9 @@ class Labels:
     draft_ids: torch.Tensor
     lengths: torch.Tensor
     greedy: torch.Tensor  # [N, tokens] the same tokens as target ids, -1 past the sequence's end
+    #: [N, tokens] whether the data's token before each label is the target's own greedy choice too (as in text the
+    #: target wrote, where drafting meets the label), false past the sequence's end
+    follows: torch.Tensor
 
 
 @torch.no_grad()
@@ -74,17 +77,18 @@ def make_labels(stream: Stream, backend: LayerwiseExecution, head: CTCHead, toke
     choices = torch.cat(
         [
             backend.head_logits(stream.finals[start : min(start + run, rows + tokens)].float(), full_head).argmax(-1)
-            for start in range(1, rows + tokens, run)
+            for start in range(0, rows + tokens, run)
         ]
-    )  # choices[i]: the target's greedy token after position i + 1
+    )  # choices[i]: the target's greedy token after position i
     to_draft = torch.full((backend.output_weight().shape[0],), -1, dtype=torch.long)
     to_draft[head.target_ids] = torch.arange(head.target_ids.numel())
     ahead = torch.arange(rows)[:, None] + torch.arange(1, tokens + 1)  # [N, tokens] positions j+1 .. j+tokens
     inside = ahead <= stream.last[:, None]
-    greedy = torch.where(inside, choices[ahead - 1], -1)
+    greedy = torch.where(inside, choices[ahead], -1)
+    follows = inside & (stream.ids[ahead] == choices[ahead - 1])
     draft_ids = torch.where(inside, to_draft[greedy.clamp(min=0)], -1)
     lengths = (draft_ids >= 0).long().cumprod(dim=1).sum(dim=1)  # up to the first end or out-of-vocabulary token
-    return Labels(draft_ids=draft_ids.clamp(min=0), lengths=lengths, greedy=greedy)
+    return Labels(draft_ids=draft_ids.clamp(min=0), lengths=lengths, greedy=greedy, follows=follows)
 
 
 def check_slots(slots: int, tokens: int) -> None:
@@ -122,23 +126,31 @@ def ctc_losses(head: CTCHead, finals: torch.Tensor, labels: Labels, rows: slice)
 
 
 @torch.no_grad()
-def held_out_acceptance(head: CTCHead, stream: Stream, labels: Labels, run: int) -> list[float]:
-    """Per token of the collapsed greedy draft: P(it equals the target's greedy token | the earlier ones did)."""
+def held_out_acceptance(head: CTCHead, stream: Stream, labels: Labels, run: int) -> HeldOutAcceptance:
+    """Per token of the collapsed greedy draft: P(it equals the target's greedy token | the earlier ones did), over
+    every row and over the labels whose tokens before them the target wrote itself (:class:`HeldOutAcceptance`)."""
     tokens = labels.greedy.shape[1]
-    right, tried = torch.zeros(tokens), torch.zeros(tokens)
+    right, tried = torch.zeros(2, tokens), torch.zeros(2, tokens)
     for start in range(0, stream.rows, run):
         stop = min(start + run, stream.rows)
         paths = head(stream.finals[start:stop].float()).argmax(-1).tolist()
-        for path, truth in zip(paths, labels.greedy[start:stop].tolist()):
+        rows = zip(paths, labels.greedy[start:stop].tolist(), labels.follows[start:stop].tolist())
+        for path, truth, follows in rows:
             draft = [int(head.target_ids[i]) for i in collapse(path, head.config.blank)]
+            own = True
             for k in range(min(len(draft), tokens)):
                 if truth[k] < 0:
                     break
-                tried[k] += 1
+                own = own and follows[k]
+                counted = (0, 1) if own else (0,)
+                for kind in counted:
+                    tried[kind, k] += 1
                 if draft[k] != truth[k]:
                     break
-                right[k] += 1
-    return (right / tried.clamp(min=1)).tolist()
+                for kind in counted:
+                    right[kind, k] += 1
+    every, own_rates = (right / tried.clamp(min=1)).tolist()
+    return HeldOutAcceptance(every, own_rates, int(labels.follows[:, 0].sum()))
 
 
 def train_ctc(
@@ -191,11 +203,14 @@ def train_ctc(
         bf16=config.bf16,
     )
     head.eval()
+    held_out = held_out_acceptance(head, held_stream, held_labels, config.run)
     return CTCTrainResult(
         head=head,
         rows=int((labels.greedy[:, 0] >= 0).sum()),
         held_out_rows=int((held_labels.greedy[:, 0] >= 0).sum()),
-        acceptance=held_out_acceptance(head, held_stream, held_labels, config.run),
+        acceptance=held_out.every,
+        own_acceptance=held_out.own,
+        own_rows=held_out.own_rows,
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
