@@ -155,12 +155,13 @@ class EagleSession(HeadSession):
         if self.committed + features.shape[0] != known:
             raise RuntimeError(f"eagle: {self.committed} + {features.shape[0]} features for {known} positions")
         device = self.backend.device
-        # With a window, the rows whose entries the commit would drop at once are not computed (HeadCache.unread).
+        tokens = torch.tensor(context[self.committed + 1 :], dtype=torch.long, device=device)
+        positions = torch.arange(self.committed + 1, known + 1, device=device)
         start, end = self.cache.unread(features.shape[0])
-        rows = torch.cat([torch.arange(start), torch.arange(end, features.shape[0])]).to(device)
-        tokens = torch.tensor(context[self.committed + 1 :], dtype=torch.long, device=device)[rows]
-        positions = self.committed + 1 + rows
-        out = self.head.extend(self.head.fuse(features[rows]), self.backend.embed(tokens), positions, self.cache)
+        if end > start:  # with a window, the rows whose entries the commit would drop at once are not computed
+            kept = torch.cat([torch.arange(start), torch.arange(end, features.shape[0])]).to(device)
+            features, tokens, positions = features[kept], tokens[kept], positions[kept]
+        out = self.head.extend(self.head.fuse(features), self.backend.embed(tokens), positions, self.cache)
         self.cache.commit(compact=end > start)
         self.committed = known
         self._last = out[-1]

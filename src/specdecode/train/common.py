@@ -68,8 +68,9 @@ class TrainResult:
     acceptance: list[float]
     epoch_losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    #: The same over the held-out rows read as decoding reads them (each token fed to the head the target's own greedy
-    #: choice), where the trainer measures it (``train eagle``); ``own_rows`` of them.
+    #: The same over the held-out rows read as decoding reads them (each token the draft follows the target's own
+    #: greedy choice), where the trainer measures it (:class:`HeldOutAcceptance`: eagle, medusa, hydra, ctc);
+    #: ``own_rows`` of them.
     own_acceptance: list[float] | None = None
     own_rows: int = 0
 
