@@ -250,15 +250,3 @@ def test_the_trainer_prints_both_held_out_figures(capsys, tmp_path):
         "on the target's own tokens (30 held-out rows, as drafting meets them) 25%, 50% (a chain would average 0.38)"
         in printed
     )
-    report_training(
-        args,
-        TrainResult(rows=100, held_out_rows=40, acceptance=[0.5]),
-        "ctc head",
-        64,
-        "token",
-        1.0,
-        tmp_path,
-        "ctc",
-        "head",
-    )
-    assert "own tokens" not in capsys.readouterr().out

@@ -76,6 +76,7 @@ def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained)
     """The head's own drafts (the lookup off: it would help either head), trained against untrained."""
     assert trained.epoch_losses[-1] < 0.5 * trained.epoch_losses[0]
     assert len(trained.acceptance) == 4 and all(0.0 <= rate <= 1.0 for rate in trained.acceptance)  # 2 passes of 2
+    assert len(trained.own_acceptance) == 4 and 0 < trained.own_rows <= trained.held_out_rows
     assert trained.rows > 0 and trained.held_out_rows > 0
 
     def accepted(head, tree_nodes: int) -> int:
@@ -88,6 +89,30 @@ def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained)
     untrained = random_falcon_head(tiny_target.backend, 64)
     for tree_nodes in (0, 10):
         assert accepted(trained.head, tree_nodes) > accepted(untrained, tree_nodes)
+
+
+def test_held_out_acceptance_on_the_targets_own_tokens_counts_the_chains_drafting_meets(tiny_target, trained):
+    """A sequence the target wrote itself (greedy from its first token) is all own rows: both figures agree.  The
+    control: random tokens, which the target would not have written, are almost never read as its own."""
+    from specdecode.train.common import target_views
+    from specdecode.train.falcon import held_out_acceptance
+
+    backend, head = tiny_target.backend, trained.head
+    _, layerwise = target_views(backend, "falcon")
+
+    def measured(ids: list[int]):
+        (features,) = compute_features(backend, [ids], (), progress=False)
+        windows = make_windows([features], 16, head.config.block)
+        return held_out_acceptance(head, layerwise, backend.embed, windows, passes=2, batch_windows=4)
+
+    own = measured([7, *hf_greedy(tiny_target, [7], 30)])  # PROMPTS[2]'s, which the head trained on
+    assert own.own_rows == 29 and own.own == own.every and own.every[0] > 0  # 30 rows, the last without a target
+    foreign = measured(torch.randint(3, 60, (31,), generator=torch.Generator().manual_seed(0)).tolist())
+    assert foreign.own_rows <= 3
+    ids = [7, *hf_greedy(tiny_target, [7], 30)]
+    ids[16] = (ids[16] + 1) % 60  # one token the target did not choose: its chains and the rows after it are not own
+    edited = measured(ids)
+    assert edited.own_rows < 29 and edited.own != edited.every, (edited.own, edited.every)
 
 
 def test_an_interrupted_training_resumes_to_the_same_head(tiny_target, features, tmp_path, monkeypatch):

@@ -66,13 +66,12 @@ class TrainResult:
     #: acceptance[k]: on held-out rows, how often the head's top-1 at drafting step (or head) k equals the
     #: target's (over the whole vocabulary) given that steps 0..k-1 were right.
     acceptance: list[float]
+    #: The same over the held-out rows read as decoding reads them (each token the draft follows the target's own
+    #: greedy choice: :class:`HeldOutAcceptance`); ``own_rows`` of them.
+    own_acceptance: list[float]
+    own_rows: int
     epoch_losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
-    #: The same over the held-out rows read as decoding reads them (each token the draft follows the target's own
-    #: greedy choice), where the trainer measures it (:class:`HeldOutAcceptance`: eagle, medusa, hydra, ctc);
-    #: ``own_rows`` of them.
-    own_acceptance: list[float] | None = None
-    own_rows: int = 0
 
     @property
     def expected_accepted(self) -> float:
@@ -267,12 +266,11 @@ def report_training(
         f"tokens; held-out ({result.held_out_rows} rows) top-1 acceptance per {per} {rates} "
         f"(a greedy chain of {len(result.acceptance)} would average {result.expected_accepted:.2f} accepted tokens)"
     )
-    if result.own_acceptance is not None:
-        own = ", ".join(f"{rate:.0%}" for rate in result.own_acceptance)
-        print(
-            f"on the target's own tokens ({result.own_rows} held-out rows, as drafting meets them) {own} "
-            f"(a chain would average {chain_tokens(result.own_acceptance):.2f})"
-        )
+    own = ", ".join(f"{rate:.0%}" for rate in result.own_acceptance)
+    print(
+        f"on the target's own tokens ({result.own_rows} held-out rows, as drafting meets them) {own} "
+        f"(a chain would average {chain_tokens(result.own_acceptance):.2f})"
+    )
     print(
         f"data {data_seconds:.0f} s, training {result.seconds:.0f} s; "
         f"losses per epoch {', '.join(f'{loss:.3f}' for loss in result.epoch_losses)}"

@@ -35,6 +35,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.heads.falcon import FalconConfig, FalconHead
 from specdecode.models.base import LayerwiseExecution
 from specdecode.train.common import (
+    HeldOutAcceptance,
     Teacher,
     TrainResult,
     fit,
@@ -229,33 +230,45 @@ def glance(
 @torch.no_grad()
 def held_out_acceptance(
     head: FalconHead, backend: LayerwiseExecution, embed, windows: Windows, passes: int, batch_windows: int
-) -> list[float]:
+) -> HeldOutAcceptance:
     """Per drafted token (``block`` a pass): P(head top-1 == target top-1 over the full vocabulary | the earlier
-    tokens of the chain right), chains rooted at every block of true rows."""
+    tokens of the chain right), chains rooted at every block of true rows (:class:`HeldOutAcceptance`).  A chain is
+    read as drafting reads it (``own``) when every token its root block is fed is the target's greedy choice after
+    the row before, and it goes on to a token only while the data's token there is the target's choice too."""
     block = head.config.block
     depth = block * passes
-    right, tried = torch.zeros(depth), torch.zeros(depth)
+    right, tried = torch.zeros(2, depth), torch.zeros(2, depth)
+    own_rows = 0
     full_head = backend.lm_head()
     for index in torch.arange(windows.count).split(batch_windows):
         batch = windows.batch(index)
         truth = backend.head_logits(batch.targets, full_head).argmax(-1)
+        chosen = backend.head_logits(batch.features, full_head).argmax(-1)
         blocks = batch.tokens.shape[1] // block
-        correct, valid = [], []
+        fed_own = batch.tokens == chosen
+        own_rows += int((fed_own & batch.valid).sum())
+        own_fed = (fed_own | ~batch.valid).view(-1, blocks, block).all(-1)
+        # Row j predicts token j + block + 1, which the data holds as the next rows' input (``ahead``).
+        own_next = batch.glanceable & (batch.ahead == truth)
+        correct, valid, own = [], [], []
         for p, out in enumerate(unrolled(head, embed, batch, passes), start=1):
             ok = pass_valid(batch, block, p)
             guess = head.target_ids[head.logits(out).argmax(-1)]
             # Chain rooted at block b: pass p reads block b + p - 1.
             shift = (p - 1) * block
-            correct.append(F.pad((ok & (guess == truth))[:, shift:], (0, shift)).view(-1, blocks, block))
-            valid.append(F.pad(ok[:, shift:], (0, shift)).view(-1, blocks, block))
-        correct_all, valid_all = torch.cat(correct, dim=-1), torch.cat(valid, dim=-1)  # [B, blocks, depth]
-        still = valid_all[..., 0].clone()
+            for kept, rows in ((correct, ok & (guess == truth)), (valid, ok), (own, own_next)):
+                kept.append(F.pad(rows[:, shift:], (0, shift)).view(-1, blocks, block))
+        correct_all, valid_all, own_all = (torch.cat(rows, dim=-1) for rows in (correct, valid, own))
+        roots = valid_all[..., 0]
+        still = torch.stack([roots, roots & own_fed])  # [every, own] x [B, blocks]
         for d in range(depth):
             mask = still & valid_all[..., d]
-            tried[d] += mask.sum()
+            tried[:, d] += mask.flatten(1).sum(1)
             still = mask & correct_all[..., d]
-            right[d] += still.sum()
-    return (right / tried.clamp(min=1)).tolist()
+            right[:, d] += still.flatten(1).sum(1)
+            still[1] &= own_all[..., d]
+    every, own_rates = (right / tried.clamp(min=1)).tolist()
+    return HeldOutAcceptance(every, own_rates, own_rows)
 
 
 def train_falcon(
@@ -338,12 +351,14 @@ def train_falcon(
         progress=progress,
         bf16=config.bf16,
     )
-    acceptance = held_out_acceptance(head, layerwise, embed, held_windows, config.passes, config.batch_windows)
+    held_out = held_out_acceptance(head, layerwise, embed, held_windows, config.passes, config.batch_windows)
     return FalconTrainResult(
         head=head,
         rows=int(windows.valid.sum()),
         held_out_rows=int(held_windows.valid.sum()),
-        acceptance=acceptance,
+        acceptance=held_out.every,
+        own_acceptance=held_out.own,
+        own_rows=held_out.own_rows,
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
