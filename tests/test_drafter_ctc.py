@@ -95,7 +95,7 @@ def test_held_out_acceptance_on_the_targets_own_tokens_counts_the_labels_draftin
 
 def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained):
     assert trained.epoch_losses[-1] < 0.5 * trained.epoch_losses[0]
-    assert len(trained.acceptance) == 4 and all(0.0 <= rate <= 1.0 for rate in trained.acceptance)
+    assert len(trained.acceptance.every) == 4 and all(0.0 <= rate <= 1.0 for rate in trained.acceptance.every)
     assert trained.rows > 0 and trained.held_out_rows > 0
 
     def accepted(head, tree_nodes: int) -> int:

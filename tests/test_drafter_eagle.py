@@ -239,10 +239,10 @@ def test_a_sampled_tree_drawn_from_other_distributions_than_it_reports_fails_the
 def test_the_trainer_prints_both_held_out_figures(capsys, tmp_path):
     import argparse
 
-    from specdecode.train.common import TrainResult, report_training
+    from specdecode.train.common import HeldOutAcceptance, TrainResult, report_training
 
     args = argparse.Namespace(model="m", out=None)
-    own = TrainResult(rows=100, held_out_rows=40, acceptance=[0.5, 0.5], own_acceptance=[0.25, 0.5], own_rows=30)
+    own = TrainResult(rows=100, held_out_rows=40, acceptance=HeldOutAcceptance([0.5, 0.5], [0.25, 0.5], own_rows=30))
     report_training(args, own, "eagle head", 64, "drafting step", 1.0, tmp_path, "eagle", "head")
     printed = capsys.readouterr().out
     assert "top-1 acceptance per drafting step 50%, 50% (a greedy chain of 2 would average 0.75" in printed

@@ -75,8 +75,10 @@ def test_greedy_output_is_plain_greedy_for_any_head(tiny_target, trained, tree_n
 def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained):
     """The head's own drafts (the lookup off: it would help either head), trained against untrained."""
     assert trained.epoch_losses[-1] < 0.5 * trained.epoch_losses[0]
-    assert len(trained.acceptance) == 4 and all(0.0 <= rate <= 1.0 for rate in trained.acceptance)  # 2 passes of 2
-    assert len(trained.own_acceptance) == 4 and 0 < trained.own_rows <= trained.held_out_rows
+    assert len(trained.acceptance.every) == 4 and all(
+        0.0 <= rate <= 1.0 for rate in trained.acceptance.every
+    )  # 2 passes of 2
+    assert len(trained.acceptance.own) == 4 and 0 < trained.acceptance.own_rows <= trained.held_out_rows
     assert trained.rows > 0 and trained.held_out_rows > 0
 
     def accepted(head, tree_nodes: int) -> int:

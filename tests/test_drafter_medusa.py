@@ -84,7 +84,7 @@ def test_trained_heads_get_more_drafts_accepted(tiny_target, trained, kind):
 def test_training_reports_acceptance_per_head(tiny_target, features):
     config = HeadsTrainConfig(kind="hydra", num_heads=3, epochs=2, run=64, draft_vocab=0)
     result = train_heads(tiny_target.backend, features, config)
-    assert len(result.acceptance) == 3 and all(0.0 <= rate <= 1.0 for rate in result.acceptance)
+    assert len(result.acceptance.every) == 3 and all(0.0 <= rate <= 1.0 for rate in result.acceptance.every)
     assert result.heads.config.draft_vocab_size == tiny_target.backend.vocab_size
     assert result.rows > 0 and result.held_out_rows > 0 and len(result.epoch_losses) == 2
 

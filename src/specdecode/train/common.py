@@ -58,25 +58,31 @@ def kl_to_teacher(teacher: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class HeldOutAcceptance:
+    """Per drafting step (or head, or drafted token), P(head top-1 == target top-1 over the full vocabulary | earlier
+    steps right): over every held-out row (``every``), and over the rows read as decoding reads them (``own``): each
+    token fed to the head is the target's own greedy choice after the tokens before it, as it is when the target
+    generated them.  Rows of prompts, chat templates and other writers' text are in ``every`` only, where the head
+    meets them while training but never while drafting."""
+
+    every: list[float]
+    own: list[float]
+    own_rows: int
+
+
+@dataclass
 class TrainResult:
     """What a head training reports besides the head itself."""
 
     rows: int
     held_out_rows: int
-    #: acceptance[k]: on held-out rows, how often the head's top-1 at drafting step (or head) k equals the
-    #: target's (over the whole vocabulary) given that steps 0..k-1 were right.
-    acceptance: list[float]
-    #: The same over the held-out rows read as decoding reads them (each token the draft follows the target's own
-    #: greedy choice: :class:`HeldOutAcceptance`); ``own_rows`` of them.
-    own_acceptance: list[float]
-    own_rows: int
+    acceptance: HeldOutAcceptance
     epoch_losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
-    @property
-    def expected_accepted(self) -> float:
-        """Tokens a greedy chain of ``len(acceptance)`` drafts would get accepted on average."""
-        return chain_tokens(self.acceptance)
+
+def percents(rates: list[float]) -> str:
+    return ", ".join(f"{rate:.0%}" for rate in rates)
 
 
 def chain_tokens(acceptance: list[float]) -> float:
@@ -86,19 +92,6 @@ def chain_tokens(acceptance: list[float]) -> float:
         survive *= rate
         total += survive
     return total
-
-
-@dataclass
-class HeldOutAcceptance:
-    """Per drafting step, P(head top-1 == target top-1 over the full vocabulary | earlier steps right): over every
-    held-out row (``every``), and over the rows read as decoding reads them (``own``): each token fed to the head is
-    the target's own greedy choice after the tokens before it, as it is when the target generated them.  Rows of
-    prompts, chat templates and other writers' text are in ``every`` only, where the head meets them while
-    training but never while drafting."""
-
-    every: list[float]
-    own: list[float]
-    own_rows: int
 
 
 def target_views(target_backend: object, who: str) -> tuple[HiddenStates, LayerwiseExecution]:
@@ -260,16 +253,15 @@ def report_training(
     """The end of a ``specdecode train`` run: the held-out figures, the time spent, where the head went and
     the command that uses it (naming the ``--drafter-option`` only when the head is not where it is looked
     for by default)."""
-    rates = ", ".join(f"{rate:.0%}" for rate in result.acceptance)
+    every, own = result.acceptance.every, result.acceptance.own
     print(
         f"{what} for {args.model}: {result.rows} training rows, {draft_vocab} draft "
-        f"tokens; held-out ({result.held_out_rows} rows) top-1 acceptance per {per} {rates} "
-        f"(a greedy chain of {len(result.acceptance)} would average {result.expected_accepted:.2f} accepted tokens)"
+        f"tokens; held-out ({result.held_out_rows} rows) top-1 acceptance per {per} {percents(every)} "
+        f"(a greedy chain of {len(every)} would average {chain_tokens(every):.2f} accepted tokens)"
     )
-    own = ", ".join(f"{rate:.0%}" for rate in result.own_acceptance)
     print(
-        f"on the target's own tokens ({result.own_rows} held-out rows, as drafting meets them) {own} "
-        f"(a chain would average {chain_tokens(result.own_acceptance):.2f})"
+        f"on the target's own tokens ({result.acceptance.own_rows} held-out rows, as drafting meets them) "
+        f"{percents(own)} (a chain would average {chain_tokens(own):.2f})"
     )
     print(
         f"data {data_seconds:.0f} s, training {result.seconds:.0f} s; "

@@ -203,14 +203,11 @@ def train_ctc(
         bf16=config.bf16,
     )
     head.eval()
-    held_out = held_out_acceptance(head, held_stream, held_labels, config.run)
     return CTCTrainResult(
         head=head,
         rows=int((labels.greedy[:, 0] >= 0).sum()),
         held_out_rows=int((held_labels.greedy[:, 0] >= 0).sum()),
-        acceptance=held_out.every,
-        own_acceptance=held_out.own,
-        own_rows=held_out.own_rows,
+        acceptance=held_out_acceptance(head, held_stream, held_labels, config.run),
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )

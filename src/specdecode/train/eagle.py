@@ -350,14 +350,11 @@ def train_eagle(
         progress=progress,
         bf16=config.bf16,
     )
-    held_out = held_out_acceptance(head, layerwise, embed, held_windows, config.batch_windows)
     return EagleTrainResult(
         head=head,
         rows=int(windows.valid[0].sum()),
         held_out_rows=int(held_windows.valid[0].sum()),
-        acceptance=held_out.every,
-        own_acceptance=held_out.own,
-        own_rows=held_out.own_rows,
+        acceptance=held_out_acceptance(head, layerwise, embed, held_windows, config.batch_windows),
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )

@@ -200,16 +200,13 @@ def train_heads(
         progress=progress,
         bf16=config.bf16,
     )
-    held_out = held_out_acceptance(heads, layerwise, embed, held_stream, config.run)
     valid_rows = (torch.arange(stream.rows) + 1 <= stream.last).sum()
     held_rows = (torch.arange(held_stream.rows) + 1 <= held_stream.last).sum()
     return HeadsTrainResult(
         heads=heads,
         rows=int(valid_rows),
         held_out_rows=int(held_rows),
-        acceptance=held_out.every,
-        own_acceptance=held_out.own,
-        own_rows=held_out.own_rows,
+        acceptance=held_out_acceptance(heads, layerwise, embed, held_stream, config.run),
         epoch_losses=losses,
         seconds=time.perf_counter() - started,
     )
