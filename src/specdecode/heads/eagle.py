@@ -263,9 +263,13 @@ class EagleHead(nn.Module):
         q, k, v = self.layer.project(hidden, embeds, cos, sin)
         past = cache.length
         keys, values = cache.append(k, v)
-        if mask is None:
-            n = hidden.shape[0]
+        n = hidden.shape[0]
+        if mask is None and past > 0 and n > 1:
             causal = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
             mask = torch.cat([torch.ones(n, past, dtype=torch.bool, device=hidden.device), causal], dim=1)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        # With nothing cached, SDPA's own causal path: a prompt's thousands of rows without a mask to read.
+        causal_only = mask is None and past == 0 and n > 1
+        attended = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal_only, enable_gqa=True
+        )
         return self.layer.finish(hidden, attended)
