@@ -181,6 +181,21 @@ def test_cells_speedup_equality_and_peer_ratio():
     assert "  - `pld`: 2.500x on e/1 (2.50–2.50x over 1 repeat)" in text
 
 
+def test_the_report_says_when_prompts_reach_into_the_training_data():
+    """``specdecode train`` draws the prompts after the first ``BENCH_PROMPTS_SKIPPED`` of a task (seed 0)."""
+    from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
+
+    results, tasks = _synthetic_results()
+    cells = build_cells(results, tasks)
+    for per_task, seed, said in (
+        (BENCH_PROMPTS_SKIPPED, 0, False),
+        (BENCH_PROMPTS_SKIPPED + 1, 0, True),
+        (12, 1, False),
+    ):
+        results["settings"].update(prompts_per_task=per_task, seed=seed)
+        assert ("not held out" in report.markdown(results, cells)) == said, (per_task, seed)
+
+
 # --------------------------------------------------------------------------------------------------------
 # End to end on tiny models
 

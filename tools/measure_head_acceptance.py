@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from specdecode.bench import common
+from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
 from specdecode.data.tasks import load_tasks
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
@@ -39,12 +40,19 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--head", default=None, help="a head directory (default: the one --drafter eagle finds)")
     parser.add_argument("--tasks", default="mt-bench,sharegpt")
-    parser.add_argument("--prompts-per-task", type=int, default=12)
+    parser.add_argument(
+        "--prompts-per-task",
+        type=int,
+        default=BENCH_PROMPTS_SKIPPED,
+        help=f"at most {BENCH_PROMPTS_SKIPPED}: training draws the prompts after those",
+    )
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if not 0 < args.prompts_per_task <= BENCH_PROMPTS_SKIPPED:
+        parser.error(f"--prompts-per-task must be 1-{BENCH_PROMPTS_SKIPPED}: training draws the prompts after those")
     with fixed_threads(args.threads):
         measure(args)
 

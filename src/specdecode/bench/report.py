@@ -15,6 +15,7 @@ from specdecode.bench.cells import ALL_TASKS, CellResult, PromptSpeedup, prompt_
 from specdecode.bench.metrics import median_wall_s, ratio
 from specdecode.bench.plots import plot_draft_length, plot_speedup
 from specdecode.bench.reporting import fmt, table
+from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
 from specdecode.data.long_context import context_tokens_of
 from specdecode.data.tasks import GROUNDED_TASKS
 from specdecode.models.cost import cost_at
@@ -67,7 +68,13 @@ def _prompt_source(settings: Mapping[str, Any]) -> str:
             f"prompts from `{Path(settings['prompts_file']).name}` (SHA-256 {settings['prompts_sha256'][:12]}…), "
             f"at most {settings['prompts_per_task']} per task"
         )
-    return f"{settings['prompts_per_task']} prompt(s) per task (seed {settings['seed']})"
+    source = f"{settings['prompts_per_task']} prompt(s) per task (seed {settings['seed']})"
+    if settings["seed"] == 0 and settings["prompts_per_task"] > BENCH_PROMPTS_SKIPPED:
+        source += (
+            f"; the prompts after the first {BENCH_PROMPTS_SKIPPED} of a task may be in `specdecode train`'s data, "
+            "so a trained drafter's figures are not held out on them"
+        )
+    return source
 
 
 _INTERLEAVE = {
