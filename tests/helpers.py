@@ -66,6 +66,17 @@ def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def check_own_token_figures(loaded, measured: Callable, own_rows: int = 30, start: int = 5):
+    """A trainer's held-out figures (``measured(ids)``: its ``HeldOutAcceptance`` on one sequence): a sequence the
+    target wrote itself (greedy from ``start``) is all own rows and both figures agree; the control, random tokens
+    the target would not have written, are almost never read as its own.  Returns the figures of the first."""
+    own = measured([start, *hf_greedy(loaded, [start], 30)])
+    assert own.own_rows == own_rows and own.own == own.every
+    foreign = measured(torch.randint(3, 60, (31,), generator=torch.Generator().manual_seed(0)).tolist())
+    assert foreign.own_rows <= 3
+    return own
+
+
 def run(target, drafter, prompt, **config) -> tuple[list[int], DecodeOutcome]:
     """One request through the engine (EOS ignored); its tokens and outcome."""
     outcome = DecodeOutcome()
