@@ -141,11 +141,11 @@ def test_the_command_line_says_what_rasd_needs(tiny_dirs, tmp_path, capsys):
 
 def test_options_and_method_specs(tiny_target, tmp_path):
     path = str(write_jsonl(tmp_path / "ds.jsonl", ["w1 w2 w3"]))
-    assert parse_method(f"rasd:datastore={path}").draft_model is None  # with=pld: no draft model
+    assert parse_method(f"rasd:datastore={path}").draft_model is None  # with=suffix: no draft model
     assert parse_method(f"rasd:m:with=draft-model:datastore={path}").draft_model == "m"
     with pytest.raises(SpecDecodeError, match="needs a draft model"):
         parse_method(f"rasd:with=hsd:datastore={path}")
-    with pytest.raises(SpecDecodeError, match="not with=pld"):
+    with pytest.raises(SpecDecodeError, match="not with=suffix"):
         create_drafter("rasd", tiny_target, datastore=path, draft_model=tiny_target)
     with pytest.raises(SpecDecodeError, match="not rasd"):
         create_drafter("rasd", tiny_target, datastore=path, **{"with": "rasd"})

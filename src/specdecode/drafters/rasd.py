@@ -10,8 +10,9 @@ begins like a drafted one shares its nodes, and only what differs adds width to 
 ``--drafter rasd --drafter-option datastore=PATH [--drafter-option with=NAME]``: PATH is a directory of text files or
 a JSON Lines file of ``{"text": ...}`` objects, tokenized with the target's tokenizer and indexed once
 (:mod:`specdecode.data.datastore`: a suffix array, cached on disk, incremental).  ``with`` names the drafter whose
-tree the retrieval joins (default ``pld``, which copies from the request itself, what the datastore lacks; ``none``
-for retrieval alone; ``draft-model``, ``hsd`` with ``--draft-model``; ``eagle`` with its trained head).
+tree the retrieval joins (default ``suffix``, which copies from the request itself and earlier outputs, what the
+datastore lacks, and beat ``pld`` there on code and on open chat: ``docs/drafters.md``; ``none`` for retrieval alone;
+``draft-model``, ``hsd`` with ``--draft-model``; ``eagle`` with its trained head).
 
 Pruning.  The paper prunes the retrieval tree with the draft model's distribution.  A drafter here exposes only its
 drafted nodes' confidences, so each retrieved node is scored by its share of the occurrences that continue its
@@ -56,7 +57,7 @@ class RetrievalDrafter(Drafter):
     """RASD: retrieval from a datastore by the context's suffix, fused with another drafter's tree (needs datastore=).
 
     Options: ``datastore`` (required) a directory of text files or a ``.jsonl`` file of ``{"text": ...}`` objects;
-    ``with`` (pld) the drafter whose tree the retrieval joins (``none``: retrieval alone; in Python also a drafter
+    ``with`` (suffix) the drafter whose tree the retrieval joins (``none``: retrieval alone; in Python also a drafter
     built with its own options); ``draft_model`` for a ``with`` that takes one; ``max_nodes`` (16) retrieved nodes
     grown per step, before the budget prunes them; ``min_match`` (2) and ``max_match`` (32) the shortest suffix of
     the context retrieved by and the longest one searched for after a mismatch (a match that keeps extending grows
@@ -66,7 +67,7 @@ class RetrievalDrafter(Drafter):
         self,
         target: LoadedModel,
         datastore: str | None = None,
-        with_: str | Drafter = "pld",
+        with_: str | Drafter = "suffix",
         draft_model: str | LoadedModel | None = None,
         max_nodes: int = 16,
         min_match: int = 2,
