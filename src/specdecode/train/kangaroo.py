@@ -55,7 +55,7 @@ class Evaluation:
 
 
 @dataclass
-class TrainResult:
+class KangarooTrainResult:
     adapter: KangarooAdapter
     positions: int
     before: Evaluation  # the untrained adapter, i.e. the plain early exit
@@ -147,7 +147,7 @@ def _loss_vocabulary(backend: LayerwiseExecution, finals: torch.Tensor, size: in
 
 def train_adapter(
     target: LoadedModel, prompts: list[list[int]], config: TrainConfig | None = None, progress: bool = False
-) -> TrainResult:
+) -> KangarooTrainResult:
     """Generate data with ``target`` from token-id ``prompts`` and fit a fresh adapter to it."""
     config = config or TrainConfig()
     backend = require_layer_backend(target.backend, "kangaroo")
@@ -199,4 +199,4 @@ def train_adapter(
     adapter.eval()
     after = evaluate(backend, adapter, held_exits, held_finals)
     positions = sum(len(s.exits) for s in sequences)
-    return TrainResult(adapter=adapter, positions=positions, before=before, after=after, epoch_losses=losses)
+    return KangarooTrainResult(adapter=adapter, positions=positions, before=before, after=after, epoch_losses=losses)
