@@ -95,8 +95,8 @@ def test_training_lowers_the_loss_and_gets_drafts_accepted(tiny_target, trained)
 
 
 def test_held_out_acceptance_on_the_targets_own_tokens_counts_the_chains_drafting_meets(tiny_target, trained):
-    """A sequence the target wrote itself (greedy from its first token) is all own rows: both figures agree.  The
-    control: random tokens, which the target would not have written, are almost never read as its own."""
+    """The own-token figure as every trainer's (:func:`check_own_token_figures`); a chain runs through blocks of
+    passes here, so also: one token the target did not choose ends the own chains that reach it."""
     from specdecode.train.common import target_views
     from specdecode.train.falcon import held_out_acceptance
 
