@@ -1,6 +1,7 @@
-"""``specdecode train {kangaroo,eagle,medusa,hydra,falcon,ctc,judge} --model M`` (fit drafter or judge weights, saved
-where the drafter or verifier looks) and ``specdecode export eagle`` (hand a trained head to vLLM): their flags,
-declared without importing what runs them (``train/*_run.py``, :mod:`specdecode.train.export`), which imports torch."""
+"""``specdecode train {kangaroo,eagle,medusa,hydra,falcon,ctc,judge,draft} --model M`` (fit drafter or judge weights,
+saved where the drafter or verifier looks), ``specdecode train datastore`` (the model's own answers for ``rasd``) and
+``specdecode export eagle`` (hand a trained head to vLLM): their flags, declared without importing what runs them
+(``train/*_run.py``, :mod:`specdecode.train.export`), which imports torch."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def add_train_command(subparsers: argparse._SubParsersAction) -> None:
     add_ctc_command(methods)
     add_judge_command(methods)
     add_draft_command(methods)
+    add_datastore_command(methods)
 
 
 def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> None:
@@ -209,3 +211,19 @@ def add_draft_command(methods: argparse._SubParsersAction) -> None:
     draft.add_argument("--seed", type=int, default=0)
     draft.add_argument("--out", help="the trained draft's directory (default: next to the cached target)")
     draft.set_defaults(run=Deferred("specdecode.train.draft_run:run_draft_training"))
+
+
+def add_datastore_command(methods: argparse._SubParsersAction) -> None:
+    datastore = methods.add_parser(
+        "datastore",
+        help="a datastore for the rasd drafter: the model's own answers to ShareGPT prompts no benchmark run draws",
+    )
+    datastore.add_argument("--model", default=DEFAULT_MODEL, help="registry short name, local dir, .gguf or hub id")
+    datastore.add_argument("--answers", type=int, default=3000, help="answers to write (a run cut short resumes)")
+    datastore.add_argument(
+        "--skip", type=int, default=100, help="ShareGPT prompts left out first: those the benchmark may draw"
+    )
+    datastore.add_argument("--new-tokens", type=int, default=160, help="tokens the model generates per answer")
+    datastore.add_argument("--max-prompt-tokens", type=int, default=512, help="prompts are cut to their last N tokens")
+    datastore.add_argument("--out", required=True, help="the JSON Lines file to write (--drafter-option datastore=)")
+    datastore.set_defaults(run=Deferred("specdecode.train.datastore_run:run_datastore"))

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from specdecode.models.loading import LoadedModel
 
 
-def _encode_user_prompt(target: LoadedModel, text: str) -> list[int]:
+def encode_user_prompt(target: LoadedModel, text: str) -> list[int]:
     tokenizer = target.tokenizer
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": text}]
@@ -54,7 +54,7 @@ def prompt_ids(target: LoadedModel, tasks: list[str], n: int, seed: int) -> list
     texts = [group[i] for i in range(per_task) for group in by_task if i < len(group)][:n]
     if not texts:
         raise SpecDecodeError(f"no training prompts could be loaded from tasks {', '.join(tasks)}")
-    return [_encode_user_prompt(target, text) for text in texts]
+    return [encode_user_prompt(target, text) for text in texts]
 
 
 #: Answers written together: batched greedy decoding writes several times the tokens per second of one prompt at
