@@ -181,3 +181,18 @@ def test_a_long_prompt_decoded_with_auto_measures_its_contexts_curve_on_the_targ
     assert sorted(_CURVES[backend]) == [128, 1024]
     plain = SpeculativeGenerator.build(target, "none").generate(prompt, max_new_tokens=12)
     assert speculative.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("drafter", ["pld", "none"])
+def test_a_fixed_draft_length_measures_a_long_contexts_curve_only_for_a_drafter(tiny_target, drafter):
+    """Tree drafters size their trees by the curve of the context whatever the draft length: a fixed length has it
+    measured before the first step as ``auto`` does; plain decoding (the control) measures nothing."""
+    from specdecode.generator import SpeculativeGenerator
+    from specdecode.models.cost import _CURVES
+    from specdecode.models.loading import LoadedModel
+
+    backend = HFCausalLM(tiny_llama(seed=0, layers=1, hidden=32, context=1200), f"tiny-long-{drafter}")
+    target = LoadedModel("tiny-long", backend, tiny_target.tokenizer)
+    prompt = [3 + (i * 7) % 50 for i in range(1100)]
+    SpeculativeGenerator.build(target, drafter).generate(prompt, max_new_tokens=6, num_draft_tokens=3)
+    assert sorted(_CURVES.get(backend, {})) == ([128, 1024] if drafter == "pld" else [])

@@ -6,9 +6,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from specdecode.types import StepObservation
+
+if TYPE_CHECKING:
+    from specdecode.models.cost import VerificationCosts
 
 
 class PolicySource(Protocol):
@@ -83,10 +86,25 @@ class DraftLengthPolicy(ABC):
 
 @dataclass
 class FixedLength(DraftLengthPolicy):
+    """``k`` tokens a step (at most what is left).  ``costs``: the target's verification costs, whose curve at a long
+    context it has measured when a sequence first gets there, between steps as ``auto`` does (tree drafters size their
+    trees with those curves whatever the draft length: ``drafters/_tree_size.py``)."""
+
     k: int
+    costs: VerificationCosts | None = None
 
     def next_length(self, limit: int) -> int:
         return min(self.k, limit)
+
+    def begin(self, prefill_s: float, context_tokens: int = 0) -> None:
+        self._reach(context_tokens)
+
+    def observe(self, step: StepObservation) -> None:
+        self._reach(step.context_tokens)
+
+    def _reach(self, context_tokens: int) -> None:
+        if self.costs is not None:
+            self.costs.prepare(context_tokens)
 
 
 @dataclass

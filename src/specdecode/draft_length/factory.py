@@ -34,10 +34,11 @@ class DeclaresCosts(Protocol):
 
 @dataclass(frozen=True)
 class DrafterCosts:
-    """What ``auto`` prices drafting with before it has timed anything (only ``auto`` reads them).
+    """What ``auto`` prices drafting with before it has timed anything (only ``auto`` reads them but ``curve``).
 
     ``curve``: measured verification cost per width (1, 2, ...), by context where measured on the target
-    (:class:`~specdecode.models.cost.VerificationCosts`); a linear guess without it.
+    (:class:`~specdecode.models.cost.VerificationCosts`); a linear guess without it.  A fixed draft length keeps it
+    to measure the curves of long contexts as ``auto`` does (:class:`~specdecode.draft_length.base.FixedLength`).
     ``reads_context``: the drafter runs a model of its own (``Drafter.reads_context``), so ``auto`` drafts it
     shallow from its very first step until its cost is timed (see ``UNTIMED_DEPTH``); ``context_cost``: its
     reading of a prompt against the target's prefill (``Drafter.reading_cost``), so ``auto`` prices each reading;
@@ -72,7 +73,7 @@ def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> Po
     """The policy requests drafting ``length`` decode with (each sequence with a fork of it)."""
     match length:
         case Fixed(k):
-            return FixedLength(k)
+            return FixedLength(k, costs.curve if isinstance(costs.curve, VerificationCosts) else None)
         case Heuristic():
             return HeuristicLength()
         case Auto():
@@ -89,4 +90,8 @@ def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> Po
 
 def measured_policy(length: DraftLength, drafter: DeclaresCosts, target: CausalLM) -> PolicySource:
     """:func:`make_policy` for requests that ``drafter`` drafts for on ``target``, measured where ``length`` needs."""
-    return make_policy(length, DrafterCosts.measure(drafter, target) if length == AUTO else DrafterCosts())
+    if length == AUTO:
+        return make_policy(length, DrafterCosts.measure(drafter, target))
+    if isinstance(length, Fixed) and length.k > 0 and drafter.drafts:  # for the trees sized by cost
+        return make_policy(length, DrafterCosts(curve=verification_costs(target)))
+    return make_policy(length)
