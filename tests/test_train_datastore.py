@@ -81,3 +81,11 @@ def test_no_prompt_left_after_the_skipped_is_a_one_line_error(capsys, tiny_dirs,
 
 def test_an_out_file_in_no_directory_is_a_one_line_error(capsys, tmp_path):
     assert_one_line_error(capsys, ["train", "datastore", "--out", str(tmp_path / "none" / "a.jsonl")], "no directory")
+
+
+def test_an_out_path_that_is_a_directory_or_another_file_is_a_one_line_error(capsys, tmp_path):
+    assert_one_line_error(capsys, ["train", "datastore", "--out", str(tmp_path)], "is a directory")
+    other = tmp_path / "notes.txt"
+    other.write_text("some notes\n")
+    assert_one_line_error(capsys, ["train", "datastore", "--out", str(other)], "line 1 is not a")
+    assert other.read_text() == "some notes\n"

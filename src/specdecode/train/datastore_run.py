@@ -27,8 +27,8 @@ def run_datastore(args: argparse.Namespace) -> int:
     if args.skip < 0:
         raise SpecDecodeError("--skip must be zero or more")
     out = Path(args.out).expanduser()
-    if not out.parent.is_dir():
-        raise SpecDecodeError(f"--out: no directory {out.parent}")
+    if out.is_dir() or not out.parent.is_dir():
+        raise SpecDecodeError(f"--out: {out} is a directory" if out.is_dir() else f"--out: no directory {out.parent}")
     done = written_answers(out)
     if done >= args.answers:
         print(f"{out} already holds {done} answers")
@@ -58,11 +58,21 @@ def sharegpt_prompt_texts(skip: int, count: int) -> list[str]:
 
 
 def written_answers(path: Path) -> int:
-    """The whole lines a run cut short left in ``path`` (a partial last line is cut off, to be written again)."""
+    """The whole lines a run cut short left in ``path`` (a partial last line is cut off, to be written again); a file
+    of other lines is refused rather than added to."""
     if not path.exists():
         return 0
     data = path.read_bytes()
     whole = data[: data.rfind(b"\n") + 1]
+    for number, line in enumerate(whole.splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise SpecDecodeError(
+                f'--out: {path} line {number} is not a {{"text": ...}} object: not a datastore to resume'
+            )
     if len(whole) != len(data):
         path.write_bytes(whole)
     return whole.count(b"\n")
