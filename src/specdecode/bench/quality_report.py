@@ -9,6 +9,7 @@ from typing import Any
 
 from specdecode.bench.metrics import pooled_counts, tokens_per_step
 from specdecode.bench.reporting import closing_line, fmt, pyplot, save_figure, table
+from specdecode.data.corpus import BENCH_PROMPTS_SKIPPED
 
 REFERENCE = ("none", "exact")  # plain decoding: the lossless output
 
@@ -127,7 +128,9 @@ def markdown(results: dict[str, Any]) -> str:
         "for token equal to plain decoding's (every `exact` row must show all). Speed-ups are of pooled tokens/s on "
         "the same problems; answer time vs exact is the same drafter's summed seconds under `exact` over this "
         "row's, on the same problems (a verifier whose answers run longer gains tokens/s, not time); mean accepted "
-        "tokens count the target's own token per step.",
+        "tokens count the target's own token per step. The problems are drawn from the whole set: a drafter "
+        "trained with `specdecode train` may have trained on some (it draws each task's prompts after the "
+        f"benchmark's first {BENCH_PROMPTS_SKIPPED}).",
         "",
         *table(
             [
