@@ -167,9 +167,15 @@ def test_verification_costs_measure_a_long_context_once_at_its_power_of_two_and_
     assert asked == [2048, 4096] and costs.relative(2, 5000) == pytest.approx(1.5)
 
 
-def test_a_long_prompt_decoded_with_auto_measures_its_contexts_curve_on_the_target(tiny_target):
+@pytest.mark.parametrize(
+    ("drafter", "draft_length", "measured"),
+    [("pld", "auto", [128, 1024]), ("pld", 3, [128, 1024]), ("none", 3, [])],
+)
+def test_a_long_prompt_has_its_contexts_curve_measured_on_the_target(tiny_target, drafter, draft_length, measured):
     """The engine tells the policy the prompt's length before the first step; the policy measures the curve of
-    that context once, on the target itself, and decoding is unchanged (pld == plain)."""
+    that context once, on the target itself, and decoding is unchanged (== plain).  Tree drafters size their trees
+    by that curve whatever the draft length, so a fixed length has it measured as ``auto`` does; plain decoding (the
+    control) measures nothing."""
     from specdecode.generator import SpeculativeGenerator
     from specdecode.models.cost import _CURVES
     from specdecode.models.loading import LoadedModel
@@ -177,22 +183,9 @@ def test_a_long_prompt_decoded_with_auto_measures_its_contexts_curve_on_the_targ
     backend = HFCausalLM(tiny_llama(seed=0, layers=1, hidden=32, context=1200), "tiny-long")
     target = LoadedModel("tiny-long", backend, tiny_target.tokenizer)
     prompt = [3 + (i * 7) % 50 for i in range(1100)]
-    speculative = SpeculativeGenerator.build(target, "pld").generate(prompt, max_new_tokens=12)
-    assert sorted(_CURVES[backend]) == [128, 1024]
+    decoded = SpeculativeGenerator.build(target, drafter).generate(
+        prompt, max_new_tokens=12, num_draft_tokens=draft_length
+    )
+    assert sorted(_CURVES.get(backend, {})) == measured
     plain = SpeculativeGenerator.build(target, "none").generate(prompt, max_new_tokens=12)
-    assert speculative.token_ids == plain.token_ids
-
-
-@pytest.mark.parametrize("drafter", ["pld", "none"])
-def test_a_fixed_draft_length_measures_a_long_contexts_curve_only_for_a_drafter(tiny_target, drafter):
-    """Tree drafters size their trees by the curve of the context whatever the draft length: a fixed length has it
-    measured before the first step as ``auto`` does; plain decoding (the control) measures nothing."""
-    from specdecode.generator import SpeculativeGenerator
-    from specdecode.models.cost import _CURVES
-    from specdecode.models.loading import LoadedModel
-
-    backend = HFCausalLM(tiny_llama(seed=0, layers=1, hidden=32, context=1200), f"tiny-long-{drafter}")
-    target = LoadedModel("tiny-long", backend, tiny_target.tokenizer)
-    prompt = [3 + (i * 7) % 50 for i in range(1100)]
-    SpeculativeGenerator.build(target, drafter).generate(prompt, max_new_tokens=6, num_draft_tokens=3)
-    assert sorted(_CURVES.get(backend, {})) == ([128, 1024] if drafter == "pld" else [])
+    assert decoded.token_ids == plain.token_ids
