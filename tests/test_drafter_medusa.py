@@ -27,7 +27,7 @@ from specdecode.drafters import create_drafter
 from specdecode.drafters.base import DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, load_heads, save_heads
-from specdecode.models.loading import LoadedModel, load_model
+from specdecode.models.loading import LoadedModel, fast_path_default, load_model
 from specdecode.train.cli import add_train_command
 from specdecode.train.eagle import compute_features
 from specdecode.train.medusa import HeadsTrainConfig, train_heads
@@ -228,3 +228,19 @@ def test_untrained_heads_keep_smollm2_greedy_output(smollm2):
         generator = SpeculativeGenerator.build(smollm2, kind, heads=heads, tree_nodes=tree_nodes)
         result = generator.generate(prompt_ids, max_new_tokens=24, ignore_eos=True, num_draft_tokens=4)
         assert result.token_ids == expected, (kind, tree_nodes)
+
+
+@pytest.mark.skipif(not fast_path_default(), reason="this torch build has no packed CPU linears")
+@pytest.mark.parametrize("kind", KINDS)
+def test_drafting_packs_a_cpu_heads_linears_and_leaves_the_heads_passed_in_alone(tiny_target, trained, kind):
+    heads = trained[kind]
+    drafter = create_drafter(kind, tiny_target, heads=heads)
+    packed = [type(module).__name__ for module in drafter.heads.modules() if "Linear" in type(module).__name__]
+    assert set(packed) == {"PackedLinear"} and len(packed) == heads.config.num_heads + 1  # the blocks, the LM head
+    assert all(type(module) is torch.nn.Linear for module in heads.modules() if "Linear" in type(module).__name__)
+    hidden = torch.randn(3, heads.config.hidden_size)
+    embeds = torch.randn(3, 3, heads.config.hidden_size) if kind == "hydra" else None
+    with torch.inference_mode():
+        expected = heads.logits(heads.head(2, hidden, embeds))
+        got = drafter.heads.logits(drafter.heads.head(2, hidden, embeds))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
