@@ -244,3 +244,20 @@ def test_drafting_packs_a_cpu_heads_linears_and_leaves_the_heads_passed_in_alone
         expected = heads.logits(heads.head(2, hidden, embeds))
         got = drafter.heads.logits(drafter.heads.head(2, hidden, embeds))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_of_several_layers_train_store_and_keep_greedy_output(tiny_target, features, kind, tmp_path):
+    config = HeadsTrainConfig(kind=kind, num_layers=2, epochs=20, run=64, lr=1e-2, draft_vocab=64)
+    heads = train_heads(tiny_target.backend, features, config).heads
+    assert all(len(block.layers) == 2 for block in heads.blocks)
+    assert any(block.layers[1].weight.abs().sum() > 0 for block in heads.blocks)  # the second layers learnt too
+    save_heads(heads, tmp_path / "heads", verifier="tiny")
+    assert json.loads((tmp_path / "heads" / "config.json").read_text())["num_hidden_layers"] == 2
+    loaded = load_heads(tmp_path / "heads", kind)
+    assert loaded.config.num_layers == 2
+    drafter = create_drafter(kind, tiny_target, heads=str(tmp_path / "heads"), tree_nodes=10, top_k=3)
+    for prompt in PROMPTS:
+        tokens, outcome = run(tiny_target, drafter, prompt, max_new_tokens=24, num_draft_tokens=4)
+        assert tokens == hf_greedy(tiny_target, prompt, 24)
+        assert outcome.stats.accepted_tokens > 0

@@ -54,6 +54,7 @@ class HeadsConfig:
     target_vocab_size: int
     draft_vocab_size: int
     target_num_layers: int
+    num_layers: int = 1  # residual layers per head (Medusa's ``medusa_num_layers``; Hydra++'s deeper heads)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -65,14 +66,19 @@ class HeadsConfig:
 
 
 class ResidualBlock(nn.Module):
-    """Medusa's block, ``h + SiLU(W x + b)`` with x = h (Medusa) or [h; embeddings] (Hydra)."""
+    """Medusa's block, ``h + SiLU(W x + b)`` with x = h (Medusa) or [h; embeddings] (Hydra), then as many more
+    ``y + SiLU(W y + b)`` layers as the head has beyond its first."""
 
-    def __init__(self, inputs: int, hidden: int) -> None:
+    def __init__(self, inputs: int, hidden: int, layers: int = 1) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(inputs, hidden)])
+        deeper = (nn.Linear(hidden, hidden) for _ in range(layers - 1))
+        self.layers = nn.ModuleList([nn.Linear(inputs, hidden), *deeper])
 
     def forward(self, hidden: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        return hidden + F.silu(self.layers[0](inputs))
+        out = hidden + F.silu(self.layers[0](inputs))
+        for layer in self.layers[1:]:
+            out = out + F.silu(layer(out))
+        return out
 
 
 class DraftHeads(nn.Module):
@@ -82,7 +88,7 @@ class DraftHeads(nn.Module):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList(
-            ResidualBlock(config.input_width(k), config.hidden_size) for k in range(config.num_heads)
+            ResidualBlock(config.input_width(k), config.hidden_size, config.num_layers) for k in range(config.num_heads)
         )
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
@@ -107,14 +113,18 @@ class DraftHeads(nn.Module):
         return self.token_map
 
 
-def heads_for_target(backend: object, kind: str, num_heads: int, draft_ids: torch.Tensor) -> DraftHeads:
-    """Fresh heads for ``backend`` drafting the target ids ``draft_ids``, with the target's own LM head
-    rows of those ids as the shared (frozen) LM head."""
+def heads_for_target(
+    backend: object, kind: str, num_heads: int, draft_ids: torch.Tensor, num_layers: int = 1
+) -> DraftHeads:
+    """Fresh heads for ``backend`` drafting the target ids ``draft_ids``, ``num_layers`` residual layers each, with
+    the target's own LM head rows of those ids as the shared (frozen) LM head."""
     if not isinstance(backend, HiddenStates) or not isinstance(backend, LayerwiseExecution):
         raise SpecDecodeError(f"{kind} heads need a backend with hidden states and a reusable LM head")
     weight = backend.output_weight()
     ids = torch.as_tensor(draft_ids, dtype=torch.long).sort().values
-    config = HeadsConfig(kind, backend.hidden_size, num_heads, weight.shape[0], ids.numel(), backend.num_layers)
+    config = HeadsConfig(
+        kind, backend.hidden_size, num_heads, weight.shape[0], ids.numel(), backend.num_layers, num_layers
+    )
     heads = DraftHeads(config)
     with torch.no_grad():
         heads.lm_head.weight.copy_(weight.index_select(0, ids.to(weight.device)).float())
@@ -133,7 +143,7 @@ def save_heads(heads: DraftHeads, directory: Path, verifier: str) -> None:
         "vocab_size": c.target_vocab_size,
         "truncated_vocab_size": c.draft_vocab_size,
         "num_heads": c.num_heads,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_layers,
         "verifier": verifier,
         "specdecode": asdict(c) | {"shared_lm_head": True},
     }

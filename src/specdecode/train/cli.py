@@ -105,6 +105,7 @@ def add_heads_commands(methods: argparse._SubParsersAction) -> None:
         sub = methods.add_parser(kind, help=text)
         _add_head_training_flags(sub, "heads'")
         sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
+        sub.add_argument("--head-layers", type=int, default=1, help="residual layers per head (Medusa's num_layers)")
         sub.set_defaults(run=Deferred("specdecode.train.medusa_run:run_heads_training"))
 
 

@@ -46,6 +46,7 @@ HEAD_WEIGHT = 0.8  # Medusa-1's per-head loss decay
 class HeadsTrainConfig:
     kind: str = "medusa"  # or "hydra"
     num_heads: int = 4
+    num_layers: int = 1  # residual layers per head
     draft_vocab: int = 8192  # VocabTrim: the heads' vocabulary (0: the target's whole vocabulary)
     epochs: int = 4
     run: int = 256  # contiguous rows per batch
@@ -161,11 +162,11 @@ def train_heads(
     train, held = split_holdout(features, [f.ids.tolist() for f in features], config.holdout, config.seed, config.kind)
 
     ids = draft_vocabulary(train, config.draft_vocab, layerwise.output_weight().shape[0])
-    heads = heads_for_target(target_backend, config.kind, config.num_heads, ids)
+    heads = heads_for_target(target_backend, config.kind, config.num_heads, ids, config.num_layers)
     with torch.no_grad():
-        for block in heads.blocks:
-            block.layers[0].weight.zero_()
-            block.layers[0].bias.zero_()
+        for layer in (layer for block in heads.blocks for layer in block.layers):
+            layer.weight.zero_()
+            layer.bias.zero_()
     teacher = Teacher(layerwise, ids)
     stream = make_stream(train, config.num_heads, spill and spill / "training-finals.bin")
     held_stream = make_stream(held, config.num_heads, spill and spill / "held-out-finals.bin")

@@ -20,12 +20,13 @@ from specdecode.train.medusa import HeadsTrainConfig, train_heads
 def run_heads_training(args: argparse.Namespace) -> int:
     """``specdecode train medusa`` or ``specdecode train hydra`` (``args.method``)."""
     kind = args.method
-    tasks = checked_tasks(args, ("num_heads",))
+    tasks = checked_tasks(args, ("num_heads", "head_layers"))
     # No intermediate layers: the heads read the final hidden state only.
     run = collect(args, tasks, heads_dir(kind), "the heads go", lambda num_layers: ())
     config = HeadsTrainConfig(
         kind=kind,
         num_heads=args.num_heads,
+        num_layers=args.head_layers,
         draft_vocab=args.draft_vocab,
         epochs=args.epochs,
         lr=args.lr,
