@@ -22,7 +22,7 @@ from specdecode.engine import speculative_decode
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.heads.medusa import heads_for_target
-from specdecode.models.cost import linear_curve
+from specdecode.models.cost import VerificationCosts, linear_curve
 from specdecode.models.loading import load_model
 from specdecode.models.quantize import quantize_supported
 
@@ -204,7 +204,7 @@ def test_cli_batch_without_prompts_is_one_clean_error(tmp_path, capsys):
 
 
 def _trained_auto(acceptance: float) -> CostModel:
-    policy = CostModel(curve=linear_curve(1.3, widths=16))
+    policy = CostModel(curve=VerificationCosts.of(linear_curve(1.3, widths=16)))
     policy.acceptance_after[False] = []
     policy.prior_acceptance = acceptance
     return policy

@@ -23,6 +23,11 @@ def curve(per_input: float, widths: int = 16) -> tuple[float, ...]:
     return tuple(1.0 + per_input * (w - 1) for w in range(1, widths + 1))
 
 
+def linear_costs(per_input: float) -> VerificationCosts:
+    """:func:`curve` as the verification costs of every context."""
+    return VerificationCosts.of(curve(per_input))
+
+
 def feed(
     policy,
     steps: int,
@@ -67,27 +72,27 @@ def test_heuristic_schedule_like_transformers():
 
 
 def test_cost_model_drafts_deep_when_verification_is_cheap_and_acceptance_high():
-    policy = CostModel(curve=curve(0.01)).fork()
+    policy = CostModel(curve=linear_costs(0.01)).fork()
     feed(policy, 60, accept_rate=0.9)
     assert policy.next_length(12) >= 8
 
 
 def test_cost_model_drafts_shallow_when_wide_forwards_are_expensive():
-    cheap, steep = CostModel(curve=curve(0.02)).fork(), CostModel(curve=curve(0.5)).fork()
+    cheap, steep = CostModel(curve=linear_costs(0.02)).fork(), CostModel(curve=linear_costs(0.5)).fork()
     feed(cheap, 60, accept_rate=0.7)
     feed(steep, 60, accept_rate=0.7)
     assert steep.next_length(12) < cheap.next_length(12)
 
 
 def test_expected_rate_is_tokens_over_seconds():
-    policy = CostModel(curve=(1.0, 1.5, 2.0), prior_acceptance=0.5).fork()
+    policy = CostModel(curve=VerificationCosts.of((1.0, 1.5, 2.0)), prior_acceptance=0.5).fork()
     # Before any timing, seconds are in units of a one-input forward: (1 + 0.5 + 0.25) / 2.0.
     assert policy.expected_rate(2) == pytest.approx(1.75 / 2.0)
     assert policy.relative_cost(5) == pytest.approx(3.0)  # extrapolated along the curve's slope
 
 
 def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape():
-    policy = CostModel(curve=curve(0.05)).fork()
+    policy = CostModel(curve=linear_costs(0.05)).fork()
     for _ in range(30):  # only width 1 is ever seen, at twice the quiet speed
         policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0, verify_s=0.2))
     assert policy.verify_seconds(1) == pytest.approx(0.2)
@@ -96,7 +101,7 @@ def test_contention_rescales_the_measured_curve_instead_of_distorting_its_shape(
 
 def test_cost_model_stops_drafting_useless_drafts_but_keeps_probing():
     # The probe schedule alone: the loss budget, which would stop even probes here, is tested on its own below.
-    policy = CostModel(curve=curve(0.3), probe_every=4, loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.3), probe_every=4, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     lengths = [policy.next_length(12) for _ in range(8)]
     assert lengths.count(0) == 6 and lengths.count(1) == 2
@@ -115,7 +120,7 @@ def probe_once(
 
 
 def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
-    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
 
     def steps_to_next_probe(accepted: int) -> int:
@@ -128,7 +133,7 @@ def test_probes_back_off_while_they_fail_and_recover_when_one_is_accepted():
 def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_rejected_one():
     """A self-drafter's token can cost most of a target forward: its accepted probe yields two tokens for more
     than two plain steps' time, which says drafting still loses."""
-    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.0, depth=2)
     probe_once(policy, accepted=1, draft_s=0.9, verify_s=1.3, plain_s=1.0)
     assert policy.probe_interval == 8
@@ -137,14 +142,14 @@ def test_a_probe_accepted_but_dearer_than_the_token_it_won_backs_off_as_a_reject
 def test_an_accepted_probe_that_leaves_drafting_a_loss_backs_off_as_a_rejected_one():
     """Half of a self-drafter's tokens accepted at half a target forward each: a probe that is accepted pays on
     its own (2 tokens for 1.8 plain steps), but drafting at that acceptance still loses, so probing slows down."""
-    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=16, loss_budget=None).fork()
     feed(policy, 80, accept_rate=0.5, depth=1, draft_s=0.05)
     probe_once(policy, accepted=1, draft_s=0.05)
     assert policy.probe_interval == 8 and policy.next_length(12) == 0
 
 
 def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
-    parent = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    parent = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first = parent.fork()
     feed(first, 40, accept_rate=0.0, depth=2)
     assert [probe_once(first, accepted=0) for _ in range(4)] == [4, 8, 16, 32]
@@ -157,7 +162,7 @@ def test_a_new_sequence_starts_probing_at_the_interval_its_predecessors_left():
 def test_concurrent_sequences_each_move_their_origins_probe_interval():
     """Two requests decoding at once both probe and fail: each failure backs the origin off (two doublings), rather
     than the last fork to probe setting the origin's interval to its own (one doubling)."""
-    parent = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
+    parent = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=64, loss_budget=None)
     first, second = parent.fork(), parent.fork()
     for fork in (first, second):
         feed(fork, 40, accept_rate=0.0, depth=2)
@@ -203,7 +208,7 @@ def test_a_self_drafters_declared_token_cost_prices_its_drafts_until_they_are_ti
 
 
 def test_cost_model_counts_a_slow_drafter():
-    free, slow = CostModel(curve=curve(0.1)).fork(), CostModel(curve=curve(0.1)).fork()
+    free, slow = CostModel(curve=linear_costs(0.1)).fork(), CostModel(curve=linear_costs(0.1)).fork()
     feed(free, 60, accept_rate=0.7, draft_s=0.0)
     feed(slow, 60, accept_rate=0.7, draft_s=8 * 0.08)
     assert slow.next_length(12) < free.next_length(12)
@@ -211,7 +216,7 @@ def test_cost_model_counts_a_slow_drafter():
 
 def test_overhead_per_step_favours_deeper_drafts():
     """A fixed cost per step (observe, bookkeeping) is paid whatever k, so it makes each step's tokens worth more."""
-    lean, heavy = CostModel(curve=curve(0.3)).fork(), CostModel(curve=curve(0.3)).fork()
+    lean, heavy = CostModel(curve=linear_costs(0.3)).fork(), CostModel(curve=linear_costs(0.3)).fork()
     feed(lean, 60, accept_rate=0.6, overhead_s=0.0)
     feed(heavy, 60, accept_rate=0.6, overhead_s=0.5)
     assert heavy.next_length(12) > lean.next_length(12)
@@ -249,7 +254,7 @@ def test_linear_curve_is_the_guess_before_measuring():
 
 def confident_policy(rate: float = 2.0) -> CostModelLength:
     """Forward of w inputs costs 1 + 0.05 (w - 1) seconds; tokens per second achieved so far = ``rate``."""
-    policy = CostModel(curve=curve(0.05)).fork()
+    policy = CostModel(curve=linear_costs(0.05)).fork()
     policy.observe(StepObservation(depth=0, nodes=0, accepted=rate - 1.0, draft_s=0.0, verify_s=1.0))
     assert policy.achieved_rate() == pytest.approx(rate)
     return policy
@@ -347,7 +352,7 @@ def test_every_edge_refuses_a_draft_length_with_the_same_line(capsys, tiny_dirs)
 
 def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_drafts():
     """Copied text comes in runs: after a fully accepted draft draft deep, after a miss draft shallow."""
-    policy = CostModel(curve=curve(0.3)).fork()
+    policy = CostModel(curve=linear_costs(0.3)).fork()
     for step in range(80):
         full = (step // 5) % 2 == 0  # five fully accepted drafts, then five rejected at the first token
         policy.observe(
@@ -363,7 +368,7 @@ def test_acceptance_is_learned_separately_inside_and_outside_runs_of_accepted_dr
 
 
 def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
-    policy = CostModel(curve=curve(0.05)).fork()
+    policy = CostModel(curve=linear_costs(0.05)).fork()
     policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.0, verify_s=0.1))
     before = [m.value for m in policy.acceptance]
     policy.observe(StepObservation(depth=0, nodes=0, accepted=0, draft_s=0.0, verify_s=0.1))
@@ -373,7 +378,7 @@ def test_an_empty_draft_is_neither_a_rejection_nor_the_end_of_a_run():
 def test_a_drafter_catching_up_with_the_context_is_no_per_token_cost():
     """A draft model's first propose prefills the prompt: that time is reported as ``setup_s`` and kept out
     of the per-token draft cost, which would otherwise make drafting look dear for the requests after it."""
-    policy = CostModel(curve=curve(0.05)).fork()
+    policy = CostModel(curve=linear_costs(0.05)).fork()
     policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=1.04, verify_s=0.1, setup_s=1.0))
     for _ in range(5):
         policy.observe(StepObservation(depth=4, nodes=4, accepted=4, draft_s=0.04, verify_s=0.1))
@@ -384,7 +389,7 @@ def test_catching_up_after_the_prompt_is_a_cost_of_drafting():
     """The first draft's reading of the prompt is weighed ex ante (``reading_pays``); what the drafter spends
     catching up later (tokens skipped while drafting was off, context re-tokenised across vocabularies) is
     what drafting costs: two tokens a step for 0.22 s against 0.1 s plain steps is a loss."""
-    policy = CostModel(curve=curve(0.05), loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.05), loss_budget=None).fork()
     policy.observe(plain_step(0.1))
     policy.observe(StepObservation(depth=2, nodes=2, accepted=1, draft_s=1.04, setup_s=1.0, verify_s=0.12))
     assert policy.gain.value > 1.0  # the prompt's reading is not held against the first draft
@@ -416,7 +421,7 @@ def tree_step(policy, accepted: int, nodes: int = 30, one_input_s: float = 0.1) 
 
 
 def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed():
-    policy = CostModel(curve=curve(0.1), probe_every=4, loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.1), probe_every=4, loss_budget=None).fork()
     for _ in range(12):  # 1.5 tokens per step for a forward four times a plain one's
         policy.observe(tree_step(policy, accepted=1 if policy.gain.weight % 2 else 0))
     assert policy.losing
@@ -428,7 +433,7 @@ def test_drafting_that_measurably_loses_to_plain_steps_is_turned_off_and_probed(
 
 
 def test_drafting_that_pays_is_never_turned_off():
-    policy = CostModel(curve=curve(0.05)).fork()
+    policy = CostModel(curve=linear_costs(0.05)).fork()
     feed(policy, 60, accept_rate=0.6, depth=4)
     assert not policy.losing and policy.gain.value > 1.2
     assert policy.net_saved_s > 0 and not policy.over_budget
@@ -438,7 +443,7 @@ def test_drafting_is_judged_against_timed_plain_steps_not_the_curve():
     """Trees of 8 nodes that the curve prices at 1.35 plain forwards but that take 2.5 (row-by-row attention,
     a long context): two tokens a step is a loss, though scale times the curve, pulled up by those very steps,
     would call it a gain."""
-    policy = CostModel(curve=curve(0.05), loss_budget=None).fork()
+    policy = CostModel(curve=linear_costs(0.05), loss_budget=None).fork()
     for _ in range(12):
         policy.observe(plain_step(0.1))
         policy.observe(StepObservation(depth=2, nodes=8, accepted=1, draft_s=0.0, verify_s=0.25))
@@ -470,7 +475,7 @@ def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its
     """A self-drafter at 0.6 of a target forward a token, all rejected: the first draft loses 0.09 s against a
     0.1 s plain step.  That spends the budget (half a step plus 1% of the 1 s prefill and the steps), so the
     probe schedule (every 4 steps) waits until the sequence's time pays for another try."""
-    policy = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=4).fork()
+    policy = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=4).fork()
     policy.begin(prefill_s=1.0)
     depths = decode(policy, 64, draft_s=0.06)
     assert depths[0] > 0
@@ -479,14 +484,14 @@ def test_a_sequence_whose_drafts_lose_stops_at_its_loss_budget_and_probes_as_its
     assert lost <= LOSS_BUDGET * policy.elapsed_s + LOSS_ALLOWANCE_STEPS * 0.1 + 0.09  # at most one try over
     assert len(tries) < 64 // 4  # fewer than the probe schedule alone would have made
     assert all(b - a > 4 for a, b in zip(tries[1:], tries[2:]))  # spaced by the budget, not by probe_every
-    unbudgeted = CostModel(curve=curve(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
+    unbudgeted = CostModel(curve=linear_costs(0.3), probe_every=4, max_probe_every=4, loss_budget=None).fork()
     unbudgeted.begin(prefill_s=1.0)
     decode(unbudgeted, 64, draft_s=0.06)
     assert -unbudgeted.net_saved_s > 2 * lost
 
 
 def test_each_sequence_starts_with_its_own_loss_budget():
-    parent = CostModel(curve=curve(0.3), probe_every=4)
+    parent = CostModel(curve=linear_costs(0.3), probe_every=4)
     first = parent.fork()
     first.begin(prefill_s=0.5)
     decode(first, 8, draft_s=0.06)
@@ -661,7 +666,7 @@ def test_a_sequence_after_a_long_context_is_priced_with_that_contexts_curve_and_
     assert long.relative_cost(5) == pytest.approx(2.2) and short.relative_cost(5) < 1.2
     assert 0 < long.next_length(12) < short.next_length(12)
     # The control: one curve for every context prices the long sequence as the short one, and drafts as deep.
-    flat = CostModel(curve=curve(0.02)).fork()
+    flat = CostModel(curve=linear_costs(0.02)).fork()
     flat.reach(6000)
     feed(flat, 60, accept_rate=0.7)
     assert flat.next_length(12) == short.next_length(12)

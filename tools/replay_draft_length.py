@@ -20,7 +20,7 @@ from specdecode.draft_length.base import FixedLength, HeuristicLength
 from specdecode.draft_length.cost_model import CostModel
 from specdecode.drafters import create_drafter
 from specdecode.generator import SpeculativeGenerator
-from specdecode.models.cost import linear_curve
+from specdecode.models.cost import VerificationCosts, linear_curve
 from specdecode.models.loading import load_model
 
 
@@ -69,7 +69,7 @@ def main() -> None:
     target = load_model(args.model)
     policies = {f"k={k}": (lambda k=k: FixedLength(k)) for k in range(1, 9)}
     policies["heur"] = HeuristicLength
-    policies["auto"] = lambda: CostModel(curve=costs.curve).fork()
+    policies["auto"] = lambda: CostModel(curve=VerificationCosts.of(costs.curve)).fork()
     print(f"{args.drafter}, {args.tokens} tokens: simulated speed-up over plain decoding")
     print(f"{'task':<11}" + "".join(f"{name:>7}" for name in policies) + "  auto/best  auto/worst")
     for task, items in data.items():

@@ -5,7 +5,6 @@ them.  Each sequence decodes with its own :class:`~specdecode.draft_length.seque
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdecode.draft_length.sequence import CostModelLength
@@ -40,8 +39,8 @@ class CostModel:
     # -- settings ----------------------------------------------------------------------------------
     maximum: int = 16
     prior_acceptance: float = 0.5
-    #: The target's verification cost by width and context; a bare curve (t(w) / t(1)) is used at every context.
-    curve: VerificationCosts | Sequence[float] = field(default_factory=lambda: linear_curve(1.3))
+    #: The target's verification cost by width and context (a guess until measured: a linear curve at every context).
+    curve: VerificationCosts = field(default_factory=lambda: VerificationCosts.of(linear_curve(1.3)))
     probe_every: int = 8
     max_probe_every: int = 64
     loss_budget: float | None = LOSS_BUDGET  # None: drafting may lose without limit (LOSS_BUDGET)
@@ -75,8 +74,6 @@ class CostModel:
     probe_interval: int = field(init=False)  # steps between probes while not drafting
 
     def __post_init__(self) -> None:
-        if not isinstance(self.curve, VerificationCosts):
-            self.curve = VerificationCosts.of(self.curve)
         backed_off = INHERITED_PROBE_BACKOFF * self.probe_every
         pays = self.best_depth(self.acceptance_after[False], self.maximum)
         self.probe_interval = self.probe_every if pays else backed_off
@@ -88,7 +85,7 @@ class CostModel:
     # -- pricing -----------------------------------------------------------------------------------
     def relative_cost(self, width: int, context_tokens: int = 0) -> float:
         """Verification cost of ``width`` inputs after ``context_tokens`` relative to one input there."""
-        return self.curve.relative(width, context_tokens)  # type: ignore[union-attr]  # one since __post_init__
+        return self.curve.relative(width, context_tokens)
 
     def verify_seconds(self, width: int, context_tokens: int = 0) -> float:
         """Expected seconds of a verification forward over ``width`` inputs (units of one input until timed)."""

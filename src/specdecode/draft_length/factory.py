@@ -71,14 +71,16 @@ class DrafterCosts:
 
 def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> PolicySource:
     """The policy requests drafting ``length`` decode with (each sequence with a fork of it)."""
+    measured = costs.curve if isinstance(costs.curve, VerificationCosts) else None
     match length:
         case Fixed(k):
-            return FixedLength(k, costs.curve if isinstance(costs.curve, VerificationCosts) else None)
+            return FixedLength(k, measured)  # a bare curve is a guess for auto's pricing only
         case Heuristic():
             return HeuristicLength()
         case Auto():
+            curve = measured if measured is not None else VerificationCosts.of(costs.curve) if costs.curve else None
             return CostModel(
-                **({"curve": costs.curve} if costs.curve else {}),
+                **({"curve": curve} if curve is not None else {}),
                 **({"prior_acceptance": costs.prior_acceptance} if costs.prior_acceptance is not None else {}),
                 reads_context=costs.reads_context,
                 context_cost=RunningMean(costs.context_cost) if costs.context_cost else None,

@@ -185,7 +185,7 @@ class CostModelLength(DraftLengthPolicy):
         """The target's cache now holds ``context_tokens``: price the next step's verification after that many
         (measuring that context's cost curve if this is the first sequence to get there)."""
         self.context_tokens = context_tokens
-        self.model.curve.prepare(context_tokens)  # type: ignore[union-attr]  # VerificationCosts since __post_init__
+        self.model.curve.prepare(context_tokens)
 
     def reading_pays(self, limit: int) -> bool:
         """Whether this sequence may draft, as far as its drafter's reading of the prompt goes: true once read,
