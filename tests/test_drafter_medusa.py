@@ -238,6 +238,7 @@ def test_drafting_packs_a_cpu_heads_linears_and_leaves_the_heads_passed_in_alone
     packed = [type(module).__name__ for module in drafter.heads.modules() if "Linear" in type(module).__name__]
     assert set(packed) == {"PackedLinear"} and len(packed) == heads.config.num_heads + 1  # the blocks, the LM head
     assert all(type(module) is torch.nn.Linear for module in heads.modules() if "Linear" in type(module).__name__)
+    assert any(param.requires_grad for param in heads.parameters())  # still trainable: the drafter froze its copy
     hidden = torch.randn(3, heads.config.hidden_size)
     embeds = torch.randn(3, 3, heads.config.hidden_size) if kind == "hydra" else None
     with torch.inference_mode():

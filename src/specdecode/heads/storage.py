@@ -266,15 +266,15 @@ HeadModule = TypeVar("HeadModule", bound=torch.nn.Module)
 def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype) -> HeadModule:
     """The head on the target's device and in its precision, inference only.
 
-    An fp32 head on the CPU gets its linear layers packed as the target's are (:mod:`specdecode.models.fastpath`),
-    a copy so that a head passed in is left as it was: ``torch.nn.Linear`` reads a VocabTrim'd LM head of SmolLM2
-    (8,192 x 576) in about 1.8 ms on a 2-core EPYC, a fifth of a greedy step, where the panel kernel reads it near
-    the memory's bandwidth (``docs/results/heads-packed-smollm2-135m``)."""
-    head = head.to(device=device, dtype=dtype).eval()
+    An fp32 head on the CPU drafts from a copy whose linear layers are packed as the target's are
+    (:mod:`specdecode.models.fastpath`; the head passed in keeps its own): ``torch.nn.Linear`` read SmolLM2's Hydra
+    heads' 8,192-row LM head far below the memory's bandwidth, most of their drafting time
+    (``docs/results/heads-packed-smollm2-135m``)."""
+    packed = device.type == "cpu" and dtype == torch.float32 and fast_path_default()
+    head = (copy.deepcopy(head) if packed else head).to(device=device, dtype=dtype).eval()
     for param in head.parameters():
         param.requires_grad_(False)
-    if device.type == "cpu" and dtype == torch.float32 and fast_path_default():
-        head = copy.deepcopy(head)
+    if packed:
         apply_cpu_fast_path(head)
     return head
 
