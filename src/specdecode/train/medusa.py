@@ -164,9 +164,8 @@ def train_heads(
     ids = draft_vocabulary(train, config.draft_vocab, layerwise.output_weight().shape[0])
     heads = heads_for_target(target_backend, config.kind, config.num_heads, ids, config.num_layers)
     with torch.no_grad():
-        for layer in (layer for block in heads.blocks for layer in block.layers):
-            layer.weight.zero_()
-            layer.bias.zero_()
+        for param in heads.blocks.parameters():
+            param.zero_()
     teacher = Teacher(layerwise, ids)
     stream = make_stream(train, config.num_heads, spill and spill / "training-finals.bin")
     held_stream = make_stream(held, config.num_heads, spill and spill / "held-out-finals.bin")
