@@ -10,7 +10,8 @@ import torch
 from helpers import tiny_gemma3, tiny_qwen2
 from specdecode.drafters._vocab import DraftHead
 from specdecode.models.draft_step import DraftStep
-from specdecode.models.loading import load_model
+from specdecode.models.fastpath import PackedLinear
+from specdecode.models.loading import fast_path_default, load_model
 from specdecode.models.quantize import quantize_model, quantize_supported
 from tiny_models import wrap
 
@@ -129,3 +130,15 @@ def test_a_vocabtrim_head_replaces_the_lm_head_on_either_route(tiny_dirs, quanti
     # The rows' own block may compute in another precision than the quantized head (bf16 activations there).
     assert torch.allclose(got, forward_logits(backend, 6, reference)[rows], atol=5e-2, rtol=1e-2)
     assert drafted.length == reference.length
+
+
+@pytest.mark.skipif(not fast_path_default(), reason="this torch build has no packed CPU linears")
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_vocabtrim_rows_are_packed_as_the_target_is(tiny_dirs, monkeypatch, setting):
+    """``SPECDECODE_FAST_PATH=0`` asks for torch's own kernels everywhere: the draft rows follow it as the
+    target's layers do, and pack otherwise."""
+    monkeypatch.setenv("SPECDECODE_FAST_PATH", setting)
+    backend = load_model(str(tiny_dirs["target"])).backend
+    (block,) = DraftHead(backend, base=torch.tensor([0, 5, 9])).for_prompt([]).blocks
+    assert isinstance(block, PackedLinear) == (setting == "1")
+    assert isinstance(backend.model.model.layers[0].mlp.up_proj, PackedLinear) == (setting == "1")
