@@ -5,6 +5,7 @@ when its continuation may be used and of the switch that keeps the worker only w
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -65,6 +66,17 @@ def test_parallel_drafting_keeps_greedy_output_and_reuses_drafts(tiny_target, dr
         return tokens, confidence
 
     monkeypatch.setattr(Lookahead, "continuation", counted)
+    join = Lookahead.join
+
+    def patient_join(self):
+        # Verification races the worker: on a busy CPU it can end before the worker drafted the two tokens a reuse
+        # needs. The worker is waited for here, so that what is tested is the reuse, not the scheduler.
+        while self._thread is not None and self._thread.is_alive() and len(self.tokens) < 2:
+            time.sleep(0.0005)
+        return join(self)
+
+    monkeypatch.setattr(Lookahead, "stop", lambda self: None)
+    monkeypatch.setattr(Lookahead, "join", patient_join)
     # The target drafting for itself: every draft is accepted, so lookaheads get used (always: the switch would
     # rightly find the worker slower here, where the draft model is the target).
     drafter = create_drafter("draft-model", tiny_target, draft_model=tiny_target, parallel="always")
