@@ -78,7 +78,9 @@ def make_policy(length: DraftLength, costs: DrafterCosts = DrafterCosts()) -> Po
         case Heuristic():
             return HeuristicLength()
         case Auto():
-            curve = measured if measured is not None else VerificationCosts.of(costs.curve) if costs.curve else None
+            curve = measured
+            if curve is None and costs.curve:  # a bare curve: the same costs at every context
+                curve = VerificationCosts.of(costs.curve)
             return CostModel(
                 **({"curve": curve} if curve is not None else {}),
                 **({"prior_acceptance": costs.prior_acceptance} if costs.prior_acceptance is not None else {}),

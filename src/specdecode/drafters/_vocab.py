@@ -24,7 +24,7 @@ from specdecode.data.corpus import token_ranking
 from specdecode.errors import SpecDecodeError
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.fastpath import PackedLinear
-from specdecode.models.loading import fast_path_default
+from specdecode.models.loading import packs_by_default
 from specdecode.models.quantize import quantized_like
 from specdecode.models.quantized_layers import QuantizedLinear
 from specdecode.sampling import argmax_last, sample, sampling_probs
@@ -65,8 +65,7 @@ class DraftHead:
         too_big = base is None and size >= backend.vocab_size
         self.full = size == 0 or too_big or getattr(backend.lm_head(), "bias", None) is not None
         self.base = base if base is not None else torch.arange(min(size, backend.vocab_size))
-        # Packed as the target's own layers are: off where SPECDECODE_FAST_PATH=0 asks for plain torch kernels.
-        self._packed = fast_path_default() and backend.device.type == "cpu"
+        self._packed = packs_by_default(backend.device, torch.float32)  # the rows are copied in fp32 (_rows)
         self._weight: torch.Tensor | None = None  # the head's weight, read once (a quantized head dequantizes)
         self._base_rows: HeadRows | None = None
         self._last: HeadRows | None = None

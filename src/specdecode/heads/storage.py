@@ -45,7 +45,7 @@ from specdecode.heads.files import (
 )
 from specdecode.models.base import HiddenStates
 from specdecode.models.fastpath import apply_cpu_fast_path
-from specdecode.models.loading import fast_path_default
+from specdecode.models.loading import packs_by_default
 
 #: The directory an EAGLE head is saved in next to its target model (``specdecode train eagle``), where the
 #: eagle drafter finds it and ``specdecode export eagle`` reads it.
@@ -270,7 +270,7 @@ def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype) -> He
     (:mod:`specdecode.models.fastpath`; the head passed in keeps its own): ``torch.nn.Linear`` read SmolLM2's Hydra
     heads' 8,192-row LM head far below the memory's bandwidth, most of their drafting time
     (``docs/results/heads-packed-smollm2-135m``)."""
-    packed = device.type == "cpu" and dtype == torch.float32 and fast_path_default()
+    packed = packs_by_default(device, dtype)
     head = (copy.deepcopy(head) if packed else head).to(device=device, dtype=dtype).eval()
     for param in head.parameters():
         param.requires_grad_(False)

@@ -86,6 +86,12 @@ def fast_path_default() -> bool:
     return os.environ.get("SPECDECODE_FAST_PATH", "1") != "0" and fast_path_supported()
 
 
+def packs_by_default(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` on ``device`` are packed as a model loaded with the defaults packs its own: the
+    drafters' heads and VocabTrim rows follow the target's layers."""
+    return device.type == "cpu" and dtype == torch.float32 and fast_path_default()
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """``cpu`` (the default), ``cuda`` or ``cuda:N`` — refused clearly when torch cannot see it."""
     try:
