@@ -149,3 +149,18 @@ def test_the_shipped_eagle_head_drafts_without_training_and_changes_nothing(smol
     result = generator.generate(prompt, chat=True, max_new_tokens=DRAFTER_TOKENS, ignore_eos=True, num_draft_tokens=3)
     assert result.token_ids == reference(generator.encode_prompt(prompt, chat=True))
     assert result.stats.accepted_tokens > 0
+
+
+def test_the_shipped_hydra_heads_draft_without_training_and_change_nothing(smollm2, reference):
+    """``--drafter hydra`` on a fresh machine: the heads shipped in the package (bf16 weights, drafting in the
+    target's fp32) are named explicitly, since heads trained next to the cached model would win over them."""
+    from specdecode.heads.files import shipped_head
+    from specdecode.heads.medusa import heads_dir
+
+    shipped = shipped_head("smollm2-135m", heads_dir("hydra"))
+    assert shipped is not None
+    generator = SpeculativeGenerator.build(smollm2, "hydra", heads=str(shipped), lookup=False)
+    prompt = PROMPTS[0]
+    result = generator.generate(prompt, chat=True, max_new_tokens=DRAFTER_TOKENS, ignore_eos=True)
+    assert result.token_ids == reference(generator.encode_prompt(prompt, chat=True))
+    assert result.stats.accepted_tokens > 0
