@@ -29,7 +29,7 @@ from specdecode.bench.common import check_known_tasks
 from specdecode.bench.methods import parse_method
 from specdecode.data.datastore import Datastore
 from specdecode.data.tasks import TASK_NAMES, load_task
-from specdecode.drafters import create_drafter
+from specdecode.drafters import check_drafter_options, create_drafter
 from specdecode.drafters.rasd import fuse
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
@@ -137,6 +137,9 @@ def test_the_command_line_says_what_rasd_needs(tiny_dirs, tmp_path, capsys):
     assert_one_line_error(capsys, [*argv, "--drafter-option", f"datastore={missing}"], "does not exist")
     datastore = f"datastore={write_jsonl(tmp_path / 'ds.jsonl', ['w1 w2 w3'])}"
     assert_one_line_error(capsys, [*argv, "--drafter-option", datastore, "--drafter-option", "with=nope"], "nope")
+    assert_one_line_error(
+        capsys, [*argv, "--drafter-option", datastore, "--drafter-option", "heads=x"], "joining 'suffix'"
+    )
 
 
 def test_options_and_method_specs(tiny_target, tmp_path):
@@ -154,6 +157,21 @@ def test_options_and_method_specs(tiny_target, tmp_path):
         create_drafter("rasd", tiny_target, datastore=path, **{"with": retrieval})
     with pytest.raises(SpecDecodeError, match="its own draft model"):
         create_drafter("rasd", tiny_target, datastore=path, draft_model=tiny_target, **{"with": retrieval.inner})
+
+
+def test_options_rasd_does_not_take_are_passed_on_to_the_drafter_it_joins(tiny_target, tmp_path):
+    path = str(write_jsonl(tmp_path / "ds.jsonl", ["w1 w2 w3"]))
+    retrieval = create_drafter("rasd", tiny_target, datastore=path, max_ngram=5, min_prob=0.2, **{"with": "pld"})
+    assert retrieval.inner.ngram_sizes == range(5, 0, -1)  # pld's, passed on
+    assert retrieval.min_prob == 0.2  # rasd's own (suffix takes one too: rasd's comes first)
+    with pytest.raises(
+        SpecDecodeError, match=r"drafter 'rasd' \(joining 'suffix'\) does not take option\(s\): max-ngram"
+    ):
+        check_drafter_options("rasd", datastore=path, max_ngram=5)  # the default, suffix, has no n-gram sizes
+    with pytest.raises(SpecDecodeError, match="does not take option"):  # a drafter object comes with its options
+        create_drafter("rasd", tiny_target, datastore=path, max_ngram=5, **{"with": retrieval.inner})
+    method = parse_method(f"rasd:datastore={path}:with=pld:max_ngram=5")
+    assert dict(method.options)["max_ngram"] == 5
 
 
 def test_the_complete_task_asks_for_bodies_that_only_the_code_base_holds():

@@ -7,6 +7,7 @@ import importlib
 import inspect
 import keyword
 import pkgutil
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
@@ -64,20 +65,40 @@ def _parameter(option: str) -> str:
     return f"{option}_" if keyword.iskeyword(option) else option
 
 
-def accepted_options(name: str) -> frozenset[str]:
-    """The options drafter ``name`` takes (its constructor's keyword arguments)."""
-    parameters = set(inspect.signature(drafter_class(name).__init__).parameters) - {"self", "target"}
-    return frozenset(_option(parameter) for parameter in parameters)
+def _joined(cls: type[Drafter], options: Mapping[str, Any] | None) -> object:
+    """What the option :attr:`Drafter.passes_options_to` of ``cls`` names in ``options``, else its default."""
+    assert cls.passes_options_to is not None
+    default = inspect.signature(cls.__init__).parameters[_parameter(cls.passes_options_to)].default
+    return (options or {}).get(cls.passes_options_to, default)
+
+
+def accepted_options(name: str, options: Mapping[str, Any] | None = None) -> frozenset[str]:
+    """The options drafter ``name`` takes: its constructor's keyword arguments, and for a drafter that joins another
+    (:attr:`Drafter.passes_options_to`) those of the drafter ``options`` names there (else its default), which it
+    passes on to it."""
+    cls = drafter_class(name)
+    own = frozenset(
+        _option(key)
+        for key, parameter in inspect.signature(cls.__init__).parameters.items()
+        if key not in {"self", "target"} and parameter.kind is not parameter.VAR_KEYWORD
+    )
+    if cls.passes_options_to is None:
+        return own
+    joined = _joined(cls, options)
+    # A drafter object joined (Python) comes with its own options; a name is checked when it is built.
+    return own | accepted_options(joined) if isinstance(joined, str) and joined in available_drafters() else own
 
 
 def check_drafter_options(name: str, **options: Any) -> dict[str, Any]:
     """The given (non-None) options, after checking that drafter ``name`` exists and takes them all:
     an option it does not take is an error, not silently ignored.  Cheap: call it before loading models."""
     given = {_option(key): value for key, value in options.items() if value is not None}
-    unknown = sorted(set(given) - accepted_options(name))
+    unknown = sorted(set(given) - accepted_options(name, given))
     if unknown:
         pretty = ", ".join(opt.replace("_", "-") for opt in unknown)
-        raise SpecDecodeError(f"drafter {name!r} does not take option(s): {pretty}")
+        cls = drafter_class(name)
+        joining = f" (joining {_joined(cls, given)!r})" if cls.passes_options_to else ""
+        raise SpecDecodeError(f"drafter {name!r}{joining} does not take option(s): {pretty}")
     return given
 
 

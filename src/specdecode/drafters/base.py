@@ -136,6 +136,9 @@ class Drafter(ABC):
     #: True if the drafter goes on working after a step returns (a worker drafting ahead, PEARL): that work
     #: overlaps whatever runs next, so the benchmark cannot time it in turns with others (its lockstep).
     works_between_steps: bool = False
+    #: The option naming another drafter that this one joins (``rasd``'s ``with``): the options this one does not
+    #: take are that drafter's, passed on to it (:func:`specdecode.drafters.accepted_options`).  None: no such option.
+    passes_options_to: ClassVar[str | None] = None
 
     def __init__(self, target: LoadedModel) -> None:
         self.target = target

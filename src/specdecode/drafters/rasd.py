@@ -12,7 +12,8 @@ a JSON Lines file of ``{"text": ...}`` objects, tokenized with the target's toke
 (:mod:`specdecode.data.datastore`: a suffix array, cached on disk, incremental).  ``with`` names the drafter whose
 tree the retrieval joins (default ``suffix``, which copies from the request itself and earlier outputs, what the
 datastore lacks, and beat ``pld`` there on code and on open chat: ``docs/drafters.md``; ``none`` for retrieval alone;
-``draft-model``, ``hsd`` with ``--draft-model``; ``eagle`` with its trained head).
+``draft-model``, ``hsd`` with ``--draft-model``; ``eagle`` with its trained head); the options rasd does not take are
+that drafter's (``--drafter-option heads=DIR`` with ``with=hydra``).
 
 Pruning.  The paper prunes the retrieval tree with the draft model's distribution.  A drafter here exposes only its
 drafted nodes' confidences, so each retrieved node is scored by its share of the occurrences that continue its
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -61,7 +63,10 @@ class RetrievalDrafter(Drafter):
     built with its own options); ``draft_model`` for a ``with`` that takes one; ``max_nodes`` (16) retrieved nodes
     grown per step, before the budget prunes them; ``min_match`` (2) and ``max_match`` (32) the shortest suffix of
     the context retrieved by and the longest one searched for after a mismatch (a match that keeps extending grows
-    past it); ``min_prob`` (0.1) least estimated path probability of a retrieved node."""
+    past it); ``min_prob`` (0.1) least estimated path probability of a retrieved node.  Any other option is the
+    ``with`` drafter's, passed on to it (``rasd:datastore=D:with=hydra:heads=DIR``)."""
+
+    passes_options_to = "with"
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class RetrievalDrafter(Drafter):
         min_match: int = 2,
         max_match: int = 32,
         min_prob: float = 0.1,
+        **with_options: Any,
     ) -> None:
         super().__init__(target)
         if datastore is None:
@@ -84,7 +90,7 @@ class RetrievalDrafter(Drafter):
         self.min_match = check_int("rasd", "min_match", min_match, 1)
         self.max_match = check_int("rasd", "max_match", max_match, self.min_match)
         self.min_prob = check_fraction("rasd", "min_prob", min_prob)
-        self.inner = self._inner(target, with_, draft_model)
+        self.inner = self._inner(target, with_, draft_model, with_options)
         self.store = Datastore.open(str(datastore), target.tokenizer)
         self.budget = TreeBudget(target.backend, "auto", draft_share=0.0)
         self.budget.verification_cost(1)  # measured now (once per model), not inside a step whose drafting is timed
@@ -95,19 +101,22 @@ class RetrievalDrafter(Drafter):
         self.works_between_steps = self.inner.works_between_steps
 
     @staticmethod
-    def _inner(target: LoadedModel, joined: str | Drafter, draft_model: str | LoadedModel | None) -> Drafter:
-        """The drafter named by ``with`` (built with ``draft_model`` where it takes one), or the one given."""
+    def _inner(
+        target: LoadedModel, joined: str | Drafter, draft_model: str | LoadedModel | None, options: dict[str, Any]
+    ) -> Drafter:
+        """The drafter named by ``with`` (built with ``draft_model`` where it takes one, and the options rasd does not
+        take), or the one given."""
         if isinstance(joined, RetrievalDrafter) or joined == "rasd":
             raise SpecDecodeError("rasd: with= names another drafter, not rasd")
         if isinstance(joined, Drafter):
-            if draft_model is not None:
-                raise SpecDecodeError("rasd: a drafter given as with= comes with its own draft model")
+            if draft_model is not None or options:
+                raise SpecDecodeError("rasd: a drafter given as with= comes with its own draft model and options")
             return joined
         name = str(joined)
         drafter_class(name)  # an unknown name fails with the list of drafters
         if draft_model is not None and "draft_model" not in accepted_options(name):
             raise SpecDecodeError(f"rasd: a draft model is for with=draft-model or with=hsd, not with={name}")
-        return create_drafter(name, target, draft_model=draft_model)
+        return create_drafter(name, target, draft_model=draft_model, **options)
 
     def draft_token_seconds(self) -> float | None:
         return self.inner.draft_token_seconds()

@@ -41,7 +41,7 @@ def build_service(args: argparse.Namespace):
     options = dict(parse_option(o) for o in args.drafter_option)
     if args.draft_model:
         options["draft_model"] = args.draft_model
-    per_drafter = {name: {k: v for k, v in options.items() if k in accepted_options(name)} for name in names}
+    per_drafter = {name: {k: v for k, v in options.items() if k in accepted_options(name, options)} for name in names}
     if unused := sorted(set(options) - {key for taken in per_drafter.values() for key in taken}):
         raise SpecDecodeError(f"no served drafter takes option(s): {', '.join(unused)}")
     defaults = GenerationConfig(num_draft_tokens=args.num_draft_tokens)
