@@ -198,6 +198,39 @@ def test_train_command_saves_heads_where_the_drafter_looks(tiny_dirs, tmp_path, 
     assert tokens == hf_greedy(target, PROMPTS[0], 12)
 
 
+def test_runs_given_one_data_dir_share_the_answers_and_the_features_of_the_same_layers(
+    tiny_dirs, tmp_path, monkeypatch
+):
+    from specdecode.train import features
+
+    model_dir = shutil.copytree(tiny_dirs["target"], tmp_path / "model")
+    prompts = [[5 + i, 17, 22, 9] for i in range(4)]
+    monkeypatch.setattr("specdecode.train.features.prompt_ids", lambda target, tasks, n, seed: prompts[:n])
+    parser = argparse.ArgumentParser()
+    add_train_command(parser.add_subparsers(dest="command", required=True))
+    data = tmp_path / "data"
+    flags = ["--model", str(model_dir), "--prompts", "4", "--new-tokens", "12", "--conversations", "0"]
+    flags += ["--epochs", "1", "--data-dir", str(data)]
+    args = parser.parse_args(["train", "hydra", *flags, "--out", str(tmp_path / "hydra")])
+    assert args.run(args) == 0
+    answers = sorted(data.glob("distilled-*.jsonl"))
+    assert len(answers) == 1 and not list((tmp_path / "hydra.work").glob("distilled-*"))
+    written = features.self_distill
+
+    def no_new_answers(target, prompts, new_tokens, max_tokens, skip=0):
+        assert skip == len(prompts), "the answers were written again"
+        return written(target, prompts, new_tokens, max_tokens, skip=skip)
+
+    monkeypatch.setattr("specdecode.train.features.self_distill", no_new_answers)
+    for kind in ("medusa", "eagle"):
+        args = parser.parse_args(["train", kind, *flags, "--out", str(tmp_path / kind)])
+        assert args.run(args) == 0
+        assert (tmp_path / kind / "model.safetensors").is_file()
+    assert sorted(data.glob("distilled-*.jsonl")) == answers
+    # Hydra's and Medusa's features keep the final hidden state alone (one set); EAGLE's keep three layers more.
+    assert len([path for path in data.glob("features-*") if path.is_dir()]) == 2
+
+
 # -- exact sampling with heads, on a toy model whose distribution is known ---------------------------
 
 

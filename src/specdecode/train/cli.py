@@ -54,6 +54,11 @@ def _add_head_training_flags(command: argparse.ArgumentParser, what: str) -> Non
     command.add_argument("--new-tokens", type=int, default=128, help="tokens the model generates per prompt")
     command.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations prefilled as data")
     command.add_argument("--max-tokens", type=int, default=512, help="tokens per training sequence (longer are cut)")
+    command.add_argument(
+        "--data-dir",
+        help="where the model's answers and their features are cached (default: beside --out, in OUT.work); runs of"
+        " other heads, or --init runs, given the same directory and data flags reuse them",
+    )
     _add_precision_flag(command, "--feature-dtype", "the target while it writes the data and its features")
     command.add_argument(
         "--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help=f"VocabTrim: the {what} vocabulary (0: all)"

@@ -3,8 +3,10 @@
 ``train eagle``, ``train medusa`` and ``train hydra`` (:mod:`specdecode.train.eagle_run`,
 :mod:`specdecode.train.medusa_run`) build their data the same way — the target's own greedy answers and
 ShareGPT conversations, one target forward each — and differ only in the layers they keep.  The features
-are cached (keyed by the data settings) in a work directory next to the output, so everything slow is
-resumable: an interrupted run started again with the same flags picks up where it stopped.
+are cached (keyed by the data settings) in a work directory next to the output, or in ``--data-dir``, so everything
+slow is resumable: an interrupted run started again with the same flags picks up where it stopped, and runs of other
+head kinds or ``--init`` runs pointed at the same data directory reuse the answers (and the features, where they keep
+the same layers).
 """
 
 from __future__ import annotations
@@ -79,18 +81,22 @@ def data_digest(target: LoadedModel, args: argparse.Namespace, tasks: list[str],
 
 
 def target_features(
-    target: LoadedModel, args: argparse.Namespace, tasks: list[str], work: Path, aux_layers: tuple[int, ...]
+    target: LoadedModel, args: argparse.Namespace, tasks: list[str], data: Path, aux_layers: tuple[int, ...]
 ) -> list[Features]:
     """The training data's target features, computed once: self-distilled answers are appended to a file
     as they are generated and features are saved in shards, so an interrupted run resumes where it was."""
     digest = data_digest(target, args, tasks, aux_layers)
-    work.mkdir(parents=True, exist_ok=True)
-    whole = work / f"features-{digest}.pt"  # written by earlier versions in one piece
+    data.mkdir(parents=True, exist_ok=True)
+    whole = data / f"features-{digest}.pt"  # written by earlier versions in one piece
     if whole.is_file():
         print(f"using cached target features {whole}")
         return [Features(**item) for item in torch.load(whole, weights_only=True, mmap=True)]
 
-    distilled_file = work / f"distilled-{digest}.jsonl"
+    # The answers do not depend on the layers kept: filed under the digest of none, every head kind shares them.
+    distilled_file = data / f"distilled-{data_digest(target, args, tasks, ())}.jsonl"
+    named_with_layers = data / f"distilled-{digest}.jsonl"  # as earlier versions filed an EAGLE run's answers
+    if named_with_layers.is_file() and not distilled_file.is_file():
+        named_with_layers.rename(distilled_file)
     sequences = (
         [json.loads(line) for line in distilled_file.read_text().splitlines()] if distilled_file.is_file() else []
     )
@@ -103,7 +109,7 @@ def target_features(
     if args.conversations:
         sequences += sharegpt_conversations(target, args.conversations, args.max_tokens, args.seed)
 
-    shards = work / f"features-{digest}"
+    shards = data / f"features-{digest}"
     shards.mkdir(exist_ok=True)
     features: list[Features] = []
     with tqdm(total=len(sequences), desc="target features", unit="seq") as bar:
@@ -153,5 +159,7 @@ def collect(
     dtype = feature_dtype(args.feature_dtype)
     writer = target if dtype == target.backend.dtype else load_model(args.model, dtype=dtype)
     work = work_dir(out)
-    features = target_features(writer, args, tasks, work, aux_layers(target.backend.num_layers))
+    work.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data_dir).expanduser() if args.data_dir else work
+    features = target_features(writer, args, tasks, data, aux_layers(target.backend.num_layers))
     return Collected(out, target, features, work / "checkpoint.pt", time.perf_counter() - started)
