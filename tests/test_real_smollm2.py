@@ -159,8 +159,9 @@ def test_the_shipped_hydra_heads_draft_without_training_and_change_nothing(smoll
 
     shipped = shipped_head("smollm2-135m", heads_dir("hydra"))
     assert shipped is not None
-    generator = SpeculativeGenerator.build(smollm2, "hydra", heads=str(shipped), lookup=False)
+    # A chain of 3 (as for EAGLE above): `auto` would size the draft from timings, and may draft nothing.
+    generator = SpeculativeGenerator.build(smollm2, "hydra", heads=str(shipped), tree_nodes=0, lookup=False)
     prompt = PROMPTS[0]
-    result = generator.generate(prompt, chat=True, max_new_tokens=DRAFTER_TOKENS, ignore_eos=True)
+    result = generator.generate(prompt, chat=True, max_new_tokens=DRAFTER_TOKENS, ignore_eos=True, num_draft_tokens=3)
     assert result.token_ids == reference(generator.encode_prompt(prompt, chat=True))
     assert result.stats.accepted_tokens > 0
