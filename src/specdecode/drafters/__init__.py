@@ -85,8 +85,8 @@ def accepted_options(name: str, options: Mapping[str, Any] | None = None) -> fro
     if cls.passes_options_to is None:
         return own
     joined = _joined(cls, options)
-    # A drafter object joined (Python) comes with its own options; a name is checked when it is built.
-    return own | accepted_options(joined) if isinstance(joined, str) and joined in available_drafters() else own
+    # A drafter object joined (Python) comes with its own options; an unknown name fails here, with the list.
+    return own | accepted_options(joined) if isinstance(joined, str) else own
 
 
 def check_drafter_options(name: str, **options: Any) -> dict[str, Any]:
