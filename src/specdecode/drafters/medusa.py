@@ -4,7 +4,9 @@ After Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Mult
 (2024).  The session keeps one vector: the target's final hidden state of the last position whose
 feature is known (the verification forward hands it over, ``hidden_layers``, at no extra forward) — the
 one the target's LM head turned into the last context token.  Head k reads it and guesses the token k
-positions after that one (:mod:`specdecode.heads.medusa`); all heads run in one call per step.
+positions after that one (:mod:`specdecode.heads.medusa`); all heads run in one call per step.  Heads with
+Hydra++'s prefix attention read its output instead, the session sliding its window of keys along (the states of
+the tokens verification accepted go through it as they come: one small layer on a few rows per step).
 
 Greedy requests verify a tree: best-first over the Cartesian product of each head's ``top_k`` guesses,
 scored by the product of the heads' probabilities, each calibrated online per head against what
@@ -36,6 +38,7 @@ from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import head_directory
 from specdecode.heads.medusa import DraftHeads, heads_dir, load_heads
+from specdecode.heads.prefix import PrefixWindow
 from specdecode.heads.storage import target_mismatch, to_backend
 from specdecode.models.base import HiddenStates, LayerwiseExecution, require_capability
 from specdecode.models.loading import LoadedModel
@@ -119,17 +122,25 @@ class HeadsSession(DraftSession):
         self.request = request
         self.generator = request.torch_generator()
         self.known = 0  # positions whose final hidden state the session has been given
-        self.last: torch.Tensor | None = None  # [H] the final hidden state of position known - 1
+        self.last: torch.Tensor | None = None  # [H] what the heads read of position known - 1
+        # Hydra++'s prefix attention, when the heads have it, turns each final hidden state into what they read.
+        self.window = PrefixWindow(self.heads.prefix) if self.heads.prefix is not None else None
         self.sources = NodeSources()  # of the last greedy draft
 
     def observe_prompt(self, hidden: torch.Tensor) -> None:
-        self.last, self.known = hidden[-1], hidden.shape[0]
+        self._read(hidden)
 
     def observe(self, context: list[int], feedback: StepFeedback) -> None:
         self.sources.learn(feedback, self.drafter.calibration, self.drafter.lookup.calibration)
         if feedback.target_hidden is not None:
-            rows = feedback.target_hidden[feedback.accepted_rows]
-            self.last, self.known = rows[-1], self.known + rows.shape[0]
+            self._read(feedback.target_hidden[feedback.accepted_rows])
+
+    @torch.inference_mode()
+    def _read(self, hidden: torch.Tensor) -> None:
+        """The final hidden states [n, H] of the next ``n`` positions."""
+        if self.window is not None:
+            hidden = self.window.extend(hidden)
+        self.last, self.known = hidden[-1], self.known + hidden.shape[0]
 
     @torch.inference_mode()
     def propose(self, context: list[int], max_tokens: int) -> Draft:

@@ -10,13 +10,18 @@ also reads the embeddings of the last context token and of the k-1 tokens drafte
 block is ``h + SiLU(W [h; e_0; ...; e_{k-1}] + b)`` — so that its guess follows what was drafted, which
 Medusa's heads cannot do (their guesses for depths 2+ ignore depth 1's token).
 
+Hydra++ (the same paper's tuned recipe) also puts one attention layer over the context's final hidden states
+before the heads (``prefix_window``; :mod:`specdecode.heads.prefix`): they then read its output, not the state
+itself.  Either kind of head can have it.
+
 The LM head is the target's own, restricted to a VocabTrim draft vocabulary (the ids the target emits
 most often) and frozen: one ``lm_head`` shared by every head, so a head costs a few H x H products and
 the restricted head's matmul on a CPU rather than a full-vocabulary projection per head.
 
 Storage follows vLLM's ``MedusaModel`` names (``speculators`` 0.9 has no Medusa or Hydra layout):
 ``blocks.{k}.layers.0.{weight,bias}``, ``token_map`` (the target id of each draft id); the shared
-``lm_head.weight`` [draft_vocab, H] is stored once where vLLM stores ``lm_heads.{k}`` per head.
+``lm_head.weight`` [draft_vocab, H] is stored once where vLLM stores ``lm_heads.{k}`` per head; a prefix
+attention's ``prefix.*`` tensors have no vLLM counterpart.
 ``config.json`` + ``model.safetensors`` + a SHA-256 ``manifest.json``, as for EAGLE heads.
 """
 
@@ -33,6 +38,7 @@ from torch import nn
 
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import CONFIG_FILE, WEIGHTS_FILE, check_manifest, write_head_files
+from specdecode.heads.prefix import PrefixAttention
 from specdecode.models.base import HiddenStates, LayerwiseExecution
 
 KINDS = ("medusa", "hydra")
@@ -55,6 +61,8 @@ class HeadsConfig:
     draft_vocab_size: int
     target_num_layers: int
     num_layers: int = 1  # residual layers per head (Medusa's ``medusa_num_layers``; Hydra++'s deeper heads)
+    prefix_window: int = 0  # Hydra++'s prefix attention over this many positions before the heads (0: none)
+    prefix_heads: int = 0  # its attention heads (the target's own count)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -90,6 +98,11 @@ class DraftHeads(nn.Module):
         self.blocks = nn.ModuleList(
             ResidualBlock(config.input_width(k), config.hidden_size, config.num_layers) for k in range(config.num_heads)
         )
+        self.prefix = (
+            PrefixAttention(config.hidden_size, config.prefix_heads, config.prefix_window)
+            if config.prefix_window
+            else None
+        )
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
         self.register_buffer("token_map", torch.arange(config.draft_vocab_size))
@@ -114,16 +127,28 @@ class DraftHeads(nn.Module):
 
 
 def heads_for_target(
-    backend: object, kind: str, num_heads: int, draft_ids: torch.Tensor, num_layers: int = 1
+    backend: object, kind: str, num_heads: int, draft_ids: torch.Tensor, num_layers: int = 1, prefix_window: int = 0
 ) -> DraftHeads:
     """Fresh heads for ``backend`` drafting the target ids ``draft_ids``, ``num_layers`` residual layers each, with
-    the target's own LM head rows of those ids as the shared (frozen) LM head."""
+    the target's own LM head rows of those ids as the shared (frozen) LM head, and with ``prefix_window`` > 0
+    Hydra++'s prefix attention over that many positions (as many attention heads as the target's layers have)."""
     if not isinstance(backend, HiddenStates) or not isinstance(backend, LayerwiseExecution):
         raise SpecDecodeError(f"{kind} heads need a backend with hidden states and a reusable LM head")
+    if prefix_window < 0:
+        raise SpecDecodeError(f"{kind} heads: the prefix window must be >= 0, got {prefix_window}")
     weight = backend.output_weight()
     ids = torch.as_tensor(draft_ids, dtype=torch.long).sort().values
+    prefix_heads = backend.decoder_shape().num_heads if prefix_window else 0
     config = HeadsConfig(
-        kind, backend.hidden_size, num_heads, weight.shape[0], ids.numel(), backend.num_layers, num_layers
+        kind,
+        backend.hidden_size,
+        num_heads,
+        weight.shape[0],
+        ids.numel(),
+        backend.num_layers,
+        num_layers,
+        prefix_window,
+        prefix_heads,
     )
     heads = DraftHeads(config)
     with torch.no_grad():

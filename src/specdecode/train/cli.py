@@ -111,6 +111,13 @@ def add_heads_commands(methods: argparse._SubParsersAction) -> None:
         _add_head_training_flags(sub, "heads'")
         sub.add_argument("--num-heads", type=int, default=4, help="heads, i.e. the deepest draft")
         sub.add_argument("--head-layers", type=int, default=1, help="residual layers per head (Medusa's num_layers)")
+        sub.add_argument(
+            "--prefix-window",
+            type=int,
+            default=0,
+            help="Hydra++'s prefix attention: one attention layer over the last N final hidden states before the "
+            "heads (0: none)",
+        )
         sub.set_defaults(run=Deferred("specdecode.train.medusa_run:run_heads_training"))
 
 

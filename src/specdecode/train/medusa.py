@@ -47,6 +47,7 @@ class HeadsTrainConfig:
     kind: str = "medusa"  # or "hydra"
     num_heads: int = 4
     num_layers: int = 1  # residual layers per head
+    prefix_window: int = 0  # Hydra++'s prefix attention over this many positions (0: none)
     draft_vocab: int = 8192  # VocabTrim: the heads' vocabulary (0: the target's whole vocabulary)
     epochs: int = 4
     run: int = 256  # contiguous rows per batch
@@ -68,11 +69,12 @@ class HeadsTrainResult(TrainResult):
 @dataclass
 class Stream:
     """Every sequence end to end: ids [N + K + 1], final hidden states [N + K + 1, H] (padded so that a
-    run's look-ahead never falls off the end), and for each of the N real rows the index of its
-    sequence's last position."""
+    run's look-ahead never falls off the end), and for each of the N real rows the indices of its
+    sequence's first and last positions."""
 
     ids: torch.Tensor
     finals: torch.Tensor
+    first: torch.Tensor
     last: torch.Tensor
 
     @property
@@ -93,11 +95,29 @@ def make_stream(features: list[Features], heads: int, spill: Path | None = None)
         finals[offset : offset + length] = item.final
         offset += length
     ids = torch.cat([item.ids for item in features])
+    ends = torch.cumsum(lengths, 0)
     return Stream(
         ids=torch.cat([ids, ids.new_zeros(heads + 1)]),
         finals=finals,
-        last=torch.repeat_interleave(torch.cumsum(lengths, 0) - 1, lengths),
+        first=torch.repeat_interleave(ends - lengths, lengths),
+        last=torch.repeat_interleave(ends - 1, lengths),
     )
+
+
+def read_states(heads: DraftHeads, stream: Stream, start: int, stop: int) -> torch.Tensor:
+    """What the heads read of rows start..stop-1 [B, H]: their final hidden states, through the prefix attention
+    (over each row's window within its own sequence) when the heads have one."""
+    hidden = stream.finals[start:stop].float()
+    prefix = heads.prefix
+    if prefix is None:
+        return hidden
+    lo = max(0, start - prefix.window + 1)
+    rows = torch.arange(lo, stop)
+    sequence, positions = stream.first[lo:stop], rows - stream.first[lo:stop]
+    q, k, v = prefix.project(stream.finals[lo:stop].float(), positions)
+    reads = slice(start - lo, None)
+    mask = prefix.in_window(positions[reads], positions) & (sequence[reads].unsqueeze(-1) == sequence)
+    return prefix.attend(hidden, q[:, reads], k, v, mask)
 
 
 def run_logits(
@@ -105,7 +125,7 @@ def run_logits(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Rows start..stop-1: every head's draft logits [B, draft_vocab] and validity [B] (the token it
     predicts lies in the row's sequence)."""
-    hidden = stream.finals[start:stop].float()
+    hidden = read_states(heads, stream, start, stop)
     count, rows = stop - start, torch.arange(start, stop)
     embeds = embed(stream.ids[start + 1 : stop + heads.config.num_heads]) if heads.config.kind == "hydra" else None
     logits, valid = [], []
@@ -162,7 +182,9 @@ def train_heads(
     train, held = split_holdout(features, [f.ids.tolist() for f in features], config.holdout, config.seed, config.kind)
 
     ids = draft_vocabulary(train, config.draft_vocab, layerwise.output_weight().shape[0])
-    heads = heads_for_target(target_backend, config.kind, config.num_heads, ids, config.num_layers)
+    heads = heads_for_target(
+        target_backend, config.kind, config.num_heads, ids, config.num_layers, config.prefix_window
+    )
     with torch.no_grad():
         for param in heads.blocks.parameters():
             param.zero_()

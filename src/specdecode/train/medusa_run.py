@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import heads_dir, save_heads
 from specdecode.train.common import checked_tasks, report_training
 from specdecode.train.features import collect, training_in_bf16
@@ -21,12 +22,15 @@ def run_heads_training(args: argparse.Namespace) -> int:
     """``specdecode train medusa`` or ``specdecode train hydra`` (``args.method``)."""
     kind = args.method
     tasks = checked_tasks(args, ("num_heads", "head_layers"))
+    if args.prefix_window < 0:
+        raise SpecDecodeError("--prefix-window must be >= 0 (0: no prefix attention)")
     # No intermediate layers: the heads read the final hidden state only.
     run = collect(args, tasks, heads_dir(kind), "the heads go", lambda num_layers: ())
     config = HeadsTrainConfig(
         kind=kind,
         num_heads=args.num_heads,
         num_layers=args.head_layers,
+        prefix_window=args.prefix_window,
         draft_vocab=args.draft_vocab,
         epochs=args.epochs,
         lr=args.lr,
