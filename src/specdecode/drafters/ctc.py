@@ -28,7 +28,7 @@ import torch
 from specdecode.drafters import register_drafter
 from specdecode.drafters._tree_size import TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.ctc import HEAD_DIR, CTCHead, load_ctc
 from specdecode.heads.storage import head_for_drafter
@@ -49,15 +49,21 @@ class CTCDrafter(Drafter):
     needs_training: ClassVar[bool] = True
 
     def __init__(
-        self, target: LoadedModel, head: str | CTCHead | None = None, top_k: int = 4, tree_nodes: int | str = "auto"
+        self,
+        target: LoadedModel,
+        head: str | CTCHead | None = None,
+        top_k: int = 4,
+        tree_nodes: int | str = "auto",
+        int8_head: bool | str = True,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'ctc'")
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"ctc: top-k must be a positive integer, got {top_k!r}")
         tree_nodes = check_tree_nodes("ctc", tree_nodes)
+        int8_head = flag_option("ctc: int8_head", int8_head)
         self.head = head_for_drafter(
-            "ctc", head, CTCHead, load_ctc, HEAD_DIR, self.backend, target.backend.vocab_size, target.name
+            "ctc", head, CTCHead, load_ctc, HEAD_DIR, self.backend, target.backend.vocab_size, target.name, int8_head
         )
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)

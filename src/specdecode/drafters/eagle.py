@@ -41,7 +41,7 @@ from specdecode.drafters._head_session import HeadSession
 from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset, subset_probs
-from specdecode.drafters.base import Drafter, DraftRequest
+from specdecode.drafters.base import Drafter, DraftRequest, flag_option
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import EagleHead, HeadCache
 from specdecode.heads.storage import HEAD_DIR, head_for_drafter, load_eagle
@@ -76,6 +76,7 @@ class EagleDrafter(Drafter):
         lookup: bool | str = True,
         window: int = DEFAULT_WINDOW,
         samples: int = 1,
+        int8_head: bool | str = True,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'eagle'")
@@ -100,6 +101,7 @@ class EagleDrafter(Drafter):
             self.backend,
             target.backend.vocab_size,
             target.name,
+            flag_option("eagle: int8_head", int8_head),
         )
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)

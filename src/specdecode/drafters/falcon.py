@@ -35,7 +35,7 @@ from specdecode.drafters._head_session import HeadSession
 from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest
+from specdecode.drafters.base import Drafter, DraftRequest, flag_option
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.eagle import HeadCache
 from specdecode.heads.falcon import HEAD_DIR, FalconHead, load_falcon
@@ -63,14 +63,24 @@ class FalconDrafter(Drafter):
         top_k: int = 4,
         tree_nodes: int | str = "auto",
         lookup: bool | str = True,
+        int8_head: bool | str = True,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, "drafter 'falcon'")
         if not isinstance(top_k, int) or top_k < 1:
             raise SpecDecodeError(f"falcon: top-k must be a positive integer, got {top_k!r}")
         tree_nodes = check_tree_nodes("falcon", tree_nodes)
+        int8_head = flag_option("falcon: int8_head", int8_head)
         self.head = head_for_drafter(
-            "falcon", head, FalconHead, load_falcon, HEAD_DIR, self.backend, target.backend.vocab_size, target.name
+            "falcon",
+            head,
+            FalconHead,
+            load_falcon,
+            HEAD_DIR,
+            self.backend,
+            target.backend.vocab_size,
+            target.name,
+            int8_head,
         )
         self.target_ids = self.head.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.head.config.draft_vocab_size)

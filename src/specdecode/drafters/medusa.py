@@ -34,7 +34,7 @@ from specdecode.drafters import register_drafter
 from specdecode.drafters._lookup_graft import Copy, LookupBranch, NodeSources, copy_draft
 from specdecode.drafters._tree_size import Calibration, TreeBudget, check_tree_nodes, subtree
 from specdecode.drafters._vocab import choose_from_subset
-from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
+from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, flag_option
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.files import head_directory
 from specdecode.heads.medusa import DraftHeads, heads_dir, load_heads
@@ -64,6 +64,7 @@ class MedusaDrafter(Drafter):
         top_k: int = 4,
         tree_nodes: int | str = "auto",
         lookup: bool | str = True,
+        int8_head: bool | str = True,
     ) -> None:
         super().__init__(target)
         self.backend = require_capability(target.backend, HiddenStates, f"drafter {self.kind!r}")
@@ -74,7 +75,8 @@ class MedusaDrafter(Drafter):
         if loaded.config.kind != self.kind:
             raise SpecDecodeError(f"drafter {self.kind!r} got {loaded.config.kind} heads")
         self._check(loaded, target)
-        self.heads = to_backend(loaded, self.backend.device, self.backend.dtype)
+        int8_head = flag_option(f"{self.kind}: int8_head", int8_head)
+        self.heads = to_backend(loaded, self.backend.device, self.backend.dtype, int8_head)
         self.target_ids = self.heads.target_ids.to(self.backend.device)
         self.top_k = min(top_k, self.heads.config.draft_vocab_size)
         self.budget = TreeBudget(target.backend, tree_nodes, DRAFT_SHARE)
