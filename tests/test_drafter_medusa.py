@@ -29,6 +29,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, load_heads, save_heads
 from specdecode.models.fastpath import PackedLinear
 from specdecode.models.loading import LoadedModel, fast_path_default, load_model
+from specdecode.models.quantize import quantize_supported
+from specdecode.models.quantized_layers import Int8Linear
 from specdecode.train.cli import add_train_command
 from specdecode.train.eagle import compute_features
 from specdecode.train.medusa import HeadsTrainConfig, train_heads
@@ -268,7 +270,7 @@ def test_untrained_heads_keep_smollm2_greedy_output(smollm2):
 @pytest.mark.parametrize("kind", KINDS)
 def test_drafting_packs_a_cpu_heads_linears_and_leaves_the_heads_passed_in_alone(tiny_target, trained, kind):
     heads = trained[kind]
-    drafter = create_drafter(kind, tiny_target, heads=heads)
+    drafter = create_drafter(kind, tiny_target, heads=heads, int8_head=False)
     linears = [module for module in drafter.heads.modules() if isinstance(module, (torch.nn.Linear, PackedLinear))]
     assert all(isinstance(module, PackedLinear) for module in linears)
     assert len(linears) == heads.config.num_heads + 1  # the blocks, the LM head
@@ -280,6 +282,25 @@ def test_drafting_packs_a_cpu_heads_linears_and_leaves_the_heads_passed_in_alone
         expected = heads.logits(heads.head(2, hidden, embeds))
         got = drafter.heads.logits(drafter.heads.head(2, hidden, embeds))
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(
+    not fast_path_default() or not quantize_supported("int8"),
+    reason="no packed or int8 CPU linears here",
+)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cpu_heads_lm_head_drafts_in_int8_unless_told_not_to(tiny_target, trained, kind):
+    heads = trained[kind]
+    drafter = create_drafter(kind, tiny_target, heads=heads)
+    assert isinstance(drafter.heads.lm_head, Int8Linear) and type(heads.lm_head) is torch.nn.Linear
+    assert isinstance(create_drafter(kind, tiny_target, heads=heads, int8_head="false").heads.lm_head, PackedLinear)
+    hidden = torch.randn(8, heads.config.hidden_size)
+    with torch.inference_mode():
+        exact, int8 = heads.logits(hidden), drafter.heads.logits(hidden)
+    assert not torch.equal(int8, exact)  # rounded, so the draft is another one ...
+    torch.testing.assert_close(int8, exact, rtol=0.05, atol=0.05 * float(exact.abs().max()))  # ... close to it
+    with pytest.raises(SpecDecodeError, match="int8_head must be true or false"):
+        create_drafter(kind, tiny_target, heads=heads, int8_head="maybe")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -123,6 +123,17 @@ def test_a_tied_head_keeps_the_fp32_embedding_and_its_weight():
     assert model.get_input_embeddings().weight is embedding
 
 
+def test_int8_leaves_layers_its_kernel_cannot_take_in_fp32():
+    """torch's int8 kernel reads inputs in blocks of 16: a layer of 24 inputs would compute garbage."""
+    model = torch.nn.Sequential(torch.nn.Linear(24, 32, bias=False), torch.nn.Linear(32, 24, bias=False))
+    assert quantize_model(model, "int8") == ["1"]
+    assert type(model[0]) is torch.nn.Linear and isinstance(model[1], Int8Linear)
+    x = torch.randn(3, 24)
+    with torch.inference_mode():
+        hidden = model[0](x)
+        torch.testing.assert_close(model[1](hidden), hidden @ model[1].dequantized().T, rtol=0, atol=1e-2)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_speculative_greedy_equals_plain_greedy_of_the_same_quantized_model(quantized, mode):
     target, draft = quantized[mode]

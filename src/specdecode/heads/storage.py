@@ -46,7 +46,7 @@ from specdecode.heads.files import (
 from specdecode.models.base import HiddenStates
 from specdecode.models.fastpath import apply_cpu_fast_path
 from specdecode.models.loading import packs_by_default
-from specdecode.models.quantize import quantize_supported
+from specdecode.models.quantize import int8_fits, quantize_supported
 from specdecode.models.quantized_layers import Int8Linear
 
 #: The directory an EAGLE head is saved in next to its target model (``specdecode train eagle``), where the
@@ -281,7 +281,7 @@ def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype, int8_
         param.requires_grad_(False)
     if packed:
         lm_head = getattr(head, "lm_head", None)
-        if int8_head and type(lm_head) is torch.nn.Linear and quantize_supported("int8"):
+        if int8_head and type(lm_head) is torch.nn.Linear and quantize_supported("int8") and int8_fits(lm_head):
             head.lm_head = Int8Linear(lm_head, tied=False)
         apply_cpu_fast_path(head)
     return head

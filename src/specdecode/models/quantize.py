@@ -46,6 +46,9 @@ QUANTIZE_VALUES = (*QUANTIZE_MODES, AUTO_QUANTIZE)
 INT4_GROUP_SIZES = (64, 32)
 #: ``_convert_weight_to_int4pack_for_cpu`` packs output channels in blocks of this many.
 INT4_OUT_MULTIPLE = 16
+#: ``_weight_int8pack_mm`` reads inputs in blocks of this many: torch 2.13 returned garbage for 8, 24 and 40 inputs
+#: and crashed on 100 (the sizes probed), and was right for every multiple of 16 probed.
+INT8_IN_MULTIPLE = 16
 
 
 #: A draft model's weights when ``--quantize-draft`` is not given.  A draft's precision never changes the
@@ -104,11 +107,16 @@ def int4_group_size(linear: nn.Linear) -> int | None:
     return next((g for g in INT4_GROUP_SIZES if linear.in_features % g == 0), None)
 
 
+def int8_fits(linear: nn.Linear) -> bool:
+    """Whether torch's int8 kernel takes ``linear``'s shape (:data:`INT8_IN_MULTIPLE`)."""
+    return linear.in_features % INT8_IN_MULTIPLE == 0
+
+
 def quantized_like(layer: nn.Module, linear: nn.Linear) -> QuantizedLinear | None:
     """``linear`` in the precision ``layer`` has (a draft head's rows copied from a quantized LM head);
     None when ``layer`` is not quantized or ``linear``'s shape does not fit it."""
     if isinstance(layer, Int8Linear):
-        return Int8Linear(linear, tied=False)
+        return Int8Linear(linear, tied=False) if int8_fits(linear) else None
     if isinstance(layer, Bf16Linear):
         return Bf16Linear(linear, tied=False)
     if isinstance(layer, w4a8.W4A8Linear):
@@ -126,8 +134,8 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
     ``block_copies``: int8 and int4 layers also keep a bf16 copy of their weight for prompts and drafts
     (:attr:`QuantizedLinear.block_weight`), except the LM head: prompts and drafts ask it for the logits of
     one row (a 152k-token head's copy would hold 270-470 MB for nothing).
-    Layers int4 cannot take (``in_features`` not a multiple of 32, ``out_features`` not of 16; for
-    ``w4a8`` ``in_features`` not a multiple of 64) keep their weights; so do subclasses of ``nn.Linear``
+    Layers a format cannot take (int4: ``in_features`` not a multiple of 32, ``out_features`` not of 16; ``w4a8``:
+    ``in_features`` not a multiple of 64; int8: not of 16) keep their weights; so do subclasses of ``nn.Linear``
     (LoRA and the like) and layers off the CPU.
     """
     if check_quantize(mode) == AUTO_QUANTIZE:
@@ -152,6 +160,8 @@ def quantize_model(model: nn.Module, mode: str, *, block_copies: bool = False) -
         tied = uses[id(linear.weight)] > 1
         copy = block_copies and linear is not head
         if mode == "int8":
+            if not int8_fits(linear):
+                continue
             module: QuantizedLinear = Int8Linear(linear, tied=tied, block_copy=copy)
         elif mode == "bf16":
             module = Bf16Linear(linear, tied=tied)
