@@ -495,6 +495,16 @@ def random_heads(backend, kind: str, draft_vocab: int, seed: int = 0, num_heads:
     return heads_for_target(backend, kind, num_heads, torch.randperm(backend.vocab_size)[:draft_vocab])
 
 
+def sharpened_choice(*args):
+    """A head drafter's ``choose_from_subset`` that reports the distribution it sampled from sharpened (squared and
+    renormalised), as a drafter would that forgot the temperature: the broken control of the chi-square tests, where
+    rejection sampling then keeps too many likely tokens."""
+    from specdecode.drafters._vocab import choose_from_subset
+
+    token, confidence, probs = choose_from_subset(*args)
+    return token, confidence, None if probs is None else probs**2 / (probs**2).sum()
+
+
 def assert_head_drafter_samples_exactly(
     model: BigramFeatures, table: torch.Tensor, drafter, draws: int = DRAWS, verifier: str = "exact"
 ) -> None:

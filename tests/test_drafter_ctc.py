@@ -30,9 +30,9 @@ from helpers import (
     random_ctc_head,
     random_heads,
     run,
+    sharpened_choice,
 )
 from specdecode.drafters import create_drafter
-from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.ctc import prefix_beam_search
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.ctc import load_ctc, save_ctc
@@ -225,11 +225,7 @@ def test_a_drafter_reporting_other_distributions_than_it_sampled_from_fails_the_
     """The control: tokens drawn from each slot's distribution, but the draft reports them sharpened (as a drafter
     would that forgot the temperature); rejection sampling then keeps too many likely tokens."""
 
-    def sharpened(*args):
-        token, confidence, probs = choose_from_subset(*args)
-        return token, confidence, None if probs is None else probs**2 / (probs**2).sum()
-
-    monkeypatch.setattr(specdecode.drafters.ctc, "choose_from_subset", sharpened)
+    monkeypatch.setattr(specdecode.drafters.ctc, "choose_from_subset", sharpened_choice)
     model, table, drafter = bigram_ctc()
     assert min(head_drafter_pvalues(model, table, drafter, DRAWS // 4)) < FAIL_P
 

@@ -28,9 +28,9 @@ from helpers import (
     random_falcon_head,
     random_heads,
     run,
+    sharpened_choice,
 )
 from specdecode.drafters import create_drafter
-from specdecode.drafters._vocab import choose_from_subset
 from specdecode.drafters.base import DraftRequest
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.falcon import load_falcon, save_falcon
@@ -242,11 +242,7 @@ def test_a_drafter_reporting_other_distributions_than_it_sampled_from_fails_the_
     """The control: tokens drawn from each row's distribution, but the draft reports them sharpened (as a drafter
     would that forgot the temperature); rejection sampling then keeps too many likely tokens."""
 
-    def sharpened(*args):
-        token, confidence, probs = choose_from_subset(*args)
-        return token, confidence, None if probs is None else probs**2 / (probs**2).sum()
-
-    monkeypatch.setattr(specdecode.drafters.falcon, "choose_from_subset", sharpened)
+    monkeypatch.setattr(specdecode.drafters.falcon, "choose_from_subset", sharpened_choice)
     model, table, drafter = bigram_falcon()
     assert min(head_drafter_pvalues(model, table, drafter, DRAWS // 4)) < FAIL_P
 

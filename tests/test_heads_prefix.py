@@ -22,9 +22,9 @@ from helpers import (
     head_drafter_pvalues,
     hf_greedy,
     run,
+    sharpened_choice,
 )
 from specdecode.drafters import create_drafter
-from specdecode.drafters._vocab import choose_from_subset
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
 from specdecode.heads.prefix import PrefixAttention, PrefixWindow
 from specdecode.models.loading import LoadedModel
@@ -151,10 +151,6 @@ def test_sampling_with_prefix_heads_reproduces_the_target_distribution():
 def test_prefix_heads_reporting_other_distributions_than_they_sampled_from_fail_the_same_test(monkeypatch):
     """The control: tokens drawn from each head's distribution, reported sharpened."""
 
-    def sharpened(*args):
-        token, confidence, probs = choose_from_subset(*args)
-        return token, confidence, None if probs is None else probs**2 / (probs**2).sum()
-
-    monkeypatch.setattr(specdecode.drafters.medusa, "choose_from_subset", sharpened)
+    monkeypatch.setattr(specdecode.drafters.medusa, "choose_from_subset", sharpened_choice)
     model, table, drafter = bigram_prefix_hydra()
     assert min(head_drafter_pvalues(model, table, drafter, DRAWS // 4)) < FAIL_P
