@@ -27,7 +27,10 @@ from helpers import (
 from specdecode.drafters import create_drafter
 from specdecode.heads.medusa import DraftHeads, HeadsConfig, heads_for_target, load_heads, save_heads
 from specdecode.heads.prefix import PrefixAttention, PrefixWindow
-from specdecode.models.loading import LoadedModel
+from specdecode.models.fastpath import PackedLinear
+from specdecode.models.loading import LoadedModel, fast_path_default
+from specdecode.models.quantize import quantize_supported
+from specdecode.models.quantized_layers import Int8Linear
 from specdecode.train.eagle import compute_features
 from specdecode.train.medusa import HeadsTrainConfig, make_stream, read_states, train_heads
 
@@ -154,3 +157,15 @@ def test_prefix_heads_reporting_other_distributions_than_they_sampled_from_fail_
     monkeypatch.setattr(specdecode.drafters.medusa, "choose_from_subset", sharpened_choice)
     model, table, drafter = bigram_prefix_hydra()
     assert min(head_drafter_pvalues(model, table, drafter, DRAWS // 4)) < FAIL_P
+
+
+@pytest.mark.skipif(
+    not fast_path_default() or not quantize_supported("int8"), reason="no packed or int8 CPU linears here"
+)
+def test_a_prefix_layer_drafts_in_int8_with_the_lm_head_unless_told_not_to(tiny_target, prefix_heads):
+    heads = prefix_heads["hydra"]
+    rounded = create_drafter("hydra", tiny_target, heads=heads).heads.prefix
+    assert isinstance(rounded.qkv, Int8Linear) and isinstance(rounded.out, Int8Linear)
+    assert type(heads.prefix.qkv) is torch.nn.Linear  # the heads passed in keep their own
+    exact = create_drafter("hydra", tiny_target, heads=heads, int8_head=False).heads.prefix
+    assert isinstance(exact.qkv, PackedLinear) and isinstance(exact.out, PackedLinear)

@@ -265,26 +265,42 @@ def load_eagle(directory: Path, target_num_layers: int | None = None) -> EagleHe
 HeadModule = TypeVar("HeadModule", bound=torch.nn.Module)
 
 
+#: The layers of a head that draft in int8 with ``int8_head``: read once per drafting step, after a target forward has
+#: pushed them out of the caches, they cost their size in memory traffic; the rest of a head is read again within the
+#: step (an EAGLE layer once per depth) and, in int8, moved EAGLE's drafts (``docs/results/int8-head-smollm2-135m``).
+INT8_LAYERS = ("lm_head", "prefix.qkv", "prefix.out")
+
+
 def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype, int8_head: bool = True) -> HeadModule:
     """The head on the target's device and in its precision, inference only.
 
     An fp32 head on the CPU drafts from a copy whose linear layers are packed as the target's are
     (:mod:`specdecode.models.fastpath`; the head passed in keeps its own): ``torch.nn.Linear`` read SmolLM2's Hydra
     heads' 8,192-row LM head far below the memory's bandwidth, most of their drafting time
-    (``docs/results/heads-packed-smollm2-135m``).  With ``int8_head`` that copy's LM head (``lm_head``, the head's
-    largest layer, read cold after every target forward) is int8 instead, where torch has the kernel: a draft need
-    not be exact, and on SmolLM2's open chat the Hydra heads then drafted 0.03 tokens a step fewer in 5.5% less time
-    (``docs/results/int8-head-smollm2-135m``)."""
+    (``docs/results/heads-packed-smollm2-135m``).  With ``int8_head`` that copy's :data:`INT8_LAYERS` (the LM head,
+    the largest layer, and a Hydra++ prefix layer's projections) are int8 instead, where torch has the kernel: a draft
+    need not be exact, and on SmolLM2's open chat the shipped Hydra heads then decoded at 1.63x plain decoding against
+    1.56x (``docs/results/int8-head-smollm2-135m``)."""
     packed = packs_by_default(device, dtype)
     head = (copy.deepcopy(head) if packed else head).to(device=device, dtype=dtype).eval()
     for param in head.parameters():
         param.requires_grad_(False)
     if packed:
-        lm_head = getattr(head, "lm_head", None)
-        if int8_head and type(lm_head) is torch.nn.Linear and quantize_supported("int8") and int8_fits(lm_head):
-            head.lm_head = Int8Linear(lm_head, tied=False)
+        if int8_head and quantize_supported("int8"):
+            _round_to_int8(head)
         apply_cpu_fast_path(head)
     return head
+
+
+def _round_to_int8(head: torch.nn.Module) -> None:
+    """Each of :data:`INT8_LAYERS` that ``head`` has as a plain linear layer of a shape the kernel takes, in int8."""
+    for name in INT8_LAYERS:
+        try:
+            layer = head.get_submodule(name)
+        except AttributeError:
+            continue
+        if type(layer) is torch.nn.Linear and int8_fits(layer):
+            head.set_submodule(name, Int8Linear(layer, tied=False))
 
 
 class TargetShape(Protocol):
