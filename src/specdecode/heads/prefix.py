@@ -68,9 +68,8 @@ class PrefixWindow:
 
     def __init__(self, layer: PrefixAttention) -> None:
         self.layer = layer
-        self.keys: torch.Tensor | None = None  # [heads, m, d]
+        self.keys: torch.Tensor | None = None  # [heads, m, d]: those of the m positions before ``next``
         self.values: torch.Tensor | None = None
-        self.positions = torch.zeros(0, dtype=torch.long)
         self.next = 0  # the position of the next state given
 
     def extend(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -79,15 +78,13 @@ class PrefixWindow:
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
     def _slice(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(self.next, self.next + hidden.shape[0], device=hidden.device)
+        end = self.next + hidden.shape[0]
+        positions = torch.arange(self.next, end, device=hidden.device)
         q, k, v = self.layer.project(hidden, positions)
         if self.keys is not None:
             k, v = torch.cat([self.keys, k], dim=1), torch.cat([self.values, v], dim=1)
-            positions_k = torch.cat([self.positions.to(hidden.device), positions])
-        else:
-            positions_k = positions
-        out = self.layer.attend(hidden, q, k, v, self.layer.in_window(positions, positions_k))
+        key_positions = torch.arange(end - k.shape[1], end, device=hidden.device)
+        out = self.layer.attend(hidden, q, k, v, self.layer.in_window(positions, key_positions))
         first = max(0, k.shape[1] - (self.layer.window - 1))  # the keys later positions may still read
-        self.keys, self.values, self.positions = k[:, first:], v[:, first:], positions_k[first:]
-        self.next += hidden.shape[0]
+        self.keys, self.values, self.next = k[:, first:], v[:, first:], end
         return out
