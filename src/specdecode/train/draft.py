@@ -137,7 +137,8 @@ def answers(
 def teacher(target: LoadedModel, ids: list[int], answer_start: int) -> Sequence:
     """The target's top :data:`TEACHER_TOP` log-probabilities at every answer position of ``ids``."""
     tokens = torch.tensor([ids])
-    logits = target.backend.model(input_ids=tokens).logits[0, answer_start - 1 : -1].float()
+    rows = len(ids) - answer_start + 1  # the LM head only at the rows predicting answer tokens (and the last)
+    logits = target.backend.model(input_ids=tokens, use_cache=False, logits_to_keep=rows).logits[0, :-1].float()
     top = torch.log_softmax(logits, dim=-1).topk(min(TEACHER_TOP, logits.shape[-1]), dim=-1)
     return Sequence(tokens[0], answer_start, top.indices.to(torch.int32), top.values)
 
@@ -162,8 +163,10 @@ def divergence(name: str, sequence: Sequence, draft_logits: torch.Tensor) -> tor
 
 
 def draft_logits(model: nn.Module, sequence: Sequence) -> torch.Tensor:
-    """The draft's logits at the rows predicting ``sequence``'s answer tokens."""
-    return model(input_ids=sequence.ids[None]).logits[0, sequence.answer_start - 1 : -1]
+    """The draft's logits at the rows predicting ``sequence``'s answer tokens (the LM head runs on those rows only:
+    over a long prompt it would otherwise cost more than the answer's layers)."""
+    rows = len(sequence.ids) - sequence.answer_start + 1
+    return model(input_ids=sequence.ids[None], use_cache=False, logits_to_keep=rows).logits[0, :-1]
 
 
 def exit_logits(model: nn.Module, sequence: Sequence, exits: tuple[int, ...]) -> list[torch.Tensor]:
