@@ -54,13 +54,16 @@ def test_the_rest_of_the_vocabulary_is_one_bucket():
     assert torch.all(coarse <= fine + 1e-6)  # merging tokens into a bucket can only hide differences
 
 
-@pytest.mark.parametrize(("data", "name", "rank"), [("target", "fkl", 4), ("draft", "tvd", 0)])
+@pytest.mark.parametrize(
+    ("data", "name", "rank", "bf16"),
+    [("target", "fkl", 4, False), ("draft", "tvd", 0, False), ("target", "rkl", 4, True)],
+)
 def test_a_distilled_tiny_draft_agrees_more_with_its_target_and_drafts_losslessly(
-    tiny_dirs, tiny_target, data, name, rank, tmp_path
+    tiny_dirs, tiny_target, data, name, rank, bf16, tmp_path
 ):
     draft = load_model(str(tiny_dirs["draft"]), fast_path=False)
     prompts = [prompt + [index + 1] for index in range(4) for prompt in PROMPTS]  # 12 distinct prompts
-    config = DistillConfig(data=data, divergence=name, lora_rank=rank, epochs=12, lr=1e-2, new_tokens=24)
+    config = DistillConfig(data=data, divergence=name, lora_rank=rank, epochs=12, lr=1e-2, new_tokens=24, bf16=bf16)
     model, result = distill(tiny_target, draft, prompts, config, progress=False)
     assert result.held_out_sequences >= 1 and result.train_sequences >= 8
     assert result.after.one_minus_tvd > result.before.one_minus_tvd

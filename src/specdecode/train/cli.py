@@ -221,6 +221,7 @@ def add_draft_command(methods: argparse._SubParsersAction) -> None:
     )
     draft.add_argument("--epochs", type=int, default=2)
     draft.add_argument("--lr", type=float, default=2e-4)
+    _add_precision_flag(draft, "--train-dtype", "training's matmuls (bf16 by autocast: weights stay fp32)")
     draft.add_argument("--seed", type=int, default=0)
     draft.add_argument("--out", help="the trained draft's directory (default: next to the cached target)")
     draft.set_defaults(run=Deferred("specdecode.train.draft_run:run_draft_training"))

@@ -66,6 +66,7 @@ class DistillConfig:
     max_prompt_tokens: int = 384
     seed: int = 0
     exits: tuple[int, ...] = ()  # S2D: layer depths whose exits are trained too (the last layer always is)
+    bf16: bool = False  # matmuls of training in bf16 (autocast), see train.common.fit
 
     def __post_init__(self) -> None:
         if self.data not in DATA_SOURCES:
@@ -289,6 +290,7 @@ def distill(
         checkpoint=checkpoint,
         checkpoint_seconds=300,
         progress=progress,
+        bf16=config.bf16,
     )
     if config.lora_rank:
         model = model.merge_and_unload()

@@ -13,6 +13,7 @@ from specdecode.models.loading import load_model
 from specdecode.train.common import check_positive, task_names
 from specdecode.train.data import prompt_ids
 from specdecode.train.draft import DistillConfig, distill, save_draft
+from specdecode.train.features import training_in_bf16
 
 CHECKPOINT_FILE = "distill-checkpoint.pt"
 
@@ -42,6 +43,7 @@ def run_draft_training(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         seed=args.seed,
         exits=parse_exits(args.exits),
+        bf16=training_in_bf16(args.train_dtype),
     )
     tasks = task_names(args.tasks)
     out = Path(args.out).expanduser() if args.out else default_out(args.model, args.draft)
