@@ -12,6 +12,7 @@ from helpers import PROMPTS, assert_one_line_error, hf_greedy, run
 from specdecode.cli import main
 from specdecode.drafters import create_drafter
 from specdecode.models.loading import load_model
+from specdecode.train import draft as draft_module
 from specdecode.train.draft import (
     DistillConfig,
     Sequence,
@@ -76,6 +77,33 @@ def test_a_distilled_tiny_draft_agrees_more_with_its_target_and_drafts_losslessl
         assert tokens == hf_greedy(tiny_target, prompt, 20)
 
 
+@pytest.mark.parametrize(("data", "writer"), [("target", "self_distill"), ("draft", "draft_samples")])
+def test_decoded_sequences_are_kept_and_a_rerun_decodes_only_those_missing(
+    tiny_dirs, tiny_target, data, writer, tmp_path, monkeypatch
+):
+    draft = load_model(str(tiny_dirs["draft"]), fast_path=False)
+    prompts = [prompt + [index + 1] for index in range(2) for prompt in PROMPTS]  # 6 distinct prompts
+    config = DistillConfig(data=data, new_tokens=8)
+    fresh = answers(tiny_target, draft, prompts, config, progress=False)  # the control: no cache
+    cache = tmp_path / "answers.jsonl"
+    assert answers(tiny_target, draft, prompts, config, progress=False, cache=cache) == fresh
+    lines = cache.read_text().splitlines(keepends=True)
+    assert len(lines) == len(prompts)
+
+    decode, skips = getattr(draft_module, writer), []
+
+    def recorded(*args, skip, **kwargs):
+        skips.append(skip)
+        return decode(*args, skip=skip, **kwargs)
+
+    monkeypatch.setattr(draft_module, writer, recorded)
+    cache.write_text("".join(lines[:2]) + lines[2][:5])  # two sequences, then a write cut short
+    assert answers(tiny_target, draft, prompts, config, progress=False, cache=cache) == fresh
+    assert cache.read_text() == "".join(lines)
+    assert answers(tiny_target, draft, prompts, config, progress=False, cache=cache) == fresh
+    assert skips == [2, len(prompts)]  # the rerun decoded from the third prompt, the next one nothing
+
+
 def test_nested_exits_are_trained_to_agree_with_the_target_too(tiny_target, tmp_path):
     """S2D: the exit after 1 of a 3-layer draft's layers learns the target's answers far more than when only the last
     layer is trained (the control); the held-out figures name it."""
@@ -100,6 +128,7 @@ def test_the_command_trains_nested_exits_and_reports_each(tiny_dirs, capsys, tmp
     assert "exit after 1 layers: held-out top-1 agreement" in out and "exit after 2 layers" in out
     facts = json.loads((tmp_path / "d" / "distill.json").read_text())
     assert set(facts["held_out_after"]["exits"]) == {"1", "2"} and facts["config"]["exits"] == [1, 2]
+    assert len(list((tmp_path / "d.work").glob("answers-*.jsonl"))) == 1  # kept for a rerun on the same data
 
 
 def test_the_command_refuses_another_vocabulary_and_bad_flags_in_one_line(tiny_dirs, capsys, tmp_path):

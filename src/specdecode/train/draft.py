@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,19 +121,56 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def answers(
-    target: LoadedModel, draft: LoadedModel, prompts: list[list[int]], config: DistillConfig, progress: bool = True
+    target: LoadedModel,
+    draft: LoadedModel,
+    prompts: list[list[int]],
+    config: DistillConfig,
+    progress: bool = True,
+    cache: Path | None = None,
 ) -> list[tuple[list[int], int]]:
-    """(prompt + answer ids, answer start) per prompt: the target's greedy answers, or the draft's samples."""
+    """(prompt + answer ids, answer start) per prompt: the target's greedy answers, or the draft's samples.
+
+    With a ``cache`` (a JSON Lines file) each sequence is appended as it is written and a rerun reads them back,
+    decoding only the rest: an interrupted run, or one that trains otherwise on the same data, repeats no decoding
+    (greedy answers and seeded samples come out the same either way)."""
     cut = [p[-config.max_prompt_tokens :] for p in prompts]
+    done = read_complete_lines(cache) if cache is not None else []
     if config.data == "target":
-        written = self_distill(target, prompts, config.new_tokens, config.max_prompt_tokens)
-        return [(ids, len(prompt)) for ids, prompt in zip(written, cut)]
+        fresh = self_distill(target, prompts, config.new_tokens, config.max_prompt_tokens, skip=len(done))
+    else:
+        fresh = draft_samples(draft, cut, config, skip=len(done), progress=progress)
+    with cache.open("a") if cache is not None else nullcontext() as sink:
+        for ids in fresh:
+            if sink is not None:
+                sink.write(json.dumps(ids) + "\n")
+                sink.flush()
+            done.append(ids)
+    return [(ids, len(prompt)) for ids, prompt in zip(done, cut)]
+
+
+def draft_samples(
+    draft: LoadedModel, prompts: list[list[int]], config: DistillConfig, skip: int, progress: bool
+) -> Iterator[list[int]]:
+    """Each prompt followed by the draft's own sample (temperature 1, seeded by the prompt's index), from ``skip``."""
     generator = SpeculativeGenerator.build(draft, "none")
-    out = []
-    for index, prompt in enumerate(tqdm(cut, desc="draft sampling", unit="prompt", disable=not progress)):
-        result = generator.generate(prompt, max_new_tokens=config.new_tokens, temperature=1.0, seed=config.seed + index)
-        out.append((prompt + list(result.token_ids), len(prompt)))
-    return out
+    with tqdm(total=len(prompts), initial=skip, desc="draft sampling", unit="prompt", disable=not progress) as bar:
+        for index in range(skip, len(prompts)):
+            seed = config.seed + index
+            result = generator.generate(prompts[index], max_new_tokens=config.new_tokens, temperature=1.0, seed=seed)
+            bar.update()
+            yield prompts[index] + list(result.token_ids)
+
+
+def read_complete_lines(path: Path) -> list[list[int]]:
+    """The sequences of a JSON Lines cache, less a last line an interrupted write left unfinished (cut from the
+    file too, so appending goes on from a whole line)."""
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    if complete != text:
+        path.write_text(complete)
+    return [json.loads(line) for line in complete.splitlines()]
 
 
 @torch.no_grad()  # not inference mode: full fine-tuning's embedding saves the ids for its backward
@@ -250,12 +289,14 @@ def distill(
     config: DistillConfig,
     checkpoint: Path | None = None,
     progress: bool = True,
+    answers_cache: Path | None = None,
 ) -> tuple[nn.Module, DistillResult]:
     """Fine-tune ``draft`` (loaded without the fast path: plain linear layers) towards ``target``; returns the trained
-    model (LoRA merged) and the held-out figures before and after."""
+    model (LoRA merged) and the held-out figures before and after.  ``answers_cache`` keeps the decoded sequences
+    (:func:`answers`), ``checkpoint`` the training (:func:`specdecode.train.common.fit`)."""
     check_same_vocabulary(target, draft)
     check_exits(draft, config.exits)
-    pairs = answers(target, draft, prompts, config, progress)
+    pairs = answers(target, draft, prompts, config, progress, answers_cache)
     scored = tqdm(pairs, desc="scoring with the target", unit="sequence", disable=not progress)
     sequences = [teacher(target, ids, start) for ids, start in scored if len(ids) > start]
     random.Random(config.seed).shuffle(sequences)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -13,14 +15,27 @@ from specdecode.models.loading import load_model
 from specdecode.train.common import check_positive, task_names
 from specdecode.train.data import prompt_ids
 from specdecode.train.draft import DistillConfig, distill, save_draft
-from specdecode.train.features import training_in_bf16
-
-CHECKPOINT_FILE = "distill-checkpoint.pt"
+from specdecode.train.features import training_in_bf16, work_dir
 
 
 def default_out(target: str, draft: str) -> Path | None:
     """``distilled-<draft>`` next to the cached target."""
     return trained_artifact_path(target, f"distilled-{Path(draft).name}")
+
+
+def data_name(args: argparse.Namespace, tasks: list[str]) -> str:
+    """Names the decoded sequences by what they are made from, so a cache is only read by a run of the same data."""
+    key = {
+        "target": args.model,
+        "quantize": args.quantize,
+        "writer": args.draft if args.data == "draft" else "target",
+        "tasks": tasks,
+        "prompts": args.prompts,
+        "new_tokens": args.new_tokens,
+        "max_prompt_tokens": args.max_prompt_tokens,
+        "seed": args.seed,
+    }
+    return "answers-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".jsonl"
 
 
 def parse_exits(text: str) -> tuple[int, ...]:
@@ -53,7 +68,16 @@ def run_draft_training(args: argparse.Namespace) -> int:
     target = load_model(args.model, quantize=args.quantize)
     draft = load_model(args.draft, fast_path=False)  # plain linear layers: the packed kernel has no gradient
     prompts = prompt_ids(target, tasks, args.prompts, args.seed)
-    model, result = distill(target, draft, prompts, config, checkpoint=out.parent / f"{out.name}-{CHECKPOINT_FILE}")
+    work = work_dir(out)
+    work.mkdir(parents=True, exist_ok=True)
+    model, result = distill(
+        target,
+        draft,
+        prompts,
+        config,
+        checkpoint=work / "checkpoint.pt",
+        answers_cache=work / data_name(args, tasks),
+    )
     seconds = time.perf_counter() - started
     facts = {
         "target": args.model,
