@@ -57,11 +57,12 @@ def test_the_rest_of_the_vocabulary_is_one_bucket():
 
 @pytest.mark.parametrize(
     ("data", "name", "rank", "bf16"),
-    [("target", "fkl", 4, False), ("draft", "tvd", 0, False), ("target", "rkl", 4, True)],
+    [("target", "fkl", 4, False), ("draft", "tvd", 0, False), ("target", "fkl", 4, True)],
 )
 def test_a_distilled_tiny_draft_agrees_more_with_its_target_and_drafts_losslessly(
     tiny_dirs, tiny_target, data, name, rank, bf16, tmp_path
 ):
+    torch.manual_seed(0)  # LoRA's initial adapters come from torch's global generator: the same whatever ran before
     draft = load_model(str(tiny_dirs["draft"]), fast_path=False)
     prompts = [prompt + [index + 1] for index in range(4) for prompt in PROMPTS]  # 12 distinct prompts
     config = DistillConfig(data=data, divergence=name, lora_rank=rank, epochs=12, lr=1e-2, new_tokens=24, bf16=bf16)
