@@ -214,10 +214,11 @@ def exit_logits(model: nn.Module, sequence: Sequence, exits: tuple[int, ...]) ->
     (the hidden state after that many layers through the final norm and LM head)."""
     if not exits:
         return [draft_logits(model, sequence)]
-    out = model(input_ids=sequence.ids[None], output_hidden_states=True)
+    kept = len(sequence.ids) - sequence.answer_start + 1  # the LM head on the answer rows only, as in draft_logits
+    out = model(input_ids=sequence.ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=kept)
     rows = slice(sequence.answer_start - 1, -1)
     norm, head = output_stage(model)
-    return [out.logits[0, rows], *(head(norm(out.hidden_states[depth][0, rows])) for depth in exits)]
+    return [out.logits[0, :-1], *(head(norm(out.hidden_states[depth][0, rows])) for depth in exits)]
 
 
 def output_stage(model: nn.Module) -> tuple[nn.Module, nn.Module]:
