@@ -176,11 +176,10 @@ def read_complete_lines(path: Path) -> list[list[int]]:
 @torch.no_grad()  # not inference mode: full fine-tuning's embedding saves the ids for its backward
 def teacher(target: LoadedModel, ids: list[int], answer_start: int) -> Sequence:
     """The target's top :data:`TEACHER_TOP` log-probabilities at every answer position of ``ids``."""
-    tokens = torch.tensor([ids])
-    rows = len(ids) - answer_start + 1  # the LM head only at the rows predicting answer tokens (and the last)
-    logits = target.backend.model(input_ids=tokens, use_cache=False, logits_to_keep=rows).logits[0, :-1].float()
+    tokens = torch.tensor(ids)
+    logits = answer_pass(target.backend.model, tokens, answer_start)[0].float()
     top = torch.log_softmax(logits, dim=-1).topk(min(TEACHER_TOP, logits.shape[-1]), dim=-1)
-    return Sequence(tokens[0], answer_start, top.indices.to(torch.int32), top.values)
+    return Sequence(tokens, answer_start, top.indices.to(torch.int32), top.values)
 
 
 def bucketed(top_logprobs: torch.Tensor) -> torch.Tensor:
@@ -202,11 +201,17 @@ def divergence(name: str, sequence: Sequence, draft_logits: torch.Tensor) -> tor
     return 0.5 * (p - q).abs().sum(-1)
 
 
+def answer_pass(model: nn.Module, ids: torch.Tensor, answer_start: int, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """``model`` over ``ids`` (one sequence) with its LM head on the rows predicting the answer tokens only (over a long
+    prompt the head would otherwise cost more than the answer's layers): those rows' logits, and the whole output."""
+    kept = len(ids) - answer_start + 1  # the answer's rows and the last one, which predicts past the sequence
+    out = model(input_ids=ids[None], use_cache=False, logits_to_keep=kept, **kwargs)
+    return out.logits[0, :-1], out
+
+
 def draft_logits(model: nn.Module, sequence: Sequence) -> torch.Tensor:
-    """The draft's logits at the rows predicting ``sequence``'s answer tokens (the LM head runs on those rows only:
-    over a long prompt it would otherwise cost more than the answer's layers)."""
-    rows = len(sequence.ids) - sequence.answer_start + 1
-    return model(input_ids=sequence.ids[None], use_cache=False, logits_to_keep=rows).logits[0, :-1]
+    """The draft's logits at the rows predicting ``sequence``'s answer tokens."""
+    return answer_pass(model, sequence.ids, sequence.answer_start)[0]
 
 
 def exit_logits(model: nn.Module, sequence: Sequence, exits: tuple[int, ...]) -> list[torch.Tensor]:
@@ -214,11 +219,10 @@ def exit_logits(model: nn.Module, sequence: Sequence, exits: tuple[int, ...]) ->
     (the hidden state after that many layers through the final norm and LM head)."""
     if not exits:
         return [draft_logits(model, sequence)]
-    kept = len(sequence.ids) - sequence.answer_start + 1  # the LM head on the answer rows only, as in draft_logits
-    out = model(input_ids=sequence.ids[None], output_hidden_states=True, use_cache=False, logits_to_keep=kept)
+    logits, out = answer_pass(model, sequence.ids, sequence.answer_start, output_hidden_states=True)
     rows = slice(sequence.answer_start - 1, -1)
     norm, head = output_stage(model)
-    return [out.logits[0, :-1], *(head(norm(out.hidden_states[depth][0, rows])) for depth in exits)]
+    return [logits, *(head(norm(out.hidden_states[depth][0, rows])) for depth in exits)]
 
 
 def output_stage(model: nn.Module) -> tuple[nn.Module, nn.Module]:
