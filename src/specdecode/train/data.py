@@ -12,8 +12,10 @@ task in a seeded order; training starts after :data:`BENCH_PROMPTS_SKIPPED` of t
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -91,3 +93,25 @@ def self_distill(
             while following in finished:
                 yield prompts[following][-max_prompt_tokens:] + answers.pop(following)
                 following += 1
+
+
+def kept_sequences(path: Path | None, decode: Callable[..., Iterable[list[int]]]) -> list[list[int]]:
+    """The token sequences kept in the JSON Lines file ``path``, then those ``decode(skip=n)`` writes after the first
+    ``n`` (each appended to the file as it comes): an interrupted run resumes where it stopped, and a run on the same
+    data decodes nothing.  A last line an interrupted write left unfinished is cut off the file first.  Without a
+    ``path``: all of ``decode(skip=0)``."""
+    if path is None:
+        return list(decode(skip=0))
+    done: list[list[int]] = []
+    if path.is_file():
+        text = path.read_text()
+        complete = text[: text.rfind("\n") + 1]
+        if complete != text:
+            path.write_text(complete)
+        done = [json.loads(line) for line in complete.splitlines()]
+    with path.open("a") as sink:
+        for sequence in decode(skip=len(done)):
+            sink.write(json.dumps(sequence) + "\n")
+            sink.flush()
+            done.append(sequence)
+    return done

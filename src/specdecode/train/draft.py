@@ -32,8 +32,8 @@ import json
 import math
 import random
 from collections.abc import Iterator
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.models.loading import LoadedModel
 from specdecode.train.common import fit
-from specdecode.train.data import self_distill
+from specdecode.train.data import kept_sequences, self_distill
 
 DIVERGENCES = ("fkl", "rkl", "tvd")
 DATA_SOURCES = ("target", "draft")
@@ -130,21 +130,14 @@ def answers(
 ) -> list[tuple[list[int], int]]:
     """(prompt + answer ids, answer start) per prompt: the target's greedy answers, or the draft's samples.
 
-    With a ``cache`` (a JSON Lines file) each sequence is appended as it is written and a rerun reads them back,
-    decoding only the rest: an interrupted run, or one that trains otherwise on the same data, repeats no decoding
-    (greedy answers and seeded samples come out the same either way)."""
+    With a ``cache`` a rerun decodes only the sequences it lacks (:func:`specdecode.train.data.kept_sequences`):
+    greedy answers and seeded samples come out the same either way."""
     cut = [p[-config.max_prompt_tokens :] for p in prompts]
-    done = read_complete_lines(cache) if cache is not None else []
     if config.data == "target":
-        fresh = self_distill(target, prompts, config.new_tokens, config.max_prompt_tokens, skip=len(done))
+        decode = partial(self_distill, target, prompts, config.new_tokens, config.max_prompt_tokens)
     else:
-        fresh = draft_samples(draft, cut, config, skip=len(done), progress=progress)
-    with cache.open("a") if cache is not None else nullcontext() as sink:
-        for ids in fresh:
-            if sink is not None:
-                sink.write(json.dumps(ids) + "\n")
-                sink.flush()
-            done.append(ids)
+        decode = partial(draft_samples, draft, cut, config, progress=progress)
+    done = kept_sequences(cache, decode)
     return [(ids, len(prompt)) for ids, prompt in zip(done, cut)]
 
 
@@ -159,18 +152,6 @@ def draft_samples(
             result = generator.generate(prompts[index], max_new_tokens=config.new_tokens, temperature=1.0, seed=seed)
             bar.update()
             yield prompts[index] + list(result.token_ids)
-
-
-def read_complete_lines(path: Path) -> list[list[int]]:
-    """The sequences of a JSON Lines cache, less a last line an interrupted write left unfinished (cut from the
-    file too, so appending goes on from a whole line)."""
-    if not path.is_file():
-        return []
-    text = path.read_text()
-    complete = text[: text.rfind("\n") + 1]
-    if complete != text:
-        path.write_text(complete)
-    return [json.loads(line) for line in complete.splitlines()]
 
 
 @torch.no_grad()  # not inference mode: full fine-tuning's embedding saves the ids for its backward

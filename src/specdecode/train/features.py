@@ -29,7 +29,7 @@ from specdecode.heads.files import replace_atomically
 from specdecode.models.artifacts import trained_artifact_path
 from specdecode.models.loading import LoadedModel, load_model
 from specdecode.models.quantized_layers import bf16_matmul_supported
-from specdecode.train.data import prompt_ids, self_distill
+from specdecode.train.data import kept_sequences, prompt_ids, self_distill
 from specdecode.train.eagle import Features, compute_features
 
 
@@ -97,15 +97,8 @@ def target_features(
     named_with_layers = data / f"distilled-{digest}.jsonl"  # as earlier versions filed an EAGLE run's answers
     if named_with_layers.is_file() and not distilled_file.is_file():
         named_with_layers.rename(distilled_file)
-    sequences = (
-        [json.loads(line) for line in distilled_file.read_text().splitlines()] if distilled_file.is_file() else []
-    )
     prompts = prompt_ids(target, tasks, args.prompts, args.seed)
-    with distilled_file.open("a") as sink:
-        for sequence in self_distill(target, prompts, args.new_tokens, args.max_tokens, skip=len(sequences)):
-            sink.write(json.dumps(sequence) + "\n")
-            sink.flush()
-            sequences.append(sequence)
+    sequences = kept_sequences(distilled_file, partial(self_distill, target, prompts, args.new_tokens, args.max_tokens))
     if args.conversations:
         sequences += sharegpt_conversations(target, args.conversations, args.max_tokens, args.seed)
 
