@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +13,7 @@ from specdecode.models.loading import load_model
 from specdecode.train.common import check_positive, task_names
 from specdecode.train.data import prompt_ids
 from specdecode.train.draft import DistillConfig, distill, save_draft
-from specdecode.train.features import training_in_bf16, work_dir
+from specdecode.train.features import settings_digest, training_in_bf16, work_dir
 
 
 def default_out(target: str, draft: str) -> Path | None:
@@ -35,7 +33,7 @@ def data_name(args: argparse.Namespace, tasks: list[str]) -> str:
         "max_prompt_tokens": args.max_prompt_tokens,
         "seed": args.seed,
     }
-    return "answers-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".jsonl"
+    return f"answers-{settings_digest(key)}.jsonl"
 
 
 def parse_exits(text: str) -> tuple[int, ...]:

@@ -77,6 +77,11 @@ def data_digest(target: LoadedModel, args: argparse.Namespace, tasks: list[str],
         "aux": list(aux_layers),
         "dtype": str(target.backend.dtype),
     }
+    return settings_digest(key)
+
+
+def settings_digest(key: dict[str, object]) -> str:
+    """A short name for the settings ``key`` (JSON-serialisable), the same in every run given the same settings."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
