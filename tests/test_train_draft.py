@@ -14,6 +14,8 @@ from specdecode.drafters import create_drafter
 from specdecode.models.loading import load_model
 from specdecode.train import draft as draft_module
 from specdecode.train.draft import (
+    FULL_FINE_TUNING_LR,
+    LORA_LR,
     DistillConfig,
     Sequence,
     answers,
@@ -43,6 +45,12 @@ def test_the_divergences_are_those_of_the_whole_distributions_when_the_teacher_c
     torch.testing.assert_close(divergence("tvd", sequence, q_logits), 0.5 * (p - q).abs().sum(-1), atol=1e-5, rtol=0)
     for name in ("fkl", "rkl", "tvd"):
         assert divergence(name, sequence, p_logits).abs().max() < 1e-4  # the draft is the target: nothing to learn
+
+
+def test_full_fine_tuning_takes_its_own_learning_rate_unless_one_is_given():
+    assert DistillConfig().lr == LORA_LR
+    assert DistillConfig(lora_rank=0).lr == FULL_FINE_TUNING_LR < LORA_LR
+    assert DistillConfig(lora_rank=0, lr=1e-3).lr == 1e-3
 
 
 def test_the_rest_of_the_vocabulary_is_one_bucket():
@@ -139,5 +147,6 @@ def test_the_command_refuses_another_vocabulary_and_bad_flags_in_one_line(tiny_d
     draft = [*command, "--draft", str(tiny_dirs["draft"])]
     assert_one_line_error(capsys, [*draft, "--lora-rank", "-1"], "--lora-rank")
     assert_one_line_error(capsys, [*draft, "--prompts", "0"], "--prompts")
+    assert_one_line_error(capsys, [*draft, "--lr", "0"], "--lr must be positive")
     assert_one_line_error(capsys, [*draft, "--exits", "1"], "--exits must be below the draft's 1 layers")
     assert_one_line_error(capsys, [*draft, "--exits", "x"], "--exits takes comma-separated layer counts")

@@ -220,7 +220,7 @@ def add_draft_command(methods: argparse._SubParsersAction) -> None:
         help="S2D's nested drafts: also train the exits after these many layers (default: the last layer only)",
     )
     draft.add_argument("--epochs", type=int, default=2)
-    draft.add_argument("--lr", type=float, default=2e-4)
+    draft.add_argument("--lr", type=float, help="learning rate (default: 2e-4 with LoRA, 2e-6 for full fine-tuning)")
     _add_precision_flag(draft, "--train-dtype", "training's matmuls (bf16 by autocast: weights stay fp32)")
     draft.add_argument("--seed", type=int, default=0)
     draft.add_argument("--out", help="the trained draft's directory (default: next to the cached target)")

@@ -45,7 +45,7 @@ def parse_exits(text: str) -> tuple[int, ...]:
 
 
 def run_draft_training(args: argparse.Namespace) -> int:
-    check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "epochs")
+    check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "epochs", "lr")
     config = DistillConfig(
         data=args.data,
         divergence=args.divergence,
