@@ -3,13 +3,25 @@ that every path a user takes — ``load_model(dir)``, the CLI — runs on them i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from specdecode.models.loading import LoadedModel, load_model
+from specdecode.threads import THREADS_ENV, process_cpus
 from tiny_models import save_tiny, tiny_words
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``, on by default) each worker runs with its share of the cores, unless the user fixed a
+    count: a benchmark pins its threads (the cores by default), and two workers each pinning both cores of a
+    two-core machine collapse at OpenMP's barriers (``specdecode/threads.py``); what the others leave unpinned the
+    governor would share anyway."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers and not os.environ.get(THREADS_ENV):
+        os.environ[THREADS_ENV] = str(max(1, len(process_cpus()) // int(workers)))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -147,6 +147,8 @@ BAD_INPUTS = {
     "option a drafter does not take": (["generate", "w1", "--draft-model", "x"], "does not take option(s)"),
     "bad pld option": (["generate", "w1", "--drafter-option", "max_ngram=0"], "n-gram sizes"),
     "malformed drafter option": (["generate", "w1", "--drafter-option", "oops"], "KEY=VALUE"),
+    "train a head with lr 0": (["train", "hydra", "--lr", "0"], "--lr must be positive"),
+    "train a head with negative lr": (["train", "eagle", "--lr=-0.001"], "--lr must be positive"),
 }
 
 

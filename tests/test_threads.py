@@ -3,11 +3,21 @@ that a thread count chosen by the user always stands (pure functions and scripte
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from specdecode.errors import SpecDecodeError
-from specdecode.threads import THREADS_ENV, CpuSample, ThreadGovernor, cgroup_quota, read_sample, threads_for
+from specdecode.threads import (
+    THREADS_ENV,
+    CpuSample,
+    ThreadGovernor,
+    cgroup_quota,
+    default_threads,
+    read_sample,
+    threads_for,
+)
 
 STAT = """cpu  300 0 100 900 50 0 0 0 0 0
 cpu0 100 0 50 400 20 0 0 0 0 0
@@ -104,6 +114,17 @@ def test_environment_variable_pins_and_is_checked(monkeypatch):
     monkeypatch.setenv(THREADS_ENV, "two")
     with pytest.raises(SpecDecodeError, match=THREADS_ENV):
         ScriptedGovernor([]).before_forward()
+
+
+def test_benchmarks_run_with_the_environment_count_unless_told(monkeypatch):
+    from specdecode.bench.suites import resolve_settings
+
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert default_threads() == 1
+    assert resolve_settings(suite="quick").threads == 1
+    assert resolve_settings(suite="quick", threads=2).threads == 2
+    monkeypatch.delenv(THREADS_ENV)
+    assert default_threads() == os.cpu_count()
 
 
 def test_a_bad_environment_value_is_refused_when_a_model_loads(monkeypatch, tiny_dirs):

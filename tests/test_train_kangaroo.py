@@ -82,6 +82,7 @@ def test_train_command_refuses_bad_input_clearly(tiny_dirs, tmp_path, monkeypatc
     cases = {
         "unknown model": ["--model", "no-such-model"],
         "must be positive": ["--model", str(model_dir), "--prompts", "0"],
+        "--lr must be positive": ["--model", str(model_dir), "--lr", "0"],
         "exit layer must be in": ["--model", str(model_dir), "--exit-layer", "99"],
     }
     for message, argv in cases.items():

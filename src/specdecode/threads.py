@@ -135,6 +135,12 @@ def threads_from_environment() -> int | None:
     return int(value)
 
 
+def default_threads() -> int:
+    """A benchmark's thread count when ``--threads`` is not given: ``SPECDECODE_THREADS``, else the number of
+    cores."""
+    return threads_from_environment() or os.cpu_count() or 1
+
+
 def threads_for(available: int, others_share: float) -> int:
     """Threads to run with when other processes keep ``others_share`` CPUs busy (one busy process: 1.0)."""
     return max(1, min(available, math.floor(available - others_share + 0.5)))

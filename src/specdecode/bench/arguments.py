@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 QUANTIZE_MODES = "{none,int8,int4,bf16,w4a8,auto}"
-THREADS_HELP = "torch threads (default: number of cores)"
+THREADS_HELP = "torch threads (default: SPECDECODE_THREADS, else the number of cores)"
 #: ``--tasks`` of the benchmarks that send every prompt as a request of its own.
 REQUESTS_TASKS_HELP = (
     "comma-separated tasks (default: all); every prompt, multi-edit's requests too, is an independent request"

@@ -26,7 +26,7 @@ from specdecode.data.tasks import Prompt, Task, known_task, task_choices
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
 from specdecode.machine import cpu_name
-from specdecode.threads import fixed_threads
+from specdecode.threads import default_threads, fixed_threads
 
 # --------------------------------------------------------------------------------------------------------
 # Settings: the same flag gets the same check and the same one-line error in every command
@@ -89,10 +89,10 @@ def resolve_values(
     what: str,
     parsers: Mapping[str, Callable[[str], Any]],
 ) -> dict[str, Any]:
-    """``defaults`` (threads, where the settings have them: the number of cores) overridden by the given
+    """``defaults`` (threads, where the settings have them: :func:`default_threads`) overridden by the given
     ``overrides``; a string value of a key in ``parsers`` is parsed as on the command line, in the order of
     ``parsers`` (so the first bad flag is the one reported).  Lists come back as tuples, ``out`` as a path."""
-    cores = {"threads": os.cpu_count() or 1} if "threads" in settings_class.__dataclass_fields__ else {}
+    cores = {"threads": default_threads()} if "threads" in settings_class.__dataclass_fields__ else {}
     values = {**defaults, **cores, **given_settings(overrides, settings_class, what)}
     for key, parse in parsers.items():
         if isinstance(values[key], str):

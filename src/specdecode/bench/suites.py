@@ -4,7 +4,6 @@ the flags the user gave, checked once; and the draft-length variants a run sweep
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from specdecode.data.prompt_file import PromptFile, read_prompt_file
 from specdecode.data.tasks import GROUNDED_TASKS, TASK_NAMES, Task, load_tasks
 from specdecode.errors import SpecDecodeError
 from specdecode.models.quantize import check_quantize
+from specdecode.threads import default_threads
 
 #: The peers ``bench`` can run beside us: transformers' ``generate()`` (in process, always installed) and the
 #: native CPU engines of :mod:`specdecode.bench.native_peers` (optional extras); ``openvino`` means both
@@ -201,7 +201,7 @@ def resolve_settings(suite: str = "quick", **overrides: Any) -> BenchSettings:
         repeats=given.get("repeats", base.repeats),
         seed=given.get("seed", 0),
         peers=_peer_families(given.get("peers", True)),
-        threads=given.get("threads", os.cpu_count() or 1),
+        threads=given.get("threads", default_threads()),
         draft_lengths=tuple(lengths),
         sweep_tasks=tuple(sweep_tasks) if lengths else (),
         out=Path(given.get("out", Path("bench-out") / suite)),

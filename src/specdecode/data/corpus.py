@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import weakref
 from typing import TYPE_CHECKING
@@ -97,7 +98,7 @@ def token_ranking(model: LoadedModel, vocab_size: int) -> torch.Tensor | None:
         counts += torch.bincount(tokens[tokens < vocab_size], minlength=vocab_size)
     ranking = torch.argsort(counts, descending=True, stable=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: two may count at once
     torch.save(ranking, temporary)
     temporary.replace(path)
     return ranking

@@ -275,7 +275,7 @@ def report_training(
 def checked_tasks(args: argparse.Namespace, positive: tuple[str, ...]) -> list[str]:
     """The training tasks of a head's ``specdecode train`` command (eagle, medusa, hydra), after refusing its flags
     out of range; ``positive`` names its own flags that must be positive."""
-    check_positive(args, "prompts", "new_tokens", "max_tokens", "epochs", *positive)
+    check_positive(args, "prompts", "new_tokens", "max_tokens", "epochs", "lr", *positive)
     for flag in ("conversations", "draft_vocab"):
         if getattr(args, flag) < 0:
             raise SpecDecodeError(f"--{flag.replace('_', '-')} must be >= 0")

@@ -15,7 +15,7 @@ from specdecode.train.kangaroo import TrainConfig, train_adapter
 
 
 def run_kangaroo_training(args: argparse.Namespace) -> int:
-    check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "epochs", "inner_size")
+    check_positive(args, "prompts", "new_tokens", "max_prompt_tokens", "epochs", "inner_size", "lr")
     tasks = task_names(args.tasks)
     out = Path(args.out).expanduser() if args.out else default_adapter_path(args.model)
     if out is None:
