@@ -11,6 +11,9 @@ import pytest
 from specdecode.cli import main
 from vllm_server import accepted_tokens, assert_greedy_texts_equal_ours, require_vllm, vllm_serving
 
+# One worker runs every vLLM test, one server at a time (each module starts its own).
+pytestmark = pytest.mark.xdist_group("vllm")
+
 PROMPTS = [
     "Name three primary colours.",
     "Write a Python function that reverses a string.",

@@ -10,6 +10,9 @@ import pytest
 
 from vllm_server import assert_greedy_texts_equal_ours, vllm_serving
 
+# One worker runs every vLLM test, one server at a time (each module starts its own).
+pytestmark = pytest.mark.xdist_group("vllm")
+
 PROMPTS = ["Name three primary colours.", "Write a Python function that reverses a string.", "What is a KV cache?"]
 NEW_TOKENS = 32
 

@@ -19,6 +19,9 @@ from specdecode.integrations.vllm_proposer import PROPOSERS, CacheBackProposer, 
 from specdecode.types import Draft
 from vllm_server import ROOT, accepted_tokens, assert_greedy_texts_equal_ours, vllm_serving
 
+# One worker runs every vLLM test, one server at a time (each module starts its own).
+pytestmark = pytest.mark.xdist_group("vllm")
+
 MAX_MODEL_LEN = 64
 
 
