@@ -65,7 +65,7 @@ def smollm2() -> LoadedModel:
 @pytest.fixture(autouse=True)
 def one_thread_for_tiny_models(request):
     """Tiny tensors run many times faster on one thread than on two that fight over two shared cores;
-    real-model tests keep the default thread count, as users would."""
+    real-model tests keep the count decoding would choose, as users would (under xdist, the worker's share)."""
     if request.node.get_closest_marker("real_model"):
         yield
         return
