@@ -25,6 +25,7 @@ from specdecode.train.draft import (
     held_out,
     save_draft,
     teacher,
+    teachers,
 )
 from tiny_models import save_tiny
 
@@ -111,6 +112,29 @@ def test_decoded_sequences_are_kept_and_a_rerun_decodes_only_those_missing(
     assert cache.read_text() == "".join(lines)
     assert answers(tiny_target, draft, prompts, config, progress=False, cache=cache) == fresh
     assert skips == [2, len(prompts)]  # the rerun decoded from the third prompt, the next one nothing
+
+
+def test_the_targets_scores_are_kept_and_a_rerun_on_the_same_answers_scores_nothing(tiny_target, tmp_path, monkeypatch):
+    pairs = [(prompt + hf_greedy(tiny_target, prompt, 6), len(prompt)) for prompt in PROMPTS]
+    fresh = teachers(tiny_target, pairs, progress=False)  # the control: no cache
+    cache = tmp_path / "answers.scores.pt"
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return teacher(*args)
+
+    monkeypatch.setattr(draft_module, "teacher", counted)
+    for _ in range(2):
+        kept = teachers(tiny_target, pairs, cache, progress=False)
+        assert [s.ids.tolist() for s in kept] == [s.ids.tolist() for s in fresh]
+        assert all(
+            torch.equal(a.top_ids, b.top_ids) and torch.equal(a.top_logprobs, b.top_logprobs)
+            for a, b in zip(kept, fresh)
+        )
+    assert len(calls) == len(pairs)  # scored once: the rerun read them
+    teachers(tiny_target, pairs[:2], cache, progress=False)  # other answers: scored again, not read
+    assert len(calls) == len(pairs) + 2
 
 
 def test_nested_exits_are_trained_to_agree_with_the_target_too(tiny_target, tmp_path):

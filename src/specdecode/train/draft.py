@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -170,6 +171,25 @@ def teacher(target: LoadedModel, ids: list[int], answer_start: int) -> Sequence:
     return Sequence(tokens, answer_start, top.indices.to(torch.int32), top.values)
 
 
+def teachers(
+    target: LoadedModel, pairs: list[tuple[list[int], int]], cache: Path | None = None, progress: bool = True
+) -> list[Sequence]:
+    """:func:`teacher` of every (ids, answer start) pair.  With a ``cache`` (the answers' own file, the target and its
+    precision in its name) the scores are kept once all are made, and a rerun on the same answers makes none."""
+    if cache is not None and cache.is_file():
+        kept = torch.load(cache)
+        if kept["pairs"] == pairs and kept["teacher_top"] == TEACHER_TOP:
+            return [Sequence(torch.tensor(ids), start, *top) for (ids, start), top in zip(pairs, kept["tops"])]
+    scored = tqdm(pairs, desc="scoring with the target", unit="sequence", disable=not progress)
+    sequences = [teacher(target, ids, start) for ids, start in scored]
+    if cache is not None:
+        tops = [(sequence.top_ids, sequence.top_logprobs) for sequence in sequences]
+        temporary = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        torch.save({"pairs": pairs, "teacher_top": TEACHER_TOP, "tops": tops}, temporary)
+        temporary.replace(cache)
+    return sequences
+
+
 def bucketed(top_logprobs: torch.Tensor) -> torch.Tensor:
     """[..., K] log-probabilities of K tokens → [..., K + 1] with the rest of the vocabulary as the last bucket."""
     rest = torch.log1p(-top_logprobs.exp().sum(-1, keepdim=True).clamp(max=1.0 - 1e-6))
@@ -286,12 +306,13 @@ def distill(
 ) -> tuple[nn.Module, DistillResult]:
     """Fine-tune ``draft`` (loaded without the fast path: plain linear layers) towards ``target``; returns the trained
     model (LoRA merged) and the held-out figures before and after.  ``answers_cache`` keeps the decoded sequences
-    (:func:`answers`), ``checkpoint`` the training (:func:`specdecode.train.common.fit`)."""
+    (:func:`answers`) and, beside it, the target's scores of them (:func:`teachers`), ``checkpoint`` the training
+    (:func:`specdecode.train.common.fit`)."""
     check_same_vocabulary(target, draft)
     check_exits(draft, config.exits)
     pairs = answers(target, draft, prompts, config, progress, answers_cache)
-    scored = tqdm(pairs, desc="scoring with the target", unit="sequence", disable=not progress)
-    sequences = [teacher(target, ids, start) for ids, start in scored if len(ids) > start]
+    scores_cache = None if answers_cache is None else answers_cache.with_suffix(".scores.pt")
+    sequences = teachers(target, [(ids, start) for ids, start in pairs if len(ids) > start], scores_cache, progress)
     random.Random(config.seed).shuffle(sequences)
     holdout = max(1, math.ceil(HOLDOUT_SHARE * len(sequences))) if len(sequences) > 1 else 0
     held, train = sequences[:holdout], sequences[holdout:]
