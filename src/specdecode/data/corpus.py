@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import weakref
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +20,7 @@ import torch
 from specdecode.data.datasets import sharegpt_records
 from specdecode.data.tasks import load_task
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.files import replace_atomically
 from specdecode.models.cache import cache_dir
 
 if TYPE_CHECKING:
@@ -98,7 +99,5 @@ def token_ranking(model: LoadedModel, vocab_size: int) -> torch.Tensor | None:
         counts += torch.bincount(tokens[tokens < vocab_size], minlength=vocab_size)
     ranking = torch.argsort(counts, descending=True, stable=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: two may count at once
-    torch.save(ranking, temporary)
-    temporary.replace(path)
+    replace_atomically(path, partial(torch.save, ranking))  # two processes may count at once
     return ranking

@@ -18,7 +18,7 @@ instead (0: the full head).
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import ClassVar
 
@@ -32,6 +32,7 @@ from specdecode.drafters._self_draft import CostModel, SelfDraftSession, require
 from specdecode.drafters._vocab import DraftHead, frequent_tokens
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.files import replace_atomically
 from specdecode.models.artifacts import trained_artifact_path
 from specdecode.models.base import LayerwiseExecution
 from specdecode.models.loading import LoadedModel
@@ -78,9 +79,7 @@ class KangarooAdapter(nn.Module):
             "state_dict": {k: v.detach().cpu() for k, v in self.state_dict().items()},
             "vocab": self.vocab,
         }
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(path)
+        replace_atomically(path, partial(torch.save, payload))
 
     @classmethod
     def load(cls, path: Path, backend: LayerwiseExecution) -> KangarooAdapter:

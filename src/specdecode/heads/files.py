@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,9 +40,10 @@ def sha256_file(path: Path) -> str:
 
 
 def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Have ``write`` fill ``path``'s ``.tmp`` sibling, then rename it over ``path``: an interrupted write
-    leaves the previous file (or none) rather than a truncated one that would load as garbage."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Have ``write`` fill a sibling of ``path`` named for this process, then rename it over ``path``: an interrupted
+    write leaves the previous file (or none) rather than a truncated one that would load as garbage, and two processes
+    writing the same file at once each rename a whole one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     write(tmp)
     tmp.replace(path)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -44,6 +43,7 @@ from tqdm import tqdm
 
 from specdecode.errors import SpecDecodeError
 from specdecode.generator import SpeculativeGenerator
+from specdecode.heads.files import replace_atomically
 from specdecode.models.loading import LoadedModel
 from specdecode.train.common import fit
 from specdecode.train.data import kept_sequences, self_distill
@@ -184,9 +184,7 @@ def teachers(
     sequences = [teacher(target, ids, start) for ids, start in scored]
     if cache is not None:
         tops = [(sequence.top_ids, sequence.top_logprobs) for sequence in sequences]
-        temporary = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        torch.save({"pairs": pairs, "teacher_top": TEACHER_TOP, "tops": tops}, temporary)
-        temporary.replace(cache)
+        replace_atomically(cache, partial(torch.save, {"pairs": pairs, "teacher_top": TEACHER_TOP, "tops": tops}))
     return sequences
 
 
