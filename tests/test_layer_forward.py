@@ -1,8 +1,9 @@
 """The decoder layer's written-out forward (:mod:`specdecode.models.layer_forward`): its kernels compute what
 transformers' modules compute to float noise, each row bitwise the same alone as among others; a model's logits with it
 are transformers' to float noise (and, the control, not bitwise theirs); through the ragged batched forward a row gets
-the same bits alone and beside another sequence; it steps aside for gradients and for a replaced projection; bf16
-layers on the bf16 panel kernel take it too, bf16 models, int8 layers and unpacked models keep transformers' forward.
+the same bits alone and beside another sequence; it steps aside for gradients and for a replaced projection; quantized
+layers (bf16, int8, int4) take it too, their rows the same alone as in a batch; w4a8 layers, bf16 models and unpacked
+models keep transformers' forward.
 Greedy equality of every drafter with it is in the real-model tests (``tests/test_real_smollm2.py``: ``smollm2-135m``
 takes it, and its bf16 trees)."""
 
@@ -15,11 +16,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specdecode.models.base import SequenceInput
-from specdecode.models.cpu_kernels import bf16_panels_pay, panels_pay
+from specdecode.models.cpu_kernels import panels_pay
 from specdecode.models.fastpath import apply_cpu_fast_path
 from specdecode.models.hf import HFCausalLM
 from specdecode.models.layer_forward import LayerForward, install_layer_forward, remove_layer_forward
-from specdecode.models.quantize import quantize_model
+from specdecode.models.quantize import quantize_model, quantize_supported
 
 pytestmark = pytest.mark.skipif(not panels_pay(), reason="the CPU kernels (panel products) are not built here")
 
@@ -100,19 +101,24 @@ def test_a_fast_path_model_takes_it_and_computes_transformers_logits(kind):
     assert not torch.equal(got, without)  # the control: its kernels round differently from the modules'
 
 
-def test_the_ragged_forward_gives_a_row_the_same_bits_alone_and_in_a_batch():
+@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+def test_the_ragged_forward_gives_a_row_the_same_bits_alone_and_in_a_batch(mode):
+    """Rows decoded one at a time get the bits the same rows get verified together beside another sequence: fp32
+    panels compute each row alone in any call; bf16 in oneDNN's layout (a CPU with AMX) and int8 only in calls of the
+    sizes their probe or kernel allows, which the layer's forward keeps."""
     fast = model("llama")
+    quantize_model(fast, mode)
     apply_cpu_fast_path(fast)
     install_layer_forward(fast)
+    assert isinstance(fast.model.layers[0].forward, LayerForward)
     backend = HFCausalLM(fast, "tiny")
     pool = backend.new_pool()
     pool.reserve(3, 64)
     first, second = pool.allocate(), pool.allocate()
     prompt = torch.tensor([1, 5, 9, 33, 70, 7])
-    assert isinstance(fast.model.layers[0].forward, LayerForward)
     for cache in (first, second):
         backend.forward(prompt, cache, invariant=False)
-    alone = backend.forward(torch.tensor([11, 12, 13]), first).logits
+    alone = torch.cat([backend.forward(torch.tensor([token]), first).logits for token in (11, 12, 13)])
     first.crop(len(prompt))
     together = backend.forward_batch(
         [SequenceInput(torch.tensor([11, 12, 13]), first), SequenceInput(torch.tensor([90, 91, 92, 93, 94]), second)]
@@ -138,24 +144,33 @@ def test_it_steps_aside_for_gradients_and_for_a_replaced_projection():
     assert torch.equal(replaced, modules)
 
 
-def test_bf16_and_quantized_layers_keep_transformers_forward():
+def test_bf16_models_and_unpacked_models_keep_transformers_forward():
     bf16 = model("llama").to(torch.bfloat16)
     assert install_layer_forward(bf16) == 0
     plain = model("llama")  # fp32 but not packed
     assert install_layer_forward(plain) == 0
 
 
-@pytest.mark.skipif(not bf16_panels_pay(), reason="no AVX512_BF16 here, or AMX: bf16 layers are oneDNN's")
-def test_bf16_panel_layers_take_it_and_int8_layers_do_not():
+@pytest.mark.parametrize("mode", ["bf16", "int8", "int4"])
+def test_quantized_layers_take_it_and_compute_their_modules_logits(mode):
+    if not quantize_supported(mode):
+        pytest.skip(f"no {mode} kernel in this torch build or on this CPU")
     reference, fast = model("llama"), model("llama")
     for each in (reference, fast):
-        quantize_model(each, "bf16")
+        quantize_model(each, mode)
     apply_cpu_fast_path(fast)
     assert install_layer_forward(fast) == SIZES["num_hidden_layers"]
     ids = torch.tensor([[1, 5, 9, 33, 70, 7, 150, 4]])
     with torch.inference_mode():
-        assert torch.allclose(fast(ids).logits, reference(ids).logits, atol=1e-3, rtol=1e-3)
-    int8 = model("llama")
-    quantize_model(int8, "int8")
-    apply_cpu_fast_path(int8)
-    assert install_layer_forward(int8) == 0
+        got, expected = fast(ids).logits, reference(ids).logits
+    assert torch.allclose(got, expected, atol=1e-3, rtol=1e-3)
+
+
+def test_w4a8_layers_keep_transformers_forward():
+    """The w4a8 target step reproduces the modules' bits for one sequence; the batched forward must give the same."""
+    if not quantize_supported("w4a8"):
+        pytest.skip("no w4a8 kernel on this CPU")
+    w4a8 = model("llama")
+    quantize_model(w4a8, "w4a8")
+    apply_cpu_fast_path(w4a8)
+    assert install_layer_forward(w4a8) == 0

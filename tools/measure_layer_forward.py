@@ -5,7 +5,7 @@ cropped back after each; the fastest of three rounds' means), then the serving w
 quick prompt, 2 per task, through a fresh ``BatchEngine``, C in flight, up to 96 tokens each; tokens per second, two
 alternated runs each way) for plain decoding and ``pld`` at C = 1 and 8.
 
-    python tools/measure_layer_forward.py --model smollm2-135m --out docs/results/DIR/layer-forward.json
+    python tools/measure_layer_forward.py --model smollm2-135m --quantize bf16 --out docs/results/DIR/layer-forward.json
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ def workload(target, encoded: list, drafter: str, concurrency: int, max_new_toke
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantize", default="none", help="the target's weights, as --quantize")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    target = load_model(args.model)
+    target = load_model(args.model, quantize=args.quantize)
     model = target.backend.model
     layers = install_layer_forward(model)
 
@@ -73,6 +74,7 @@ def main() -> None:
     use("written-out")
     record = {
         "model": args.model,
+        "quantize": args.quantize,
         "threads": torch.get_num_threads(),
         "capability": str(torch.backends.cpu.get_cpu_capability()),
         "layers_written_out": layers,

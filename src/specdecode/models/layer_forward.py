@@ -1,19 +1,21 @@
-"""A Llama-shaped decoder layer's forward in a dozen calls, for fp32 and bf16 models on the CPU fast path.
+"""A Llama-shaped decoder layer's forward in a dozen calls, for fp32 and quantized models on the CPU fast path.
 
 Why: around its seven products and its attention, a layer of transformers' modules makes some forty small torch calls
 and a dozen module calls, each a few microseconds however few its rows: a one-token forward of a 135M model on a
 2-core EPYC took 17.9 ms that way and 16.0 ms written out, and the serving workload one request at a time ran about 10%
-faster (``docs/results/layer-ops-smollm2-135m``).  Where every projection of a layer is a panel
-:class:`~specdecode.models.fastpath.PackedLinear` (or a bf16 layer on the bf16 panel kernel,
-:class:`~specdecode.models.quantized_layers.Bf16Linear`), :func:`install_layer_forward` gives the layer a forward that
-multiplies through its projections' kernels directly and does the norms, the rotary embedding and the gated activation
-in one call each (``kernels/layer_ops.cpp``); the attention is the model's own attention function, called as
-transformers calls it.
+faster (``docs/results/layer-ops-smollm2-135m``); bf16 on a Xeon with AMX, 29.3 ms and 25.7 ms, and 13% faster
+(``docs/results/layer-ops-amx-smollm2-135m``).  Where every projection of a layer is a panel
+:class:`~specdecode.models.fastpath.PackedLinear` or a quantized layer (bf16 on the bf16 panel kernel or in oneDNN's
+layout, int8, int4; not w4a8, whose target step, :mod:`specdecode.models.target_step`, reproduces the modules' bits),
+:func:`install_layer_forward` gives the layer a forward that multiplies through its projections directly and does the
+norms, the rotary embedding and the gated activation in one call each (``kernels/layer_ops.cpp``); the attention is the
+model's own attention function, called as transformers calls it.
 
 Numerics: the layer computes what transformers' does up to rounding (tests compare them), and it is the layer's only
 forward from then on, alone or in a batch, for plain decoding and every drafter's verification alike, so outputs stay
-equal.  Each of its kernels computes a row on its own, so a row gets the same bits alone as in any batch (what the
-engine's batch invariance needs, :mod:`specdecode.models.ragged`).  With gradients enabled (training through the model)
+equal.  Each of its kernels computes a row on its own, and a quantized projection is batch invariant as the engine
+calls it with transformers' forward too, so a row gets the same bits alone as in any batch (what the engine's batch
+invariance needs, :mod:`specdecode.models.ragged`).  With gradients enabled (training through the model)
 or once a projection is replaced (an adapter wraps it), the layer takes transformers' forward.
 """
 
@@ -25,7 +27,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import PackedLinear, apply_cpu_fast_path
-from specdecode.models.quantized_layers import Bf16Linear
+from specdecode.models.quantized_layers import QuantizedLinear
+from specdecode.models.w4a8 import W4A8Linear
 
 #: transformers' decoder layers whose forward :class:`LayerForward` reproduces: pre-norm RMSNorm, rotary attention with
 #: ``rotate_half``, a SiLU-gated MLP (Qwen2's also hands its sliding window to the attention function).
@@ -61,8 +64,8 @@ def remove_layer_forward(model: nn.Module) -> None:
 
 
 def takes_layer_forward(layer: nn.Module) -> bool:
-    """Whether ``layer`` is one of :data:`LAYERS` with fp32 RMSNorms, a SiLU MLP and every projection in panels,
-    the CPU kernels built."""
+    """Whether ``layer`` is one of :data:`LAYERS` with fp32 RMSNorms, a SiLU MLP and every projection in panels or
+    quantized, the CPU kernels built."""
     if type(layer).__name__ not in LAYERS or not cpu_kernels_built():
         return False
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
@@ -75,17 +78,19 @@ def takes_layer_forward(layer: nn.Module) -> bool:
     width = norms[0].weight.numel()
     if head_dim % 32 or width % 16 or config.intermediate_size % 16:  # the kernels' whole vectors
         return False
-    return all(_panels(_module(layer, path)) for path in PROJECTIONS)
+    return all(_takes(_module(layer, path)) for path in PROJECTIONS)
 
 
 def every_layer_written_out(model: nn.Module) -> bool:
-    """Whether every decoder layer of ``model`` has its :class:`LayerForward`, intact, and full attention (no sliding
-    window): each of its rows is then computed on its own, up to the attention function."""
+    """Whether every decoder layer of ``model`` has its :class:`LayerForward`, intact, every projection computing
+    each row on its own in any call (panels), and full attention (no sliding window): each of its rows is then computed
+    on its own, up to the attention function."""
     layers = _decoder_layers(model)
     forwards = [layer.__dict__.get("forward") for layer in layers]
     return (
         bool(layers)
         and all(isinstance(forward, LayerForward) and forward.intact() for forward in forwards)
+        and all(_rows_alone(projection) for forward in forwards for projection in forward.projections)
         and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in layers)
     )
 
@@ -173,10 +178,19 @@ def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return out
 
 
-def _panels(module: nn.Module | None) -> bool:
-    """A projection whose product computes each row on its own: fp32 or bf16 panels."""
-    if type(module) is Bf16Linear:
-        return module.bf16_panels is not None
+def _takes(module: nn.Module | None) -> bool:
+    """A projection the written-out forward multiplies through: fp32 panels, or a quantized layer but w4a8's (the
+    w4a8 target step computes a sequence's rows as transformers' modules do, and the batched forward must agree)."""
+    if isinstance(module, QuantizedLinear):
+        return type(module) is not W4A8Linear
+    return type(module) is PackedLinear and module.panels
+
+
+def _rows_alone(module: nn.Module) -> bool:
+    """A projection whose product computes each row on its own in any call: fp32 panels, or a quantized layer that
+    says so (bf16 panels)."""
+    if isinstance(module, QuantizedLinear):
+        return module.rows_alone
     return type(module) is PackedLinear and module.panels
 
 
