@@ -85,6 +85,37 @@ def test_the_gated_activation_is_silu_times_up_at_any_magnitude():
     assert torch.allclose(out, nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("inputs", [torch.float32, torch.bfloat16])
+def test_the_gated_activation_reads_and_writes_bf16_as_conversions_around_fp32_would(inputs):
+    """A quantized layer's bf16 products go into the activation and its bf16 result into the next product, bitwise
+    what converting them to fp32, computing in fp32 and converting back (torch's rounding) gives."""
+    gate, up = rows(4, 256, seed=4, scale=8.0), rows(4, 256, seed=5)
+    gate, up = gate.to(inputs), up.to(inputs)
+    fp32 = torch.empty(gate.shape)
+    torch.ops.specdecode_layer.silu_mul(gate.float(), up.float(), fp32)
+    bf16 = torch.empty(gate.shape, dtype=torch.bfloat16)
+    torch.ops.specdecode_layer.silu_mul(gate, up, bf16)
+    assert torch.equal(bf16.view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
+    widened = torch.empty(gate.shape)
+    torch.ops.specdecode_layer.silu_mul(gate, up, widened)
+    assert torch.equal(widened, fp32)
+
+
+def test_bf16_results_round_to_nearest_even_as_torch_does():
+    # silu(64) is 64 in fp32 (e^-64 vanishes beside 1), so silu(gate) * up is exactly up * 64: floats halfway between
+    # two bf16 numbers (one rounds down to even, one up) and either side of halfway.
+    gate = torch.full((1, 64), 64.0)
+    halfway = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF] * 16, dtype=torch.int32)
+    up = (halfway.view(torch.float32) / 64.0).reshape(1, 64)
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    torch.ops.specdecode_layer.silu_mul(gate, up, out)
+    fp32 = torch.empty(gate.shape)
+    torch.ops.specdecode_layer.silu_mul(gate, up, fp32)
+    assert torch.equal(fp32, halfway.view(torch.float32).reshape(1, 64))
+    assert torch.equal(out.view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
+    assert out[0, :4].view(torch.int16).tolist() == [0x3F80, 0x3F82, 0x3F81, 0x3F80]
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_fast_path_model_takes_it_and_computes_transformers_logits(kind):
     reference = model(kind)

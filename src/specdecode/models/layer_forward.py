@@ -138,7 +138,7 @@ class LayerForward:
         rows, dim = batch * count, attention.head_dim
         residual = hidden_states.reshape(rows, width).contiguous()
         normed = _norm(residual, layer.input_layernorm)
-        query, key, value = (projection.forward(normed) for projection in (q_proj, k_proj, v_proj))
+        query, key, value = _project((q_proj, k_proj, v_proj), normed)
         cos, sin = position_embeddings
         cos_rows = cos.expand(batch, count, dim).reshape(rows, dim).contiguous()
         sin_rows = sin.expand(batch, count, dim).reshape(rows, dim).contiguous()
@@ -166,10 +166,40 @@ class LayerForward:
         )
         hidden = residual + o_proj.forward(attended.reshape(rows, -1).contiguous())
         normed = _norm(hidden, layer.post_attention_layernorm)
-        gate, up = gate_proj.forward(normed), up_proj.forward(normed)
-        torch.ops.specdecode_layer.silu_mul(gate, up, gate)
-        hidden = hidden + down_proj.forward(gate)
+        gate, up = _products((gate_proj, up_proj), normed)
+        activated = torch.empty(gate.shape, dtype=_input_dtype(down_proj))
+        torch.ops.specdecode_layer.silu_mul(gate, up, activated)
+        hidden = hidden + _project((down_proj,), activated)[0]
         return hidden.view(batch, count, width)
+
+
+def _products(projections: tuple[nn.Module, ...], rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each projection of ``rows`` with its bias, all in one dtype: the one their kernels give where they agree (bf16
+    for quantized layers, which read one conversion of the rows between them), else fp32."""
+    converted: dict[torch.dtype, torch.Tensor] = {}
+    outs = []
+    for projection in projections:
+        if isinstance(projection, QuantizedLinear):
+            dtype = projection.input_dtype
+            if dtype not in converted:
+                converted[dtype] = rows.to(dtype).contiguous()
+            out = projection.product(converted[dtype])
+            outs.append(out if projection.bias is None else out.float() + projection.bias)
+        else:
+            outs.append(projection.forward(rows.float()))
+    if len({out.dtype for out in outs}) > 1:
+        outs = [out.float() for out in outs]
+    return outs
+
+
+def _project(projections: tuple[nn.Module, ...], rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each projection of ``rows`` with its bias, in fp32, as its ``forward`` gives it: ``_products`` converted."""
+    return [out.float() for out in _products(projections, rows)]
+
+
+def _input_dtype(projection: nn.Module) -> torch.dtype:
+    """The dtype ``projection`` multiplies: bf16 for a quantized layer's kernel, fp32 for panels."""
+    return projection.input_dtype if isinstance(projection, QuantizedLinear) else torch.float32
 
 
 def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -157,17 +157,22 @@ class QuantizedLinear(nn.Module):
         return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        spans = () if self.rows_alone else _free_spans(rows.shape[0])
-        if spans == ((0, rows.shape[0]),):
-            out = self._free_call(rows).to(x.dtype)
-        elif not spans:
-            out = self.matmul(rows.to(self.input_dtype).contiguous()).to(x.dtype)
-        else:
-            out = self._mixed_call(rows, spans).to(x.dtype)
+        out = self.product(x.reshape(-1, self.in_features)).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` [m, in_features] times the weight, without the bias, in the dtype the kernel gives (bf16 but for
+        w4a8's fp32; fp32 where one call mixes rows free of batch invariance with others): what :meth:`forward`
+        converts back to its input's dtype.  Rows already in :attr:`input_dtype` are not copied, so several layers
+        of one input convert it once (:mod:`specdecode.models.layer_forward`)."""
+        spans = () if self.rows_alone else _free_spans(rows.shape[0])
+        if spans == ((0, rows.shape[0]),):
+            return self._free_call(rows)
+        if not spans:
+            return self.matmul(rows.to(self.input_dtype).contiguous())
+        return self._mixed_call(rows, spans)
 
     def _free_call(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows no output depends on bitwise, in one call: the block copy from enough rows on, else the kernel."""

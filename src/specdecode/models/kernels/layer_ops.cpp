@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "vec.h"
 
@@ -82,23 +83,58 @@ void rotate_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int
   });
 }
 
-// out = silu(gate) * up = gate / (1 + e^-gate) * up, elementwise, for gate and up [rows, width].
-void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {
-  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "silu_mul takes float32");
-  TORCH_CHECK(gate.is_contiguous() && up.is_contiguous() && out.is_contiguous(), "bad layout");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.sizes() == out.sizes(), "bad sizes");
+// The elements of a float32 or bfloat16 tensor, as the vector functions of vec.h take them.
+template <typename T>
+const auto* elements(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+  }
+}
+
+template <typename T>
+auto* elements(at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  }
+}
+
+template <typename In, typename Out>
+void silu_mul_as(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const int64_t rows = gate.size(0), width = gate.size(1);
-  TORCH_CHECK(width % LANES == 0, "width must be a whole number of vectors");
-  const float* gp = gate.data_ptr<float>();
-  const float* up_data = up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const auto* gp = elements<In>(gate);
+  const auto* up_data = elements<In>(up);
+  auto* op = elements<Out>(out);
   at::parallel_for(0, rows, ROWS_PER_THREAD, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * width; i < end * width; i += LANES) {
       const vec g = load(gp + i);
       store(op + i, g / (1.f + exp_vec(vec{} - g)) * load(up_data + i));
     }
   });
+}
+
+// out = silu(gate) * up = gate / (1 + e^-gate) * up, elementwise, for gate and up [rows, width], computed in fp32.
+// gate and up are float32 or bfloat16 (both the same), out either: a quantized layer's products come out in bf16 and
+// its next product takes bf16, so the activation reads and writes them as they are, each number as the conversions
+// to and from fp32 around an fp32 call would give it (a bf16 number is exact in fp32; the result rounded as torch
+// rounds it).
+void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {
+  const auto in = gate.scalar_type();
+  TORCH_CHECK(in == at::kFloat || in == at::kBFloat16, "silu_mul takes float32 or bfloat16");
+  TORCH_CHECK(up.scalar_type() == in, "gate and up must have one dtype");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out is float32 or bfloat16");
+  TORCH_CHECK(gate.is_contiguous() && up.is_contiguous() && out.is_contiguous(), "bad layout");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.sizes() == out.sizes(), "bad sizes");
+  TORCH_CHECK(gate.size(1) % LANES == 0, "width must be a whole number of vectors");
+  const bool out_float = out.scalar_type() == at::kFloat;
+  if (in == at::kFloat) {
+    out_float ? silu_mul_as<float, float>(gate, up, out) : silu_mul_as<float, at::BFloat16>(gate, up, out);
+  } else {
+    out_float ? silu_mul_as<at::BFloat16, float>(gate, up, out) : silu_mul_as<at::BFloat16, at::BFloat16>(gate, up, out);
+  }
 }
 
 }  // namespace

@@ -25,6 +25,29 @@ inline vec load(const float* p) {
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
 
 typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
+typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
+typedef uint16_t vech __attribute__((vector_size(sizeof(vec) / 2)));
+
+// bf16 numbers (as their bits) to floats: a bf16 number is a float's upper half, so this is exact.
+inline vec load(const uint16_t* p) {
+  vech half;
+  std::memcpy(&half, p, sizeof half);
+  const vecu bits = __builtin_convertvector(half, vecu) << 16;
+  vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// Floats to bf16 (their bits), rounded to nearest, ties to even, as torch's own conversion rounds; a NaN becomes a
+// quiet NaN.
+inline void store(uint16_t* p, vec v) {
+  vecu bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const vecu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const vecu nan = vecu{} + 0x7fc0u;
+  const vech half = __builtin_convertvector(v == v ? rounded : nan, vech);
+  std::memcpy(p, &half, sizeof half);
+}
 
 // e^x lane by lane for any x (clamped to [-87, 88], where float's e^x is finite and normal): x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n built in the
