@@ -46,8 +46,9 @@ from specdecode.heads.files import (
 from specdecode.models.base import HiddenStates
 from specdecode.models.fastpath import apply_cpu_fast_path
 from specdecode.models.loading import packs_by_default
-from specdecode.models.quantize import int8_fits, quantize_supported
+from specdecode.models.quantize import W4A8_DRAFT_QUANTIZE, default_draft_quantization, int8_fits, quantize_supported
 from specdecode.models.quantized_layers import Int8Linear
+from specdecode.models.w4a8 import W4A8Linear, w4a8_fits
 
 #: The directory an EAGLE head is saved in next to its target model (``specdecode train eagle``), where the
 #: eagle drafter finds it and ``specdecode export eagle`` reads it.
@@ -265,7 +266,7 @@ def load_eagle(directory: Path, target_num_layers: int | None = None) -> EagleHe
 HeadModule = TypeVar("HeadModule", bound=torch.nn.Module)
 
 
-#: The layers of a head that draft in int8 with ``int8_head``: read once per drafting step, after a target forward has
+#: The layers of a head that draft rounded with ``int8_head``: read once per drafting step, after a target forward has
 #: pushed them out of the caches, they cost their size in memory traffic; the rest of a head is read again within the
 #: step (an EAGLE layer once per depth) and, in int8, moved EAGLE's drafts (``docs/results/int8-head-smollm2-135m``).
 INT8_LAYERS = ("lm_head", "prefix.qkv", "prefix.out")
@@ -278,28 +279,38 @@ def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype, int8_
     (:mod:`specdecode.models.fastpath`; the head passed in keeps its own): ``torch.nn.Linear`` read SmolLM2's Hydra
     heads' 8,192-row LM head far below the memory's bandwidth, most of their drafting time
     (``docs/results/heads-packed-smollm2-135m``).  With ``int8_head`` that copy's :data:`INT8_LAYERS` (the LM head,
-    the largest layer, and a Hydra++ prefix layer's projections) are int8 instead, where torch has the kernel: a draft
-    need not be exact, and on SmolLM2's open chat the shipped Hydra heads then decoded at 1.63x plain decoding against
-    1.56x (``docs/results/int8-head-smollm2-135m``)."""
+    the largest layer, and a Hydra++ prefix layer's projections) are rounded to 8-bit integer arithmetic instead, where
+    a kernel runs: a draft need not be exact, and on SmolLM2's open chat the shipped Hydra heads then decoded at 1.63x
+    plain decoding against 1.56x (``docs/results/int8-head-smollm2-135m``).  The LM head takes our w4a8 kernel (int4
+    weights, int8 activations) where draft models draft in w4a8 by default
+    (:func:`~specdecode.models.quantize.default_draft_quantization`): half int8's bytes, and on a Xeon with AMX a third
+    of the time of torch's int8 kernel (``docs/results/w4a8-head-xeon-smollm2-135m``); the others take torch's int8
+    kernel."""
     packed = packs_by_default(device, dtype)
     head = (copy.deepcopy(head) if packed else head).to(device=device, dtype=dtype).eval()
     for param in head.parameters():
         param.requires_grad_(False)
     if packed:
         if int8_head and quantize_supported("int8"):
-            _round_to_int8(head)
+            _round_drafting_layers(head)
         apply_cpu_fast_path(head)
     return head
 
 
-def _round_to_int8(head: torch.nn.Module) -> None:
-    """Each of :data:`INT8_LAYERS` that ``head`` has as a plain linear layer of a shape the kernel takes, in int8."""
+def _round_drafting_layers(head: torch.nn.Module) -> None:
+    """Each of :data:`INT8_LAYERS` that ``head`` has as a plain linear layer of a shape a kernel takes, rounded: the LM
+    head in w4a8 where that is the draft models' default, else int8."""
+    w4a8_lm_head = default_draft_quantization() == W4A8_DRAFT_QUANTIZE
     for name in INT8_LAYERS:
         try:
             layer = head.get_submodule(name)
         except AttributeError:
             continue
-        if type(layer) is torch.nn.Linear and int8_fits(layer):
+        if type(layer) is not torch.nn.Linear:
+            continue
+        if name == "lm_head" and w4a8_lm_head and w4a8_fits(layer):
+            head.set_submodule(name, W4A8Linear(layer, tied=False))
+        elif int8_fits(layer):
             head.set_submodule(name, Int8Linear(layer, tied=False))
 
 
