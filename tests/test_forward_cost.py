@@ -7,6 +7,7 @@ import json
 import pytest
 
 from specdecode.bench.forward_cost import ForwardCost, format_curve, measure_forward_cost, profile_forward
+from specdecode.models.cpu_kernels import cpu_kernels_built
 from specdecode.models.fastpath import apply_cpu_fast_path, fast_path_supported
 from specdecode.models.hf import HFCausalLM
 from tiny_models import TINY_CONTEXT, tiny_llama
@@ -108,6 +109,18 @@ def test_a_measured_curve_is_kept_on_disk_for_the_next_process_on_this_machine(t
     (tmp_path / "curves.json").write_text("{not json")
     assert cost.relative_cost_curve(HFCausalLM(tiny_llama(seed=0), "e")) == tuple(float(w) for w in range(1, 17))
     assert len(measured) == 3
+
+
+@pytest.mark.skipif(not cpu_kernels_built(), reason="the CPU kernels do not build here")
+def test_changed_cpu_kernels_are_timed_anew(monkeypatch):
+    """A curve measured with other sources of our CPU kernels (an upgrade that made a forward cheaper) is not read."""
+    from specdecode.models import cost
+
+    model = tiny_llama(seed=0, layers=1)
+    before = cost.machine_and_model_key(model, "settings")
+    assert cost.machine_and_model_key(model, "settings") == before
+    monkeypatch.setattr(cost, "kernels_source_digest", lambda: "other kernels")
+    assert cost.machine_and_model_key(model, "settings") != before
 
 
 @pytest.mark.parametrize(("others_cpu_s", "busy"), [(0.01, False), (0.3, True)])

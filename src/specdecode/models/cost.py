@@ -23,7 +23,7 @@ from torch import nn
 from specdecode.machine import cpu_flags, cpu_name
 from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.models.cache import cache_dir
-from specdecode.models.cpu_kernels import cpu_kernels_built
+from specdecode.models.cpu_kernels import cpu_kernels_built, kernels_source_digest
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
 from specdecode.models.greedy_head import greedy_head_applies
 from specdecode.threads import OthersLoad
@@ -319,9 +319,9 @@ def _machine_and_model_key(backend: CausalLM, widths: int, repeats: int, context
 
 def machine_and_model_key(model: nn.Module, settings: str) -> str:
     """What a forward's cost depends on: the CPU (its name and instruction sets), torch and its threads, whether our
-    CPU kernels run (:mod:`specdecode.models.cpu_kernels`), and the model's structure -- every module's type and
-    weight shape and dtype (so quantized, packed and plain layers differ) -- not its weight values; ``settings`` says
-    what was measured, and how."""
+    CPU kernels run and their sources (:mod:`specdecode.models.cpu_kernels`), and the model's structure -- every
+    module's type and weight shape and dtype (so quantized, packed and plain layers differ) -- not its weight values;
+    ``settings`` says what was measured, and how."""
     layout = hashlib.sha256()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
@@ -338,7 +338,7 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
         " ".join(sorted(cpu_flags())),
         str(torch.get_num_threads()),
         torch.__version__,
-        "cpu kernels" if cpu_kernels_built() else "torch kernels",
+        f"cpu kernels {kernels_source_digest()}" if cpu_kernels_built() else "torch kernels",
         "greedy head" if greedy_head_applies(model) else "",
         layout.hexdigest(),
         settings,

@@ -72,9 +72,20 @@ def cpu_kernels_built() -> bool:
 
 
 def _headers_hash() -> str:
+    return _files_hash(HEADERS)
+
+
+@functools.cache
+def kernels_source_digest() -> str:
+    """A hash of the kernels' sources and headers: what a measurement of their speed is keyed by, so that a changed
+    kernel is timed anew (:func:`specdecode.models.cost.machine_and_model_key`)."""
+    return _files_hash((*SOURCES, *HEADERS))
+
+
+def _files_hash(paths: tuple[Path, ...]) -> str:
     digest = hashlib.sha256()
-    for header in HEADERS:
-        digest.update(header.read_bytes())
+    for path in paths:
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
