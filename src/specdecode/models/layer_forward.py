@@ -9,7 +9,10 @@ faster (``docs/results/layer-ops-smollm2-135m``); bf16 on a Xeon with AMX, 29.3 
 layout, int8, int4; not w4a8, whose target step, :mod:`specdecode.models.target_step`, reproduces the modules' bits),
 :func:`install_layer_forward` gives the layer a forward that multiplies through its projections directly and does the
 norms, the rotary embedding and the gated activation in one call each (``kernels/layer_ops.cpp``); the attention is the
-model's own attention function, called as transformers calls it.
+model's own attention function, called as transformers calls it.  Quantized projections multiply bf16 rows: a norm's
+rows are converted once for the projections that read them, and the gate and up products stay bf16 through the
+activation into the down projection, six conversions a layer fewer than each projection's own ``forward`` makes, which
+cost more the more rows a forward has (``docs/results/layer-ops-amx-smollm2-135m``, second run).
 
 Numerics: the layer computes what transformers' does up to rounding (tests compare them), and it is the layer's only
 forward from then on, alone or in a batch, for plain decoding and every drafter's verification alike, so outputs stay
