@@ -114,3 +114,21 @@ def test_heads_of_a_size_the_kernel_does_not_take_attend_through_sdpa():
     query = torch.randn(1, HEADS, 2, 8)
     out = attend(query, keys, values, [SequenceSlice(0, slice(0, 2), 4, torch.tensor([4, 5]), None)])
     assert out.shape == (1, 2, HEADS, 8) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kept_tree_path_moves_in_one_call_as_indexing_moves_it(dtype):
+    """``SlotPool.move`` (a verified tree's accepted path put right after the cache): every layer's keys and values in
+    the kernel's one call, bitwise as indexing each tensor moves them, other slots and columns untouched."""
+    pool = ragged.SlotPool(torch.device("cpu"))
+    pool.layers = {layer: storage(dtype, seed=layer) for layer in range(3)}
+    expected = {layer: tuple(t.clone() for t in pair) for layer, pair in pool.layers.items()}
+    columns = torch.tensor([20, 22, 23, 27])  # the path through nodes 0, 2, 3 and 7 of a tree cached from column 20
+    for pair in expected.values():
+        for tensor in pair:
+            tensor[2, :, 20:24] = tensor[2, :, columns]
+    pool.move(2, 20, columns)
+    for layer, pair in pool.layers.items():
+        assert all(torch.equal(got, want) for got, want in zip(pair, expected[layer]))
+    with pytest.raises(RuntimeError, match="ascend"):  # a column behind its target would be overwritten first
+        pool.move(2, 20, torch.tensor([21, 20]))

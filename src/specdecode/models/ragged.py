@@ -136,10 +136,13 @@ class SlotPool(KVPool):
     @torch.inference_mode()
     def move(self, slot: int, start: int, source_columns: torch.Tensor) -> None:
         """Columns ``source_columns`` of ``slot`` (ascending, all >= start) become ``start, start + 1, ...``."""
+        storage = [tensor for stored in self.layers.values() for tensor in stored]
+        if self.device.type == "cpu" and cpu_kernels_built():  # one call for every layer (the storage is contiguous)
+            torch.ops.specdecode_attention.move_columns(storage, slot, start, source_columns)
+            return
         target = slice(start, start + len(source_columns))
-        for stored in self.layers.values():
-            for tensor in stored:
-                tensor[slot, :, target] = tensor[slot, :, source_columns]
+        for tensor in storage:
+            tensor[slot, :, target] = tensor[slot, :, source_columns]
 
 
 class SlotCache(KVCache):

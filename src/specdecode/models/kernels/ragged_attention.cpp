@@ -324,6 +324,32 @@ void write_slots(at::Tensor keys, at::Tensor values, const at::Tensor& new_keys,
   }
 }
 
+// Columns `columns` (ascending, all >= start) of slot `slot` become columns start, start + 1, ... of every layer's
+// keys and values (`storage`: each [slots, kv_heads, capacity, dim], contiguous): a tree's accepted path moved next to
+// the cache, one call where indexing took two copies per layer.  Each target column is at or before its source and
+// before every later source, so copying in order never overwrites a column still to be read.
+void move_columns(const std::vector<at::Tensor>& storage, int64_t slot, int64_t start, const at::Tensor& columns) {
+  TORCH_CHECK(columns.scalar_type() == at::kLong && columns.is_contiguous(), "columns must be int64");
+  const int64_t* source = columns.data_ptr<int64_t>();
+  const int64_t count = columns.numel();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(source[i] >= start + i && (i == 0 || source[i] > source[i - 1]), "columns must ascend from start");
+  }
+  for (const at::Tensor& tensor : storage) {
+    TORCH_CHECK(tensor.dim() == 4 && tensor.is_contiguous(), "unexpected storage");
+    const int64_t kv_heads = tensor.size(1), capacity = tensor.size(2);
+    TORCH_CHECK(slot < tensor.size(0) && (count == 0 || source[count - 1] < capacity), "column out of range");
+    const int64_t bytes = tensor.size(3) * tensor.element_size();
+    char* data = static_cast<char*>(tensor.data_ptr());
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      char* head = data + (slot * kv_heads + h) * capacity * bytes;
+      for (int64_t i = 0; i < count; ++i) {
+        if (source[i] != start + i) std::memmove(head + (start + i) * bytes, head + source[i] * bytes, bytes);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdecode_attention, m) {
@@ -333,4 +359,6 @@ TORCH_LIBRARY(specdecode_attention, m) {
   m.impl("ragged_attention", c10::DispatchKey::CPU, TORCH_FN(ragged_attention));
   m.def("write_slots(Tensor(a!) keys, Tensor(b!) values, Tensor new_keys, Tensor new_values, Tensor meta) -> ()");
   m.impl("write_slots", c10::DispatchKey::CPU, TORCH_FN(write_slots));
+  m.def("move_columns(Tensor(a!)[] storage, int slot, int start, Tensor columns) -> ()");
+  m.impl("move_columns", c10::DispatchKey::CPU, TORCH_FN(move_columns));
 }
