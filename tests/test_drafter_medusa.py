@@ -290,13 +290,16 @@ def test_drafting_packs_a_cpu_heads_linears_and_leaves_the_heads_passed_in_alone
     reason="no packed or int8 CPU linears here",
 )
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_cpu_heads_lm_head_drafts_rounded_unless_told_not_to(tiny_target, trained, kind):
+def test_a_cpu_heads_lm_head_and_blocks_draft_rounded_unless_told_not_to(tiny_target, trained, kind):
     heads = trained[kind]
     drafter = create_drafter(kind, tiny_target, heads=heads)
     w4a8 = default_draft_quantization() == "w4a8" and w4a8_fits(heads.lm_head)  # where our kernel beats int8
     assert type(drafter.heads.lm_head) is (W4A8Linear if w4a8 else Int8Linear)
-    assert type(heads.lm_head) is torch.nn.Linear
-    assert isinstance(create_drafter(kind, tiny_target, heads=heads, int8_head="false").heads.lm_head, PackedLinear)
+    for block in drafter.heads.blocks:  # read once a step each, as the LM head is
+        assert type(block.layers[0]) is (W4A8Linear if w4a8 else Int8Linear)
+    assert type(heads.lm_head) is torch.nn.Linear and type(heads.blocks[0].layers[0]) is torch.nn.Linear
+    exact = create_drafter(kind, tiny_target, heads=heads, int8_head="false").heads
+    assert isinstance(exact.lm_head, PackedLinear) and isinstance(exact.blocks[0].layers[0], PackedLinear)
     hidden = torch.randn(8, heads.config.hidden_size)
     with torch.inference_mode():
         exact, rounded = heads.logits(hidden), drafter.heads.logits(hidden)

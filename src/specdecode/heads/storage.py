@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from specdecode.heads.files import (
     head_directory,
     write_head_files,
 )
+from specdecode.heads.medusa import DraftHeads
 from specdecode.models.base import HiddenStates
 from specdecode.models.fastpath import apply_cpu_fast_path
 from specdecode.models.loading import packs_by_default
@@ -269,7 +271,12 @@ HeadModule = TypeVar("HeadModule", bound=torch.nn.Module)
 #: The layers of a head that draft rounded with ``int8_head``: read once per drafting step, after a target forward has
 #: pushed them out of the caches, they cost their size in memory traffic; the rest of a head is read again within the
 #: step (an EAGLE layer once per depth) and, in int8, moved EAGLE's drafts (``docs/results/int8-head-smollm2-135m``).
+#: Medusa's and Hydra's blocks (:data:`BLOCK_LAYERS`) are read once a step too, each at its depth.
 INT8_LAYERS = ("lm_head", "prefix.qkv", "prefix.out")
+#: The linear layers of Medusa's and Hydra's residual blocks (``blocks.{k}.layers.{i}`` of :class:`DraftHeads`): in
+#: w4a8 the shipped Hydra heads' drafting took less time a step on open chat than in fp32, drafting as many tokens a
+#: step (``docs/results/w4a8-blocks-xeon-smollm2-135m``).
+BLOCK_LAYERS = re.compile(r"blocks\.\d+\.layers\.\d+")
 
 
 def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype, int8_head: bool = True) -> HeadModule:
@@ -281,11 +288,11 @@ def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype, int8_
     (``docs/results/heads-packed-smollm2-135m``).  With ``int8_head`` that copy's :data:`INT8_LAYERS` (the LM head,
     the largest layer, and a Hydra++ prefix layer's projections) are rounded to 8-bit integer arithmetic instead, where
     a kernel runs: a draft need not be exact, and on SmolLM2's open chat the shipped Hydra heads then decoded at 1.63x
-    plain decoding against 1.56x (``docs/results/int8-head-smollm2-135m``).  The LM head takes our w4a8 kernel (int4
-    weights, int8 activations) where draft models draft in w4a8 by default
-    (:func:`~specdecode.models.quantize.default_draft_quantization`): half int8's bytes, and on a Xeon with AMX a third
-    of the time of torch's int8 kernel (``docs/results/w4a8-head-xeon-smollm2-135m``); the others take torch's int8
-    kernel."""
+    plain decoding against 1.56x (``docs/results/int8-head-smollm2-135m``); so are Medusa's and Hydra's blocks
+    (:data:`BLOCK_LAYERS`).  The LM head and the blocks take our w4a8 kernel (int4 weights, int8 activations) where
+    draft models draft in w4a8 by default (:func:`~specdecode.models.quantize.default_draft_quantization`): half int8's
+    bytes, and on a Xeon with AMX a third of the time of torch's int8 kernel
+    (``docs/results/w4a8-head-xeon-smollm2-135m``); the others take torch's int8 kernel."""
     packed = packs_by_default(device, dtype)
     head = (copy.deepcopy(head) if packed else head).to(device=device, dtype=dtype).eval()
     for param in head.parameters():
@@ -298,17 +305,19 @@ def to_backend(head: HeadModule, device: torch.device, dtype: torch.dtype, int8_
 
 
 def _round_drafting_layers(head: torch.nn.Module) -> None:
-    """Each of :data:`INT8_LAYERS` that ``head`` has as a plain linear layer of a shape a kernel takes, rounded: the LM
-    head in w4a8 where that is the draft models' default, else int8."""
-    w4a8_lm_head = default_draft_quantization() == W4A8_DRAFT_QUANTIZE
-    for name in INT8_LAYERS:
+    """Each of :data:`INT8_LAYERS` and :data:`BLOCK_LAYERS` that ``head`` has as a plain linear layer of a shape a
+    kernel takes, rounded: the LM head and the blocks in w4a8 where that is the draft models' default, else int8."""
+    w4a8 = default_draft_quantization() == W4A8_DRAFT_QUANTIZE
+    modules = head.named_modules() if isinstance(head, DraftHeads) else ()
+    blocks = [name for name, _ in modules if BLOCK_LAYERS.fullmatch(name)]
+    for name in (*INT8_LAYERS, *blocks):
         try:
             layer = head.get_submodule(name)
         except AttributeError:
             continue
         if type(layer) is not torch.nn.Linear:
             continue
-        if name == "lm_head" and w4a8_lm_head and w4a8_fits(layer):
+        if (name == "lm_head" or name in blocks) and w4a8 and w4a8_fits(layer):
             head.set_submodule(name, W4A8Linear(layer, tied=False))
         elif int8_fits(layer):
             head.set_submodule(name, Int8Linear(layer, tied=False))
