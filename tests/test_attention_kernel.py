@@ -83,6 +83,26 @@ def test_broken_control_sdpa_gives_a_chain_row_other_bits_than_alone(monkeypatch
     assert not rows_alone_equal_rows_in_a_chain(kernel=False, monkeypatch=monkeypatch)
 
 
+def test_a_chain_row_gets_the_same_bits_in_chains_of_any_length_on_any_thread_count():
+    """The kernel cuts a call's rows into work items by their count and splits the items between the threads by
+    cost: neither may change a row's bits."""
+    keys, values = storage()
+    query = torch.randn(1, HEADS, 12, DIM, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for length in range(1, 13):
+                chain = SequenceSlice(0, slice(0, length), 30, torch.arange(30, 30 + length), None)
+                outputs.append(attend(query[:, :, :length], keys, values, [chain])[0])
+    finally:
+        torch.set_num_threads(threads)
+    longest = outputs[11]
+    for out in outputs:
+        assert torch.equal(out, longest[: len(out)])
+
+
 def test_a_tree_row_gets_bitwise_what_its_branch_gets_decoded_alone():
     keys, values = storage()
     query = torch.randn(1, HEADS, 4, DIM, generator=torch.Generator().manual_seed(2))

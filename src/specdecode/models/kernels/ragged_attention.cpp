@@ -11,7 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <array>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -204,6 +204,50 @@ void attend_rows(std::vector<QueryRow>& rows, int64_t g0, const T* kp, const T* 
 // columns).  More rows than this are split between work items, so that one long draft spreads over the threads.
 constexpr int64_t ROWS_PER_ITEM = 4;
 
+// One work item: `rows` rows of sequence `sequence` from its row `first`, against key head `kv_head` (its query heads
+// all together), and what it costs: rows x the columns they see, about.
+struct Item {
+  int64_t sequence, first, rows, kv_head, cost;
+};
+
+// The work of a call, as each thread's range of items.  A sequence's rows are cut into blocks of equal size (at most
+// ROWS_PER_ITEM rows), each block x key head an item, a key head's blocks next to each other (its keys and values stay
+// in the thread's cache between them); the items are then split into one contiguous range a thread, of about equal
+// cost: blocks of ROWS_PER_ITEM and a remainder, split by their count, would leave one thread twice the other's rows
+// on a tree of 9 or 10 rows (docs/results/attention-split-xeon-smollm2-135m).  How the work is split changes no row's
+// arithmetic: each (row, head) is computed by the same loop wherever it runs.
+std::vector<Item> items_of(const int64_t* meta, int64_t sequences, int64_t kv_heads) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < sequences; ++s) {
+    const int64_t n = meta[s * 5 + 2], columns = meta[s * 5 + 3] + n;
+    const int64_t blocks = (n + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t first = b * n / blocks, rows = (b + 1) * n / blocks - first;
+        items.push_back({s, first, rows, h, rows * columns});
+      }
+    }
+  }
+  return items;
+}
+
+// The first item of each of `threads` ranges of about equal cost, and the end: [threads + 1] boundaries.
+std::vector<int64_t> split_by_cost(const std::vector<Item>& items, int64_t threads) {
+  int64_t total = 0;
+  for (const Item& item : items) total += item.cost;
+  std::vector<int64_t> bounds(threads + 1, static_cast<int64_t>(items.size()));
+  bounds[0] = 0;
+  int64_t done = 0, t = 1;
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && t < threads; ++i) {
+    // Item i ends range t - 1 where the work before it is nearer range t's share than the work after it.
+    const int64_t share = total * t / threads;
+    if (done + items[i].cost / 2 >= share) bounds[t++] = i;
+    done += items[i].cost;
+  }
+  for (; t < threads; ++t) bounds[t] = static_cast<int64_t>(items.size());
+  return bounds;
+}
+
 // meta: [sequences, 5] int64: slot, first row, rows, cached length, offset of the rows x rows tree mask in `masks`
 // (-1: a chain, causal).  query [heads, rows, dim] (any strides, last dim contiguous); keys/values the layer's
 // storage [slots, kv_heads, capacity, dim] (contiguous), the new tokens' already written at the cached length;
@@ -222,22 +266,17 @@ void attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
   const bool* mask_data = masks.numel() ? masks.data_ptr<bool>() : nullptr;
   const int64_t* pos = positions.data_ptr<int64_t>();
   T* o_data = out.data_ptr<T>();
-  // Work items: (sequence, block of up to ROWS_PER_ITEM of its rows, key head); an item attends the query heads
-  // that share its key head together, so that each key and value is read once for all of them (the slots' keys and
-  // values outgrow the caches, and reading them is most of the work).
-  std::vector<std::array<int64_t, 3>> blocks;  // sequence, first row, rows
-  for (int64_t s = 0; s < meta.size(0); ++s) {
-    for (int64_t i = 0; i < m[s * 5 + 2]; i += ROWS_PER_ITEM) {
-      blocks.push_back({s, i, std::min(ROWS_PER_ITEM, m[s * 5 + 2] - i)});
-    }
-  }
-  const int64_t items = static_cast<int64_t>(blocks.size()) * kv_heads;
+  // An item attends its query heads that share a key head together, so that each key and value is read once for all
+  // of them (the slots' keys and values outgrow the caches, and reading them is most of the work).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const std::vector<Item> items = items_of(m, meta.size(0), kv_heads);
+  const std::vector<int64_t> bounds = split_by_cost(items, threads);
   const float scaling = static_cast<float>(scale);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<QueryRow> rows;
-    for (int64_t item = begin; item < end; ++item) {
-      const auto [s, i0, count] = blocks[item / kv_heads];
-      const int64_t kvh = item % kv_heads;
+    for (int64_t index = bounds[begin]; index < bounds[end]; ++index) {  // threads' ranges are contiguous
+      const Item& item = items[index];
+      const int64_t s = item.sequence, i0 = item.first, count = item.rows, kvh = item.kv_head;
       const int64_t slot = m[s * 5], first = m[s * 5 + 1], n = m[s * 5 + 2], past = m[s * 5 + 3];
       const int64_t mask_offset = m[s * 5 + 4];
       rows.resize(count);
