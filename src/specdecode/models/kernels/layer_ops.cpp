@@ -85,16 +85,7 @@ void rotate_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int
 
 // The elements of a float32 or bfloat16 tensor, as the vector functions of vec.h take them.
 template <typename T>
-const auto* elements(const at::Tensor& t) {
-  if constexpr (std::is_same_v<T, float>) {
-    return t.data_ptr<float>();
-  } else {
-    return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-  }
-}
-
-template <typename T>
-auto* elements(at::Tensor& t) {
+auto* elements(const at::Tensor& t) {
   if constexpr (std::is_same_v<T, float>) {
     return t.data_ptr<float>();
   } else {

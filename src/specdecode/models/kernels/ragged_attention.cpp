@@ -244,8 +244,7 @@ std::vector<int64_t> split_by_cost(const std::vector<Item>& items, int64_t threa
     if (done + items[i].cost / 2 >= share) bounds[t++] = i;
     done += items[i].cost;
   }
-  for (; t < threads; ++t) bounds[t] = static_cast<int64_t>(items.size());
-  return bounds;
+  return bounds;  // ranges not begun by then are empty: they start at the end
 }
 
 // meta: [sequences, 5] int64: slot, first row, rows, cached length, offset of the rows x rows tree mask in `masks`
