@@ -22,9 +22,9 @@ class _Module:  # what ragged_attention reads of the attention module
         attn_logit_softcapping = None
 
 
-def storage(dtype=torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def storage(dtype=torch.float32, seed: int = 0, dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    shape = (4, KV_HEADS, CAPACITY, DIM)
+    shape = (4, KV_HEADS, CAPACITY, dim)
     return torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)
 
 
@@ -60,9 +60,9 @@ def test_the_kernel_computes_what_sdpa_computes(monkeypatch, dtype, window):
     assert torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def rows_alone_equal_rows_in_a_chain(kernel: bool, monkeypatch) -> bool:
-    keys, values = storage()
-    query = torch.randn(1, HEADS, 5, DIM, generator=torch.Generator().manual_seed(1))
+def rows_alone_equal_rows_in_a_chain(kernel: bool, monkeypatch, dim: int = DIM) -> bool:
+    keys, values = storage(dim=dim)
+    query = torch.randn(1, HEADS, 5, dim, generator=torch.Generator().manual_seed(1))
     chain = attend(
         query, keys, values, [SequenceSlice(0, slice(0, 5), 30, torch.arange(30, 35), None)], None, kernel, monkeypatch
     )
@@ -74,8 +74,19 @@ def rows_alone_equal_rows_in_a_chain(kernel: bool, monkeypatch) -> bool:
     return True
 
 
-def test_each_row_of_a_chain_gets_bitwise_what_it_gets_alone(monkeypatch):
-    assert rows_alone_equal_rows_in_a_chain(kernel=True, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("dim", [DIM, 128, 96])
+def test_each_row_of_a_chain_gets_bitwise_what_it_gets_alone(monkeypatch, dim):
+    """Heads of 64 and 128 dimensions score a column at a time, others a tile at a time: each the same alone."""
+    assert rows_alone_equal_rows_in_a_chain(kernel=True, monkeypatch=monkeypatch, dim=dim)
+
+
+@pytest.mark.parametrize("dim", [128, 96])
+def test_heads_of_other_sizes_compute_what_sdpa_computes(monkeypatch, dim):
+    keys, values = storage(dim=dim)
+    query = torch.randn(1, HEADS, 28, dim)
+    got = attend(query, keys, values, mixed_batch())
+    expected = attend(query, keys, values, mixed_batch(), kernel=False, monkeypatch=monkeypatch)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_broken_control_sdpa_gives_a_chain_row_other_bits_than_alone(monkeypatch):

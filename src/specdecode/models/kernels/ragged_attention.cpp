@@ -113,51 +113,109 @@ struct QueryRow {
 // after the first.
 constexpr int64_t TILE = 16;
 
+// Rows of one sequence attended together: their scores share each tile of keys (a draft's rows see the same cached
+// columns).  More rows than this are split between work items, so that one long draft spreads over the threads.
+constexpr int64_t ROWS_PER_ITEM = 4;
+
+// One column's lane sums of q . k for a head of BLOCKS x 16 dimensions (q's blocks in registers): q's first block times
+// k's, then each further block's product added, in order.  The first product is rounded on its own (the empty asm keeps
+// the compiler from fusing it into the next multiply-add), as score_tile's loop over any size rounds it.
+template <int BLOCKS, typename T>
+__attribute__((always_inline)) inline v16 column_lanes(const v16* q, const T* k) {
+  v16 lanes = q[0] * load16(k);
+  __asm__("" : "+v"(lanes));
+  for (int b = 1; b < BLOCKS; ++b) lanes += q[b] * load16(k + 16 * b);
+  return lanes;
+}
+
 // Row `r`'s scores for head g (q: dim floats) against the columns [c0, c0 + TILE) it sees (fewer at its end) into
 // weights: each score is q . k summed as before any change of this kernel's layout (lanes over the dimensions, the
-// dimensions' blocks in order, the lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.
+// dimensions' blocks in order, the lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.  Heads of 64
+// and 128 dimensions take a column at a time with q in registers (one key's pointer live, where the loop over any size
+// keeps sixteen: 8% faster at 12 rows, docs/results/attention-rows-shared-xeon-smollm2-135m); the sums are the same.
 template <typename T>
 __attribute__((always_inline)) inline void score_tile(const float* q, const T* kp, const Columns& columns, int64_t c0,
                                                       int64_t dim, float scaling, float* w) {
   const int64_t count = std::min<int64_t>(TILE, columns.count() - c0);
-  const T* k[TILE];
-  for (int64_t j = 0; j < TILE; ++j) k[j] = kp + columns[c0 + std::min(j, count - 1)] * dim;  // a tail repeats its last
   v16 partial[TILE];
-  const v16 q0 = load16(q);
-  for (int64_t j = 0; j < TILE; ++j) partial[j] = q0 * load16(k[j]);
-  for (int64_t d = 16; d < dim; d += 16) {
-    const v16 qd = load16(q + d);
-    for (int64_t j = 0; j < TILE; ++j) partial[j] += qd * load16(k[j] + d);
+  if (dim == 64 || dim == 128) {
+    v16 qb[8];
+    for (int64_t b = 0; b < dim / 16; ++b) qb[b] = load16(q + 16 * b);
+    for (int64_t j = 0; j < TILE; ++j) {
+      const T* k = kp + columns[c0 + std::min(j, count - 1)] * dim;  // a tail repeats its last column
+      partial[j] = dim == 64 ? column_lanes<4>(qb, k) : column_lanes<8>(qb, k);
+    }
+  } else {
+    const T* k[TILE];
+    for (int64_t j = 0; j < TILE; ++j) k[j] = kp + columns[c0 + std::min(j, count - 1)] * dim;
+    const v16 q0 = load16(q);
+    for (int64_t j = 0; j < TILE; ++j) partial[j] = q0 * load16(k[j]);
+    for (int64_t d = 16; d < dim; d += 16) {
+      const v16 qd = load16(q + d);
+      for (int64_t j = 0; j < TILE; ++j) partial[j] += qd * load16(k[j] + d);
+    }
   }
   const v16 scores = sums16(partial) * scaling;
   std::memcpy(w + c0, &scores, count == TILE ? sizeof scores : sizeof(float) * count);
 }
 
-// Row r's output for its G heads in B blocks of 16 dimensions (vp and out at the first of them): the values of the
-// columns it sees, in column order, weighted by its softmax numerators, then divided by their sums (`inverse`).  The
-// G x B sums stay in registers while each value is read once for all heads.
-template <int G, int B, typename T>
-void sum_values(const QueryRow& r, const float* inverse, const T* vp, int64_t dim, T* out) {
-  const int64_t seen = r.columns.count();
-  const float* weights = r.weights.data();
-  v16 sum[G][B];
-  for (int g = 0; g < G; ++g) {
-    for (int b = 0; b < B; ++b) sum[g][b] = v16{};
-  }
-  for (int64_t c = 0; c < seen; ++c) {
-    if (c + PREFETCH_KEYS < seen) prefetch_row(vp + r.columns[c + PREFETCH_KEYS] * dim, B * 16);
-    const T* v = vp + r.columns[c] * dim;
-    for (int b = 0; b < B; ++b) {
-      const v16 value = load16(v + b * 16);
-      for (int g = 0; g < G; ++g) sum[g][b] += weights[g * seen + c] * value;
+// The outputs of R rows for their G heads in B blocks of 16 dimensions (vp and out at the first of them; out's row r at
+// rows[r].row): the values of the columns each row sees, in column order, weighted by its softmax numerators, then
+// divided by their sums (`inverse`, [R][G]).  The rows see the same cached columns (one row, or a draft's rows): each
+// cached value is read once for all of them while the R x G x B sums stay in registers, then each row goes on over its
+// own new columns.  A row's sums are added column by column in order whatever R is, so its output does not depend on
+// the rows it is summed with; reading the values once for a draft's rows made 12 rows' attention 12% faster
+// (docs/results/attention-rows-shared-xeon-smollm2-135m).
+template <int G, int R, int B, typename T>
+void sum_values(const QueryRow* rows, const float* inverse, const T* vp, int64_t dim, T* out, int64_t heads) {
+  const int64_t cached = rows[0].columns.cached, first_cached = rows[0].columns.first_cached;
+  v16 sum[R][G][B];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) {
+      for (int b = 0; b < B; ++b) sum[r][g][b] = v16{};
     }
   }
-  for (int g = 0; g < G; ++g) {
-    for (int b = 0; b < B; ++b) {
-      const v16 result = sum[g][b] * inverse[g];
-      for (int l = 0; l < 16; ++l) out[g * dim + b * 16 + l] = static_cast<T>(result[l]);
+  for (int64_t c = 0; c < cached; ++c) {
+    if (c + PREFETCH_KEYS < cached) prefetch_row(vp + (first_cached + c + PREFETCH_KEYS) * dim, B * 16);
+    const T* v = vp + (first_cached + c) * dim;
+    v16 value[B];
+    for (int b = 0; b < B; ++b) value[b] = load16(v + b * 16);
+    for (int r = 0; r < R; ++r) {
+      const float* weights = rows[r].weights.data() + c;
+      const int64_t seen = rows[r].columns.count();
+      for (int g = 0; g < G; ++g) {
+        for (int b = 0; b < B; ++b) sum[r][g][b] += weights[g * seen] * value[b];
+      }
     }
   }
+  for (int r = 0; r < R; ++r) {
+    const Columns& columns = rows[r].columns;
+    const float* weights = rows[r].weights.data();
+    const int64_t seen = columns.count();
+    for (int64_t c = cached; c < seen; ++c) {
+      const T* v = vp + columns[c] * dim;
+      for (int b = 0; b < B; ++b) {
+        const v16 value = load16(v + b * 16);
+        for (int g = 0; g < G; ++g) sum[r][g][b] += weights[g * seen + c] * value;
+      }
+    }
+    T* o = out + rows[r].row * heads * dim;
+    for (int g = 0; g < G; ++g) {
+      for (int b = 0; b < B; ++b) {
+        const v16 result = sum[r][g][b] * inverse[r * G + g];
+        for (int l = 0; l < 16; ++l) o[g * dim + b * 16 + l] = static_cast<T>(result[l]);
+      }
+    }
+  }
+}
+
+// sum_values over every block of a head's dimensions, as many blocks at once as keep R x G x B sums within 24 registers.
+template <int G, int R, typename T>
+void sum_values_all(const QueryRow* rows, const float* inverse, const T* vp, int64_t dim, T* out, int64_t heads) {
+  constexpr int B = R * G * 4 <= 24 ? 4 : R * G * 2 <= 24 ? 2 : 1;
+  int64_t first = 0;
+  for (; first + 16 * B <= dim; first += 16 * B) sum_values<G, R, B>(rows, inverse, vp + first, dim, out + first, heads);
+  for (; first < dim; first += 16) sum_values<G, R, 1>(rows, inverse, vp + first, dim, out + first, heads);
 }
 
 // The output of `rows` (one key head's G query heads each) over their columns: the scores of every row, tile by tile
@@ -185,24 +243,23 @@ void attend_rows(std::vector<QueryRow>& rows, int64_t g0, const T* kp, const T* 
       }
     }
   }
-  for (QueryRow& r : rows) {
-    const int64_t seen = r.columns.count();
-    float inverse[G];
-    for (int g = 0; g < G; ++g) inverse[g] = 1.f / softmax_numerators(r.weights.data() + g * seen, seen);
-    for (int64_t first = 0; first < dim; first += 64) {
-      switch (std::min<int64_t>(4, (dim - first) / 16)) {
-        case 4: sum_values<G, 4>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
-        case 3: sum_values<G, 3>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
-        case 2: sum_values<G, 2>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
-        default: sum_values<G, 1>(r, inverse, vp + first, dim, out + r.row * heads * dim + g0 * dim + first); break;
-      }
+  const int64_t count = static_cast<int64_t>(rows.size());
+  float inverse[ROWS_PER_ITEM * G];  // an item has at most ROWS_PER_ITEM rows
+  bool same_cached = true;
+  for (int64_t r = 0; r < count; ++r) {
+    const Columns& columns = rows[r].columns;
+    for (int g = 0; g < G; ++g) {
+      inverse[r * G + g] = 1.f / softmax_numerators(rows[r].weights.data() + g * columns.count(), columns.count());
     }
+    same_cached = same_cached && columns.cached == rows[0].columns.cached &&
+                  columns.first_cached == rows[0].columns.first_cached;  // a sliding window may cut rows apart
   }
+  out += g0 * dim;
+  if (same_cached && count == 4) return sum_values_all<G, 4>(rows.data(), inverse, vp, dim, out, heads);
+  if (same_cached && count == 3) return sum_values_all<G, 3>(rows.data(), inverse, vp, dim, out, heads);
+  if (same_cached && count == 2) return sum_values_all<G, 2>(rows.data(), inverse, vp, dim, out, heads);
+  for (int64_t r = 0; r < count; ++r) sum_values_all<G, 1>(&rows[r], &inverse[r * G], vp, dim, out, heads);
 }
-
-// Rows of one sequence attended together: their scores share each tile of keys (a draft's rows see the same cached
-// columns).  More rows than this are split between work items, so that one long draft spreads over the threads.
-constexpr int64_t ROWS_PER_ITEM = 4;
 
 // One work item: `rows` rows of sequence `sequence` from its row `first`, against key head `kv_head` (its query heads
 // all together), and what it costs: rows x the columns they see, about.
