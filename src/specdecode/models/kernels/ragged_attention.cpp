@@ -132,7 +132,7 @@ __attribute__((always_inline)) inline v16 column_lanes(const v16* q, const T* k)
 // weights: each score is q . k summed as before any change of this kernel's layout (lanes over the dimensions, the
 // dimensions' blocks in order, the lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.  Heads of 64
 // and 128 dimensions take a column at a time with q in registers (one key's pointer live, where the loop over any size
-// keeps sixteen: 8% faster at 12 rows, docs/results/attention-rows-shared-xeon-smollm2-135m); the sums are the same.
+// keeps sixteen: 9% faster at 12 rows, docs/results/attention-rows-shared-xeon-smollm2-135m); the sums are the same.
 template <typename T>
 __attribute__((always_inline)) inline void score_tile(const float* q, const T* kp, const Columns& columns, int64_t c0,
                                                       int64_t dim, float scaling, float* w) {
@@ -164,7 +164,7 @@ __attribute__((always_inline)) inline void score_tile(const float* q, const T* k
 // divided by their sums (`inverse`, [R][G]).  The rows see the same cached columns (one row, or a draft's rows): each
 // cached value is read once for all of them while the R x G x B sums stay in registers, then each row goes on over its
 // own new columns.  A row's sums are added column by column in order whatever R is, so its output does not depend on
-// the rows it is summed with; reading the values once for a draft's rows made 12 rows' attention 12% faster
+// the rows it is summed with; reading the values once for a draft's rows made 12 rows' attention 7% faster
 // (docs/results/attention-rows-shared-xeon-smollm2-135m).
 template <int G, int R, int B, typename T>
 void sum_values(const QueryRow* rows, const float* inverse, const T* vp, int64_t dim, T* out, int64_t heads) {
