@@ -209,12 +209,15 @@ void sum_values(const QueryRow* rows, const float* inverse, const T* vp, int64_t
   }
 }
 
-// sum_values over every block of a head's dimensions, as many blocks at once as keep R x G x B sums within 24 registers.
+// sum_values over every block of a head's dimensions, as many blocks at once as keep the R x G x B sums within 24
+// registers.
 template <int G, int R, typename T>
 void sum_values_all(const QueryRow* rows, const float* inverse, const T* vp, int64_t dim, T* out, int64_t heads) {
   constexpr int B = R * G * 4 <= 24 ? 4 : R * G * 2 <= 24 ? 2 : 1;
   int64_t first = 0;
-  for (; first + 16 * B <= dim; first += 16 * B) sum_values<G, R, B>(rows, inverse, vp + first, dim, out + first, heads);
+  for (; first + 16 * B <= dim; first += 16 * B) {
+    sum_values<G, R, B>(rows, inverse, vp + first, dim, out + first, heads);
+  }
   for (; first < dim; first += 16) sum_values<G, R, 1>(rows, inverse, vp + first, dim, out + first, heads);
 }
 
