@@ -73,8 +73,31 @@ def test_the_rotation_is_transformers_rotary_embedding():
     heads = q.view(1, 5, 4, 64).transpose(1, 2)
     expected, _ = apply_rotary_pos_emb(heads, heads, cos, sin)
     got = q.clone()
-    torch.ops.specdecode_layer.rotate_rows(got, cos[0].contiguous(), sin[0].contiguous(), 64)
+    torch.ops.specdecode_layer.rotate_rows(got, cos[0].contiguous(), sin[0].contiguous(), 64, got)
     assert torch.allclose(got.view(1, 5, 4, 64).transpose(1, 2), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_rows_rotate_bitwise_as_their_fp32_copies_do():
+    """A quantized layer's bf16 query and key products are rotated as read, into fp32: the bits of converting first."""
+    rotary = LlamaRotaryEmbedding(LlamaConfig(**SIZES))
+    cos, sin = (t[0].contiguous() for t in rotary(torch.empty(1, dtype=torch.float32), torch.tensor([[0, 9, 40]])))
+    q = rows(3, 4 * 64, seed=6).to(torch.bfloat16)
+    converted = q.float()
+    torch.ops.specdecode_layer.rotate_rows(converted, cos, sin, 64, converted)
+    direct = torch.empty(q.shape)
+    torch.ops.specdecode_layer.rotate_rows(q, cos, sin, 64, direct)
+    assert torch.equal(direct, converted)
+
+
+def test_the_norm_writes_bf16_bitwise_as_converting_its_fp32_result():
+    """Rows a quantized layer multiplies in bf16 come out of the norm in bf16, rounded as torch rounds the fp32 norm."""
+    weight = torch.randn(128, generator=torch.Generator().manual_seed(7))
+    x = rows(5, 128, seed=8, scale=3.0)
+    fp32 = torch.empty_like(x)
+    torch.ops.specdecode_layer.rms_norm_rows(x, weight, 1e-5, fp32)
+    bf16 = torch.empty(x.shape, dtype=torch.bfloat16)
+    torch.ops.specdecode_layer.rms_norm_rows(x, weight, 1e-5, bf16)
+    assert torch.equal(bf16.view(torch.int16), fp32.to(torch.bfloat16).view(torch.int16))
 
 
 def test_the_gated_activation_is_silu_times_up_at_any_magnitude():

@@ -9,10 +9,12 @@ faster (``docs/results/layer-ops-smollm2-135m``); bf16 on a Xeon with AMX, 29.3 
 layout, int8, int4; not w4a8, whose target step, :mod:`specdecode.models.target_step`, reproduces the modules' bits),
 :func:`install_layer_forward` gives the layer a forward that multiplies through its projections directly and does the
 norms, the rotary embedding and the gated activation in one call each (``kernels/layer_ops.cpp``); the attention is the
-model's own attention function, called as transformers calls it.  Quantized projections multiply bf16 rows: a norm's
-rows are converted once for the projections that read them, and the gate and up products stay bf16 through the
-activation into the down projection, six conversions a layer fewer than each projection's own ``forward`` makes, which
-cost more the more rows a forward has (``docs/results/layer-ops-amx-smollm2-135m``, second run).
+model's own attention function, called as transformers calls it.  Quantized projections multiply bf16 rows: a norm
+writes its rows in bf16 for the projections that read them, the gate and up products stay bf16 through the activation
+into the down projection, the query and key products are rotated as they come (bf16 read, fp32 written) and the
+attention's and the MLP's outputs are added to the residual as they come: ten conversions a layer fewer than each
+projection's own ``forward`` makes, which cost more the more rows a forward has
+(``docs/results/layer-ops-amx-smollm2-135m``, second run).
 
 Numerics: the layer computes what transformers' does up to rounding (tests compare them), and it is the layer's only
 forward from then on, alone or in a batch, for plain decoding and every drafter's verification alike, so outputs stay
@@ -104,6 +106,10 @@ class LayerForward:
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
         self.projections = tuple(_module(layer, path) for path in PROJECTIONS)
+        q_proj, k_proj, v_proj, _, gate_proj, up_proj, _ = self.projections
+        # What each norm writes: the dtype every projection reading it multiplies, so none converts its rows.
+        self.attention_rows = _common_input_dtype((q_proj, k_proj, v_proj))
+        self.mlp_rows = _common_input_dtype((gate_proj, up_proj))
 
     def intact(self) -> bool:
         """No projection replaced since (an adapter wrapping one, the fast path removed)."""
@@ -140,13 +146,12 @@ class LayerForward:
         batch, count, width = hidden_states.shape
         rows, dim = batch * count, attention.head_dim
         residual = hidden_states.reshape(rows, width).contiguous()
-        normed = _norm(residual, layer.input_layernorm)
-        query, key, value = _project((q_proj, k_proj, v_proj), normed)
+        normed = _norm(residual, layer.input_layernorm, self.attention_rows)
+        query, key, value = _products((q_proj, k_proj, v_proj), normed)
         cos, sin = position_embeddings
         cos_rows = cos.expand(batch, count, dim).reshape(rows, dim).contiguous()
         sin_rows = sin.expand(batch, count, dim).reshape(rows, dim).contiguous()
-        torch.ops.specdecode_layer.rotate_rows(query, cos_rows, sin_rows, dim)
-        torch.ops.specdecode_layer.rotate_rows(key, cos_rows, sin_rows, dim)
+        query, key, value = _rotate(query, cos_rows, sin_rows, dim), _rotate(key, cos_rows, sin_rows, dim), value.float()
         query = query.view(batch, count, -1, dim).transpose(1, 2)
         key = key.view(batch, count, -1, dim).transpose(1, 2)
         value = value.view(batch, count, -1, dim).transpose(1, 2)
@@ -167,12 +172,13 @@ class LayerForward:
             use_cache=use_cache,
             **kwargs,
         )
-        hidden = residual + o_proj.forward(attended.reshape(rows, -1).contiguous())
-        normed = _norm(hidden, layer.post_attention_layernorm)
+        # A product is added in the dtype it comes in: fp32 + bf16 is the sum of its fp32 copy, without the copy.
+        hidden = residual + _products((o_proj,), attended.reshape(rows, -1).contiguous())[0]
+        normed = _norm(hidden, layer.post_attention_layernorm, self.mlp_rows)
         gate, up = _products((gate_proj, up_proj), normed)
         activated = torch.empty(gate.shape, dtype=_input_dtype(down_proj))
         torch.ops.specdecode_layer.silu_mul(gate, up, activated)
-        hidden = hidden + _project((down_proj,), activated)[0]
+        hidden = hidden + _products((down_proj,), activated)[0]
         return hidden.view(batch, count, width)
 
 
@@ -195,9 +201,12 @@ def _products(projections: tuple[nn.Module, ...], rows: torch.Tensor) -> list[to
     return outs
 
 
-def _project(projections: tuple[nn.Module, ...], rows: torch.Tensor) -> list[torch.Tensor]:
-    """Each projection of ``rows`` with its bias, in fp32, as its ``forward`` gives it: ``_products`` converted."""
-    return [out.float() for out in _products(projections, rows)]
+def _rotate(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """``rows``' heads rotated, in fp32: in place where they are fp32, else read as they are (a quantized layer's bf16
+    product) and written to a new fp32 tensor."""
+    out = rows if rows.dtype == torch.float32 else torch.empty(rows.shape)
+    torch.ops.specdecode_layer.rotate_rows(rows, cos, sin, dim, out)
+    return out
 
 
 def _input_dtype(projection: nn.Module) -> torch.dtype:
@@ -205,8 +214,15 @@ def _input_dtype(projection: nn.Module) -> torch.dtype:
     return projection.input_dtype if isinstance(projection, QuantizedLinear) else torch.float32
 
 
-def _norm(rows: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    out = torch.empty_like(rows)
+def _common_input_dtype(projections: tuple[nn.Module, ...]) -> torch.dtype:
+    """The dtype all of ``projections`` multiply (bf16 for quantized layers), fp32 where they differ."""
+    dtypes = {_input_dtype(projection) for projection in projections}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+def _norm(rows: torch.Tensor, norm: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The norm of fp32 ``rows``, computed in fp32, written in ``dtype`` (fp32, or bf16 rounded as torch rounds)."""
+    out = torch.empty(rows.shape, dtype=dtype)
     torch.ops.specdecode_layer.rms_norm_rows(rows, norm.weight.detach(), norm.variance_epsilon, out)
     return out
 

@@ -1,4 +1,4 @@
-// The elementwise steps of a Llama-shaped decoder layer in fp32, one call each for every row of a forward
+// The elementwise steps of a Llama-shaped decoder layer, computed in fp32, one call each for every row of a forward
 // (specdecode/models/layer_forward.py says where they are used).
 //
 // Why: around its products and its attention, a layer of transformers' modules makes some forty small torch calls
@@ -26,18 +26,22 @@ using namespace specdecode;
 // Rows of work per thread below which a call stays on one thread: waking the other costs more than a few rows.
 constexpr int64_t ROWS_PER_THREAD = 8;
 
-// out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row of x [rows, width] (width a whole number of
-// vectors).
-void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "rms_norm_rows takes float32");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "bad layout");
+// The elements of a float32 or bfloat16 tensor, as the vector functions of vec.h take them.
+template <typename T>
+auto* elements(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+  }
+}
+
+template <typename Out>
+void rms_norm_rows_as(const at::Tensor& x, const at::Tensor& weight, float epsilon, at::Tensor& out) {
   const int64_t rows = x.size(0), width = x.size(1);
-  TORCH_CHECK(width % LANES == 0 && weight.numel() == width && out.sizes() == x.sizes(), "bad sizes");
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float epsilon = static_cast<float>(eps);
+  auto* op = elements<Out>(out);
   at::parallel_for(0, rows, ROWS_PER_THREAD, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * width;
@@ -54,17 +58,27 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
   });
 }
 
-// The rotary embedding of every head of every row of x [rows, heads * dim], in place: with h = dim / 2, x[i] becomes
-// x[i] cos[i] - x[i + h] sin[i] and x[i + h] becomes x[i + h] cos[i + h] + x[i] sin[i + h] (transformers'
-// q * cos + rotate_half(q) * sin); cos and sin [rows, dim].
-void rotate_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t dim) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "rotate_rows takes float32");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(), "bad layout");
+// out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)) for every row of x [rows, width] (width a whole number of
+// vectors), computed in fp32; out float32, or bfloat16 for products that read bf16 rows (each number rounded as torch
+// rounds the fp32 result: the same bits as converting it after an fp32 call, one pass fewer over the rows).
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm_rows reads float32");
+  TORCH_CHECK(out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16, "out is float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && weight.is_contiguous(), "bad layout");
+  TORCH_CHECK(x.size(1) % LANES == 0 && weight.numel() == x.size(1) && out.sizes() == x.sizes(), "bad sizes");
+  const float epsilon = static_cast<float>(eps);
+  if (out.scalar_type() == at::kFloat) {
+    rms_norm_rows_as<float>(x, weight, epsilon, out);
+  } else {
+    rms_norm_rows_as<at::BFloat16>(x, weight, epsilon, out);
+  }
+}
+
+template <typename In>
+void rotate_rows_as(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t dim, at::Tensor& out) {
   const int64_t rows = x.size(0), heads = x.size(1) / dim, half = dim / 2;
-  TORCH_CHECK(heads * dim == x.size(1) && half % LANES == 0, "bad head size");
-  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "bad sizes");
-  float* xp = x.data_ptr<float>();
+  const auto* xp = elements<In>(x);
+  float* op = out.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   at::parallel_for(0, rows, ROWS_PER_THREAD, [&](int64_t begin, int64_t end) {
@@ -72,24 +86,36 @@ void rotate_rows(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int
       const float* c = cp + r * dim;
       const float* s = sp + r * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        float* head = xp + (r * heads + h) * dim;
+        const auto* head = xp + (r * heads + h) * dim;
+        float* rotated = op + (r * heads + h) * dim;
         for (int64_t i = 0; i < half; i += LANES) {
           const vec first = load(head + i), second = load(head + half + i);
-          store(head + i, first * load(c + i) - second * load(s + i));
-          store(head + half + i, second * load(c + half + i) + first * load(s + half + i));
+          store(rotated + i, first * load(c + i) - second * load(s + i));
+          store(rotated + half + i, second * load(c + half + i) + first * load(s + half + i));
         }
       }
     }
   });
 }
 
-// The elements of a float32 or bfloat16 tensor, as the vector functions of vec.h take them.
-template <typename T>
-auto* elements(const at::Tensor& t) {
-  if constexpr (std::is_same_v<T, float>) {
-    return t.data_ptr<float>();
+// The rotary embedding of every head of every row of x [rows, heads * dim] into out (float32, x's shape; x itself
+// where x is float32): with h = dim / 2, x[i] becomes x[i] cos[i] - x[i + h] sin[i] and x[i + h] becomes
+// x[i + h] cos[i + h] + x[i] sin[i + h] (transformers' q * cos + rotate_half(q) * sin); cos and sin [rows, dim].  x
+// float32, or bfloat16 as a quantized layer's product gives it (a bf16 number is exact in fp32: the same bits as
+// converting it first, one pass fewer).
+void rotate_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t dim, at::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rotate_rows reads float32 or bf16");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotate_rows writes float32");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "bad layout");
+  const int64_t rows = x.size(0), heads = x.size(1) / dim, half = dim / 2;
+  TORCH_CHECK(heads * dim == x.size(1) && half % LANES == 0 && out.sizes() == x.sizes(), "bad head size");
+  TORCH_CHECK(cos.numel() == rows * dim && sin.numel() == rows * dim, "bad sizes");
+  if (x.scalar_type() == at::kFloat) {
+    rotate_rows_as<float>(x, cos, sin, dim, out);
   } else {
-    return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+    rotate_rows_as<at::BFloat16>(x, cos, sin, dim, out);
   }
 }
 
@@ -133,7 +159,7 @@ void silu_mul(const at::Tensor& gate, const at::Tensor& up, at::Tensor out) {
 TORCH_LIBRARY(specdecode_layer, m) {
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.impl("rms_norm_rows", c10::DispatchKey::CPU, TORCH_FN(rms_norm_rows));
-  m.def("rotate_rows(Tensor(a!) x, Tensor cos, Tensor sin, int dim) -> ()");
+  m.def("rotate_rows(Tensor x, Tensor cos, Tensor sin, int dim, Tensor(a!) out) -> ()");
   m.impl("rotate_rows", c10::DispatchKey::CPU, TORCH_FN(rotate_rows));
   m.def("silu_mul(Tensor gate, Tensor up, Tensor(a!) out) -> ()");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
