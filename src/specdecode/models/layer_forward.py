@@ -12,9 +12,10 @@ norms, the rotary embedding and the gated activation in one call each (``kernels
 model's own attention function, called as transformers calls it.  Quantized projections multiply bf16 rows: a norm
 writes its rows in bf16 for the projections that read them, the gate and up products stay bf16 through the activation
 into the down projection, the query and key products are rotated as they come (bf16 read, fp32 written) and the
-attention's and the MLP's outputs are added to the residual as they come: ten conversions a layer fewer than each
-projection's own ``forward`` makes, which cost more the more rows a forward has
-(``docs/results/layer-ops-amx-smollm2-135m``, second run).
+attention's and the MLP's outputs are added to the residual as they come.  That leaves two conversions a layer (the
+value to fp32 for the cache, the attention's output to bf16) of the fourteen the projections' own ``forward`` calls
+make, and conversions cost more the more rows a forward has (``docs/results/layer-ops-amx-smollm2-135m``, second
+run); each number is the same as through the conversions (a bf16 number is exact in fp32; the norm rounds as torch).
 
 Numerics: the layer computes what transformers' does up to rounding (tests compare them), and it is the layer's only
 forward from then on, alone or in a batch, for plain decoding and every drafter's verification alike, so outputs stay
@@ -151,7 +152,8 @@ class LayerForward:
         cos, sin = position_embeddings
         cos_rows = cos.expand(batch, count, dim).reshape(rows, dim).contiguous()
         sin_rows = sin.expand(batch, count, dim).reshape(rows, dim).contiguous()
-        query, key, value = _rotate(query, cos_rows, sin_rows, dim), _rotate(key, cos_rows, sin_rows, dim), value.float()
+        query, key = _rotate(query, cos_rows, sin_rows, dim), _rotate(key, cos_rows, sin_rows, dim)
+        value = value.float()
         query = query.view(batch, count, -1, dim).transpose(1, 2)
         key = key.view(batch, count, -1, dim).transpose(1, 2)
         value = value.view(batch, count, -1, dim).transpose(1, 2)
