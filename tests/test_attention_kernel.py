@@ -94,11 +94,12 @@ def test_broken_control_sdpa_gives_a_chain_row_other_bits_than_alone(monkeypatch
     assert not rows_alone_equal_rows_in_a_chain(kernel=False, monkeypatch=monkeypatch)
 
 
-def test_a_chain_row_gets_the_same_bits_in_chains_of_any_length_on_any_thread_count():
-    """The kernel cuts a call's rows into work items by their count and splits the items between the threads by
-    cost: neither may change a row's bits."""
-    keys, values = storage()
-    query = torch.randn(1, HEADS, 12, DIM, generator=torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chain_row_gets_the_same_bits_in_chains_of_any_length_on_any_thread_count(dtype):
+    """The kernel cuts a call's rows into work items by their count, splits the items between the threads by cost and
+    sums the values of an item's rows together: none of it may change a row's bits."""
+    keys, values = storage(dtype)
+    query = torch.randn(1, HEADS, 12, DIM, generator=torch.Generator().manual_seed(4)).to(dtype)
     threads = torch.get_num_threads()
     try:
         outputs = []
