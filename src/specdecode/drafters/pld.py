@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specdecode.drafters import register_drafter
 from specdecode.drafters.base import Drafter, DraftRequest, DraftSession, StatelessSession
@@ -22,37 +21,53 @@ if TYPE_CHECKING:
 
 #: How far back a match is followed when choosing among occurrences and judging it.
 MAX_MATCH = 16
+#: Occurrences of the last token beyond which a match is searched with numpy (a list's search, a few hundred
+#: nanoseconds an occurrence, beats converting the context to an array for the few a chat's last token has).
+MANY_OCCURRENCES = 64
 
 
-def lookup_continuation(context: list[int] | np.ndarray, ngram: int, max_tokens: int) -> tuple[list[int], int]:
-    """Tokens that followed the earlier occurrence of the last ``ngram`` tokens whose match extends furthest
-    back (up to ``MAX_MATCH`` tokens; the most recent among equals), and how long that match is (0: none).
+def longest_match(tokens: list[int], shortest: int = 1) -> tuple[int, int]:
+    """The earlier occurrence of the context's last tokens that matches furthest back: the position where it ends
+    (it is followed by at least one token) and how many tokens it matches (up to ``MAX_MATCH``; the most recent
+    among equals), or (-1, 0) where none matches ``shortest`` tokens or more.
 
-    A match that goes on for 8 tokens before the n-gram is a copy in progress; one of exactly the n-gram
-    is as often a coincidence, so the longer one is both the better source and the surer draft."""
-    tokens = np.asarray(context, dtype=np.int64)
-    if max_tokens <= 0 or len(tokens) <= ngram:
-        return [], 0
-    pattern = tokens[-ngram:]
-    # Windows over tokens[:-1] start at most at len-1-ngram, so the suffix never matches itself and
-    # every match is followed by at least one token.
-    windows = sliding_window_view(tokens[:-1], ngram)
-    starts = np.flatnonzero((windows == pattern).all(axis=1))
-    if len(starts) == 0:
-        return [], 0
-    lengths = np.full(len(starts), ngram)
-    alive = np.ones(len(starts), dtype=bool)
-    for back in range(1, MAX_MATCH - ngram + 1):
-        before = starts - back
-        alive &= before >= 0
-        # Every occurrence starts before the suffix does: while one can still go back, so can the suffix.
+    A match that goes on for 8 tokens is a copy in progress; one of a single token is as often a coincidence, so
+    the longer one is both the better source and the surer draft.  Each occurrence of the last token is followed
+    back once: Python's ``list.index`` finds them, and a context whose last token occurs more than
+    ``MANY_OCCURRENCES`` times (a long one) is matched with numpy instead, each way with the same result."""
+    last, stop = tokens[-1], len(tokens) - 1
+    if tokens.count(last) > MANY_OCCURRENCES:
+        return _longest_match_vectorised(np.asarray(tokens, dtype=np.int64), shortest)
+    best_end, best_length, end = -1, 0, -1
+    while True:
+        try:
+            end = tokens.index(last, end + 1, stop)
+        except ValueError:
+            break
+        length = 1
+        while length < MAX_MATCH and length <= end and tokens[end - length] == tokens[stop - length]:
+            length += 1
+        if length >= best_length:
+            best_end, best_length = end, length
+    return (best_end, best_length) if best_length >= shortest else (-1, 0)
+
+
+def _longest_match_vectorised(tokens: np.ndarray, shortest: int) -> tuple[int, int]:
+    """:func:`longest_match` of a numpy context: every occurrence followed back together, a token at a time."""
+    stop = len(tokens) - 1
+    ends = np.flatnonzero(tokens[:stop] == tokens[stop])
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, MAX_MATCH):
+        alive &= ends >= back
         if not alive.any():
             break
-        alive &= tokens[np.maximum(before, 0)] == tokens[len(tokens) - ngram - back]
+        alive &= tokens[np.maximum(ends - back, 0)] == tokens[stop - back]
         lengths += alive
+    if len(ends) == 0 or lengths.max() < shortest:
+        return -1, 0
     best = int(np.flatnonzero(lengths == lengths.max())[-1])
-    begin = int(starts[best]) + ngram
-    return tokens[begin : begin + max_tokens].tolist(), int(lengths[best])
+    return int(ends[best]), int(lengths[best])
 
 
 def match_confidence(match_length: int) -> float:
@@ -72,16 +87,19 @@ def match_confidence(match_length: int) -> float:
 
 
 def prompt_lookup(
-    context: list[int] | np.ndarray, max_tokens: int, ngram_sizes: Sequence[int] = (3, 2, 1)
+    context: Sequence[int] | np.ndarray, max_tokens: int, ngram_sizes: Sequence[int] = (3, 2, 1)
 ) -> tuple[list[int], float]:
-    """Prompt lookup's draft: the continuation of the longest n-gram (``ngram_sizes``, tried in order) that
-    occurred before, and the confidence in each of its tokens ([] and 0.0: no match)."""
-    tokens = np.asarray(context, dtype=np.int64)
-    for ngram in ngram_sizes:
-        continuation, match_length = lookup_continuation(tokens, ngram, max_tokens)
-        if continuation:
-            return continuation, match_confidence(match_length)
-    return [], 0.0
+    """Prompt lookup's draft: what followed the earlier occurrence of the context's last n tokens (n one of
+    ``ngram_sizes``) that matches furthest back (:func:`longest_match`), and the confidence in each of its tokens
+    ([] and 0.0: no match).  Every occurrence of a longer n-gram is one of each shorter one, so the furthest match
+    over the sizes is the one a search of the longest size first, then shorter ones, finds."""
+    tokens = context if isinstance(context, list) else np.asarray(context).tolist()
+    if max_tokens <= 0 or not tokens or not ngram_sizes:
+        return [], 0.0
+    end, match_length = longest_match(tokens, min(ngram_sizes))
+    if end < 0:
+        return [], 0.0
+    return tokens[end + 1 : end + 1 + max_tokens], match_confidence(match_length)
 
 
 @register_drafter("pld")
