@@ -48,9 +48,13 @@ def load(blocks: str):
 
 generators = {blocks: load(blocks) for blocks in ("fp32", "int8", "w4a8")}
 generators["plain"] = specdecode.load("smollm2-135m", "none", quantize="bf16", max_new_tokens=96)
-kernels = {name: type(g.drafter.heads.blocks[0].layers[0]).__name__ for name, g in generators.items() if name != "plain"}
+kernels = {
+    name: type(g.drafter.heads.blocks[0].layers[0]).__name__ for name, g in generators.items() if name != "plain"
+}
 first = generators["plain"]
-prompts = [first.encode_prompt(p.text, chat=True) for task in load_tasks(("mt-bench", "sharegpt"), 8) for p in task.prompts]
+prompts = [
+    first.encode_prompt(p.text, chat=True) for task in load_tasks(("mt-bench", "sharegpt"), 8) for p in task.prompts
+]
 for generator in generators.values():
     generator.generate(prompts[0])  # warm: kernels built, cost curve measured
 drafting.clear()
