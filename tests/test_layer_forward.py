@@ -217,9 +217,9 @@ def test_quantized_layers_take_it_and_compute_their_modules_logits(mode):
     ids = torch.tensor([[1, 5, 9, 33, 70, 7, 150, 4]])
     with torch.inference_mode():
         got, expected = fast(ids).logits, reference(ids).logits
-    # Up to rounding: the rotation rounds its sum of products once where transformers' rounds each (an fp32 unit in
-    # the last place of a query or key), which can move a bf16 product downstream by a bf16 unit, and the logits by
-    # about one at their own scale.
+    # Up to rounding: the rotation fuses one of its two products into the sum, a rounding fewer than transformers'
+    # (an fp32 unit in the last place of a query or key), which can move a bf16 product downstream by a bf16 unit,
+    # and the logits by about one at their own scale.
     bf16_unit = expected.abs().max() * 2**-7
     assert torch.allclose(got, expected, atol=bf16_unit.item(), rtol=0)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
