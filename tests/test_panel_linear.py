@@ -16,7 +16,7 @@ def weights(out: int = 80, inner: int = 90) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(out, inner, generator=generator), torch.randn(out, generator=generator)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 13, 17, 25, 40])
 def test_the_product_is_torchs_to_float_noise(rows):
     weight, bias = weights()
     x = torch.randn(rows, weight.shape[1])
@@ -24,7 +24,7 @@ def test_the_product_is_torchs_to_float_noise(rows):
     assert torch.allclose(got, torch.nn.functional.linear(x, weight, bias), atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 8, 11, 40])
+@pytest.mark.parametrize("rows", [2, 3, 8, 11, 12, 13, 25, 40])
 def test_each_row_gets_bitwise_what_it_gets_alone(rows):
     weight, bias = weights()
     panels = pack_panels(weight)

@@ -467,11 +467,11 @@ def test_the_bf16_panel_kernel_multiplies_each_row_alone_as_bf16_products_in_fp3
     assert torch.equal(cpu_kernels.unpack_bf16_panels(panels), weight.to(torch.bfloat16))
     layer = Bf16Linear(nn.Linear(160, 48), tied=False)
     assert layer.bf16_panels is not None and layer.packed is None and layer.kernel_build == "bf16 panels"
-    rows = torch.randn(19, 160).to(torch.bfloat16)
+    rows = torch.randn(37, 160).to(torch.bfloat16)
     product = cpu_kernels.bf16_panel_linear(rows, panels)
     reference = rows.double() @ weight.to(torch.bfloat16).double().T
     assert product.dtype == torch.float32 and torch.allclose(product.double(), reference, rtol=0, atol=1e-5)
-    for count in (1, 2, 7, 8, 9, 16, 19):  # every tile height and a remainder
+    for count in (*range(1, 14), 16, 19, 25, 37):  # every tile height, and rows cut into two and three blocks
         assert torch.equal(cpu_kernels.bf16_panel_linear(rows[:count], panels), product[:count])
     assert torch.equal(cpu_kernels.bf16_panel_linear(rows[5:6], panels), product[5:6])
 

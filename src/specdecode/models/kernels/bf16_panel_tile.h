@@ -19,7 +19,10 @@
 
 namespace specdecode {
 
-constexpr int BF16_ROW_BLOCK = 8;  // 8 rows x 2 panels of sums, as the fp32 tile
+// Most rows a tile takes: 12 rows x 2 panels of sums, the two panels' weights and an input in 27 of the 32 vector
+// registers.  Rows are cut into blocks as even as possible: a block reads its panels once, and a block of a few rows
+// waits on its sums' chains (a tail of one row after 8 made 9 rows' products 19% dearer than 8's).
+constexpr int BF16_ROW_BLOCK = 12;
 
 // Rows [0, R) of x (bf16 pairs, [R, half]) times bf16 panels [panel, panel + G) ([panels, half, 16] pairs) into out
 // (row stride `channels`).
@@ -51,8 +54,9 @@ BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t 
 template <int G>
 BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels,
                                   int64_t panel, float* out) {
-  for (int64_t r = 0; r < rows; r += BF16_ROW_BLOCK) {
-    const int64_t block = rows - r < BF16_ROW_BLOCK ? rows - r : BF16_ROW_BLOCK;
+  const int64_t blocks = (rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r = b * rows / blocks, block = (b + 1) * rows / blocks - r;
     const uint32_t* xr = x + r * half;
     float* o = out + r * channels;
     switch (block) {
@@ -63,7 +67,11 @@ BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_
       case 5: bf16_tile<5, G>(xr, w, half, channels, panel, o); break;
       case 6: bf16_tile<6, G>(xr, w, half, channels, panel, o); break;
       case 7: bf16_tile<7, G>(xr, w, half, channels, panel, o); break;
-      default: bf16_tile<8, G>(xr, w, half, channels, panel, o); break;
+      case 8: bf16_tile<8, G>(xr, w, half, channels, panel, o); break;
+      case 9: bf16_tile<9, G>(xr, w, half, channels, panel, o); break;
+      case 10: bf16_tile<10, G>(xr, w, half, channels, panel, o); break;
+      case 11: bf16_tile<11, G>(xr, w, half, channels, panel, o); break;
+      default: bf16_tile<12, G>(xr, w, half, channels, panel, o); break;
     }
   }
 }

@@ -1,0 +1,149 @@
+"""Time a model's whole forwards with a base commit's panel products against this tree's, in one process, alternated.
+
+The products: ``kernels/panel_linear.cpp`` (fp32), ``kernels/bf16_panel_linear.cpp`` and the tiles they include.
+
+The base commit's two product sources and the headers they include are built as a second extension whose operators
+take other names; each forward then calls this tree's or the base's, which give the same bits (each output one chain
+of products in input order), so only the time differs.  A model is loaded with ``--quantize``, ``--context`` tokens
+cached, and forwards of each row count in ``--rows`` are timed (10 a round, the cache cropped back after each) in
+``--rounds`` rounds that alternate the two builds; the median round of each.
+
+    python tools/compare_panel_kernels.py --base HEAD~1 --model smollm2-135m --quantize bf16 \\
+        --out docs/results/DIR/forwards.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from specdecode.machine import cpu_name
+from specdecode.models import cpu_kernels
+from specdecode.models.loading import load_model
+
+KERNELS = "src/specdecode/models/kernels"
+#: What the base build is made of: each product, its namespace, and the headers they include.
+PRODUCTS = {"bf16_panel_linear.cpp": "specdecode_bf16", "panel_linear.cpp": "specdecode_linear"}
+HEADERS = ("panel_tile.h", "bf16_panel_tile.h", "vec.h", "vector16.h")
+OPERATORS = {"specdecode_bf16": "bf16_panel_linear", "specdecode_linear": "panel_linear"}
+
+
+def build_base(commit: str, directory: Path) -> None:
+    """The base commit's products as an extension whose namespaces are prefixed ``base_``."""
+    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip())
+    for name in (*PRODUCTS, *HEADERS):
+        text = subprocess.run(
+            ["git", "show", f"{commit}:{KERNELS}/{name}"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout
+        for namespace in PRODUCTS.values():
+            text = text.replace(f"TORCH_LIBRARY({namespace},", f"TORCH_LIBRARY(base_{namespace},")
+        (directory / name).write_text(text)
+    isa = str(torch.backends.cpu.get_cpu_capability())
+    load(
+        name=f"base_panel_products_{isa.lower()}",
+        sources=[str(directory / name) for name in PRODUCTS],
+        extra_cflags=["-O3", "-fopenmp", *cpu_kernels.ISA_FLAGS.get(isa, ())],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(directory)],
+        build_directory=str(directory),
+        is_python_module=False,
+    )
+
+
+class Builds:
+    """Routes the products' operators to this tree's build or the base's."""
+
+    def __init__(self) -> None:
+        self.base = False
+        for namespace, operator in OPERATORS.items():
+            ours = getattr(getattr(torch.ops, namespace), operator)
+            theirs = getattr(getattr(torch.ops, f"base_{namespace}"), operator)
+            setattr(getattr(torch.ops, namespace), operator, self._route(ours, theirs))
+
+    def _route(self, ours, theirs):
+        return lambda *args: (theirs if self.base else ours)(*args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the commit whose products to compare against")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantize", default="bf16", help="the target's weights, as --quantize")
+    parser.add_argument("--rows", default="1,4,6,8,9,10,11,12,14,16")
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if not cpu_kernels.cpu_kernels_built():
+        raise SystemExit("the CPU kernels are not built here: nothing to compare")
+    rows_list = [int(rows) for rows in args.rows.split(",")]
+    with tempfile.TemporaryDirectory() as directory:
+        build_base(args.base, Path(directory))
+        builds = Builds()
+        target = load_model(args.model, quantize=args.quantize)
+        backend = target.backend
+        ids = torch.randint(100, 1000, (args.context + max(rows_list),), generator=torch.Generator().manual_seed(0))
+        cache = backend.new_cache()
+        backend.forward(ids[: args.context], cache)
+        widest = ids[args.context : args.context + max(rows_list)]
+        logits = {}
+        for base in (False, True):
+            builds.base = base
+            logits[base] = backend.forward(widest, cache).logits
+            cache.crop(args.context)
+        if not torch.equal(logits[False], logits[True]):
+            raise SystemExit("the two builds' logits differ: their products do not sum alike")
+        times: dict[tuple[int, bool], list[float]] = {}
+        for _ in range(args.rounds):
+            for rows in rows_list:
+                for base in (False, True):
+                    builds.base = base
+                    new = ids[args.context : args.context + rows]
+                    backend.forward(new, cache)
+                    cache.crop(args.context)
+                    started = time.perf_counter()
+                    for _ in range(10):
+                        backend.forward(new, cache)
+                        cache.crop(args.context)
+                    times.setdefault((rows, base), []).append((time.perf_counter() - started) / 10 * 1000)
+    median = {key: statistics.median(values) for key, values in times.items()}
+    measured = []
+    for rows in rows_list:
+        base_ms, ours_ms = median[(rows, True)], median[(rows, False)]
+        measured.append(
+            {
+                "rows": rows,
+                "base_ms": round(base_ms, 3),
+                "ours_ms": round(ours_ms, 3),
+                "base_relative": round(base_ms / median[(rows_list[0], True)], 3),
+                "ours_relative": round(ours_ms / median[(rows_list[0], False)], 3),
+                "ours_over_base": round(ours_ms / base_ms, 3),
+            }
+        )
+        print(measured[-1], flush=True)
+    record = {
+        "model": args.model,
+        "quantize": args.quantize,
+        "base": args.base,
+        "context_tokens": args.context,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "capability": str(torch.backends.cpu.get_cpu_capability()),
+        "cpu": cpu_name(),
+        "logits_equal": True,
+        "rows": measured,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
