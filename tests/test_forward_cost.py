@@ -80,7 +80,7 @@ def test_monotone_fit_keeps_a_staircase_and_pools_only_what_decreases():
 
 
 def test_a_measured_curve_is_kept_on_disk_for_the_next_process_on_this_machine(tmp_path, monkeypatch):
-    """Another backend of the same structure reads the curve instead of 48 forwards; another thread count,
+    """Another backend of the same structure reads the curve instead of measuring it; another thread count,
     another structure or an unreadable file measures again."""
     import torch
 

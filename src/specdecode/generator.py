@@ -125,8 +125,8 @@ class SpeculativeGenerator:
 
     def warm_up(self, drafters: Iterable[Drafter] = ()) -> float:
         """Measure now what the first request would otherwise wait for: the target's verification cost
-        curve, which ``auto`` (the default draft length) needs for a drafter that drafts — 48 forwards,
-        4 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model — and a draft
+        curve, which ``auto`` (the default draft length) needs for a drafter that drafts — 112 forwards,
+        2-3 s for SmolLM2-135M and more for larger models on a 2-core CPU, once per loaded model — and a draft
         model's token and its reading of a prompt (``Drafter.draft_token_seconds``, ``reading_cost``: a second or
         two), and a self-drafter's agreement with the target (``Drafter.acceptance_prior``: two forwards over a
         built-in text, 1 s on SmolLM2, 8 s on Qwen2.5-1.5B in w4a8 with building its draft head).  A server calls

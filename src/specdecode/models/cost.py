@@ -106,6 +106,10 @@ def fastest_forwards(
 
 #: The context the draft-length cost model's curve is measured after: the short prompts most requests have.
 CURVE_CONTEXT_TOKENS = 128
+#: Timed rounds a curve takes the fastest of, per width.  Trees are sized by the curve, and two rounds spread it widely on
+#: a shared 2-core VM: four curves of SmolLM2 in bf16, one after another, put 16 inputs at 1.18-1.76 one-input forwards
+#: and 9 at 1.07-1.39; six rounds at 1.32-1.65 and 1.12-1.28 (docs/results/panel-row-blocks-epyc-smollm2-135m).
+CURVE_REPEATS = 6
 #: From this context on, a sequence's verification is priced with curves measured at long contexts
 #: (:class:`VerificationCosts`): below it the curve after ``CURVE_CONTEXT_TOKENS`` tokens differs little (attention
 #: over a thousand keys is a small part of a forward: 5 inputs cost 1.09x one after 128 tokens and 1.15x after 1,024 on
@@ -142,7 +146,7 @@ def monotone_fit(values: list[float]) -> list[float]:
 
 
 def relative_cost_curve(
-    backend: CausalLM, widths: int = 16, repeats: int = 2, context_tokens: int = CURVE_CONTEXT_TOKENS
+    backend: CausalLM, widths: int = 16, repeats: int = CURVE_REPEATS, context_tokens: int = CURVE_CONTEXT_TOKENS
 ) -> tuple[float, ...] | None:
     """``t(w) / t(1)`` for w = 1..widths after ``context_tokens`` cached tokens (at most the model's context less
     ``widths``), measured once per machine, model structure and context: cached per loaded backend, and on disk
@@ -299,7 +303,7 @@ def _fastest_with_and_without_copies(
 
 # --------------------------------------------------------------------------------------------------------
 # The curves on disk: a shape depends on the machine and the model's structure, not on the process, and measuring
-# one takes 48 forwards, seconds on a CPU -- more than a short `specdecode generate` decodes.  Delete the file to
+# one takes 112 forwards, seconds on a CPU -- more than a short `specdecode generate` decodes.  Delete the file to
 # measure again.
 
 

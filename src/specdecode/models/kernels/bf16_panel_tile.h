@@ -21,7 +21,8 @@ namespace specdecode {
 
 // Most rows a tile takes: 12 rows x 2 panels of sums, the two panels' weights and an input in 27 of the 32 vector
 // registers.  Rows are cut into blocks as even as possible: a block reads its panels once, and a block of a few rows
-// waits on its sums' chains (a tail of one row after 8 made 9 rows' products 19% dearer than 8's).
+// waits on its sums' chains (with blocks of 8 and a tail, a bf16 forward of SmolLM2 over 9-12 rows cost 7-10% more:
+// docs/results/panel-row-blocks-epyc-smollm2-135m).
 constexpr int BF16_ROW_BLOCK = 12;
 
 // Rows [0, R) of x (bf16 pairs, [R, half]) times bf16 panels [panel, panel + G) ([panels, half, 16] pairs) into out
