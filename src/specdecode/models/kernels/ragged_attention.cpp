@@ -123,7 +123,11 @@ constexpr int64_t ROWS_PER_ITEM = 4;
 template <int BLOCKS, typename T>
 __attribute__((always_inline)) inline v16 column_lanes(const v16* q, const T* k) {
   v16 lanes = q[0] * load16(k);
+#if defined(__AVX512F__)
   __asm__("" : "+v"(lanes));
+#else
+  __asm__("" : "+m"(lanes));  // no register holds 16 floats at AVX2: GCC keeps them on the stack anyway
+#endif
   for (int b = 1; b < BLOCKS; ++b) lanes += q[b] * load16(k + 16 * b);
   return lanes;
 }
