@@ -9,6 +9,8 @@ takes it, and its bf16 trees)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -189,6 +191,11 @@ def test_it_steps_aside_for_gradients_and_for_a_replaced_projection():
         assert fast(ids).logits.requires_grad  # transformers' forward, through the dense weights
     for layer in fast.model.layers:
         assert isinstance(layer.forward, LayerForward) and layer.forward.intact()
+        mlp = layer.mlp
+        layer.mlp = copy.copy(mlp)  # another module holding the same projections
+        assert not layer.forward.intact()
+        layer.mlp = mlp
+        assert layer.forward.intact()
         layer.self_attn.q_proj = layer.self_attn.q_proj.to_linear()  # as an adapter's wrapping would
         assert not layer.forward.intact()
     with torch.inference_mode():

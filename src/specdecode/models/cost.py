@@ -106,9 +106,9 @@ def fastest_forwards(
 
 #: The context the draft-length cost model's curve is measured after: the short prompts most requests have.
 CURVE_CONTEXT_TOKENS = 128
-#: Timed rounds a curve takes the fastest of, per width.  Trees are sized by the curve, and two rounds spread it widely on
-#: a shared 2-core VM: four curves of SmolLM2 in bf16, one after another, put 16 inputs at 1.18-1.76 one-input forwards
-#: and 9 at 1.07-1.39; six rounds at 1.32-1.65 and 1.12-1.28 (docs/results/panel-row-blocks-epyc-smollm2-135m).
+#: Timed rounds a curve takes the fastest of, per width.  Trees are sized by the curve, and two rounds spread it widely
+#: on a shared 2-core VM: four curves of SmolLM2 in bf16, one after another, put 16 inputs at 1.18-1.76 one-input
+#: forwards and 9 at 1.07-1.39; six rounds at 1.32-1.65 and 1.12-1.28 (docs/results/panel-row-blocks-epyc-smollm2-135m).
 CURVE_REPEATS = 6
 #: From this context on, a sequence's verification is priced with curves measured at long contexts
 #: (:class:`VerificationCosts`): below it the curve after ``CURVE_CONTEXT_TOKENS`` tokens differs little (attention
