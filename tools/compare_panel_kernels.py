@@ -50,7 +50,7 @@ def build_base(commit: str, directory: Path) -> None:
     load(
         name=f"base_panel_products_{isa.lower()}",
         sources=[str(directory / name) for name in PRODUCTS],
-        extra_cflags=["-O3", "-fopenmp", *cpu_kernels.ISA_FLAGS.get(isa, ())],
+        extra_cflags=cpu_kernels.compile_flags(isa),
         extra_ldflags=["-fopenmp"],
         extra_include_paths=[str(directory)],
         build_directory=str(directory),

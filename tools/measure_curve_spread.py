@@ -1,7 +1,8 @@
 """How far apart successive measurements of a model's verification cost curve land, by the rounds each takes.
 
 The curve ``auto`` sizes drafts and trees by (:func:`specdecode.models.cost.relative_cost_curve`) is the fastest of a
-few timed rounds over widths 1..16, normalised by width 1, then made non-decreasing.  This measures ``--curves``
+few timed rounds over widths 1..16, normalised by width 1, then made non-decreasing
+(:func:`specdecode.models.cost.timed_relative_curve`).  This measures ``--curves``
 curves one after another for each round count in ``--rounds``, alternating the counts, in one process, as the
 library would (nothing read from or written to the curve file), and records each curve and each width's spread.
 
@@ -18,16 +19,14 @@ from pathlib import Path
 import torch
 
 from specdecode.machine import cpu_name
-from specdecode.models.cost import CURVE_CONTEXT_TOKENS, monotone_fit, timed_rounds
+from specdecode.models.cost import CURVE_CONTEXT_TOKENS, timed_relative_curve
 from specdecode.models.loading import load_model
 
 WIDTHS = 16
 
 
 def curve(backend, rounds: int) -> list[float]:
-    samples = timed_rounds(backend, CURVE_CONTEXT_TOKENS, WIDTHS, rounds, warmup=1)
-    fitted = monotone_fit([min(samples[width]) for width in range(1, WIDTHS + 1)])
-    return [round(time / fitted[0], 3) for time in fitted]
+    return [round(cost, 3) for cost in timed_relative_curve(backend, CURVE_CONTEXT_TOKENS, WIDTHS, rounds)]
 
 
 def main() -> None:

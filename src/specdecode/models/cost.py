@@ -145,6 +145,14 @@ def monotone_fit(values: list[float]) -> list[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
+def timed_relative_curve(backend: CausalLM, context_tokens: int, widths: int, repeats: int) -> tuple[float, ...]:
+    """One measurement of ``t(w) / t(1)``, w = 1..widths, after ``context_tokens``: the fastest of ``repeats`` rounds
+    per width after a warm-up round, made non-decreasing (:func:`monotone_fit`); nothing cached or read."""
+    samples = timed_rounds(backend, context_tokens, widths, repeats, warmup=1)
+    fitted = monotone_fit([min(samples[w]) for w in range(1, widths + 1)])
+    return tuple(t / fitted[0] for t in fitted)
+
+
 def relative_cost_curve(
     backend: CausalLM, widths: int = 16, repeats: int = CURVE_REPEATS, context_tokens: int = CURVE_CONTEXT_TOKENS
 ) -> tuple[float, ...] | None:
@@ -176,9 +184,7 @@ def relative_cost_curve(
         measured[context_tokens] = tuple(float(c) for c in curve)
         return measured[context_tokens]
     with OthersLoad() as others:
-        samples = timed_rounds(backend, context_tokens, widths, repeats, warmup=1)
-    fitted = monotone_fit([min(samples[w]) for w in range(1, widths + 1)])
-    measured[context_tokens] = tuple(t / fitted[0] for t in fitted)
+        measured[context_tokens] = timed_relative_curve(backend, context_tokens, widths, repeats)
     if key and not others.busy:  # a curve timed on a busy machine serves this process only
         save_entry(key, {"curve": list(measured[context_tokens]), "context_tokens": context_tokens})
     return measured[context_tokens]

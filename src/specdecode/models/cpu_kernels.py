@@ -42,6 +42,11 @@ ISA_FLAGS = {
 }
 
 
+def compile_flags(isa: str) -> list[str]:
+    """The compiler flags the kernels are built with at torch's dispatch level ``isa`` (its name, ``AVX512``...)."""
+    return ["-O3", "-fopenmp", *ISA_FLAGS.get(isa, ())]
+
+
 @functools.cache
 def cpu_kernels_built() -> bool:
     """Build (or load) the extension once; False where it cannot be."""
@@ -59,7 +64,7 @@ def cpu_kernels_built() -> bool:
             sources=[str(source) for source in SOURCES],
             # OpenMP: at::parallel_for runs on torch's own OpenMP threads only when compiled with it.
             # The loader rebuilds when a source or a flag changes, not a header: the headers' hash is a flag.
-            extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, ()), f"-DSPECDECODE_HEADERS={_headers_hash()}"],
+            extra_cflags=[*compile_flags(isa), f"-DSPECDECODE_HEADERS={_headers_hash()}"],
             extra_ldflags=["-fopenmp"],
             extra_include_paths=[str(KERNELS)],
             is_python_module=False,
