@@ -157,7 +157,14 @@ def test_a_fast_path_model_takes_it_and_computes_transformers_logits(kind):
     assert not torch.equal(got, without)  # the control: its kernels round differently from the modules'
 
 
-@pytest.mark.parametrize("mode", ["none", "bf16", "int8"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "none",
+        pytest.param("bf16", marks=pytest.mark.skipif(not quantize_supported("bf16"), reason="no oneDNN bf16 matmul")),
+        "int8",
+    ],
+)
 def test_the_ragged_forward_gives_a_row_the_same_bits_alone_and_in_a_batch(mode):
     """Rows decoded one at a time get the bits the same rows get verified together beside another sequence: fp32
     panels compute each row alone in any call; bf16 in oneDNN's layout (a CPU with AMX) and int8 only in calls of the
