@@ -24,43 +24,20 @@ namespace {
 
 using namespace specdecode;
 
-// e^x for x <= 0 (a score minus the row's largest), lane by lane: libm's expf is a call per number, and on a decoding
-// step it took most of the kernel's time.  x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6
-// (relative error under 2e-7 there), times 2^n built in the exponent bits.  Every lane is computed alike, so a
-// number's result does not depend on the lane it is in.
-inline v16 exp16(v16 x) {
-  const v16 floor_x = x < -87.0f ? v16{} - 87.0f : x;  // e^-87 is about float's smallest normal; below, 0 is as good
-  // n = round(x / ln2): x <= 0, so -x / ln2 + 0.5 > 0, and truncating it rounds.
-  const v16i n = -__builtin_convertvector(0.5f - floor_x * 1.44269504088896341f, v16i);
-  const v16 nf = __builtin_convertvector(n, v16);
-  const v16 r = (floor_x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  v16 p = r * (1.f / 720.f) + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v16i bits = (n + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // w[0..count) = e^(w - max w), returning their sum: blocks of 16 (the last one padded), summed lane-wise in order and
 // then by sum16, so the result depends on the numbers and their count only.  Whole blocks are loaded and stored as
 // vectors; only the last, partial one goes through a padded copy.
 inline float softmax_numerators(float* w, int64_t count) {
   const int64_t whole = count - count % 16;
-  const v16 lowest = v16{} - std::numeric_limits<float>::infinity();
+  const v16 lowest = splat(-std::numeric_limits<float>::infinity());
   v16 top = lowest;
   for (int64_t c = 0; c < whole; c += 16) {
-    const v16 block = load16(w + c);
-    top = top > block ? top : block;
+    top = maximum(top, load16(w + c));
   }
   if (whole < count) {
     v16 block = lowest;
     std::memcpy(&block, w + whole, sizeof(float) * (count - whole));
-    top = top > block ? top : block;
+    top = maximum(top, block);
   }
   float largest = top[0];
   for (int l = 1; l < 16; ++l) largest = std::max(largest, top[l]);
@@ -72,11 +49,10 @@ inline float softmax_numerators(float* w, int64_t count) {
   }
   if (whole < count) {
     const int64_t lanes = count - whole;
-    v16 block = v16{} + largest;  // padding lanes: e^0, left out of the sum below
+    v16 block = splat(largest);  // padding lanes: e^0, left out of the sum below
     std::memcpy(&block, w + whole, sizeof(float) * lanes);
     block = exp16(block - largest);
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    block = lane < static_cast<int32_t>(lanes) ? block : v16{};
+    block = first_lanes(block, static_cast<int32_t>(lanes));
     total += block;
     std::memcpy(w + whole, &block, sizeof(float) * lanes);
   }
@@ -118,17 +94,13 @@ constexpr int64_t TILE = 16;
 constexpr int64_t ROWS_PER_ITEM = 4;
 
 // One column's lane sums of q . k for a head of BLOCKS x 16 dimensions (q's blocks in registers): q's first block times
-// k's, then each further block's product added, in order.  The first product is rounded on its own (the empty asm keeps
+// k's, then each further block's product added, in order.  The first product is rounded on its own (keep_rounded keeps
 // the compiler from fusing it into the next multiply-add), as score_tile's loop over any size rounds it.
 template <int BLOCKS, typename T>
 __attribute__((always_inline)) inline v16 column_lanes(const v16* q, const T* k) {
   v16 lanes = q[0] * load16(k);
-#if defined(__AVX512F__)
-  __asm__("" : "+v"(lanes));
-#else
-  __asm__("" : "+m"(lanes));  // no register holds 16 floats at AVX2: GCC keeps them on the stack anyway
-#endif
-  for (int b = 1; b < BLOCKS; ++b) lanes += q[b] * load16(k + 16 * b);
+  keep_rounded(lanes);
+  for (int b = 1; b < BLOCKS; ++b) lanes = mul_add(q[b], load16(k + 16 * b), lanes);
   return lanes;
 }
 
@@ -156,7 +128,7 @@ __attribute__((always_inline)) inline void score_tile(const float* q, const T* k
     for (int64_t j = 0; j < TILE; ++j) partial[j] = q0 * load16(k[j]);
     for (int64_t d = 16; d < dim; d += 16) {
       const v16 qd = load16(q + d);
-      for (int64_t j = 0; j < TILE; ++j) partial[j] += qd * load16(k[j] + d);
+      for (int64_t j = 0; j < TILE; ++j) partial[j] = mul_add(qd, load16(k[j] + d), partial[j]);
     }
   }
   const v16 scores = sums16(partial) * scaling;
@@ -188,7 +160,7 @@ void sum_values(const QueryRow* rows, const float* inverse, const T* vp, int64_t
       const float* weights = rows[r].weights.data() + c;
       const int64_t seen = rows[r].columns.count();
       for (int g = 0; g < G; ++g) {
-        for (int b = 0; b < B; ++b) sum[r][g][b] += weights[g * seen] * value[b];
+        for (int b = 0; b < B; ++b) sum[r][g][b] = mul_add(weights[g * seen], value[b], sum[r][g][b]);
       }
     }
   }
@@ -200,7 +172,7 @@ void sum_values(const QueryRow* rows, const float* inverse, const T* vp, int64_t
       const T* v = vp + columns[c] * dim;
       for (int b = 0; b < B; ++b) {
         const v16 value = load16(v + b * 16);
-        for (int g = 0; g < G; ++g) sum[r][g][b] += weights[g * seen + c] * value;
+        for (int g = 0; g < G; ++g) sum[r][g][b] = mul_add(weights[g * seen + c], value, sum[r][g][b]);
       }
     }
     T* o = out + rows[r].row * heads * dim;
@@ -213,11 +185,17 @@ void sum_values(const QueryRow* rows, const float* inverse, const T* vp, int64_t
   }
 }
 
-// sum_values over every block of a head's dimensions, as many blocks at once as keep the R x G x B sums within 24
-// registers.
+#if defined(__AVX512F__)
+constexpr int SUM_VECTORS = 24;  // of the 32 registers
+#else
+constexpr int SUM_VECTORS = 6;  // 12 of the 16 registers (two a 16-float value)
+#endif
+
+// sum_values over every block of a head's dimensions, as many blocks at once as keep the R x G x B sums within
+// SUM_VECTORS.
 template <int G, int R, typename T>
 void sum_values_all(const QueryRow* rows, const float* inverse, const T* vp, int64_t dim, T* out, int64_t heads) {
-  constexpr int B = R * G * 4 <= 24 ? 4 : R * G * 2 <= 24 ? 2 : 1;
+  constexpr int B = R * G * 4 <= SUM_VECTORS ? 4 : R * G * 2 <= SUM_VECTORS ? 2 : 1;
   int64_t first = 0;
   for (; first + 16 * B <= dim; first += 16 * B) {
     sum_values<G, R, B>(rows, inverse, vp + first, dim, out + first, heads);
