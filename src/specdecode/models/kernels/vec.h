@@ -49,26 +49,31 @@ inline void store(uint16_t* p, vec v) {
   std::memcpy(p, &half, sizeof half);
 }
 
-// e^x lane by lane for any x (clamped to [-87, 88], where float's e^x is finite and normal): x = n ln2 + r with
-// |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n built in the
-// exponent bits.  Every lane is computed alike, so a number's result does not depend on its lane.
-inline vec exp_vec(vec x) {
-  x = x < -87.0f ? vec{} - 87.0f : x;
-  x = x > 88.0f ? vec{} + 88.0f : x;
-  const vec shifted = x * 1.44269504088896341f + (x < 0.f ? vec{} - 0.5f : vec{} + 0.5f);
-  const veci n = __builtin_convertvector(shifted, veci);  // truncation of n +- 0.5: n rounded
-  const vec nf = __builtin_convertvector(n, vec);
-  const vec r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  vec p = r * (1.f / 720.f) + 1.f / 120.f;
+// e^x for x = n ln2 + r, n an integer (n_lanes, as floats nf) and |r| <= ln2 / 2, lane by lane on float vectors V and
+// int32 vectors VI of as many lanes: e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n
+// built in the exponent bits.  Every lane is computed alike, so a number's result does not depend on its lane.
+template <typename V, typename VI>
+inline V exp_split(V x, VI n) {
+  const V nf = __builtin_convertvector(n, V);
+  const V r = (x - nf * 0.693359375f) - nf * -2.12194440e-4f;
+  V p = r * (1.f / 720.f) + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const veci bits = (n + 127) << 23;
-  vec scale;
+  const VI bits = (n + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// e^x lane by lane for any x (clamped to [-87, 88], where float's e^x is finite and normal).
+inline vec exp_vec(vec x) {
+  x = x < -87.0f ? vec{} - 87.0f : x;
+  x = x > 88.0f ? vec{} + 88.0f : x;
+  const vec shifted = x * 1.44269504088896341f + (x < 0.f ? vec{} - 0.5f : vec{} + 0.5f);
+  return exp_split(x, __builtin_convertvector(shifted, veci));  // truncation of n +- 0.5: n rounded
 }
 
 }  // namespace specdecode

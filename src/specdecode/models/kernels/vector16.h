@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec.h"
+
 #if defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -29,33 +31,17 @@ namespace specdecode {
 #endif
 
 // e^x for x <= 0 (a score minus the row's largest), lane by lane, on a vector type V of floats and VI of as many
-// int32: libm's expf is a call per number, and on a decoding step it took most of the kernel's time.  x = n ln2 + r
-// with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n built in the
-// exponent bits.  Every lane is computed alike, so a number's result does not depend on the lane it is in.
+// int32: libm's expf is a call per number, and on a decoding step it took most of the kernel's time.
 template <typename V, typename VI>
 inline V exp_nonpositive(V x) {
   const V floor_x = x < -87.0f ? V{} - 87.0f : x;  // e^-87 is about float's smallest normal; below, 0 is as good
   // n = round(x / ln2): x <= 0, so -x / ln2 + 0.5 > 0, and truncating it rounds.
-  const VI n = -__builtin_convertvector(0.5f - floor_x * 1.44269504088896341f, VI);
-  const V nf = __builtin_convertvector(n, V);
-  const V r = (floor_x - nf * 0.693359375f) - nf * -2.12194440e-4f;
-  V p = r * (1.f / 720.f) + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const VI bits = (n + 127) << 23;
-  V scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp_split(floor_x, -__builtin_convertvector(0.5f - floor_x * 1.44269504088896341f, VI));
 }
 
 #if defined(__AVX512F__)
 
 typedef float v16 __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline v16 splat(float x) { return v16{} + x; }
@@ -66,14 +52,7 @@ inline v16 load16(const float* p) {
   return v;
 }
 
-inline v16 load16(const c10::BFloat16* p) {  // bfloat16 is a float's upper half
-  v16h half;
-  std::memcpy(&half, p, sizeof half);
-  const v16u bits = __builtin_convertvector(half, v16u) << 16;
-  v16 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
+inline v16 load16(const c10::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }  // v16 is vec
 
 // a * b + c, one rounding where the CPU fuses them (the compiler contracts the two here as it always has).
 inline v16 mul_add(v16 a, v16 b, v16 c) { return a * b + c; }
@@ -129,8 +108,6 @@ __attribute__((always_inline)) inline v16 sums16(const v16 (&v)[16]) {
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
 
 struct v16 {
   v8 lo, hi;  // lanes 0-7, 8-15
@@ -152,16 +129,11 @@ inline v16 load16(const float* p) {
   return v;
 }
 
-inline v8 load8(const c10::BFloat16* p) {  // bfloat16 is a float's upper half
-  v8h half;
-  std::memcpy(&half, p, sizeof half);
-  const v8u bits = __builtin_convertvector(half, v8u) << 16;
-  v8 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
 
-inline v16 load16(const c10::BFloat16* p) { return {load8(p), load8(p + 8)}; }
+inline v16 load16(const c10::BFloat16* p) {  // vec is 8 floats here
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
+  return {load(bits), load(bits + 8)};
+}
 
 // a * b + c with one rounding where the CPU has FMA, written out: whether the compiler would contract the two
 // operations on a pair of halves depends on how it keeps them (in registers or on the stack), and a row's sums must not
