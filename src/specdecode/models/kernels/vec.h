@@ -49,8 +49,8 @@ inline void store(uint16_t* p, vec v) {
   std::memcpy(p, &half, sizeof half);
 }
 
-// e^x for x = n ln2 + r, n an integer (n_lanes, as floats nf) and |r| <= ln2 / 2, lane by lane on float vectors V and
-// int32 vectors VI of as many lanes: e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n
+// e^x given n, x / ln2 rounded to an integer, lane by lane on float vectors V and int32 vectors VI of as many lanes:
+// x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error under 2e-7 there), times 2^n
 // built in the exponent bits.  Every lane is computed alike, so a number's result does not depend on its lane.
 template <typename V, typename VI>
 inline V exp_split(V x, VI n) {

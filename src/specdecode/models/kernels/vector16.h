@@ -10,7 +10,6 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "vec.h"
 
@@ -46,13 +45,9 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline v16 splat(float x) { return v16{} + x; }
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline v16 load16(const c10::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }  // v16 is vec
+// v16 is vec here: vec.h's loads.
+inline v16 load16(const float* p) { return load(p); }
+inline v16 load16(const c10::BFloat16* p) { return load(reinterpret_cast<const uint16_t*>(p)); }
 
 // a * b + c, one rounding where the CPU fuses them (the compiler contracts the two here as it always has).
 inline v16 mul_add(v16 a, v16 b, v16 c) { return a * b + c; }
@@ -122,15 +117,9 @@ inline v16& operator+=(v16& a, v16 b) { return a = a + b; }
 
 inline v16 splat(float x) { return {v8{} + x, v8{} + x}; }
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v.lo, p, sizeof v.lo);
-  std::memcpy(&v.hi, p + 8, sizeof v.hi);
-  return v;
-}
-
-
-inline v16 load16(const c10::BFloat16* p) {  // vec is 8 floats here
+// vec is 8 floats here: vec.h's loads, a half each.
+inline v16 load16(const float* p) { return {load(p), load(p + 8)}; }
+inline v16 load16(const c10::BFloat16* p) {
   const uint16_t* bits = reinterpret_cast<const uint16_t*>(p);
   return {load(bits), load(bits + 8)};
 }
