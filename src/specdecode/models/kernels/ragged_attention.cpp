@@ -93,46 +93,94 @@ constexpr int64_t TILE = 16;
 // columns).  More rows than this are split between work items, so that one long draft spreads over the threads.
 constexpr int64_t ROWS_PER_ITEM = 4;
 
-// One column's lane sums of q . k for a head of BLOCKS x 16 dimensions (q's blocks in registers): q's first block times
-// k's, then each further block's product added, in order.  The first product is rounded on its own (keep_rounded keeps
-// the compiler from fusing it into the next multiply-add), as score_tile's loop over any size rounds it.
-template <int BLOCKS, typename T>
-__attribute__((always_inline)) inline v16 column_lanes(const v16* q, const T* k) {
-  v16 lanes = q[0] * load16(k);
-  keep_rounded(lanes);
-  for (int b = 1; b < BLOCKS; ++b) lanes = mul_add(q[b], load16(k + 16 * b), lanes);
-  return lanes;
+// Where the scores of a tile's column j are read: `columns` from c0 on, a tail repeating its last column.  A tile of
+// cached columns is one stretch of memory (most tiles: no column list to look up).
+template <typename T>
+struct TileKeys {
+  const T* first;  // the tile's first key where its columns are one stretch, else nullptr
+  const T* kp;
+  const Columns& columns;
+  int64_t c0, count, dim;
+
+  TileKeys(const T* kp, const Columns& columns, int64_t c0, int64_t dim)
+      : first(c0 + TILE <= columns.cached ? kp + (columns.first_cached + c0) * dim : nullptr),
+        kp(kp),
+        columns(columns),
+        c0(c0),
+        count(std::min<int64_t>(TILE, columns.count() - c0)),
+        dim(dim) {}
+
+  const T* operator[](int64_t j) const {
+    return first != nullptr ? first + j * dim : kp + columns[c0 + std::min(j, count - 1)] * dim;
+  }
+};
+
+// The tile's scores (times `scaling`) from their lane sums (`partial`, a column each) into w: each score is q . k
+// summed as before any change of this kernel's layout (lanes over the dimensions, the dimensions' blocks in order, the
+// lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.
+inline void store_scores(const v16 (&partial)[TILE], float scaling, int64_t count, float* w) {
+  const v16 scores = sums16(partial) * scaling;
+  std::memcpy(w, &scores, count == TILE ? sizeof scores : sizeof(float) * count);
 }
 
-// Row `r`'s scores for head g (q: dim floats) against the columns [c0, c0 + TILE) it sees (fewer at its end) into
-// weights: each score is q . k summed as before any change of this kernel's layout (lanes over the dimensions, the
-// dimensions' blocks in order, the lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.  Heads of 64
-// and 128 dimensions take a column at a time with q in registers (one key's pointer live, where the loop over any size
-// keeps sixteen: 9% faster at 12 rows, docs/results/attention-rows-shared-xeon-smollm2-135m); the sums are the same.
-template <typename T>
-__attribute__((always_inline)) inline void score_tile(const float* q, const T* kp, const Columns& columns, int64_t c0,
-                                                      int64_t dim, float scaling, float* w) {
-  const int64_t count = std::min<int64_t>(TILE, columns.count() - c0);
-  v16 partial[TILE];
-  if (dim == 64 || dim == 128) {
-    v16 qb[8];
-    for (int64_t b = 0; b < dim / 16; ++b) qb[b] = load16(q + 16 * b);
-    for (int64_t j = 0; j < TILE; ++j) {
-      const T* k = kp + columns[c0 + std::min(j, count - 1)] * dim;  // a tail repeats its last column
-      partial[j] = dim == 64 ? column_lanes<4>(qb, k) : column_lanes<8>(qb, k);
-    }
-  } else {
-    const T* k[TILE];
-    for (int64_t j = 0; j < TILE; ++j) k[j] = kp + columns[c0 + std::min(j, count - 1)] * dim;
-    const v16 q0 = load16(q);
-    for (int64_t j = 0; j < TILE; ++j) partial[j] = q0 * load16(k[j]);
-    for (int64_t d = 16; d < dim; d += 16) {
-      const v16 qd = load16(q + d);
-      for (int64_t j = 0; j < TILE; ++j) partial[j] = mul_add(qd, load16(k[j] + d), partial[j]);
+// A row's scores for G heads of BLOCKS x 16 dimensions (q: the G heads' queries, one after another; w: head g's at
+// w + g * seen) against the columns [c0, c0 + TILE) it sees (fewer at its end), the heads' queries in registers and
+// each column's key loaded once for all of them: for head g, q's first block times the key's, then each further
+// block's product added, in order, the first product rounded on its own (keep_rounded keeps the compiler from fusing
+// it into the next multiply-add), as score_tile's loop over any size rounds it.  Loading a key once for the three
+// heads of SmolLM2's key heads made the scores of 16 rows after 300 positions 1.6x faster on a 2-core AVX-512 EPYC
+// (docs/results/attention-shared-keys-epyc-smollm2-135m).
+template <int G, int BLOCKS, typename T>
+__attribute__((always_inline)) inline void score_tile_heads(const float* q, const TileKeys<T>& keys, float scaling,
+                                                            float* w, int64_t seen) {
+  v16 qb[G][BLOCKS];
+  for (int g = 0; g < G; ++g) {
+    for (int b = 0; b < BLOCKS; ++b) qb[g][b] = load16(q + (g * BLOCKS + b) * 16);
+  }
+  v16 partial[G][TILE];
+  for (int64_t j = 0; j < TILE; ++j) {
+    const T* k = keys[j];
+    v16 key[BLOCKS];
+    for (int b = 0; b < BLOCKS; ++b) key[b] = load16(k + 16 * b);
+    for (int g = 0; g < G; ++g) {
+      v16 lanes = qb[g][0] * key[0];
+      keep_rounded(lanes);
+      for (int b = 1; b < BLOCKS; ++b) lanes = mul_add(qb[g][b], key[b], lanes);
+      partial[g][j] = lanes;
     }
   }
-  const v16 scores = sums16(partial) * scaling;
-  std::memcpy(w + c0, &scores, count == TILE ? sizeof scores : sizeof(float) * count);
+  for (int g = 0; g < G; ++g) store_scores(partial[g], scaling, keys.count, w + g * seen + keys.c0);
+}
+
+// score_tile_heads for one head of any size (a multiple of 16): the same sums, the tile's sixteen key pointers live.
+template <typename T>
+__attribute__((always_inline)) inline void score_tile(const float* q, const TileKeys<T>& keys, float scaling,
+                                                      float* w) {
+  const T* k[TILE];
+  for (int64_t j = 0; j < TILE; ++j) k[j] = keys[j];
+  v16 partial[TILE];
+  const v16 q0 = load16(q);
+  for (int64_t j = 0; j < TILE; ++j) partial[j] = q0 * load16(k[j]);
+  for (int64_t d = 16; d < keys.dim; d += 16) {
+    const v16 qd = load16(q + d);
+    for (int64_t j = 0; j < TILE; ++j) partial[j] = mul_add(qd, load16(k[j] + d), partial[j]);
+  }
+  store_scores(partial, scaling, keys.count, w + keys.c0);
+}
+
+// A row's scores for its G heads (q at the first of them) against the tile `keys`: heads of 64 dimensions all at once,
+// of 128 two at a time (the queries held in registers: 16 vectors at most), others one by one.
+template <int G, typename T>
+__attribute__((always_inline)) inline void score_heads(const float* q, const TileKeys<T>& keys, float scaling, float* w,
+                                                       int64_t seen) {
+  if (keys.dim == 64) return score_tile_heads<G, 4>(q, keys, scaling, w, seen);
+  if (keys.dim == 128) {
+    int g = 0;
+    for (; g + 2 <= G; g += 2) score_tile_heads<2, 8>(q + g * 128, keys, scaling, w + g * seen, seen);
+    if (g < G) score_tile_heads<1, 8>(q + g * 128, keys, scaling, w + g * seen, seen);
+    return;
+  }
+  for (int g = 0; g < G; ++g) score_tile(q + g * keys.dim, keys, scaling, w + g * seen);
 }
 
 // The outputs of R rows for their G heads in B blocks of 16 dimensions (vp and out at the first of them; out's row r at
@@ -222,10 +270,8 @@ void attend_rows(std::vector<QueryRow>& rows, int64_t g0, const T* kp, const T* 
     }
     for (QueryRow& r : rows) {
       if (c0 >= r.columns.count()) continue;
-      const int64_t seen = r.columns.count();
-      for (int g = 0; g < G; ++g) {
-        score_tile(r.q.data() + (g0 + g) * dim, kp, r.columns, c0, dim, scaling, r.weights.data() + g * seen);
-      }
+      score_heads<G>(r.q.data() + g0 * dim, TileKeys<T>(kp, r.columns, c0, dim), scaling, r.weights.data(),
+                     r.columns.count());
     }
   }
   const int64_t count = static_cast<int64_t>(rows.size());
