@@ -1,12 +1,14 @@
-"""Time a model's whole forwards with a base commit's panel products against this tree's, in one process, alternated.
+"""Time a model's whole forwards with a base commit's panel products and attention kernel against this tree's, in one
+process, alternated.
 
-The products: ``kernels/panel_linear.cpp`` (fp32), ``kernels/bf16_panel_linear.cpp`` and the tiles they include.
+The kernels: ``kernels/panel_linear.cpp`` (fp32), ``kernels/bf16_panel_linear.cpp``, ``kernels/ragged_attention.cpp``
+(the attention of decoding and verification) and the headers they include.
 
-The base commit's two product sources and the headers they include are built as a second extension whose operators
-take other names; each forward then calls this tree's or the base's, which give the same bits (each output one chain
-of products in input order), so only the time differs.  A model is loaded with ``--quantize``, ``--context`` tokens
-cached, and forwards of each row count in ``--rows`` are timed (10 a round, the cache cropped back after each) in
-``--rounds`` rounds that alternate the two builds; the median round of each.
+The base commit's sources are built as a second extension whose operators take other names; each forward then calls
+this tree's or the base's, which must give the same bits (checked on the logits first), so only the time differs.  A
+model is loaded with ``--quantize``, ``--context`` tokens cached, and forwards of each row count in ``--rows`` are
+timed (10 a round, the cache cropped back after each) in ``--rounds`` rounds that alternate the two builds; the median
+round of each.
 
     python tools/compare_panel_kernels.py --base HEAD~1 --model smollm2-135m --quantize bf16 \\
         --out docs/results/DIR/forwards.json
@@ -30,14 +32,22 @@ from specdecode.models import cpu_kernels
 from specdecode.models.loading import load_model
 
 KERNELS = "src/specdecode/models/kernels"
-#: What the base build is made of: each product, its namespace, and the headers they include.
-PRODUCTS = {"bf16_panel_linear.cpp": "specdecode_bf16", "panel_linear.cpp": "specdecode_linear"}
+#: What the base build is made of: each kernel's source, its namespace, and the headers they include.
+PRODUCTS = {
+    "bf16_panel_linear.cpp": "specdecode_bf16",
+    "panel_linear.cpp": "specdecode_linear",
+    "ragged_attention.cpp": "specdecode_attention",
+}
 HEADERS = ("panel_tile.h", "bf16_panel_tile.h", "vec.h", "vector16.h")
-OPERATORS = {"specdecode_bf16": "bf16_panel_linear", "specdecode_linear": "panel_linear"}
+OPERATORS = {
+    "specdecode_bf16": "bf16_panel_linear",
+    "specdecode_linear": "panel_linear",
+    "specdecode_attention": "ragged_attention",
+}
 
 
 def build_base(commit: str, directory: Path) -> None:
-    """The base commit's products as an extension whose namespaces are prefixed ``base_``."""
+    """The base commit's kernels as an extension whose namespaces are prefixed ``base_``."""
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip())
     for name in (*PRODUCTS, *HEADERS):
         text = subprocess.run(
@@ -48,7 +58,7 @@ def build_base(commit: str, directory: Path) -> None:
         (directory / name).write_text(text)
     isa = str(torch.backends.cpu.get_cpu_capability())
     load(
-        name=f"base_panel_products_{isa.lower()}",
+        name=f"base_kernels_{isa.lower()}",
         sources=[str(directory / name) for name in PRODUCTS],
         extra_cflags=cpu_kernels.compile_flags(isa),
         extra_ldflags=["-fopenmp"],
@@ -59,7 +69,7 @@ def build_base(commit: str, directory: Path) -> None:
 
 
 class Builds:
-    """Routes the products' operators to this tree's build or the base's."""
+    """Routes the kernels' operators to this tree's build or the base's."""
 
     def __init__(self) -> None:
         self.base = False
@@ -74,7 +84,7 @@ class Builds:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the commit whose products to compare against")
+    parser.add_argument("--base", required=True, help="the commit whose kernels to compare against")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quantize", default="bf16", help="the target's weights, as --quantize")
     parser.add_argument("--rows", default="1,4,6,8,9,10,11,12,14,16")
@@ -100,7 +110,7 @@ def main() -> None:
             logits[base] = backend.forward(widest, cache).logits
             cache.crop(args.context)
         if not torch.equal(logits[False], logits[True]):
-            raise SystemExit("the two builds' logits differ: their products do not sum alike")
+            raise SystemExit("the two builds' logits differ: their kernels do not sum alike")
         times: dict[tuple[int, bool], list[float]] = {}
         for _ in range(args.rounds):
             for rows in rows_list:
