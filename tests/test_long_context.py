@@ -232,6 +232,55 @@ def test_bench_runs_longctx_and_reports_speedup_against_context_length(tmp_path)
     assert report.markdown(results, build_cells(results, settings.load_tasks())) == text
 
 
+def test_bench_measures_the_curves_long_requests_are_priced_by_before_timing_any(tmp_path, monkeypatch):
+    """`auto` prices a request of 5,000 tokens by the curve after 4,096 (the report's is after 5,000): the benchmark
+    measures it before its first timed request, so that no request's decoding holds seconds of forwards timing a
+    curve (without that step the warm-up, on the first task's prompt of 2,048 tokens, does not reach it and a timed
+    request measures it)."""
+    from specdecode.models import cost
+
+    monkeypatch.setenv("SPECDECODE_COST_CURVES", str(tmp_path / "curves.json"))
+    model = save_tiny(tmp_path / "long", seed=0, context=8192)
+    word_and_punctuation_tokenizer().save_pretrained(model)
+    measured, timing = [], []
+    timed_rounds = cost.timed_rounds
+
+    def recording(backend, context_tokens, *args, **kwargs):
+        measured.append((context_tokens, bool(timing)))
+        return timed_rounds(backend, context_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(cost, "timed_rounds", recording)
+    run_group = runner.run_group
+    monkeypatch.setattr(runner, "run_group", lambda *args, **kwargs: timing.append(1) or run_group(*args, **kwargs))
+
+    def bench(out: str) -> None:
+        settings = resolve_settings(
+            "quick",
+            model=str(model),
+            methods="none,pld",
+            tasks="longctx-2048,longctx-5000",
+            prompts_per_task=1,
+            max_new_tokens=8,
+            repeats=1,
+            threads=1,
+            draft_lengths="none",
+            peers=False,
+            out=str(tmp_path / out),
+        )
+        runner.run_benchmark(settings, progress=False)
+
+    bench("out")
+    assert {2048, 4096, 5000} <= {context for context, _ in measured}
+    assert not any(during for _, during in measured)
+    monkeypatch.setattr(runner, "verification_costs", lambda backend: None)  # the control: nothing measured ahead
+    monkeypatch.setenv("SPECDECODE_COST_CURVES", str(tmp_path / "other-curves.json"))
+    cost._CURVES.clear()
+    measured.clear()
+    timing.clear()
+    bench("control")
+    assert (4096, True) in measured
+
+
 # --------------------------------------------------------------------------------------------------------
 # The cost curve at long contexts
 

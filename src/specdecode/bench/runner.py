@@ -38,7 +38,7 @@ from specdecode.data.long_context import context_tokens_of
 from specdecode.data.prompt_file import read_prompt_file
 from specdecode.data.tasks import Prompt, Task
 from specdecode.errors import SpecDecodeError
-from specdecode.models.cost import relative_cost_curve
+from specdecode.models.cost import relative_cost_curve, verification_costs
 from specdecode.models.loading import fast_path_default, load_model
 from specdecode.stats import GenerationStats
 from specdecode.threads import fixed_threads
@@ -240,10 +240,19 @@ def _measure(
     results["environment"]["quantize"] = target.quantize  # with --quantize auto, the format it chose here
     results["chat_template"] = encode.chat
     encoded = {(task.name, p.id): encode(p) for task in tasks for p in task.prompts}
-    for task in tasks:  # what verification costs at each long context, for the report (once per machine and model)
-        if (tokens := context_tokens_of(task.name)) is not None:
-            curve = relative_cost_curve(target.backend, context_tokens=tokens)
-            results.setdefault("cost_curves", {})[task.name] = [round(c, 4) for c in curve or ()]
+    long_tasks = [(task, tokens) for task in tasks if (tokens := context_tokens_of(task.name)) is not None]
+    costs = verification_costs(target.backend) if long_tasks else None
+    for task, tokens in long_tasks:  # what verification costs at each long context, for the report (once per machine)
+        curve = relative_cost_curve(target.backend, context_tokens=tokens)
+        results.setdefault("cost_curves", {})[task.name] = [round(c, 4) for c in curve or ()]
+        # And the curves the draft-length policy prices these requests by (one a power of two of context reached),
+        # measured now: a request that first reached one not measured on this machine would time it, seconds of
+        # forwards, inside its own decoding.
+        for prompt in task.prompts if costs is not None else ():
+            length = len(encoded[task.name, prompt.id])
+            end = length + settings.max_new_tokens
+            for reached in (length, *(1 << bits for bits in range(length.bit_length(), end.bit_length()))):
+                costs.prepare(reached)
     for task in tasks:
         results["prompts"][task.name] = [
             {
