@@ -194,22 +194,30 @@ def test_greedy_output_over_thousands_of_tokens_equals_plain():
 # The benchmark and its report
 
 
-def test_bench_runs_longctx_and_reports_speedup_against_context_length(tmp_path):
-    model = save_tiny(tmp_path / "long", seed=0, context=4096)
-    word_and_punctuation_tokenizer().save_pretrained(model)
-    settings = resolve_settings(
+def long_context_bench(tmp_path, context: int, out: str, **flags):
+    """Benchmark settings on a tiny model of ``context`` tokens (its own directory under ``tmp_path``, made once):
+    one prompt a task, 8 new tokens, one repeat, one thread, no sweep and no peers, and ``flags``."""
+    model = tmp_path / f"long-{context}"
+    if not model.exists():
+        save_tiny(model, seed=0, context=context)
+        word_and_punctuation_tokenizer().save_pretrained(model)
+    return resolve_settings(
         "quick",
         model=str(model),
-        methods="none,pld:k=3",
-        tasks="longctx",
-        long_context_tokens="2048,3000",
         prompts_per_task=1,
         max_new_tokens=8,
         repeats=1,
         threads=1,
         draft_lengths="none",
         peers=False,
-        out=str(tmp_path / "out"),
+        out=str(tmp_path / out),
+        **flags,
+    )
+
+
+def test_bench_runs_longctx_and_reports_speedup_against_context_length(tmp_path):
+    settings = long_context_bench(
+        tmp_path, 4096, "out", methods="none,pld:k=3", tasks="longctx", long_context_tokens="2048,3000"
     )
     results = runner.run_benchmark(settings, progress=False)
     tokens = {task: [p["prompt_tokens"] for p in prompts] for task, prompts in results["prompts"].items()}
@@ -240,8 +248,6 @@ def test_bench_measures_the_curves_long_requests_are_priced_by_before_timing_any
     from specdecode.models import cost
 
     monkeypatch.setenv("SPECDECODE_COST_CURVES", str(tmp_path / "curves.json"))
-    model = save_tiny(tmp_path / "long", seed=0, context=8192)
-    word_and_punctuation_tokenizer().save_pretrained(model)
     measured, timing = [], []
     timed_rounds = cost.timed_rounds
 
@@ -254,19 +260,7 @@ def test_bench_measures_the_curves_long_requests_are_priced_by_before_timing_any
     monkeypatch.setattr(runner, "run_group", lambda *args, **kwargs: timing.append(1) or run_group(*args, **kwargs))
 
     def bench(out: str) -> None:
-        settings = resolve_settings(
-            "quick",
-            model=str(model),
-            methods="none,pld",
-            tasks="longctx-2048,longctx-5000",
-            prompts_per_task=1,
-            max_new_tokens=8,
-            repeats=1,
-            threads=1,
-            draft_lengths="none",
-            peers=False,
-            out=str(tmp_path / out),
-        )
+        settings = long_context_bench(tmp_path, 8192, out, methods="none,pld", tasks="longctx-2048,longctx-5000")
         runner.run_benchmark(settings, progress=False)
 
     bench("out")
