@@ -26,10 +26,10 @@ namespace specdecode {
 constexpr int BF16_ROW_BLOCK = 12;
 
 // Rows [0, R) of x (bf16 pairs, [R, half]) times bf16 panels [panel, panel + G) ([panels, half, 16] pairs) into out
-// (row stride `channels`).
-template <int R, int G>
+// (row stride `channels`), asking for NEXT of `next`'s lines a step (panel_tile.h).
+template <int R, int G, int NEXT>
 BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels, int64_t panel,
-                                  float* out) {
+                                  float* out, const NextPanels& next) {
   __m512 sums[R][G];
   for (int r = 0; r < R; ++r) {
     for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
@@ -42,6 +42,7 @@ BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t 
       __builtin_prefetch(panels[g] + (k + PREFETCH_STEPS) * 16);
       weights[g] = _mm512_loadu_si512(panels[g] + k * 16);
     }
+    prefetch_next<NEXT>(next, k);
     for (int r = 0; r < R; ++r) {
       const __m512i input = _mm512_set1_epi32(static_cast<int>(x[r * half + k]));
       for (int g = 0; g < G; ++g) sums[r][g] = _mm512_dpbf16_ps(sums[r][g], (__m512bh)input, (__m512bh)weights[g]);
@@ -52,27 +53,38 @@ BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t 
   }
 }
 
+// A block of `block` rows (at most BF16_ROW_BLOCK) as one tile.
+template <int G, int NEXT>
+BF16_TARGET inline void bf16_block(int64_t block, const uint32_t* xr, const uint32_t* w, int64_t half, int64_t channels,
+                                   int64_t panel, float* o, const NextPanels& next) {
+  switch (block) {
+    case 1: bf16_tile<1, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 2: bf16_tile<2, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 3: bf16_tile<3, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 4: bf16_tile<4, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 5: bf16_tile<5, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 6: bf16_tile<6, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 7: bf16_tile<7, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 8: bf16_tile<8, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 9: bf16_tile<9, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 10: bf16_tile<10, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    case 11: bf16_tile<11, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+    default: bf16_tile<12, G, NEXT>(xr, w, half, channels, panel, o, next); break;
+  }
+}
+
+// Every row of x times panels [pair * 2, pair * 2 + G) of a thread's pairs [.., end) of w's `panels`.
 template <int G>
-BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t channels,
-                                  int64_t panel, float* out) {
-  const int64_t blocks = (rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK;
+BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
+                                  int64_t pair, int64_t end, float* out) {
+  const int64_t blocks = (rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK, channels = panels * 16, panel = pair * 2;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t r = b * rows / blocks, block = (b + 1) * rows / blocks - r;
-    const uint32_t* xr = x + r * half;
-    float* o = out + r * channels;
-    switch (block) {
-      case 1: bf16_tile<1, G>(xr, w, half, channels, panel, o); break;
-      case 2: bf16_tile<2, G>(xr, w, half, channels, panel, o); break;
-      case 3: bf16_tile<3, G>(xr, w, half, channels, panel, o); break;
-      case 4: bf16_tile<4, G>(xr, w, half, channels, panel, o); break;
-      case 5: bf16_tile<5, G>(xr, w, half, channels, panel, o); break;
-      case 6: bf16_tile<6, G>(xr, w, half, channels, panel, o); break;
-      case 7: bf16_tile<7, G>(xr, w, half, channels, panel, o); break;
-      case 8: bf16_tile<8, G>(xr, w, half, channels, panel, o); break;
-      case 9: bf16_tile<9, G>(xr, w, half, channels, panel, o); break;
-      case 10: bf16_tile<10, G>(xr, w, half, channels, panel, o); break;
-      case 11: bf16_tile<11, G>(xr, w, half, channels, panel, o); break;
-      default: bf16_tile<12, G>(xr, w, half, channels, panel, o); break;
+    const NextPanels next = next_panels(w, half, panels, pair, end, b, blocks);
+    if (blocks == 1) {
+      bf16_block<G, G>(block, x + r * half, w, half, channels, panel, out + r * channels, next);
+    } else {
+      bf16_block<G, 1>(block, x + r * half, w, half, channels, panel, out + r * channels, next);
     }
   }
 }
@@ -81,12 +93,11 @@ BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_
 // it is the last): the unit of work of the callers' threads.
 BF16_TARGET inline void bf16_pairs(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
                                    int64_t begin, int64_t end, float* out) {
-  const int64_t channels = panels * 16;
   for (int64_t pair = begin; pair < end; ++pair) {
     if (pair * 2 + 2 <= panels) {
-      bf16_rows<2>(rows, x, w, half, channels, pair * 2, out);
+      bf16_rows<2>(rows, x, w, half, panels, pair, end, out);
     } else {
-      bf16_rows<1>(rows, x, w, half, channels, pair * 2, out);
+      bf16_rows<1>(rows, x, w, half, panels, pair, end, out);
     }
   }
 }

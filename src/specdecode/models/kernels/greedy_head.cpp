@@ -61,7 +61,7 @@ int64_t choose(const float* approx, const float* norms, float bound_scale, float
       if (!reaches[lane]) continue;
       const int64_t i = start + lane, panel = i / 16;
       if (panel != computed_panel) {
-        tile<1, 1>(x, panels_fp32 + panel * in * 16, in, 16, 0, exact);
+        tile<1, 1, 0>(x, panels_fp32 + panel * in * 16, in, 16, 0, exact, NextPanels{});
         computed_panel = panel;
       }
       const float value = exact[i % 16];
