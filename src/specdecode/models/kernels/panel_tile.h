@@ -22,8 +22,8 @@ constexpr int64_t PREFETCH_STEPS = 32;  // steps (64-byte lines) ahead of each p
 // it multiplies one pair it asks for the lines of its next pair, spread over the pair's row blocks: with one block, G
 // lines a step; with several, one line a step in the first blocks, until all are asked for.  Each block's multiply-adds
 // then run while memory streams; with only the prefetch PREFETCH_STEPS ahead within a panel, the blocks after the first
-// read the pair from the cache while memory stood idle, and a bf16 forward of SmolLM2-135M over 16 rows cost 1.39
-// one-row forwards instead of 1.23 (docs/results/panel-prefetch-next-pair-epyc-smollm2-135m).
+// read the pair from the cache while memory stood idle: a bf16 forward of SmolLM2-135M over 16 rows cost 1.47 one-row
+// forwards against 1.30 now, over 6-12 rows 3-9% more (docs/results/panel-prefetch-next-pair-epyc-smollm2-135m).
 struct NextPanels {
   const char* lines = nullptr;  // the next pair's first line; none when the thread has no next pair
   int64_t first_line = 0;       // the first line the block asks for
