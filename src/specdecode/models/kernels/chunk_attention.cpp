@@ -86,7 +86,7 @@ inline void value_tile(const float* w, int64_t width, const float* v, int64_t di
     vec value[VALUE_PARTS];
     for (int p = 0; p < VALUE_PARTS; ++p) value[p] = load(v + c * dim + first + p * LANES);
     for (int r = 0; r < R; ++r) {
-      const vec weight = vec{} + w[r * width + c];
+      const vec weight = broadcast(w[r * width + c]);
       for (int p = 0; p < VALUE_PARTS; ++p) sums[r][p] += weight * value[p];
     }
   }

@@ -68,7 +68,7 @@ inline void tile(const float* x, const float* w, int64_t in, int64_t channels, i
     }
     prefetch_next<NEXT>(next, k);
     for (int r = 0; r < R; ++r) {
-      const vec input = vec{} + x[r * in + k];
+      const vec input = broadcast(x[r * in + k]);
       for (int j = 0; j < G * PARTS; ++j) sums[r][j] += input * weights[j];
     }
   }

@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace specdecode {
 
 // The machine's own vector of floats: 16 lanes (one register) at AVX-512, 8 (one register) elsewhere; GCC keeps these
@@ -23,6 +27,18 @@ inline vec load(const float* p) {
 }
 
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+
+// x in every lane.  `vec{} + x` compiles to a scalar add and a shuffle before each use; this to one broadcast load where
+// x is in memory (an add of 0 changes no product's bits here, since no sum the kernels start from +0 becomes -0).
+inline vec broadcast(float x) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_set1_ps(x);
+#elif defined(__AVX__)
+  return (vec)_mm256_set1_ps(x);
+#else
+  return vec{} + x;
+#endif
+}
 
 typedef int32_t veci __attribute__((vector_size(sizeof(vec))));
 typedef uint32_t vecu __attribute__((vector_size(sizeof(vec))));
