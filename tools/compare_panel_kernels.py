@@ -7,8 +7,8 @@ The kernels: ``kernels/panel_linear.cpp`` (fp32), ``kernels/bf16_panel_linear.cp
 The base commit's sources are built as a second extension whose operators take other names; each forward then calls
 this tree's or the base's, which must give the same bits (checked on the logits first), so only the time differs.  A
 model is loaded with ``--quantize``, ``--context`` tokens cached, and forwards of each row count in ``--rows`` are
-timed (10 a round, the cache cropped back after each) in ``--rounds`` rounds that alternate the two builds; the median
-round of each.
+timed (10 a round, the cache cropped back after each) in ``--rounds`` rounds that alternate the two builds, each first
+in every other round; the median round of each.
 
     python tools/compare_panel_kernels.py --base HEAD~1 --model smollm2-135m --quantize bf16 \\
         --out docs/results/DIR/forwards.json
@@ -112,9 +112,10 @@ def main() -> None:
         if not torch.equal(logits[False], logits[True]):
             raise SystemExit("the two builds' logits differ: their kernels do not sum alike")
         times: dict[tuple[int, bool], list[float]] = {}
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for rows in rows_list:
-                for base in (False, True):
+                # Each build goes first in every other round: the first of a pair ran slower by a few percent.
+                for base in (False, True) if round_index % 2 == 0 else (True, False):
                     builds.base = base
                     new = ids[args.context : args.context + rows]
                     backend.forward(new, cache)
