@@ -13,7 +13,11 @@ namespace specdecode {
 #if defined(__AVX512F__)
 constexpr int ROW_BLOCK = 12;  // 12 rows x 2 panels: 24 of the 32 vector registers hold sums
 #else
-constexpr int ROW_BLOCK = 3;  // 3 rows x 2 panels of two registers: 12 of the 16 hold sums
+// 6 rows x 1 panel of two registers: 12 of the 16 hold sums, 2 the panel's step and 1 an input, each step 8 loads for 12
+// multiply-adds (3 rows x 2 panels needed 17 registers: GCC read one panel's weights from memory in every multiply-add,
+// and 16 rows took 6 blocks; fp32 forwards of 8-16 rows are 4-11% cheaper with 6 x 1,
+// docs/results/avx2-tile-6x1-smollm2-135m).
+constexpr int ROW_BLOCK = 6;
 #endif
 constexpr int PARTS = 16 / LANES;  // vectors of a panel's 16 channels
 constexpr int64_t PREFETCH_STEPS = 32;  // steps (64-byte lines) ahead of each panel's stream
@@ -84,10 +88,10 @@ void row_block(int64_t rows, const float* x, const float* w, int64_t in, int64_t
     case 1: tile<1, G, NEXT>(x, w, in, channels, panel, out, next); break;
     case 2: tile<2, G, NEXT>(x, w, in, channels, panel, out, next); break;
     case 3: tile<3, G, NEXT>(x, w, in, channels, panel, out, next); break;
-#if defined(__AVX512F__)
     case 4: tile<4, G, NEXT>(x, w, in, channels, panel, out, next); break;
     case 5: tile<5, G, NEXT>(x, w, in, channels, panel, out, next); break;
     case 6: tile<6, G, NEXT>(x, w, in, channels, panel, out, next); break;
+#if defined(__AVX512F__)
     case 7: tile<7, G, NEXT>(x, w, in, channels, panel, out, next); break;
     case 8: tile<8, G, NEXT>(x, w, in, channels, panel, out, next); break;
     case 9: tile<9, G, NEXT>(x, w, in, channels, panel, out, next); break;
@@ -115,9 +119,11 @@ void panel_group(int64_t rows, const float* x, const float* w, int64_t in, int64
       row_block<G, 1>(block, x + r * in, w, in, channels, panel, out + r * channels, next);
     }
 #else
-    // Not at AVX2: its blocks of 3 rows asking for the next pair made fp32 forwards of 8-16 rows 9-29% slower (in the
-    // results NextPanels cites).
-    row_block<G, 0>(block, x + r * in, w, in, channels, panel, out + r * channels, NextPanels{});
+    // At AVX2 a tile takes one panel (ROW_BLOCK says why), and no next pair is asked for: with tiles of 3 rows by 2
+    // panels that made fp32 forwards of 8-16 rows 9-29% slower (in the results NextPanels cites).
+    for (int g = 0; g < G; ++g) {
+      row_block<1, 0>(block, x + r * in, w, in, channels, panel + g, out + r * channels, NextPanels{});
+    }
 #endif
   }
 }
