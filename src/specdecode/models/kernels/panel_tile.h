@@ -15,7 +15,7 @@ constexpr int ROW_BLOCK = 12;  // 12 rows x 2 panels: 24 of the 32 vector regist
 #else
 // 6 rows x 1 panel of two registers: 12 of the 16 hold sums, 2 the panel's step and 1 an input, each step 8 loads for 12
 // multiply-adds (3 rows x 2 panels needed 17 registers: GCC read one panel's weights from memory in every multiply-add,
-// and 16 rows took 6 blocks; fp32 forwards of 8-16 rows are 4-11% cheaper with 6 x 1,
+// and 16 rows took 6 blocks; fp32 forwards of 4-16 rows cost 1-8% less with 6 x 1 in an AVX2 build,
 // docs/results/avx2-tile-6x1-smollm2-135m).
 constexpr int ROW_BLOCK = 6;
 #endif
