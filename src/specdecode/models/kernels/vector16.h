@@ -43,7 +43,7 @@ inline V exp_nonpositive(V x) {
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-inline v16 splat(float x) { return v16{} + x; }
+inline v16 splat(float x) { return broadcast(x); }  // vec.h's: v16 is vec here
 
 // v16 is vec here: vec.h's loads.
 inline v16 load16(const float* p) { return load(p); }
@@ -115,7 +115,7 @@ inline v16 operator-(v16 a, float x) { return {a.lo - x, a.hi - x}; }
 inline v16 operator*(v16 a, float x) { return {a.lo * x, a.hi * x}; }
 inline v16& operator+=(v16& a, v16 b) { return a = a + b; }
 
-inline v16 splat(float x) { return {v8{} + x, v8{} + x}; }
+inline v16 splat(float x) { return {broadcast(x), broadcast(x)}; }  // vec.h's: v8 is vec here
 
 // vec is 8 floats here: vec.h's loads, a half each.
 inline v16 load16(const float* p) { return {load(p), load(p + 8)}; }
