@@ -117,10 +117,17 @@ struct TileKeys {
 
 // The tile's scores (times `scaling`) from their lane sums (`partial`, a column each) into w: each score is q . k
 // summed as before any change of this kernel's layout (lanes over the dimensions, the dimensions' blocks in order, the
-// lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.
+// lanes by sum16's pairs), sixteen columns' lane sums at once by sums16.  A whole tile is copied with a size the
+// compiler knows (one vector store); one copy of a size known only at run time went through `rep movsq` for every
+// tile, about a tenth of the kernel's time at 16 rows after 300 positions
+// (docs/results/attention-score-stores-epyc-smollm2-135m).
 inline void store_scores(const v16 (&partial)[TILE], float scaling, int64_t count, float* w) {
   const v16 scores = sums16(partial) * scaling;
-  std::memcpy(w, &scores, count == TILE ? sizeof scores : sizeof(float) * count);
+  if (count == TILE) {
+    std::memcpy(w, &scores, sizeof scores);
+  } else {
+    std::memcpy(w, &scores, sizeof(float) * count);
+  }
 }
 
 // A row's scores for G heads of BLOCKS x 16 dimensions (q: the G heads' queries, one after another; w: head g's at
