@@ -466,7 +466,7 @@ def test_the_bf16_panel_kernel_multiplies_each_row_alone_as_bf16_products_in_fp3
     panels = cpu_kernels.pack_bf16_panels(weight)
     assert torch.equal(cpu_kernels.unpack_bf16_panels(panels), weight.to(torch.bfloat16))
     layer = Bf16Linear(nn.Linear(160, 48), tied=False)
-    assert layer.bf16_panels is not None and layer.packed is None and layer.kernel_build == "bf16 panels"
+    assert layer.bf16_panels is not None and layer.packed is None and layer.kernel_build.startswith("bf16 panels")
     rows = torch.randn(37, 160).to(torch.bfloat16)
     product = cpu_kernels.bf16_panel_linear(rows, panels)
     reference = rows.double() @ weight.to(torch.bfloat16).double().T
@@ -474,6 +474,33 @@ def test_the_bf16_panel_kernel_multiplies_each_row_alone_as_bf16_products_in_fp3
     for count in (*range(1, 14), 16, 19, 25, 37):  # every tile height, and rows cut into two and three blocks
         assert torch.equal(cpu_kernels.bf16_panel_linear(rows[:count], panels), product[:count])
     assert torch.equal(cpu_kernels.bf16_panel_linear(rows[5:6], panels), product[5:6])
+
+
+def pair_chain_reference(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 ``rows`` times bf16 ``weight``.T as the bf16 panel kernel sums: each output one fp32 chain over the input
+    pairs in order, the product at input 2k + 1 added before the one at 2k (a product of two bf16 numbers is exact)."""
+    x, w = rows.float(), weight.float()
+    sums = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(0, x.shape[1], 2):
+        sums = sums + x[:, k + 1, None] * w[None, :, k + 1]
+        sums = sums + x[:, k, None] * w[None, :, k]
+    return sums
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_panels_pay(), reason="no AVX512_BF16 here, or AMX (oneDNN's product runs)")
+def test_the_widened_bf16_product_sums_the_pairs_in_the_kernels_order():
+    torch.manual_seed(6)
+    weight = (torch.randn(48, 96) * 0.1).to(torch.bfloat16)
+    panels = cpu_kernels.pack_bf16_panels(weight)
+    rows = torch.randn(25, 96).to(torch.bfloat16)
+    widened = cpu_kernels.bf16_panel_linear(rows, panels, widened=True)
+    assert torch.equal(widened, pair_chain_reference(rows, weight))
+    for count in (1, 3, 4, 5, 12, 13, 25):  # below the widened product's fewest rows (the dot product runs), and above
+        assert torch.equal(cpu_kernels.bf16_panel_linear(rows[:count], panels, widened=True), widened[:count])
+    broken = pair_chain_reference(rows.flip(1), weight.flip(1))  # even before odd: another order, other bits
+    assert not torch.equal(widened, broken)
+    if cpu_kernels.bf16_widened_pays():  # chosen only where vdpbf16ps gives the same bits
+        assert torch.equal(cpu_kernels.bf16_panel_linear(rows, panels, widened=False), widened)
 
 
 @needs_bf16

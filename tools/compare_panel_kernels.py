@@ -79,7 +79,9 @@ class Builds:
             setattr(getattr(torch.ops, namespace), operator, self._route(ours, theirs))
 
     def _route(self, ours, theirs):
-        return lambda *args: (theirs if self.base else ours)(*args)
+        # A base built before an operator took a trailing argument gets the arguments it takes.
+        taken = len(theirs.default._schema.arguments)
+        return lambda *args: theirs(*args[:taken]) if self.base else ours(*args)
 
 
 def main() -> None:

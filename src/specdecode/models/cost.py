@@ -23,7 +23,7 @@ from torch import nn
 from specdecode.machine import cpu_flags, cpu_name
 from specdecode.models.base import CausalLM, KVCache, SequenceInput
 from specdecode.models.cache import cache_dir
-from specdecode.models.cpu_kernels import cpu_kernels_built, kernels_source_digest
+from specdecode.models.cpu_kernels import bf16_widened_pays, cpu_kernels_built, kernels_source_digest
 from specdecode.models.fastpath import DENSE_ROWS, PackedLinear, dense_copies, use_dense_rows
 from specdecode.models.greedy_head import greedy_head_applies
 from specdecode.threads import OthersLoad
@@ -349,7 +349,7 @@ def machine_and_model_key(model: nn.Module, settings: str) -> str:
         str(torch.get_num_threads()),
         torch.__version__,
         f"cpu kernels {kernels_source_digest()}" if cpu_kernels_built() else "torch kernels",
-        "greedy head" if greedy_head_applies(model) else "",
+        ("greedy head, widened" if bf16_widened_pays() else "greedy head") if greedy_head_applies(model) else "",
         layout.hexdigest(),
         settings,
     ]

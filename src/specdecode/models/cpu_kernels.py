@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -127,12 +128,41 @@ def unpack_bf16_panels(panels: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(count * PANEL, half * 2)
 
 
-def bf16_panel_linear(rows: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+def bf16_panel_linear(rows: torch.Tensor, panels: torch.Tensor, widened: bool | None = None) -> torch.Tensor:
     """bf16 ``rows`` [m, in] times the weight of ``panels = pack_bf16_panels(weight)``, fp32 [m, out]: every row bitwise
-    what it gets alone."""
+    what it gets alone.  ``widened``: by multiply-adds on the numbers widened to fp32 instead of AVX512_BF16's dot
+    product, the same bits (default: the faster here, :func:`bf16_widened_pays`)."""
     out = rows.new_empty(rows.shape[0], panels.shape[0] * PANEL, dtype=torch.float32)
     pairs = rows.contiguous().view(torch.int32)
-    return torch.ops.specdecode_bf16.bf16_panel_linear(pairs, panels, out)
+    widened = bf16_widened_pays() if widened is None else widened
+    return torch.ops.specdecode_bf16.bf16_panel_linear(pairs, panels, out, widened)
+
+
+#: The layer the two bf16 products are timed on (SmolLM2-135M's MLP input: 576 in, 1,536 out), the rows a verification
+#: forward multiplies (a block of the tile), and how much faster the multiply-adds must be to be chosen.
+_PROBE_SHAPE, _PROBE_ROWS, _PROBE_MARGIN = (1536, 576), 12, 0.9
+
+
+@functools.cache
+def bf16_widened_pays() -> bool:
+    """Whether the bf16 panel kernel multiplies by widened pairs here (see ``kernels/bf16_panel_tile.h``): timed once
+    per process on one layer, each product's fastest of six calls, the two alternated; the multiply-adds chosen where
+    they take under nine tenths of the dot product's time and give the same bits (a CPU whose vdpbf16ps summed
+    otherwise keeps it, so that no output depends on a timing).  On an Intel Xeon without AMX vdpbf16ps runs at half
+    the rate of two multiply-adds, so the widened product wins wherever the rows are many enough to be bound by
+    arithmetic."""
+    generator = torch.Generator().manual_seed(0)
+    panels = pack_bf16_panels(torch.randn(*_PROBE_SHAPE, generator=generator))
+    rows = torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
+    if not torch.equal(bf16_panel_linear(rows, panels, True), bf16_panel_linear(rows, panels, False)):
+        return False
+    fastest = {False: float("inf"), True: float("inf")}
+    for _ in range(6):
+        for widened in fastest:
+            start = time.perf_counter()
+            bf16_panel_linear(rows, panels, widened)
+            fastest[widened] = min(fastest[widened], time.perf_counter() - start)
+    return fastest[True] < _PROBE_MARGIN * fastest[False]
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

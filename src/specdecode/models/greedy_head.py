@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from specdecode.models.cpu_kernels import PANEL, cpu_kernels_built, panel_linear, unpack_panels
+from specdecode.models.cpu_kernels import PANEL, bf16_widened_pays, cpu_kernels_built, panel_linear, unpack_panels
 from specdecode.models.fastpath import PackedLinear
 
 #: bf16's unit roundoff (8 significant bits, rounding to nearest).
@@ -98,6 +98,7 @@ class GreedyHead:
             (norms * ROUND_UP).float(),
             self.scale,
             floor * 2,
+            bf16_widened_pays(),
             choices,
         )
         return choices

@@ -37,6 +37,7 @@ from specdecode.models.cpu_kernels import (
     PANEL,
     bf16_panel_linear,
     bf16_panels_pay,
+    bf16_widened_pays,
     pack_bf16_panels,
     unpack_bf16_panels,
 )
@@ -451,7 +452,9 @@ class Bf16Linear(QuantizedLinear):
     @property
     def kernel_build(self) -> str:
         """Which product the layer runs (part of what the cost curves are keyed by)."""
-        return "bf16 panels" if self.bf16_panels is not None else "onednn bf16"
+        if self.bf16_panels is None:
+            return "onednn bf16"
+        return "bf16 panels, widened" if bf16_widened_pays() else "bf16 panels"
 
     @property
     def rows_alone(self) -> bool:

@@ -1,17 +1,28 @@
-// The bf16 panel product's tile: rows of bf16 inputs times panels of 16 output channels' bf16 weights, AVX512_BF16's
-// dot product of pairs (vdpbf16ps) accumulating in fp32.  Used by the bf16 linear layers (bf16_panel_linear.cpp) and
-// by the greedy head's bf16 screen of the LM head (greedy_head.cpp).
+// The bf16 panel product's tile: rows of bf16 inputs times panels of 16 output channels' bf16 weights, accumulating in
+// fp32, by one of two products with the same bits.  Used by the bf16 linear layers (bf16_panel_linear.cpp) and by the
+// greedy head's bf16 screen of the LM head (greedy_head.cpp).
 //
 // Layout: a row's inputs as pairs [half] (inputs 2k and 2k + 1 of the row in one 32-bit word); a panel's weights as
 // pairs [half][16] (step k: channel c's weights at inputs 2k and 2k + 1 side by side).  Numerics: output (r, c) is one
-// chain of vdpbf16ps over k = 0, 1, ..., half - 1 from zero, whatever the tile, the number of rows or the thread: a
-// row gets the same bits alone as in any batch.  Callers check the CPU has AVX512_BF16.
+// chain over k = 0, 1, ..., half - 1 from zero, step k adding the product at input 2k + 1, then the one at 2k, each sum
+// rounded to fp32 (a product of two bf16 numbers is exact in fp32), whatever the tile, the number of rows or the
+// thread: a row gets the same bits alone as in any batch.
+//
+// The two products: AVX512_BF16's dot product of pairs (vdpbf16ps, one instruction a step), or the pairs widened to
+// fp32 and multiplied-added (`Widened`: two multiply-adds a step, the rows widened once a call).  Both add in that order
+// (checked bitwise on an Intel Xeon against vdpbf16ps, which also flushes subnormal numbers to zero: only sums below
+// fp32's normal range can differ).  Which is faster depends on the CPU: an Intel Xeon without AMX runs vdpbf16ps at
+// half the rate of its two multiply-adds, an AMD EPYC at the same rate or better (cpu_kernels.py times both once per
+// process).  Callers check the CPU has AVX512_BF16.
 #pragma once
 
 #if defined(__x86_64__)
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "panel_tile.h"
 
@@ -53,9 +64,50 @@ BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t 
   }
 }
 
+// Rows [0, R) of the rows widened to fp32 (x: [R, 2 half]) times bf16 panels [panel, panel + G) into out, the pairs
+// widened in registers: the same chains as bf16_tile's, by multiply-adds.
+struct Widened {
+  const float* x;
+};
+
+template <int R, int G, int NEXT>
+BF16_TARGET inline void bf16_tile(Widened rows, const uint32_t* w, int64_t half, int64_t channels, int64_t panel,
+                                  float* out, const NextPanels& next) {
+  const float* x = rows.x;
+  __m512 sums[R][G];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
+  }
+  const uint32_t* panels[G];
+  for (int g = 0; g < G; ++g) panels[g] = w + (panel + g) * half * 16;
+  const __m512i high_halves = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < half; ++k) {
+    __m512 odd[G], even[G];
+    for (int g = 0; g < G; ++g) {
+      __builtin_prefetch(panels[g] + (k + PREFETCH_STEPS) * 16);
+      const __m512i pairs = _mm512_loadu_si512(panels[g] + k * 16);
+      odd[g] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_halves));
+      even[g] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    }
+    prefetch_next<NEXT>(next, k);
+    for (int r = 0; r < R; ++r) {
+      const float* input = x + r * 2 * half + 2 * k;
+      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(input[1]), odd[g], sums[r][g]);
+      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(input[0]), even[g], sums[r][g]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + r * channels + (panel + g) * 16, sums[r][g]);
+  }
+}
+
+// Row r of x: bf16 pairs, or rows widened to fp32.
+inline const uint32_t* row_of(const uint32_t* x, int64_t r, int64_t half) { return x + r * half; }
+inline Widened row_of(Widened x, int64_t r, int64_t half) { return {x.x + r * 2 * half}; }
+
 // A block of `block` rows (at most BF16_ROW_BLOCK) as one tile.
-template <int G, int NEXT>
-BF16_TARGET inline void bf16_block(int64_t block, const uint32_t* xr, const uint32_t* w, int64_t half, int64_t channels,
+template <int G, int NEXT, typename Rows>
+BF16_TARGET inline void bf16_block(int64_t block, Rows xr, const uint32_t* w, int64_t half, int64_t channels,
                                    int64_t panel, float* o, const NextPanels& next) {
   switch (block) {
     case 1: bf16_tile<1, G, NEXT>(xr, w, half, channels, panel, o, next); break;
@@ -74,24 +126,26 @@ BF16_TARGET inline void bf16_block(int64_t block, const uint32_t* xr, const uint
 }
 
 // Every row of x times panels [pair * 2, pair * 2 + G) of a thread's pairs [.., end) of w's `panels`.
-template <int G>
-BF16_TARGET inline void bf16_rows(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
+template <int G, typename Rows>
+BF16_TARGET inline void bf16_rows(int64_t rows, Rows x, const uint32_t* w, int64_t half, int64_t panels,
                                   int64_t pair, int64_t end, float* out) {
   const int64_t blocks = (rows + BF16_ROW_BLOCK - 1) / BF16_ROW_BLOCK, channels = panels * 16, panel = pair * 2;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t r = b * rows / blocks, block = (b + 1) * rows / blocks - r;
     const NextPanels next = next_panels(w, half, panels, pair, end, b, blocks);
     if (blocks == 1) {
-      bf16_block<G, G>(block, x + r * half, w, half, channels, panel, out + r * channels, next);
+      bf16_block<G, G>(block, row_of(x, r, half), w, half, channels, panel, out + r * channels, next);
     } else {
-      bf16_block<G, 1>(block, x + r * half, w, half, channels, panel, out + r * channels, next);
+      bf16_block<G, 1>(block, row_of(x, r, half), w, half, channels, panel, out + r * channels, next);
     }
   }
 }
 
 // Every row of x times the panels of pairs [begin, end) of w's `panels` (pair p: panels 2p and 2p + 1, or 2p alone when
-// it is the last): the unit of work of the callers' threads.
-BF16_TARGET inline void bf16_pairs(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
+// it is the last): the unit of work of the callers' threads.  x: bf16 pairs [rows, half], or (Widened) the rows widened
+// to fp32 by widen_rows.
+template <typename Rows>
+BF16_TARGET inline void bf16_pairs(int64_t rows, Rows x, const uint32_t* w, int64_t half, int64_t panels,
                                    int64_t begin, int64_t end, float* out) {
   for (int64_t pair = begin; pair < end; ++pair) {
     if (pair * 2 + 2 <= panels) {
@@ -99,6 +153,32 @@ BF16_TARGET inline void bf16_pairs(int64_t rows, const uint32_t* x, const uint32
     } else {
       bf16_rows<1>(rows, x, w, half, panels, pair, end, out);
     }
+  }
+}
+
+// The fewest rows the widened product takes: with fewer, each sum's two multiply-adds a step wait on each other and
+// vdpbf16ps's one is faster (one row of SmolLM2-135M's 576 x 1,536 layer: 40 µs widened, 34 µs by vdpbf16ps; four rows
+// 58 and 61 µs on an Intel Xeon without AMX).  The bits are the same either way.
+constexpr int64_t WIDENED_MIN_ROWS = 4;
+
+// Every row of x (bf16 pairs [rows, half]) times all `panels` of w into out [rows, panels * 16], on torch's threads: by
+// the widened product where `widened` and there are WIDENED_MIN_ROWS rows or more, else by vdpbf16ps.
+BF16_TARGET inline void bf16_product(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
+                                     float* out, bool widened) {
+  if (widened && rows >= WIDENED_MIN_ROWS) {
+    std::vector<float> wide(rows * half * 2);
+    for (int64_t i = 0; i < rows * half; ++i) {  // each number exactly: bf16 is fp32's upper half
+      const uint32_t even = x[i] << 16, odd = x[i] & 0xFFFF0000u;
+      std::memcpy(&wide[2 * i], &even, sizeof even);
+      std::memcpy(&wide[2 * i + 1], &odd, sizeof odd);
+    }
+    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      bf16_pairs(rows, Widened{wide.data()}, w, half, panels, begin, end, out);
+    });
+  } else {
+    at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+      bf16_pairs(rows, x, w, half, panels, begin, end, out);
+    });
   }
 }
 

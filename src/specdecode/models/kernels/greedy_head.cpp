@@ -76,10 +76,11 @@ int64_t choose(const float* approx, const float* norms, float bound_scale, float
 
 // x [rows, in] fp32 (finite), x_bf16 its bf16 rounding as pairs [rows, in / 2], panels_fp32 the head's panel weight
 // [P, in, 16], panels_bf16 its bf16 rounding as pairs [P, in / 2, 16], norms [P * 16] (|w_i| rounded up),
-// x_norms [rows] (|x| rounded up): each row's greedy choice into choices [rows].
+// x_norms [rows] (|x| rounded up): each row's greedy choice into choices [rows].  `widened`: the bf16 screen by
+// bf16_product's widened product (the same bits but for subnormal numbers, which it does not flush: within the bound).
 at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& x_bf16, const at::Tensor& panels_fp32,
                        const at::Tensor& panels_bf16, const at::Tensor& norms, const at::Tensor& x_norms,
-                       double bound_scale, double floor, at::Tensor choices) {
+                       double bound_scale, double floor, bool widened, at::Tensor choices) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x [rows, in] float32 expected");
   const int64_t rows = x.size(0), in = x.size(1), half = in / 2, panels = panels_fp32.size(0), channels = panels * 16;
   TORCH_CHECK(in % 2 == 0 && x_bf16.scalar_type() == at::kInt && x_bf16.is_contiguous() && x_bf16.size(0) == rows &&
@@ -98,9 +99,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& x_bf16, const at::
   std::unique_ptr<float[]> approx(new float[rows * channels]);  // every entry written below
   const auto* xb = reinterpret_cast<const uint32_t*>(x_bf16.data_ptr<int32_t>());
   const auto* wb = reinterpret_cast<const uint32_t*>(panels_bf16.data_ptr<int32_t>());
-  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    bf16_pairs(rows, xb, wb, half, panels, begin, end, approx.get());
-  });
+  bf16_product(rows, xb, wb, half, panels, approx.get(), widened);
   const float* xp = x.data_ptr<float>();
   const float* wp = panels_fp32.data_ptr<float>();
   const float* np = norms.data_ptr<float>();
@@ -120,7 +119,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& x_bf16, const at::
 TORCH_LIBRARY(specdecode_greedy_head, m) {
   m.def(
       "greedy_head(Tensor x, Tensor x_bf16, Tensor panels_fp32, Tensor panels_bf16, Tensor norms, Tensor x_norms, "
-      "float bound_scale, float floor, Tensor(a!) choices) -> Tensor(a!)");
+      "float bound_scale, float floor, bool widened, Tensor(a!) choices) -> Tensor(a!)");
   m.impl("greedy_head", c10::DispatchKey::CPU, TORCH_FN(greedy_head));
 }
 
