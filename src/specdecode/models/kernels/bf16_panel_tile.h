@@ -9,11 +9,13 @@
 // thread: a row gets the same bits alone as in any batch.
 //
 // The two products: AVX512_BF16's dot product of pairs (vdpbf16ps, one instruction a step), or the pairs widened to
-// fp32 and multiplied-added (`Widened`: two multiply-adds a step, the rows widened once a call).  Both add in that order
-// (checked bitwise on an Intel Xeon against vdpbf16ps, which also flushes subnormal numbers to zero: only sums below
-// fp32's normal range can differ).  Which is faster depends on the CPU: an Intel Xeon without AMX runs vdpbf16ps at
-// half the rate of its two multiply-adds, an AMD EPYC at the same rate or better (cpu_kernels.py times both once per
-// process).  Callers check the CPU has AVX512_BF16.
+// fp32 and multiplied-added (`Widened`: two multiply-adds a step, the rows widened once a call).  Both add in that
+// order (checked bitwise on an Intel Xeon against vdpbf16ps, which also flushes subnormal numbers to zero: only sums
+// below fp32's normal range can differ).  Which is faster depends on the CPU: an Intel Xeon without AMX runs one
+// vdpbf16ps in the time of four multiply-adds, so the dot product does half the work of the widened one in the same
+// time (docs/results/bf16-widened-xeon-smollm2-135m), where on an AMD EPYC the dot product multiplied 128 rows 1.9-2.2x
+// faster than the fp32 panels (docs/results/bf16-panels-smollm2-135m).  cpu_kernels.py times both once per process.
+// Callers check the CPU has AVX512_BF16.
 #pragma once
 
 #if defined(__x86_64__)
@@ -64,12 +66,13 @@ BF16_TARGET inline void bf16_tile(const uint32_t* x, const uint32_t* w, int64_t 
   }
 }
 
-// Rows [0, R) of the rows widened to fp32 (x: [R, 2 half]) times bf16 panels [panel, panel + G) into out, the pairs
-// widened in registers: the same chains as bf16_tile's, by multiply-adds.
+// Rows widened to fp32 ([rows, 2 half], each bf16 number exactly), for the widened product.
 struct Widened {
   const float* x;
 };
 
+// Rows [0, R) of the widened rows times bf16 panels [panel, panel + G) into out, the pairs widened in registers: the
+// same chains as the dot product's tile above, by multiply-adds.
 template <int R, int G, int NEXT>
 BF16_TARGET inline void bf16_tile(Widened rows, const uint32_t* w, int64_t half, int64_t channels, int64_t panel,
                                   float* out, const NextPanels& next) {
@@ -157,8 +160,8 @@ BF16_TARGET inline void bf16_pairs(int64_t rows, Rows x, const uint32_t* w, int6
 }
 
 // The fewest rows the widened product takes: with fewer, each sum's two multiply-adds a step wait on each other and
-// vdpbf16ps's one is faster (one row of SmolLM2-135M's 576 x 1,536 layer: 40 µs widened, 34 µs by vdpbf16ps; four rows
-// 58 and 61 µs on an Intel Xeon without AMX).  The bits are the same either way.
+// vdpbf16ps's one instruction a step is faster; at four rows a whole bf16 forward of SmolLM2-135M costs the same by
+// either product on an Intel Xeon without AMX (docs/results/bf16-widened-xeon-smollm2-135m).  The bits are the same.
 constexpr int64_t WIDENED_MIN_ROWS = 4;
 
 // Every row of x (bf16 pairs [rows, half]) times all `panels` of w into out [rows, panels * 16], on torch's threads: by
