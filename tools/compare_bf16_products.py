@@ -14,13 +14,12 @@ each product first in every other round; the median of each.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from pathlib import Path
 
 import torch
+from forward_timing import write_record
 
-from specdecode.machine import cpu_name
 from specdecode.models import cpu_kernels, greedy_head
 from specdecode.models.base import SequenceInput
 from specdecode.models.cost import prefilled, timed_round
@@ -75,19 +74,8 @@ def main() -> None:
             }
         )
         print(measured[-1], flush=True)
-    record = {
-        "model": args.model,
-        "quantize": args.quantize,
-        "context_tokens": args.context,
-        "rounds": args.rounds,
-        "threads": torch.get_num_threads(),
-        "capability": str(torch.backends.cpu.get_cpu_capability()),
-        "cpu": cpu_name(),
-        "outputs_equal": True,
-        "rows": measured,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    settings = {"model": args.model, "quantize": args.quantize, "context_tokens": args.context, "rounds": args.rounds}
+    write_record(args.out, {**settings, "outputs_equal": True}, measured)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ in every other round; the median round of each.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import tempfile
@@ -25,9 +24,9 @@ import time
 from pathlib import Path
 
 import torch
+from forward_timing import write_record
 from torch.utils.cpp_extension import load
 
-from specdecode.machine import cpu_name
 from specdecode.models import cpu_kernels
 from specdecode.models.loading import load_model
 
@@ -142,20 +141,8 @@ def main() -> None:
             }
         )
         print(measured[-1], flush=True)
-    record = {
-        "model": args.model,
-        "quantize": args.quantize,
-        "base": args.base,
-        "context_tokens": args.context,
-        "rounds": args.rounds,
-        "threads": torch.get_num_threads(),
-        "capability": str(torch.backends.cpu.get_cpu_capability()),
-        "cpu": cpu_name(),
-        "logits_equal": True,
-        "rows": measured,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    settings = {"model": args.model, "quantize": args.quantize, "base": args.base, "context_tokens": args.context}
+    write_record(args.out, {**settings, "rounds": args.rounds, "logits_equal": True}, measured)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,13 @@ directory)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
+
+from specdecode.machine import cpu_name
 
 CACHED = 100
 
@@ -24,3 +28,17 @@ def forward_ms(backend, ids: torch.Tensor, rows: int) -> float:
             cache.crop(CACHED)
         means.append((time.perf_counter() - started) / calls * 1000)
     return round(min(means), 2)
+
+
+def write_record(out: Path, settings: dict, rows: list[dict]) -> None:
+    """A timing tool's JSON record: what it measured (``settings``), the machine (torch's threads and capability, the
+    CPU's name) and one entry per row count."""
+    record = {
+        **settings,
+        "threads": torch.get_num_threads(),
+        "capability": str(torch.backends.cpu.get_cpu_capability()),
+        "cpu": cpu_name(),
+        "rows": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
