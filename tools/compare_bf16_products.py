@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
-from forward_timing import write_record
+from forward_timing import add_forward_arguments, write_record
 
 from specdecode.models import cpu_kernels, greedy_head
 from specdecode.models.base import SequenceInput
@@ -28,12 +27,7 @@ from specdecode.models.loading import load_model
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--quantize", default="bf16", help="the target's weights, as --quantize")
-    parser.add_argument("--rows", default="1,4,8,12,16")
-    parser.add_argument("--context", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--out", type=Path, required=True)
+    add_forward_arguments(parser, rows="1,4,8,12,16", rounds=16)
     args = parser.parse_args()
     if not cpu_kernels.bf16_panels_pay():
         raise SystemExit("the bf16 panel kernel does not run here (no AVX512_BF16, AMX, or the kernels not built)")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from forward_timing import write_record
+from forward_timing import add_forward_arguments, write_record
 from torch.utils.cpp_extension import load
 
 from specdecode.models import cpu_kernels
@@ -86,12 +86,7 @@ class Builds:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the commit whose kernels to compare against")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--quantize", default="bf16", help="the target's weights, as --quantize")
-    parser.add_argument("--rows", default="1,4,6,8,9,10,11,12,14,16")
-    parser.add_argument("--context", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--out", type=Path, required=True)
+    add_forward_arguments(parser, rows="1,4,6,8,9,10,11,12,14,16", rounds=8)
     args = parser.parse_args()
     if not cpu_kernels.cpu_kernels_built():
         raise SystemExit("the CPU kernels are not built here: nothing to compare")

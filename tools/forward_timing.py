@@ -3,6 +3,7 @@ directory)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -42,3 +43,14 @@ def write_record(out: Path, settings: dict, rows: list[dict]) -> None:
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def add_forward_arguments(parser: argparse.ArgumentParser, rows: str, rounds: int) -> None:
+    """The options of the tools that time a model's whole forwards: the model, its weights, the row counts, the context
+    cached before them, the rounds and the JSON record's path."""
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--quantize", default="bf16", help="the target's weights, as --quantize")
+    parser.add_argument("--rows", default=rows)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", type=Path, required=True)
