@@ -24,7 +24,7 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "panel_tile.h"
 
@@ -169,14 +169,14 @@ constexpr int64_t WIDENED_MIN_ROWS = 4;
 BF16_TARGET inline void bf16_product(int64_t rows, const uint32_t* x, const uint32_t* w, int64_t half, int64_t panels,
                                      float* out, bool widened) {
   if (widened && rows >= WIDENED_MIN_ROWS) {
-    std::vector<float> wide(rows * half * 2);
+    std::unique_ptr<float[]> wide(new float[rows * half * 2]);  // every number written below, none zeroed first
     for (int64_t i = 0; i < rows * half; ++i) {  // each number exactly: bf16 is fp32's upper half
       const uint32_t even = x[i] << 16, odd = x[i] & 0xFFFF0000u;
       std::memcpy(&wide[2 * i], &even, sizeof even);
       std::memcpy(&wide[2 * i + 1], &odd, sizeof odd);
     }
     at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-      bf16_pairs(rows, Widened{wide.data()}, w, half, panels, begin, end, out);
+      bf16_pairs(rows, Widened{wide.get()}, w, half, panels, begin, end, out);
     });
   } else {
     at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t begin, int64_t end) {
