@@ -17,7 +17,7 @@ import argparse
 import statistics
 
 import torch
-from forward_timing import add_forward_arguments, write_record
+from forward_timing import add_forward_arguments, pin_threads, write_record
 
 from specdecode.models import cpu_kernels, greedy_head
 from specdecode.models.base import SequenceInput
@@ -29,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_forward_arguments(parser, rows="1,4,8,12,16", rounds=16)
     args = parser.parse_args()
+    pin_threads()
     if not cpu_kernels.bf16_panels_pay():
         raise SystemExit("the bf16 panel kernel does not run here (no AVX512_BF16, AMX, or the kernels not built)")
     widened = {"now": False}

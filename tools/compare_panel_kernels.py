@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from forward_timing import add_forward_arguments, write_record
+from forward_timing import add_forward_arguments, pin_threads, write_record
 from torch.utils.cpp_extension import load
 
 from specdecode.models import cpu_kernels
@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="the commit whose kernels to compare against")
     add_forward_arguments(parser, rows="1,4,6,8,9,10,11,12,14,16", rounds=8)
     args = parser.parse_args()
+    pin_threads()
     if not cpu_kernels.cpu_kernels_built():
         raise SystemExit("the CPU kernels are not built here: nothing to compare")
     rows_list = [int(rows) for rows in args.rows.split(",")]

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from specdecode.machine import cpu_name
+from specdecode.threads import GOVERNOR, default_threads
 
 CACHED = 100
 
@@ -54,3 +55,9 @@ def add_forward_arguments(parser: argparse.ArgumentParser, rows: str, rounds: in
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--out", type=Path, required=True)
+
+
+def pin_threads() -> None:
+    """Time with a fixed thread count (``SPECDECODE_THREADS``, else the CPUs), as the benchmarks do: the thread governor
+    would otherwise follow the host's load, and after a build of the kernels it ran a whole comparison on one thread."""
+    GOVERNOR.pin(default_threads())
