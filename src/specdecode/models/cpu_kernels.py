@@ -148,9 +148,9 @@ def bf16_widened_pays() -> bool:
     """Whether the bf16 panel kernel multiplies by widened pairs here (see ``kernels/bf16_panel_tile.h``): timed once
     per process on one layer, each product's fastest of six calls, the two alternated; the multiply-adds chosen where
     they take under nine tenths of the dot product's time and give the same bits (a CPU whose vdpbf16ps summed
-    otherwise keeps it, so that no output depends on a timing).  On an Intel Xeon without AMX vdpbf16ps runs at half
-    the rate of two multiply-adds, so the widened product wins wherever the rows are many enough to be bound by
-    arithmetic."""
+    otherwise keeps it, so that no output depends on a timing).  On an Intel Xeon without AMX one vdpbf16ps takes the
+    time of four multiply-adds though it does the work of two, so the widened product wins wherever the rows are many
+    enough to be bound by arithmetic."""
     generator = torch.Generator().manual_seed(0)
     panels = pack_bf16_panels(torch.randn(*_PROBE_SHAPE, generator=generator))
     rows = torch.randn(_PROBE_ROWS, _PROBE_SHAPE[1], generator=generator).to(torch.bfloat16)
